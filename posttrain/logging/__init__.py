@@ -1,0 +1,183 @@
+"""The logger facade and the phase timer.
+
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
+    logger.start_progress(total_steps, initial_step)
+    logger.console("resumed from step 10")   # a message line above the bar
+    logger.log_metrics({"loss": 0.7, **timer.metrics()}, step, prefix="train")
+    logger.update_progress(step, {"reward": 0.5})   # moves the bar, shows these beside it
+    logger.log_samples(rows, step)      # <run_dir>/samples.jsonl
+    logger.print_samples(rows)          # rich table, num_val_samples_to_print rows
+    logger.plot()                       # <run_dir>/plots/*.png
+    logger.close()
+
+Backends are chosen by `logger.*_enabled`: console (rich), JSONL (`<run_dir>/metrics.jsonl`),
+TensorBoard (`<run_dir>/tensorboard`), Weights & Biases (`<run_dir>/wandb`), MLflow (a local
+store under `<run_dir>/mlflow` unless `logger.mlflow.tracking_uri` is set); with
+`logger.monitor_gpus`, GPU readings join the training metrics. The resolved
+config is written once to `<run_dir>/config.yaml` and logged once to each backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as _stdlib_logging
+import math
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from posttrain.logging.jsonl import read_metrics
+from posttrain.logging.timer import Timer
+from posttrain.schemas import LoggerConfig
+
+__all__ = ["Logger", "Timer"]
+
+_log = _stdlib_logging.getLogger("posttrain")
+
+
+class _Backend(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None: ...
+    def log_hparams(self, hparams: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _scalar(value: Any) -> float | None:
+    """A float for Python/NumPy/torch scalars and one-element arrays; None for anything else."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError):  # more than one element
+            return None
+        if isinstance(value, (bool, int, float)):
+            return float(value)
+    return None
+
+
+class Logger:
+    def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
+        self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
+        self.nonfinite_counts: dict[str, int] = {}
+        self._closed = False
+        hparams = json.loads(json.dumps(hparams or {}, default=str))
+
+        self._console = None
+        self._backends: list[_Backend] = []
+        if cfg.console_enabled:
+            from posttrain.logging.console import ConsoleBackend
+
+            self._console = ConsoleBackend()
+            self._backends.append(self._console)
+        if cfg.jsonl_enabled:
+            from posttrain.logging.jsonl import JsonlBackend
+
+            self._backends.append(JsonlBackend(self.metrics_path))
+        if cfg.tensorboard_enabled:
+            from posttrain.logging.tensorboard import TensorboardBackend
+
+            self._backends.append(TensorboardBackend(self.run_dir / "tensorboard"))
+        if cfg.wandb_enabled:
+            from posttrain.logging.wandb import WandbBackend
+
+            self._backends.append(WandbBackend(cfg.wandb, self.run_dir, hparams))
+        if cfg.mlflow_enabled:
+            from posttrain.logging.mlflow import MlflowBackend
+
+            self._backends.append(MlflowBackend(cfg.mlflow, self.run_dir))
+
+        self._gpu_monitor = None
+        if cfg.monitor_gpus:
+            from posttrain.logging.gpu import GpuMonitor
+
+            self._gpu_monitor = GpuMonitor(cfg.gpu_monitoring)
+
+        if hparams:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(hparams, sort_keys=False))
+            for backend in self._backends:
+                backend.log_hparams(hparams)
+
+    # ----------------------------------------------------------------- metrics
+
+    def console(self, message: str) -> None:
+        """Print a one-line message (above the progress bar) when the console backend is on."""
+        if self._console is not None:
+            self._console.message(message)
+
+    def start_progress(self, total_steps: int, initial_step: int = 0) -> None:
+        """A console progress bar with ETA over `total_steps` (no-op without the console backend)."""
+        if self._console is not None:
+            self._console.start_progress(total_steps, initial_step)
+
+    def update_progress(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+        """Move the bar to `step` completed steps and show `metrics` (a few scalars) beside it."""
+        if self._console is not None:
+            scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in (metrics or {}).items()) if v is not None}
+            self._console.update_progress(step, scalars)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int, prefix: str = "train") -> dict[str, float]:
+        """Log the scalar values of `metrics` at `step` under `prefix`; return what was logged.
+
+        Non-scalar values (strings, lists, multi-element tensors) are skipped. NaN and inf
+        are logged as they are (hiding them would hide the bug), and counted in
+        `nonfinite_counts` with a warning naming the keys.
+        """
+        scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        if self._gpu_monitor is not None and prefix == "train":
+            scalars.update(self._gpu_monitor.read())
+        bad = [k for k, v in scalars.items() if not math.isfinite(v)]
+        for k in bad:
+            name = f"{prefix}/{k}"
+            self.nonfinite_counts[name] = self.nonfinite_counts.get(name, 0) + 1
+        if bad:
+            _log.warning(
+                "step %d: non-finite %s values: %s (non-finite so far: %s)", step, prefix,
+                ", ".join(f"{k}={scalars[k]}" for k in bad),
+                ", ".join(f"{k} x{n}" for k, n in self.nonfinite_counts.items()),
+            )
+        for backend in self._backends:
+            backend.log_metrics(scalars, step, prefix)
+        self._records.append({"step": step, "prefix": prefix, **scalars})
+        return scalars
+
+    def log_samples(self, rows: list[dict[str, Any]], step: int, name: str = "samples") -> None:
+        """Append up to `logger.num_samples_to_dump` rows, each with its step, to `<run_dir>/<name>.jsonl`."""
+        rows = rows[: self.cfg.num_samples_to_dump]
+        if not rows:
+            return
+        with open(self.run_dir / f"{name}.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+
+    def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
+        """Print up to `logger.num_val_samples_to_print` rows as a table (console backend only)."""
+        if self._console is not None and self.cfg.num_val_samples_to_print:
+            self._console.print_samples(rows[: self.cfg.num_val_samples_to_print], title)
+
+    def plot(self) -> list[Path]:
+        """Write PNGs of the main curves to `<run_dir>/plots/` (when `logger.plots_enabled`)."""
+        if not self.cfg.plots_enabled:
+            return []
+        from posttrain.logging.plots import plot_history
+
+        return plot_history(self._records, self.run_dir / "plots")
+
+    def __enter__(self) -> "Logger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # also on an exception: stops the progress bar, finishes the W&B/MLflow runs
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for backend in self._backends:
+            backend.close()

@@ -1,0 +1,250 @@
+"""Advantage estimators and reward transforms of the GRPO family: pure functions of tensors.
+
+Shapes: every function works on one value per sample, `[N]` (N = prompts x generations);
+`group_ids [N]` says which prompt each sample answers (any integers; equal id = same group).
+The GRPO loop broadcasts the `[N]` advantages over the response tokens.
+
+Estimators by name (`compute_advantages(name, ...)`, registry `ADVANTAGE_ESTIMATORS`):
+
+    grpo          A_i = (r_i - b_i) / std_g     GRPO, DeepSeekMath https://arxiv.org/abs/2402.03300
+                  b_i = mean of the group's other samples (leave_one_out) or of the whole group;
+                  std_g = the group's sample std (Bessel); each step optional
+    rloo          A_i = r_i - mean_{j != i} r_j  RLOO https://arxiv.org/abs/2402.14740
+    dr_grpo       A_i = r_i - mean_g r           Dr.GRPO https://arxiv.org/abs/2503.20783: no std
+                  division (it favours too-easy / too-hard groups); the paper's other fix, a
+                  constant instead of a per-response length normalizer, is the loss side:
+                  `loss_fn.token_level_loss=true` divides by the global token count
+    reinforce_pp  A = whiten(r - mean_g r) over the whole batch  REINFORCE++ https://arxiv.org/abs/2501.03262
+                  (the "-baseline" variant for several samples per prompt; groups of one
+                  sample get no baseline, as in the original REINFORCE++)
+
+Reward transforms: `scale_rewards` (linear map of a clamped range), DAPO overlong reward
+shaping (`apply_overlong_reward_shaping`), overlong filtering (`overlong_filter_mask`) and
+dynamic sampling (`dynamic_sampling_keep`), DAPO https://arxiv.org/abs/2503.14476.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_Groups = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def _groups(rewards: torch.Tensor, group_ids: torch.Tensor, valid_mask: torch.Tensor | None) -> _Groups:
+    """(group index per sample [N], valid mask as float [N], number of groups), with checks."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N], got shape {tuple(rewards.shape)}")
+    group_ids = torch.as_tensor(group_ids, device=rewards.device)
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids {tuple(group_ids.shape)} and rewards {tuple(rewards.shape)} must have the same shape")
+    if valid_mask is None:
+        valid = torch.ones_like(rewards, dtype=torch.float32)
+    else:
+        valid = torch.as_tensor(valid_mask, device=rewards.device).float()
+        if valid.shape != rewards.shape:
+            raise ValueError(f"valid_mask {tuple(valid.shape)} and rewards {tuple(rewards.shape)} must have the same shape")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, valid, int(inverse.max()) + 1 if inverse.numel() else 0
+
+
+def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+
+
+def baseline_and_std(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    valid_mask: torch.Tensor | None = None,
+    leave_one_out: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample baseline and group std of the rewards.
+
+    Args:
+        rewards: `[N]` float.
+        group_ids: `[N]` int, samples with the same id form a group (one prompt).
+        valid_mask: `[N]` 0/1; only valid samples enter the baseline and the std (None = all).
+        leave_one_out: baseline_i = mean of the OTHER valid samples of i's group (RLOO style);
+            otherwise the mean of all valid samples of the group.
+    Returns:
+        baseline `[N]`, std `[N]`: std = sqrt(sum_j (r_j - mean_g)^2 / (n_g - 1)) over the n_g
+        valid samples of the group (the group's spread, the same for every member).
+        A group with fewer than 2 valid samples has nothing to compare with: its baseline is
+        each sample's own reward (advantage 0) and its std is 0.
+    """
+    r = rewards.float()
+    inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    n_g = _group_sum(valid, inverse, n_groups)
+    sum_g = _group_sum(r * valid, inverse, n_groups)
+    mean_g = sum_g / n_g.clamp(min=1)
+    n, s = n_g[inverse], sum_g[inverse]
+    if leave_one_out:
+        others = n - valid
+        baseline = (s - r * valid) / others.clamp(min=1)
+    else:
+        baseline = mean_g[inverse]
+    sq_dev_g = _group_sum(valid * (r - mean_g[inverse]).square(), inverse, n_groups)
+    std = torch.sqrt(sq_dev_g / (n_g - 1).clamp(min=1))[inverse]
+    lonely = n < 2
+    baseline = torch.where(lonely, r, baseline)
+    std = torch.where(lonely, torch.zeros_like(std), std)
+    return baseline, std
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    leave_one_out: bool = True,
+    normalize: bool = True,
+    valid_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GRPO: A_i = (r_i - b_i) / std_g, the division only where std_g > 0 (see `baseline_and_std`).
+
+    `[N]` rewards and group ids -> `[N]` advantages. DeepSeekMath https://arxiv.org/abs/2402.03300.
+    A group whose rewards are all equal has std 0 and advantage 0 with either baseline.
+    """
+    baseline, std = baseline_and_std(rewards, group_ids, valid_mask, leave_one_out)
+    adv = rewards.float() - baseline
+    if normalize:
+        adv = torch.where(std > 0, adv / torch.where(std > 0, std, torch.ones_like(std)), adv)
+    return adv
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean_{j != i, j in group} r_j (no std). https://arxiv.org/abs/2402.14740"""
+    return grpo_advantages(rewards, group_ids, leave_one_out=True, normalize=False, valid_mask=valid_mask)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Dr.GRPO: A_i = r_i - mean_group r (no std division). https://arxiv.org/abs/2503.20783
+
+    Pair with `loss_fn.token_level_loss=true` (sum over tokens / global token count) for the
+    paper's removal of the per-response length normalization.
+    """
+    return grpo_advantages(rewards, group_ids, leave_one_out=False, normalize=False, valid_mask=valid_mask)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE++: A = (a - mean(a)) / std(a), a_i = r_i - mean_group r, statistics over the
+    valid samples of the whole batch (global batch normalization). https://arxiv.org/abs/2501.03262
+
+    Groups with a single valid sample keep a_i = r_i (no baseline, the original REINFORCE++).
+    `[N]` -> `[N]`; a batch with zero spread gives the centred values unscaled.
+    """
+    r = rewards.float()
+    inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    baseline, _ = baseline_and_std(r, group_ids, valid, leave_one_out=False)
+    n = _group_sum(valid, inverse, n_groups)[inverse]
+    centred = torch.where(n >= 2, r - baseline, r)
+    n_valid = valid.sum()
+    mean = (centred * valid).sum() / n_valid.clamp(min=1)
+    var = (valid * (centred - mean).square()).sum() / (n_valid - 1).clamp(min=1)
+    std = var.sqrt()
+    return (centred - mean) / std if std > 0 else centred - mean
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}
+
+
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    valid_mask: torch.Tensor | None = None,
+    *,
+    leave_one_out: bool = True,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """`[N]` advantages from the estimator registered as `name` (unknown names list the valid ones).
+
+    `leave_one_out` and `normalize` (grpo.use_leave_one_out_baseline / grpo.normalize_rewards)
+    apply to "grpo" only; the other estimators fix both by definition (module docstring).
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    if name == "grpo":
+        return grpo_advantages(rewards, group_ids, leave_one_out, normalize, valid_mask)
+    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, valid_mask)
+
+
+# --------------------------------------------------------------------------- reward transforms
+
+
+def scale_rewards(
+    rewards: torch.Tensor,
+    source_min: float = 0.0,
+    source_max: float = 1.0,
+    target_min: float = 0.0,
+    target_max: float = 1.0,
+) -> torch.Tensor:
+    """Clamp `[N]` rewards to [source_min, source_max], then map that range linearly onto
+    [target_min, target_max]: r' = t_min + (clamp(r) - s_min) / (s_max - s_min) * (t_max - t_min)."""
+    if source_max <= source_min:
+        raise ValueError(f"reward_scaling: source_max ({source_max}) must exceed source_min ({source_min})")
+    r = rewards.float().clamp(min=source_min, max=source_max)
+    return target_min + (r - source_min) / (source_max - source_min) * (target_max - target_min)
+
+
+def apply_overlong_reward_shaping(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    max_response_length: int,
+    overlong_buffer_length: int,
+    overlong_buffer_penalty: float,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment (https://arxiv.org/abs/2503.14476, eq. 13), added to `[N]` rewards.
+
+    With L = response length, L_max = max_response_length, L_buf = overlong_buffer_length:
+        0                                           if L <= L_max - L_buf
+        (L_max - L_buf - L) / L_buf * penalty       if L_max - L_buf < L <= L_max
+        -penalty                                    if L > L_max
+    """
+    if not 0 < overlong_buffer_length <= max_response_length:
+        raise ValueError(
+            f"reward_shaping: overlong_buffer_length ({overlong_buffer_length}) must be in "
+            f"(0, max_response_length={max_response_length}]"
+        )
+    excess = response_lengths.float() - (max_response_length - overlong_buffer_length)
+    penalty = (excess / overlong_buffer_length).clamp(min=0.0, max=1.0) * overlong_buffer_penalty
+    return rewards.float() - penalty
+
+
+def overlong_filter_mask(truncated: torch.Tensor, sample_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """DAPO overlong filtering: `[N]` sample mask that is 0 for truncated samples.
+
+    Truncated samples still count in their group's baseline (compute the advantages without
+    this mask); only their loss is dropped, since a cut-off answer is not evidence against
+    its reasoning.
+    """
+    keep = 1.0 - truncated.float()
+    return keep if sample_mask is None else keep * sample_mask.float()
+
+
+def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """DAPO dynamic sampling: indices `[K]` (ascending) of the samples whose group's rewards are
+    not all equal. Such groups have zero advantage under every group baseline and only dilute
+    the batch; the loop generates more batches (up to `grpo.dynamic_sampling_max_gen_batches`)
+    until enough groups are kept.
+
+    Metrics: dynamic_sampling/groups, /groups_kept, /zero_variance_fraction.
+    """
+    r = rewards.float()
+    inverse, _, n_groups = _groups(r, group_ids, None)
+    hi = torch.full((n_groups,), float("-inf"), device=r.device).scatter_reduce(0, inverse, r, reduce="amax")
+    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, inverse, r, reduce="amin")
+    varied = hi > lo
+    keep = torch.nonzero(varied[inverse]).flatten()
+    kept = int(varied.sum())
+    return keep, {
+        "dynamic_sampling/groups": float(n_groups),
+        "dynamic_sampling/groups_kept": float(kept),
+        "dynamic_sampling/zero_variance_fraction": 1.0 - kept / n_groups if n_groups else 0.0,
+    }

@@ -1,0 +1,252 @@
+"""Evaluation: pass@k and cons@k of a model over a dataset, scored by the task's environment.
+
+`run(cfg)` = `setup(cfg)` + `evaluate(setup)`:
+1. rows of `data.dataset_name` (GSM8K, MATH-500, the embedded arithmetic task or any local
+   .jsonl/.json/.parquet file), split `eval.split`, the first `eval.max_samples` of them;
+2. `eval.num_tests_per_prompt` samples per prompt, greedy or sampled (`eval.greedy`), from the
+   generation backend `policy.generation.backend` loaded from `policy.model_name`, in batches
+   of `policy.generation_batch_size` samples, through the same rollout code as GRPO;
+3. each sample scored by the environment its row names (`task_name`: "math", "arithmetic",
+   ...), which also extracts the final answer that cons@k votes over;
+4. `results.json` (pass@k and cons@k for every k <= n, counts, timing, the config) and
+   `samples.jsonl` (one line per sample) in `eval.save_path`, else `logger.log_dir`.
+
+Metrics are defined in `posttrain.evals` (the unbiased pass@k estimator of Chen et al. 2021
+and majority-vote cons@k).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.evals import aggregate
+from posttrain.schemas import EvalMasterConfig
+
+# Metadata key under which each sample's extracted answer travels through the rollout.
+ANSWER_KEY = "eval_extracted_answer"
+
+
+class _AnswerRecorder:
+    """Wraps an environment so that each sample's extracted answer (`EnvironmentReturn.answers`)
+    is kept in its metadata: the rollout loop keeps a conversation's metadata, and cons@k
+    votes over these answers."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    def step(self, message_logs: list[list[dict]], metadata: list[dict]):
+        ret = self.env.step(message_logs, metadata)
+        for k, answer in enumerate(ret.answers):
+            base = ret.metadata[k] if ret.metadata[k] is not None else metadata[k]
+            ret.metadata[k] = {**base, ANSWER_KEY: answer}
+        return ret
+
+
+@dataclass
+class EvalSetup:
+    cfg: EvalMasterConfig
+    save_dir: Path
+    tokenizer: Any
+    generation: Any  # GenerationInterface
+    envs: dict[str, Any]  # task name -> environment (wrapped in _AnswerRecorder)
+    rows: list[dict]
+    greedy: bool
+    logger: Any  # posttrain.logging.Logger
+
+
+def _device(name: str) -> str:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("policy.device=cuda but CUDA is not available; use policy.device=auto or cpu")
+    return "cuda" if name in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+
+
+def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
+    """The rows to evaluate: split `eval.split` of `data.dataset_name`, capped at `eval.max_samples`.
+
+    A local file named directly by `data.dataset_name` is evaluated whole (no validation rows
+    are held out of it), so `data.dataset_name=my_problems.jsonl` scores every row.
+    """
+    from posttrain.data.datasets import REGISTRY, load_rows, resolve_path
+
+    data_cfg = cfg.data
+    name = data_cfg.dataset_name
+    if name not in REGISTRY and resolve_path(name).is_file():
+        data_cfg = data_cfg.model_copy(update={"dataset_name": "local", "val_data_path": name})
+        split = "val"
+    else:
+        split = cfg.eval.split
+    rows = load_rows(data_cfg, split)
+    rows = rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows
+    for i, row in enumerate(rows):
+        if "messages" not in row or "answer" not in row:
+            raise ValueError(
+                f"eval: row {i} of {name!r} has keys {sorted(row)}; evaluation needs prompt `messages` and a "
+                "reference `answer` (set data.format, e.g. data.format=math)"
+            )
+    return rows
+
+
+def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) -> None:
+    """Fail at setup, naming the dataset row, when a prompt leaves no room to answer (unless
+    `policy.generation.overlong_prompt=truncate`), rather than after hours of generation."""
+    from posttrain.rollouts import render_prompt
+
+    if cfg.policy.generation.overlong_prompt == "truncate":
+        return
+    limit = cfg.policy.max_total_sequence_length
+    lengths = [len(render_prompt(tokenizer, row["messages"])) for row in rows]
+    overlong = [i for i, n in enumerate(lengths) if n >= limit]
+    if overlong:
+        i = overlong[0]
+        raise ValueError(
+            f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
+            f"within policy.max_total_sequence_length={limit} (first: row {i}, {lengths[i]} tokens); raise it or "
+            "set policy.generation.overlong_prompt=truncate"
+        )
+
+
+def setup(cfg: EvalMasterConfig) -> EvalSetup:
+    from transformers import AutoTokenizer
+
+    from posttrain.distributed.cluster import init_ray
+    from posttrain.embedded import resolve_model_path
+    from posttrain.environments import create_env
+    from posttrain.generation import build_generation
+    from posttrain.logging import Logger
+
+    save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.eval.seed)
+
+    rows = load_eval_rows(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.policy.tokenizer.name))
+    if cfg.policy.tokenizer.chat_template:
+        tokenizer.chat_template = cfg.policy.tokenizer.chat_template
+
+    _check_prompt_lengths(rows, tokenizer, cfg)
+    gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
+    generation = build_generation(
+        gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,
+        max_total_sequence_length=cfg.policy.max_total_sequence_length, precision=cfg.policy.precision,
+        device=_device(cfg.policy.device),
+    )
+    # Environments last: nothing after them can fail and leave their actors running.
+    init_ray(cfg.cluster)
+    task_names = sorted({r.get("task_name", "math") for r in rows})
+    envs = {name: _AnswerRecorder(create_env(name, cfg.env.get_worker_cfg(name))) for name in task_names}
+    greedy = cfg.eval.greedy if cfg.eval.greedy is not None else cfg.eval.num_tests_per_prompt == 1
+    logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"))
+    return EvalSetup(cfg=cfg, save_dir=save_dir, tokenizer=tokenizer, generation=generation, envs=envs,
+                     rows=rows, greedy=greedy, logger=logger)
+
+
+def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dict[str, Any]:
+    prompt_len = len(row["messages"])
+    return {
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "prompt": row["messages"],
+        "response": "\n".join(m["content"] for m in conv.messages[prompt_len:] if m["role"] == "assistant"),
+        "extracted_answer": conv.metadata.get(ANSWER_KEY),
+        "reference_answer": row["answer"],
+        "reward": conv.reward,
+        "correct": conv.reward > 0,
+        "truncated": conv.truncated,
+        "response_tokens": conv.response_tokens,
+        "env_error": bool(conv.env_errors),
+        "task_name": conv.task_name,
+    }
+
+
+def evaluate(s: EvalSetup) -> dict[str, Any]:
+    """Generate, score and aggregate; write results.json and samples.jsonl; return the results."""
+    from posttrain.rollouts import run_rollouts
+
+    cfg, n = s.cfg, s.cfg.eval.num_tests_per_prompt
+    # Prompt-major: samples of prompt p are rows [p*n, (p+1)*n).
+    samples = [(p, j, row) for p, row in enumerate(s.rows) for j in range(n)]
+    bs = cfg.policy.generation_batch_size
+    num_batches = math.ceil(len(samples) / bs)
+    records: list[dict[str, Any]] = []
+    generated_tokens = 0.0
+    s.logger.start_progress(num_batches)
+    start = time.monotonic()
+    s.generation.prepare_for_generation()
+    for b in range(num_batches):
+        chunk = samples[b * bs : (b + 1) * bs]
+        out = run_rollouts(
+            s.generation, [row for _, _, row in chunk], s.envs, s.tokenizer,
+            max_turns=cfg.eval.max_rollout_turns, max_seq_len=cfg.policy.max_total_sequence_length,
+            greedy=s.greedy,
+        )
+        generated_tokens += out.metrics["generated_tokens"]
+        records += [_sample_record(p, j, row, conv) for (p, j, row), conv in zip(chunk, out.conversations)]
+        s.logger.log_metrics(
+            {"accuracy_so_far": sum(r["correct"] for r in records) / len(records), "samples": len(records)},
+            step=b + 1, prefix="eval",
+        )
+    s.generation.finish_generation()
+    elapsed = time.monotonic() - start
+
+    answers = [[r["extracted_answer"] for r in records[p * n : (p + 1) * n]] for p in range(len(s.rows))]
+    correct = [[r["correct"] for r in records[p * n : (p + 1) * n]] for p in range(len(s.rows))]
+    metrics = aggregate(answers, correct)
+    k = cfg.eval.k_value
+    results: dict[str, Any] = {
+        "score": metrics[f"{cfg.eval.metric.split('@')[0]}@{k}"],
+        "metric": f"{cfg.eval.metric.split('@')[0]}@{k}",
+        **metrics,
+        "num_tests_per_prompt": n,
+        "greedy": s.greedy,
+        "num_correct": sum(r["correct"] for r in records),
+        "num_truncated": sum(r["truncated"] for r in records),
+        "num_no_answer": sum(r["extracted_answer"] is None for r in records),
+        "num_env_errors": sum(r["env_error"] for r in records),
+        "mean_reward": sum(r["reward"] for r in records) / len(records),
+        "mean_response_tokens": sum(r["response_tokens"] for r in records) / len(records),
+        "generated_tokens": generated_tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": generated_tokens / max(elapsed, 1e-9),
+        "dataset": cfg.data.dataset_name,
+        "model": cfg.policy.model_name,
+        "config": cfg.model_dump(mode="json"),
+    }
+    with open(s.save_dir / "samples.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    (s.save_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    s.logger.log_metrics({key: v for key, v in results.items() if key != "config"}, step=num_batches, prefix="eval")
+    s.logger.print_samples(
+        [{"prompt": r["prompt"][-1]["content"], "response": r["response"], "answer": r["extracted_answer"],
+          "reference": r["reference_answer"], "reward": r["reward"]} for r in records]
+    )
+    return results
+
+
+def run(cfg: EvalMasterConfig) -> dict[str, Any]:
+    """Evaluate `policy.model_name` per `cfg`; returns the results (also in <save_dir>/results.json)."""
+    import ray
+
+    started_ray = not ray.is_initialized()
+    try:
+        s = setup(cfg)
+        try:
+            results = evaluate(s)
+        finally:
+            s.logger.close()
+            for env in s.envs.values():
+                env.env.shutdown()
+    finally:
+        # A Ray this run started is stopped; one the caller started (a cluster, tests) is kept.
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+    summary = {key: v for key, v in results.items() if key != "config"}
+    summary["results_path"] = str(s.save_dir / "results.json")
+    return summary

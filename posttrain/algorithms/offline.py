@@ -1,0 +1,162 @@
+"""What SFT, DPO and reward-model training share: they train on a fixed dataset, so their
+runs start, validate, checkpoint and resume the same way. Each algorithm module keeps its
+own loop (`sft_train`, `dpo_train`, `rm_train`) and uses these pieces.
+
+Pair algorithms (DPO, RM) count their batch sizes in PAIRS, as NeMo RL does:
+`policy.train_global_batch_size: 32` trains on 32 chosen/rejected pairs (64 rows) per
+optimizer step; `pair_policy_config` gives the policy the row counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from posttrain.checkpoint import CheckpointManager, restore_rng_state
+from posttrain.config import to_yaml
+from posttrain.data.batch import BatchedDataDict
+from posttrain.data.loader import RowLoader
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.logging import Logger
+from posttrain.losses.utils import valid_counts
+from posttrain.policy.lm_policy import Policy
+from posttrain.schemas import PolicyConfig
+
+
+@dataclass
+class OfflineRun:
+    """The live parts of a run: run folder, logger, checkpoints, workers."""
+
+    run_dir: Path
+    logger: Logger
+    checkpointer: CheckpointManager
+    cluster: RayVirtualCluster
+    policy: Policy
+
+    def shutdown(self) -> None:
+        self.logger.close()
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+def max_sequence_length(cfg: Any) -> int:
+    """Tokens per row: `policy.max_total_sequence_length`, or `data.max_input_seq_length` if smaller."""
+    limit = cfg.policy.max_total_sequence_length
+    return min(limit, cfg.data.max_input_seq_length) if cfg.data.max_input_seq_length else limit
+
+
+def pair_policy_config(policy: PolicyConfig) -> PolicyConfig:
+    """The policy config with batch sizes in rows for a pair algorithm (2 rows per pair)."""
+    return policy.model_copy(update={
+        "train_global_batch_size": 2 * policy.train_global_batch_size,
+        "train_micro_batch_size": 2 * policy.train_micro_batch_size,
+        "logprob_batch_size": 2 * policy.logprob_batch_size,
+    })
+
+
+def total_steps(max_num_steps: int, max_num_epochs: int, loader: RowLoader) -> int:
+    """Steps the run takes: `max_num_steps`, or fewer when the epochs run out first."""
+    return min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
+
+
+def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def start_run(
+    cfg: Any, algorithm: str, policy_cfg: PolicyConfig, *, model_kind: str = "causal_lm", init_reference: bool = False
+) -> tuple[OfflineRun, Path | None]:
+    """Logger, checkpoint manager (its latest checkpoint is checked before any worker starts),
+    cluster and policy; returns the run and the checkpoint to resume from (or None)."""
+    run_dir = Path(cfg.logger.log_dir)
+    checkpointer = CheckpointManager(
+        cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}
+    )
+    latest = checkpointer.latest()
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
+    try:
+        cluster = RayVirtualCluster(cfg.cluster)
+    except BaseException:
+        logger.close()
+        raise
+    try:
+        policy = Policy(cluster, policy_cfg, init_reference=init_reference, model_kind=model_kind)
+    except BaseException:
+        logger.close()
+        cluster.shutdown()
+        raise
+    return OfflineRun(run_dir, logger, checkpointer, cluster, policy), latest
+
+
+def resume(run: OfflineRun, latest: Path | None, loader: RowLoader) -> int:
+    """Restore policy, optimizer, data position and RNGs from `latest`; the step to start at."""
+    if latest is None:
+        return 0
+    info = run.checkpointer.load_info(latest)
+    run.policy.load_checkpoint(latest / "policy")
+    loader.load_state_dict(info["dataloader"])
+    restore_rng_state(run.checkpointer.load_rng_state(latest))
+    run.logger.console(f"resumed from {latest} at step {info['step']}")
+    return int(info["step"])
+
+
+def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
+    """Checkpoint `step`: policy (model, optimizer, scheduler), data position, RNGs, config.
+
+    `metrics` are keyed "train:<name>" / "val:<name>"; `checkpointing.metric_name` picks the
+    one that ranks checkpoints for keep_top_k.
+    """
+    name = cfg.checkpointing.metric_name
+    if name and name not in metrics:
+        raise KeyError(f"checkpointing.metric_name={name!r} is not among this step's metrics: {sorted(metrics)}")
+    tmp = run.checkpointer.begin_save(step)
+    try:
+        run.policy.save_checkpoint(tmp / "policy")
+    except BaseException:
+        run.checkpointer.abort_save(tmp)
+        raise
+    info = {"epoch": loader.epoch, "consumed_samples": step * loader.batch_size, "dataloader": loader.state_dict()}
+    return run.checkpointer.finish_save(tmp, step, info, to_yaml(cfg), metrics.get(name) if name else None)
+
+
+def evaluate(
+    loss_fn: Callable, batches: list[BatchedDataDict], forward: Callable[[BatchedDataDict], torch.Tensor]
+) -> dict[str, float]:
+    """The loss function's metrics over all `batches` without training.
+
+    `forward(batch)` gives the loss input (`[B, S]` logprobs or `[B]` scores). The counts are
+    taken over all batches, like a global batch, so the summed metrics are means over the
+    whole validation set (per token for NLL, per pair for DPO/RM).
+    """
+    toks = sum(valid_counts(b)[0] for b in batches)
+    seqs = sum(valid_counts(b)[1] for b in batches)
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in batches:
+            _, metrics = loss_fn(forward(batch), batch, toks, seqs)
+            for k, v in metrics.items():
+                out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def check_finite(step: int, loss: float) -> None:
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"step {step}: the loss is {loss}; stopping before a bad update is saved (the last complete "
+            "checkpoint is kept)"
+        )
+
+
+def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
+    """Log the tokenization counts (kept / truncated / dropped rows) of each split."""
+    for split, counts in stats.items():
+        logger.log_metrics(counts, step=0, prefix=f"data/{split}")
+        if counts["rows"] != counts["kept"] or counts["truncated"]:
+            logger.console(
+                f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
+                f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
+            )

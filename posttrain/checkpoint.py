@@ -1,0 +1,307 @@
+"""Checkpoints: atomic `step_N` directories, keep-top-k, resume, and a guard against resuming
+into somebody else's run.
+
+Layout of `<checkpointing.checkpoint_dir>/step_N/`:
+
+    config.yaml          the resolved config of the run
+    training_info.json   step, epoch, consumed_samples, dataloader state, metric value,
+                         best metric so far, timestamp, and the run's signature
+                         ({"algorithm": ..., "model_name": ...})
+    rng_state.pt         Python, NumPy and torch (CPU and CUDA) RNG states of the driver
+    policy/              written by the caller (`policy.save_checkpoint(tmp / "policy")`)
+    COMPLETE             written last: only a directory holding it is a checkpoint
+
+Atomicity: a save is written to `step_N.tmp-<pid>` (`begin_save`), then `finish_save`
+writes the metadata and the marker, fsyncs every file, and renames the directory to
+`step_N` in one `os.replace`. A crash at any point leaves either the previous set of
+checkpoints or the new one, never a half-written `step_N`; the temporary directories of
+dead processes are removed on the next start.
+
+Pruning keeps the `keep_top_k` best by `metric_name` (`higher_is_better`), or the newest
+when no metric is named, and always the latest one (so at most k+1 remain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import ConfigError
+from posttrain.schemas import CheckpointingConfig
+
+COMPLETE_MARKER = "COMPLETE"
+INFO_FILE = "training_info.json"
+CONFIG_FILE = "config.yaml"
+RNG_FILE = "rng_state.pt"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^step_(\d+)\.tmp-(\d+)$")
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The Python, NumPy and torch RNG states of this process."""
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNGs to a state from `capture_rng_state` (CUDA only when both sides have it)."""
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _duration_s(text: str) -> float:
+    """Seconds of a "DD:HH:MM:SS" duration."""
+    days, hours, minutes, seconds = (int(x) for x in text.split(":"))
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Directory fsync makes a rename durable; some filesystems do not support it.
+    try:
+        _fsync_file(path)
+    except OSError:
+        pass
+
+
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointManager:
+    """Saves, finds and prunes the checkpoints of one run (see the module docstring)."""
+
+    def __init__(self, cfg: CheckpointingConfig, signature: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.checkpoint_dir)
+        self.signature = json.loads(json.dumps(signature, default=str))
+        self.moved_aside: Path | None = None
+        if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
+            self.moved_aside = self._move_aside()
+        self._started = time.monotonic()
+        self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
+
+    # ----------------------------------------------------------------- queries
+
+    def should_save(self, step: int) -> bool:
+        return self.cfg.enabled and step % self.cfg.save_period == 0
+
+    def must_save_and_stop(self) -> bool:
+        """True once `checkpointing.checkpoint_must_save_by` has passed since this manager was made:
+        the training loop then saves a checkpoint and ends the run cleanly."""
+        return self.save_deadline_s is not None and time.monotonic() - self._started >= self.save_deadline_s
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest step first; cleans up what interrupted saves left behind."""
+        if not self.dir.is_dir():
+            return []
+        self._clean()
+        found = []
+        for p in self.dir.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir() and (p / COMPLETE_MARKER).is_file():
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint to resume from, or None (also when checkpointing is disabled).
+
+        Raises ConfigError when it was made for another algorithm or model.
+        """
+        if not self.cfg.enabled:
+            return None
+        ckpts = self.checkpoints()
+        if not ckpts:
+            return None
+        path = ckpts[-1]
+        stored = self.load_info(path).get("signature")
+        if stored != self.signature:
+            raise ConfigError(
+                f"checkpoint {path} was made for {stored}, but this run is {self.signature}: refusing to "
+                f"resume from it. Set checkpointing.start_fresh=true to start over (the old checkpoints are "
+                f"moved aside, not deleted) or choose another checkpointing.checkpoint_dir."
+            )
+        return path
+
+    @staticmethod
+    def load_info(path: str | Path) -> dict[str, Any]:
+        return json.loads((Path(path) / INFO_FILE).read_text())
+
+    @staticmethod
+    def load_rng_state(path: str | Path) -> dict[str, Any]:
+        import torch
+
+        # Our own file, holding Python/NumPy RNG tuples that weights_only loading refuses.
+        return torch.load(Path(path) / RNG_FILE, weights_only=False)
+
+    # ----------------------------------------------------------------- saving
+
+    def begin_save(self, step: int) -> Path:
+        """A fresh temporary directory for checkpoint `step`; write `policy/` into it, then `finish_save`."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f"step_{step}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def abort_save(self, tmp: Path) -> None:
+        """Drop a save that failed between `begin_save` and `finish_save`."""
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def finish_save(
+        self,
+        tmp: Path,
+        step: int,
+        training_info: dict[str, Any],
+        config_yaml: str,
+        metric_value: float | None = None,
+        rng_state: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write the metadata, make it durable, rename `tmp` to `step_N`, prune; return the checkpoint path.
+
+        `training_info` holds the caller's resume state (epoch, consumed_samples, the
+        dataloader's `state_dict()`, ...); `rng_state` defaults to this process's RNGs.
+        """
+        import torch
+
+        if not tmp.is_dir():
+            raise FileNotFoundError(f"{tmp}: not a directory from begin_save()")
+        if metric_value is not None and not math.isfinite(float(metric_value)):
+            metric_value = None  # a NaN metric must not win or lose the top-k by accident
+        best_step, best_value = self._best(extra=(step, metric_value))
+        info = {
+            **training_info,
+            "step": step,
+            "metric_name": self.cfg.metric_name,
+            "metric_value": metric_value,
+            "best_step": best_step,
+            "best_metric_value": best_value,
+            "timestamp": time.time(),
+            "signature": self.signature,
+        }
+        _write(tmp / INFO_FILE, json.dumps(info, indent=2, default=str))
+        _write(tmp / CONFIG_FILE, config_yaml)
+        torch.save(rng_state if rng_state is not None else capture_rng_state(), tmp / RNG_FILE)
+        for root, _, files in os.walk(tmp):
+            for name in files:
+                _fsync_file(Path(root) / name)
+        _write(tmp / COMPLETE_MARKER, f"{step}\n")
+        _fsync_dir(tmp)
+
+        final = self.dir / f"step_{step}"
+        if final.exists():  # saving a step again (e.g. after a resume): replace it
+            self._remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        self._prune(latest=final)
+        return final
+
+    # ----------------------------------------------------------------- internals
+
+    def _metric_of(self, path: Path) -> float | None:
+        try:
+            value = self.load_info(path).get("metric_value")
+        except (OSError, json.JSONDecodeError):
+            return None
+        return None if value is None or not math.isfinite(value) else float(value)
+
+    def _rank(self, items: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
+        """Best first: by metric (missing values last), newest first when no metric is named."""
+        if self.cfg.metric_name is None:
+            return sorted(items, key=lambda x: -x[0])
+        sign = -1.0 if self.cfg.higher_is_better else 1.0
+        return sorted(items, key=lambda x: (x[1] is None, sign * x[1] if x[1] is not None else 0.0, -x[0]))
+
+    def _best(self, extra: tuple[int, float | None]) -> tuple[int | None, float | None]:
+        if self.cfg.metric_name is None:
+            return None, None
+        items = [(int(_STEP_RE.match(p.name).group(1)), self._metric_of(p)) for p in self.checkpoints()]
+        items = [i for i in items if i[0] != extra[0]] + [extra]
+        best = self._rank(items)[0]
+        return (best[0], best[1]) if best[1] is not None else (None, None)
+
+    def _prune(self, latest: Path) -> None:
+        k = self.cfg.keep_top_k
+        if k is None:
+            return
+        ckpts = {int(_STEP_RE.match(p.name).group(1)): p for p in self.checkpoints()}
+        ranked = self._rank([(s, self._metric_of(p)) for s, p in ckpts.items()])
+        keep = {s for s, _ in ranked[:k]} | {int(_STEP_RE.match(latest.name).group(1))}
+        for step, path in ckpts.items():
+            if step not in keep:
+                self._remove(path)
+
+    def _remove(self, path: Path) -> None:
+        # Rename first so that a crash during rmtree leaves no complete-looking step_N.
+        doomed = path.with_name(f"{path.name}.deleting-{os.getpid()}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def _clean(self) -> None:
+        """Remove temp dirs of dead processes; move marker-less step_N dirs aside (never delete them)."""
+        for p in self.dir.iterdir():
+            m = _TMP_RE.match(p.name)
+            if (m and not _pid_alive(int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
+                shutil.rmtree(p, ignore_errors=True)
+            elif _STEP_RE.match(p.name) and p.is_dir() and not (p / COMPLETE_MARKER).is_file():
+                os.replace(p, p.with_name(f"{p.name}.incomplete-{int(time.time())}"))
+
+    def _move_aside(self) -> Path | None:
+        """start_fresh: move every step_* entry into `<checkpoint_dir>/previous-<time>/`."""
+        entries = [p for p in self.dir.iterdir() if p.name.startswith("step_")]
+        if not entries:
+            return None
+        aside = self.dir / time.strftime("previous-%Y%m%d-%H%M%S")
+        n = 1
+        while aside.exists():
+            aside = self.dir / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{n}"
+            n += 1
+        aside.mkdir()
+        for p in entries:
+            os.replace(p, aside / p.name)
+        return aside

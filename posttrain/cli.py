@@ -1,0 +1,183 @@
+"""The `posttrain` command.
+
+    posttrain <grpo|sft|dpo|rm|eval|distillation> [--config FILE] [--print-config] [overrides...]
+    posttrain convert dcp-to-hf --checkpoint DIR --output DIR [--config FILE]
+    posttrain convert llama2c-to-hf --model X.bin --tokenizer tok512.model --output DIR
+
+The config is loaded and validated before torch, transformers or Ray are imported (they
+come with `posttrain.algorithms.<algo>`, imported only after validation), so a typo in a
+key fails in well under a second. A `ConfigError` prints its message, without a traceback,
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from posttrain.config import ConfigError, load_config, to_yaml
+from posttrain.schemas import MASTER_CONFIGS
+
+DOCS = "docs/config.md"
+EXIT_CONFIG_ERROR = 2
+
+_ALGO_HELP = {
+    "grpo": "GRPO-family RL (GRPO, DAPO, GSPO, Dr.GRPO; single and multi-turn)",
+    "sft": "supervised fine-tuning",
+    "dpo": "direct preference optimisation (DPO, IPO, SimPO)",
+    "rm": "reward-model training (Bradley-Terry)",
+    "eval": "evaluation (pass@k, cons@k)",
+    "distillation": "on-policy distillation from a teacher",
+}
+
+_OVERRIDE_HELP = """\
+overrides (Hydra style, as in NeMo RL):
+  a.b=1          set a key                       policy.max_grad_norm=0.5
+  +a.b=1         add a key that is not set yet   +policy.optimizer.kwargs.betas=[0.9,0.99]
+  ++a.b=1        add or set                      ++logger.wandb.name=run1
+  ~a.b           remove (back to the default)    ~policy.scheduler
+  values are YAML: [1,2], null, true, 1e-3; interpolation: ${policy.model_name},
+  ${mul:${policy.max_total_sequence_length},2}
+"""
+
+
+def _sections_help(algorithm: str | None) -> str:
+    """The config sections (from `posttrain.schemas`) of one algorithm, or of all of them."""
+    algos = [algorithm] if algorithm else list(MASTER_CONFIGS)
+    lines = ["config sections:"]
+    sections: dict[str, list[str]] = {}
+    for algo in algos:
+        for name, field in MASTER_CONFIGS[algo].model_fields.items():
+            sections.setdefault(name, []).append(algo)
+    for name, used_by in sections.items():
+        annotation = MASTER_CONFIGS[used_by[0]].model_fields[name].annotation
+        sub = getattr(annotation, "model_fields", None)
+        if sub:
+            keys = ", ".join(sub)
+        elif sub is not None:  # a section of user-named entries (env.<name>.*)
+            keys = f"{name}.<name>.<key>: one entry per name"
+        else:
+            keys = "(a single value)"
+        if len(keys) > 70:
+            keys = keys[:67].rsplit(",", 1)[0] + ", ..."
+        scope = "" if algorithm or len(used_by) == len(algos) else f" [{', '.join(used_by)}]"
+        lines.append(f"  {name:<14}{keys}{scope}")
+    lines.append(f"every key, its default and meaning: {DOCS}")
+    return "\n".join(lines)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {a:<14}{h}" for a, h in _ALGO_HELP.items())
+    commands += "\n  convert       checkpoint conversion (dcp-to-hf, llama2c-to-hf)"
+    return argparse.ArgumentParser(
+        prog="posttrain",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="posttrain <command> [--config FILE] [--print-config] [overrides...]",
+        description="Post-training for language models, from a laptop CPU to a GPU cluster.",
+        epilog=f"commands:\n{commands}\n\n{_sections_help(None)}\n\n{_OVERRIDE_HELP}"
+        "\n`posttrain <command> --help` lists that command's sections.",
+    )
+
+
+def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"posttrain {algorithm}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_ALGO_HELP[algorithm],
+        epilog=f"{_sections_help(algorithm)}\n\n{_OVERRIDE_HELP}",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (may inherit others with `defaults:`); "
+                   "without it the schema defaults run the embedded task")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (see below)")
+    return p
+
+
+def _convert_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="posttrain convert", description="Convert checkpoints to Hugging Face format.")
+    sub = p.add_subparsers(dest="kind", required=True, metavar="{dcp-to-hf,llama2c-to-hf}")
+    dcp = sub.add_parser("dcp-to-hf", help="a posttrain step_N checkpoint (torch.distributed.checkpoint) -> HF folder")
+    dcp.add_argument("--checkpoint", required=True, help="a step_N directory (or its policy/ folder)")
+    dcp.add_argument("--output", required=True, help="output directory")
+    dcp.add_argument("--config", default=None, help="the run's config (default: the checkpoint's config.yaml)")
+    l2c = sub.add_parser("llama2c-to-hf", help="a llama2.c .bin model + sentencepiece tokenizer -> HF Llama folder")
+    l2c.add_argument("--model", required=True, help="llama2.c checkpoint (.bin)")
+    l2c.add_argument("--tokenizer", required=True, help="sentencepiece model (e.g. tok512.model)")
+    l2c.add_argument("--output", required=True, help="output directory")
+    return p
+
+
+def _split_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse options anywhere on the line; everything else is an override (`~a.b` and `+a=1` included)."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized option(s): {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + rest
+    return args
+
+
+def _setup_logging() -> None:
+    """Show posttrain's INFO messages (rows dropped, resumes, caps...); other libraries keep their defaults."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("posttrain")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    root.propagate = False
+
+
+def _run_algorithm(algorithm: str, argv: Sequence[str]) -> int:
+    args = _split_overrides(_algo_parser(algorithm), argv)
+    cfg = load_config(algorithm, args.config, args.overrides)
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    import importlib
+
+    _setup_logging()
+    module = importlib.import_module(f"posttrain.algorithms.{algorithm}")
+    result: dict[str, Any] = module.run(cfg)
+    print(json.dumps({"result": result}, default=str))
+    return 0
+
+
+def _run_convert(argv: Sequence[str]) -> int:
+    args = _convert_parser().parse_args(argv)
+    import importlib
+
+    _setup_logging()
+    module = importlib.import_module(
+        {"dcp-to-hf": "posttrain.convert.dcp_to_hf", "llama2c-to-hf": "posttrain.convert.llama2c"}[args.kind]
+    )
+    module.main(args)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `posttrain` (and of the thin launchers in examples/)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        sys.exit(0 if argv else EXIT_CONFIG_ERROR)
+    command, rest = argv[0], argv[1:]
+    try:
+        if command in MASTER_CONFIGS:
+            code = _run_algorithm(command, rest)
+        elif command == "convert":
+            code = _run_convert(rest)
+        else:
+            top.error(f"unknown command {command!r}; choose from {', '.join([*MASTER_CONFIGS, 'convert'])}")
+    except ConfigError as e:
+        print(f"posttrain {command}: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""`posttrain convert dcp-to-hf`: a saved policy checkpoint (torch.distributed.checkpoint) ->
+a Hugging Face folder (safetensors + config + tokenizer), without Ray or a process group.
+
+The policy checkpoint folder (`step_N/policy`, written by `Policy.save_checkpoint`) holds the
+sharded weights and optimizer, `hf_config/` (model config + tokenizer) and `policy_meta.json`
+(model kind and LoRA settings), so no run config is needed; `--config` (the run's YAML) is
+only used when `hf_config/` is missing, to find `policy.model_name`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from posttrain.policy.hf_io import load_hf_config, model_class, save_hf
+from posttrain.schemas import LoraConfig
+
+log = logging.getLogger(__name__)
+
+META_FILE = "policy_meta.json"
+HF_CONFIG_DIR = "hf_config"
+
+
+def _policy_dir(checkpoint: Path) -> Path:
+    for cand in (checkpoint / "policy", checkpoint):
+        if (cand / ".metadata").is_file():
+            return cand
+    raise FileNotFoundError(f"no torch.distributed.checkpoint in {checkpoint} or {checkpoint / 'policy'} "
+                            "(missing .metadata)")
+
+
+def _model_source(policy_dir: Path, config_path: str | None) -> str:
+    if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
+        return str(policy_dir / HF_CONFIG_DIR)
+    candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
+    for c in candidates:
+        if c.is_file():
+            import yaml
+
+            return yaml.safe_load(c.read_text())["policy"]["model_name"]
+    raise FileNotFoundError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
+                            f"(tried {', '.join(map(str, candidates))}); pass --config")
+
+
+def convert(checkpoint: str | Path, output: str | Path, config_path: str | None = None) -> Path:
+    """Write the policy weights of `checkpoint` as a transformers checkpoint in `output`."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoTokenizer
+
+    from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict
+
+    policy_dir = _policy_dir(Path(checkpoint))
+    meta_file = policy_dir / META_FILE
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
+    model_kind = meta["model_kind"]
+    lora = LoraConfig(**meta["lora"])
+    source = _model_source(policy_dir, config_path)
+    path, hf_config = load_hf_config(source)
+    kwargs = {"num_labels": 1} if model_kind == "sequence_classification" else {}
+    # Built on the meta device, then given uninitialised CPU storage: dcp.load fills every
+    # saved tensor, so no time goes into a random init that would be overwritten.
+    with torch.device("meta"):
+        model = maybe_apply_lora(model_class(model_kind).from_config(hf_config, dtype=torch.float32, **kwargs), lora)
+    model.to_empty(device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # a single process without a group is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(policy_dir))
+    sd = {k: v.detach() for k, v in state["model"].items()}
+    if lora.enabled:
+        sd = merge_lora_state_dict(sd, lora)
+    save_hf(sd, hf_config, AutoTokenizer.from_pretrained(path), output, model_kind)
+    log.info("wrote %s from %s", output, policy_dir)
+    return Path(output)
+
+
+def main(args) -> None:
+    """CLI entry: `args.checkpoint`, `args.output`, optional `args.config`."""
+    convert(args.checkpoint, args.output, args.config)

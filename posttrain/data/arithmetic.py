@@ -1,0 +1,88 @@
+"""The embedded task: integer arithmetic problems, made on the fly from a seed.
+
+How the rows are made:
+- The problem space is every `a <op> b` with `0 <= a, b < 10**num_digits` (so "2 digits"
+  means up to two digits) and `op` in `operations` (`+`, `-`, `*`). Problem number `i`
+  decodes as `op = operations[i % n_ops]`, `a`, `b` = the digits of `i // n_ops` in base
+  `10**num_digits`, so a problem is drawn uniformly by drawing one integer.
+- A `random.Random(seed)` draws the validation problems first (distinct), then the
+  training problems, rejecting any validation problem: validation never shares a problem
+  with training. Training problems are drawn with replacement, which matters only when the
+  space is small (1 digit, `+`: 100 problems) and training then repeats problems.
+- Validation is capped at a fifth of the problem space, so that training keeps most
+  problems to learn from (1 digit, `+`: at most 20 validation problems).
+- The same arguments give the same rows on every machine; the validation rows do not
+  depend on `num_train`.
+
+A row is `{"messages": [{"role": "user", "content": "12+34="}], "answer": "46",
+"task_name": "arithmetic", "metadata": {"operation": "+", "num_digits": 2}}`. The prompt is
+kept this terse on purpose: the embedded models read one character per token, and a short
+prompt leaves their tiny context to the answer. Subtraction may give a negative answer
+(`"3-7="` -> `"-4"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import random
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+TASK_NAME = "arithmetic"
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+VAL_FRACTION_CAP = 0.2
+
+
+def _row(a: int, op: str, b: int, num_digits: int) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": f"{a}{op}{b}="}],
+        "answer": str(OPERATIONS[op](a, b)),
+        "task_name": TASK_NAME,
+        "metadata": {"operation": op, "num_digits": num_digits},
+    }
+
+
+def make_arithmetic_rows(
+    num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`(train_rows, val_rows)` of arithmetic problems (see the module docstring for how)."""
+    if num_digits < 1:
+        raise ValueError(f"data.num_digits must be >= 1, got {num_digits}")
+    ops = list(operations)
+    bad = [o for o in ops if o not in OPERATIONS]
+    if not ops or bad:
+        raise ValueError(f"data.operations must be a non-empty subset of {list(OPERATIONS)}, got {ops}")
+    if num_train < 0 or num_val < 0:
+        raise ValueError(f"data.num_train and data.num_val must be >= 0, got {num_train}, {num_val}")
+    base = 10**num_digits
+    space = len(ops) * base * base
+    cap = int(space * VAL_FRACTION_CAP)
+    if num_val > cap:
+        log.info("arithmetic: %d validation problems asked, the space of %d problems allows %d", num_val, space, cap)
+        num_val = cap
+
+    def decode(i: int) -> dict[str, Any]:
+        a, b = divmod(i // len(ops), base)
+        return _row(a, ops[i % len(ops)], b, num_digits)
+
+    rng = random.Random(seed)
+    val_ids: list[int] = []
+    seen: set[int] = set()
+    while len(val_ids) < num_val:
+        i = rng.randrange(space)
+        if i not in seen:
+            seen.add(i)
+            val_ids.append(i)
+    train_ids: list[int] = []
+    while len(train_ids) < num_train:
+        i = rng.randrange(space)
+        if i not in seen:
+            train_ids.append(i)
+    return [decode(i) for i in train_ids], [decode(i) for i in val_ids]
+
+
+def reference_completion(row: dict[str, Any]) -> str:
+    """The assistant text that solves `row` (the SFT warm-start target): just the answer."""
+    return row["answer"]

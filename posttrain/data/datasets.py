@@ -1,0 +1,310 @@
+"""Dataset loading: one entry point, `load_rows(data_cfg, split) -> list[dict]`.
+
+`data.dataset_name` is, in this order:
+1. a registered name (`REGISTRY`): "arithmetic" (embedded synthetic task), "gsm8k",
+   "math500" (RL/eval rows), "squad", "alpaca" (SFT rows), "local" (the files named by
+   `data.train_data_path` / `data.val_data_path`);
+2. a local .jsonl / .json / .parquet file;
+3. a Hugging Face hub dataset name (when a hub is reachable; `data.dataset_kwargs` go to
+   `datasets.load_dataset`).
+
+Registered shared-data sets read `$POSTTRAIN_SHARED_DATA` (default: `../shared/data` beside
+the project) unless `data.train_data_path` / `data.val_data_path` name other files. Relative
+paths resolve against the working directory, then the project root.
+
+Local files are read through `datasets` (arrow), each row is normalised by
+`posttrain.data.formats` into a canonical row, and every error names the file and the row.
+When a dataset has no validation file, a seeded `data.val_split_fraction` of its rows is held
+out, so "train" and "val" never share a row. `data.prompt_file` (a template with one `{}`)
+wraps the first user message; `data.system_prompt_file` adds a system message to rows that
+have none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from posttrain.data.formats import DataFormatError, detect_format, normalize_row, where
+from posttrain.embedded import cache_root
+from posttrain.schemas import DataConfig
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "validation")  # "validation" is an alias of "val"
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def shared_data_dir() -> Path:
+    """`$POSTTRAIN_SHARED_DATA`, else `../shared/data` beside the project."""
+    env = os.environ.get("POSTTRAIN_SHARED_DATA")
+    return Path(env) if env else (_PROJECT_ROOT.parent / "shared" / "data")
+
+
+def resolve_path(path: str | os.PathLike) -> Path:
+    """A data path as given, else relative to the project root; the given one if neither exists."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_absolute() or p.exists():
+        return p
+    under_root = _PROJECT_ROOT / p
+    return under_root if under_root.exists() else p
+
+
+def _existing(path: str | os.PathLike, what: str) -> Path:
+    p = resolve_path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what}: file not found: {path} (looked in {Path.cwd()} and {_PROJECT_ROOT})")
+    return p
+
+
+# --------------------------------------------------------------------------- raw rows from a file
+
+
+def read_file(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """Raw rows of a .jsonl/.json/.parquet file and the label errors use to name it.
+
+    A JSON file whose top level is an object holding a `data` list (SQuAD) is read from that
+    list; SQuAD's official nested layout (data/paragraphs/qas) is flattened to one row per
+    question.
+    """
+    import datasets
+
+    suffix = path.suffix.lower()
+    if suffix not in _FILE_SUFFIXES:
+        raise ValueError(f"{path}: unsupported data file type {suffix!r}; use one of {', '.join(_FILE_SUFFIXES)}")
+    kwargs: dict[str, Any] = {}
+    if suffix == ".json" and _top_level_is_object_with_data(path):
+        kwargs["field"] = "data"
+    builder = "parquet" if suffix == ".parquet" else "json"
+    try:
+        ds = datasets.load_dataset(
+            builder, data_files=str(path), split="train", cache_dir=str(cache_root() / "datasets"), **kwargs
+        )
+        rows = ds.to_list()
+    except Exception as e:  # noqa: BLE001 - re-raised with the bad line, or replaced by a plain parse
+        if builder != "json":
+            raise DataFormatError(f"{path}: cannot read the file: {e}") from e
+        # Invalid JSON (name the line), or rows arrow cannot give one schema (mixed types):
+        # the plain parse then hands them to the row normaliser, which names the bad row.
+        rows = _parse_json_rows(path, kwargs.get("field"))
+    if rows and "paragraphs" in rows[0]:
+        rows = _flatten_squad(rows, path)
+    return rows, str(path)
+
+
+def _top_level_is_object_with_data(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1 << 16).lstrip()
+    if not head.startswith("{"):
+        return False
+    try:
+        top = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False  # JSON lines in a .json file
+    return isinstance(top, dict) and isinstance(top.get("data"), list)
+
+
+def _parse_json_rows(path: Path, field: str | None) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        top = json.loads(text)
+        return top[field] if field else (top if isinstance(top, list) else [top])
+    except json.JSONDecodeError as whole_err:
+        if text.lstrip().startswith("["):
+            raise DataFormatError(
+                f"{path} line {whole_err.lineno}: invalid JSON: {whole_err.msg}"
+            ) from None
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{where(str(path), lineno)}: invalid JSON: {e.msg} (line {lineno})") from None
+    return rows
+
+
+def _flatten_squad(articles: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    rows = []
+    for a, article in enumerate(articles, start=1):
+        for paragraph in article.get("paragraphs") or []:
+            for qa in paragraph.get("qas") or []:
+                if qa.get("is_impossible"):
+                    continue
+                rows.append({"context": paragraph.get("context"), "question": qa.get("question"),
+                             "answers": qa.get("answers"), "id": qa.get("id")})
+    if not rows:
+        raise DataFormatError(f"{path}: SQuAD file holds no answerable question")
+    return rows
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[str, Any]]:
+    """Canonical rows from raw ones (format from `data.format` or the first row's keys);
+    malformed rows stop with the file and row, or are skipped and counted (`data.on_malformed_row`)."""
+    if not raw:
+        raise DataFormatError(f"{source}: the dataset is empty")
+    fmt = cfg.format or detect_format(raw[0], where(source, 1))
+    rows, skipped, first_error = [], 0, None
+    for n, r in enumerate(raw, start=1):
+        try:
+            rows.append(normalize_row(r, fmt, where(source, n)))
+        except DataFormatError as e:
+            if cfg.on_malformed_row == "error":
+                raise
+            skipped += 1
+            first_error = first_error or str(e)
+    if skipped:
+        log.warning("%s: skipped %d malformed %s rows of %d (first: %s)", source, skipped, fmt, len(raw), first_error)
+    if not rows:
+        raise DataFormatError(f"{source}: every row is malformed ({skipped} skipped); first error: {first_error}")
+    return rows
+
+
+def load_file(path: str | os.PathLike, cfg: DataConfig) -> list[dict[str, Any]]:
+    """Canonical rows of one local file."""
+    raw, source = read_file(_existing(path, "data file"))
+    return normalize_rows(raw, source, cfg)
+
+
+def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: str) -> list[dict[str, Any]]:
+    """The `split` side of a seeded train/val split of `rows` (val = `data.val_split_fraction`)."""
+    n_val = max(1, math.ceil(len(rows) * cfg.val_split_fraction))
+    if n_val >= len(rows):
+        raise ValueError(
+            f"{source}: {len(rows)} rows are too few to hold out {n_val} for validation; "
+            "set data.val_data_path or lower data.val_split_fraction"
+        )
+    order = list(range(len(rows)))
+    random.Random(cfg.seed).shuffle(order)
+    chosen = order[:n_val] if split == "val" else sorted(order[n_val:])
+    return [rows[i] for i in sorted(chosen)]
+
+
+def _files(train_path: str | os.PathLike | None, val_path: str | os.PathLike | None) -> Callable:
+    """A loader for a dataset stored as a train file and an optional validation file."""
+
+    def load(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+        train = cfg.train_data_path or train_path
+        val = cfg.val_data_path or val_path
+        if train is None and not (split == "val" and val):
+            raise ValueError(f"data.dataset_name={cfg.dataset_name!r} needs data.train_data_path")
+        if split == "val" and val:
+            return load_file(val, cfg)
+        rows = load_file(train, cfg)
+        return rows if val else _held_out(rows, split, cfg, str(train))
+
+    return load
+
+
+def _shared(relative: str) -> Path:
+    return shared_data_dir() / relative
+
+
+def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    from posttrain.data.arithmetic import make_arithmetic_rows
+
+    train, val = make_arithmetic_rows(cfg.num_digits, cfg.operations, cfg.num_train, cfg.num_val, cfg.seed)
+    return train if split == "train" else val
+
+
+# name -> loader(cfg, split); paths are resolved when called, so POSTTRAIN_SHARED_DATA set
+# after import still applies.
+REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
+    "arithmetic": _arithmetic,
+    "gsm8k": lambda cfg, split: _files(_shared("gsm8k/train.jsonl"), _shared("gsm8k/test.jsonl"))(cfg, split),
+    # MATH-500 is a test set: RL on it and evaluation both read the same 500 problems.
+    "math500": lambda cfg, split: _files(_shared("math500/test.jsonl"), _shared("math500/test.jsonl"))(cfg, split),
+    "squad": lambda cfg, split: _files(_shared("squad/sample_v2_transformers_fixture.json"), None)(cfg, split),
+    "alpaca": lambda cfg, split: _files(_shared("llamafactory_demo/alpaca_en_demo.json"), None)(cfg, split),
+    "local": lambda cfg, split: _files(None, None)(cfg, split),
+}
+
+
+def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    names = ("train",) if split == "train" else ("validation", "test")
+    errors = []
+    for hub_split in names:
+        try:
+            ds = datasets.load_dataset(cfg.dataset_name, split=hub_split, **cfg.dataset_kwargs)
+        except Exception as e:  # noqa: BLE001 - offline, unknown name or missing split: all reported below
+            errors.append(f"{hub_split}: {type(e).__name__}: {e}")
+            continue
+        return normalize_rows(ds.to_list(), f"hub:{cfg.dataset_name}[{hub_split}]", cfg)
+    if split == "val":  # a hub set with only a train split: hold out part of it
+        return _held_out(_hub(cfg, "train"), "val", cfg, f"hub:{cfg.dataset_name}")
+    raise ValueError(
+        f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
+        f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: " + "; ".join(errors)
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """Canonical rows of `split` ("train" or "val"/"validation") of the dataset `cfg` names.
+
+    Returns SFT rows `{"messages"}`, preference rows `{"prompt_messages", "chosen",
+    "rejected"}` or RL/eval rows `{"messages", "answer", "task_name", "metadata"}`, with the
+    prompt and system-prompt files applied and capped at `data.max_train_samples` /
+    `data.max_val_samples`.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    split = "val" if split == "validation" else split
+    name = cfg.dataset_name
+    if name in REGISTRY:
+        rows = REGISTRY[name](cfg, split)
+    elif resolve_path(name).suffix.lower() in _FILE_SUFFIXES or resolve_path(name).is_file():
+        rows = _files(name, None)(cfg, split)
+    else:
+        rows = _hub(cfg, split)
+    cap = cfg.max_train_samples if split == "train" else cfg.max_val_samples
+    rows = rows[:cap] if cap else rows
+    return apply_prompts(rows, cfg)
+
+
+def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str, Any]]:
+    """Wrap each row's first user message in `data.prompt_file` and add `data.system_prompt_file`."""
+    if not cfg.prompt_file and not cfg.system_prompt_file:
+        return rows
+    template = _existing(cfg.prompt_file, "data.prompt_file").read_text() if cfg.prompt_file else None
+    system = _existing(cfg.system_prompt_file, "data.system_prompt_file").read_text().strip() \
+        if cfg.system_prompt_file else None
+    if template is not None:
+        try:
+            template.format("")
+        except (IndexError, KeyError, ValueError) as e:
+            raise ValueError(
+                f"data.prompt_file {cfg.prompt_file}: must hold exactly one `{{}}` for the user message "
+                f"(write literal braces as `{{{{` and `}}}}`): {e}"
+            ) from None
+    out = []
+    for row in rows:
+        row = dict(row)
+        key = "prompt_messages" if "prompt_messages" in row else "messages"
+        msgs = [dict(m) for m in row[key]]
+        if template is not None:
+            first_user = next((m for m in msgs if m["role"] == "user"), None)
+            if first_user is not None:
+                first_user["content"] = template.format(first_user["content"])
+        if system and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system})
+        row[key] = msgs
+        out.append(row)
+    return out

@@ -1,0 +1,291 @@
+"""Dataset row formats, normalised into the two canonical rows every algorithm consumes.
+
+Canonical rows:
+    SFT:        {"messages": [{"role": ..., "content": ...}, ...]}            (+ "tools" if given)
+    preference: {"prompt_messages": [...], "chosen": [...msgs], "rejected": [...msgs]}
+
+`chosen` / `rejected` are the continuations after the shared context (usually one assistant
+message). Roles are "system", "user", "assistant" and "tool".
+
+Accepted input formats (`data.format`, auto-detected from the first row's keys when null):
+    messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI)
+    sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT)
+    alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
+    prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
+    squad               {"context", "question", "answers": {"text": [...]}}      (a flattened
+                        SQuAD entry; the official nested file is flattened by the loader)
+    math                {"question" | "problem", "answer"} -> an RL/eval row
+                        {"messages": [user], "answer", "task_name": "math"}; a GSM8K answer
+                        ("... #### 18") keeps only its final number
+    preference          {"chosen", "rejected"} with the shared context in `conversations`
+                        (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
+                        (chosen/rejected are full conversations sharing a prefix). Each
+                        response may be a string, one message, or a list of messages.
+
+Every error names the source (file) and the 1-based row number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math")
+
+# ShareGPT speaker names -> roles (LLaMA-Factory's tool-call data uses function_call/observation).
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataFormatError(ValueError):
+    """A malformed dataset row; the message names the file and the row."""
+
+
+def where(source: str, row_number: int) -> str:
+    """How errors locate a row: `file row N` (1-based; the line number for JSONL)."""
+    return f"{source} row {row_number}"
+
+
+def detect_format(row: dict[str, Any], loc: str = "row") -> str:
+    """The format of a row from its keys (see the module docstring)."""
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+    keys = set(row)
+    if "chosen" in keys or "rejected" in keys:
+        return "preference"
+    if "messages" in keys:
+        return "messages"
+    if "conversations" in keys:
+        return "sharegpt"
+    if "instruction" in keys and "output" in keys:
+        return "alpaca"
+    if "prompt" in keys and "completion" in keys:
+        return "prompt_completion"
+    if {"context", "question", "answers"} <= keys:
+        return "squad"
+    if "answer" in keys and ("question" in keys or "problem" in keys):
+        return "math"
+    raise DataFormatError(
+        f"{loc}: cannot tell the format from the keys {sorted(keys)}; expected one of: messages "
+        "(`messages`), sharegpt (`conversations`), alpaca (`instruction`/`output`), prompt_completion "
+        "(`prompt`/`completion`), squad (`context`/`question`/`answers`), preference (`chosen`/"
+        "`rejected`), math (`question`|`problem`/`answer`); or set data.format"
+    )
+
+
+def normalize_row(row: dict[str, Any], fmt: str, loc: str) -> dict[str, Any]:
+    """Normalise one row of format `fmt` into its canonical row; `loc` is `where(file, n)`."""
+    if fmt not in _NORMALIZERS:
+        raise ValueError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
+    if not isinstance(row, dict):
+        raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+    return _NORMALIZERS[fmt](row, loc)
+
+
+def is_preference(row: dict[str, Any]) -> bool:
+    return "chosen" in row and "prompt_messages" in row
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _require(row: dict[str, Any], key: str, loc: str, fmt: str) -> Any:
+    if key not in row or row[key] is None:
+        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {sorted(row)})")
+    return row[key]
+
+
+def _text(value: Any, loc: str, what: str, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise DataFormatError(f"{loc}: `{what}` must be a string, got {type(value).__name__}: {value!r:.80}")
+    if not allow_empty and not value.strip():
+        raise DataFormatError(f"{loc}: `{what}` is empty")
+    return value
+
+
+def _message(m: Any, loc: str, what: str) -> dict[str, str]:
+    """One message in OpenAI ({role, content}) or ShareGPT ({from, value}) form."""
+    if not isinstance(m, dict):
+        raise DataFormatError(f"{loc}: {what} must be a message object, got {type(m).__name__}: {m!r:.80}")
+    if "role" in m and m["role"] is not None:
+        role, content = m["role"], m.get("content")
+    elif "from" in m and m["from"] is not None:
+        speaker = m["from"]
+        if speaker not in _SHAREGPT_ROLES:
+            raise DataFormatError(
+                f"{loc}: {what} has unknown speaker `from: {speaker!r}`; valid: {', '.join(_SHAREGPT_ROLES)}"
+            )
+        role, content = _SHAREGPT_ROLES[speaker], m.get("value")
+    else:
+        raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
+    if role not in _ROLES:
+        raise DataFormatError(f"{loc}: {what} has unknown role {role!r}; valid: {', '.join(_ROLES)}")
+    # An assistant turn may be empty (e.g. a tool call carried elsewhere); others may not.
+    return {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=role == "assistant")}
+
+
+def _messages(value: Any, loc: str, what: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataFormatError(f"{loc}: `{what}` must be a non-empty list of messages, got {value!r:.80}")
+    return [_message(m, loc, f"{what}[{i}]") for i, m in enumerate(value)]
+
+
+def _require_assistant(messages: list[dict[str, str]], loc: str, what: str) -> None:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataFormatError(f"{loc}: `{what}` has no assistant message, so nothing to train on")
+
+
+def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
+    """A response: a string (one assistant message), one message, or a list of messages."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": _text(value, loc, what)}]
+    if isinstance(value, dict):
+        return [_message(value, loc, what)]
+    return _messages(value, loc, what)
+
+
+def _with_tools(out: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    if row.get("tools"):
+        out["tools"] = row["tools"]
+    return out
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    messages = _messages(_require(row, "messages", loc, "messages"), loc, "messages")
+    _require_assistant(messages, loc, "messages")
+    return _with_tools({"messages": messages}, row)
+
+
+def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    messages = _messages(_require(row, "conversations", loc, "sharegpt"), loc, "conversations")
+    if row.get("system"):
+        messages.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
+    _require_assistant(messages, loc, "conversations")
+    return _with_tools({"messages": messages}, row)
+
+
+def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    instruction = _text(_require(row, "instruction", loc, "alpaca"), loc, "instruction")
+    extra = row.get("input") or ""
+    _text(extra, loc, "input", allow_empty=True)
+    output = _text(_require(row, "output", loc, "alpaca"), loc, "output")
+    messages: list[dict[str, str]] = []
+    if row.get("system"):
+        messages.append({"role": "system", "content": _text(row["system"], loc, "system")})
+    for i, turn in enumerate(row.get("history") or []):
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+            raise DataFormatError(f"{loc}: `history[{i}]` must be a [user, assistant] pair, got {turn!r:.80}")
+        messages.append({"role": "user", "content": _text(turn[0], loc, f"history[{i}][0]")})
+        messages.append({"role": "assistant", "content": _text(turn[1], loc, f"history[{i}][1]")})
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return {"messages": messages}
+
+
+def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    prompt = _require(row, "prompt", loc, "prompt_completion")
+    completion = _require(row, "completion", loc, "prompt_completion")
+    prompt_msgs = (
+        [{"role": "user", "content": _text(prompt, loc, "prompt")}]
+        if isinstance(prompt, str)
+        else _messages(prompt, loc, "prompt")
+    )
+    messages = prompt_msgs + _response(completion, loc, "completion")
+    _require_assistant(messages, loc, "completion")
+    return {"messages": messages}
+
+
+def _from_squad(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    """Context as the system message, the question as the user turn, the first answer as the
+    assistant turn (NeMo RL's SQuAD SFT layout; its chat template renders `Context: ...
+    Question: ... Answer: ...`). Unanswerable SQuAD v2 questions (no answer) are errors."""
+    context = _text(_require(row, "context", loc, "squad"), loc, "context")
+    question = _text(_require(row, "question", loc, "squad"), loc, "question")
+    answers = _require(row, "answers", loc, "squad")
+    texts = answers.get("text") if isinstance(answers, dict) else answers
+    if isinstance(texts, list) and texts and isinstance(texts[0], dict):  # official: [{"text", "answer_start"}]
+        texts = [a.get("text") for a in texts]
+    if not isinstance(texts, list) or not texts:
+        raise DataFormatError(f"{loc}: `answers` has no answer text (unanswerable question?): {answers!r:.80}")
+    return {
+        "messages": [
+            {"role": "system", "content": context},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": _text(texts[0], loc, "answers.text[0]")},
+        ]
+    }
+
+
+def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    for key in ("chosen", "rejected"):
+        if key not in row or row[key] is None:
+            raise DataFormatError(
+                f"{loc}: preference row is missing `{key}` (keys: {sorted(row)}); a preference row needs "
+                "both `chosen` and `rejected`"
+            )
+    chosen = _response(row["chosen"], loc, "chosen")
+    rejected = _response(row["rejected"], loc, "rejected")
+    context_key = next((k for k in ("conversations", "prompt", "messages", "context") if row.get(k)), None)
+    if context_key is None:
+        prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)
+    elif isinstance(row[context_key], str):
+        prompt = [{"role": "user", "content": _text(row[context_key], loc, context_key)}]
+    else:
+        prompt = _messages(row[context_key], loc, context_key)
+    if row.get("system") and prompt[0]["role"] != "system":
+        prompt.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
+    for key, resp in (("chosen", chosen), ("rejected", rejected)):
+        if resp[0]["role"] != "assistant":
+            raise DataFormatError(f"{loc}: `{key}` must start with an assistant message, got role {resp[0]['role']!r}")
+    return {"prompt_messages": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _split_shared_prefix(chosen: list[dict], rejected: list[dict], loc: str) -> tuple[list, list, list]:
+    """Implicit-prompt pairs (e.g. Anthropic HH): the longest common message prefix is the prompt."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0:
+        raise DataFormatError(
+            f"{loc}: preference row has no shared context: give `prompt` or `conversations`, or make "
+            "`chosen`/`rejected` full conversations that share their prompt messages"
+        )
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    key = "question" if "question" in row else "problem"
+    question = _text(_require(row, key, loc, "math"), loc, key)
+    answer = _require(row, "answer", loc, "math")
+    answer = _text(str(answer) if isinstance(answer, (int, float)) else answer, loc, "answer")
+    if "####" in answer:  # GSM8K: the reasoning, then "#### <final number>"
+        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    metadata = {k: v for k, v in row.items() if k not in (key, "answer") and isinstance(v, (str, int, float))}
+    return {"messages": [{"role": "user", "content": question}], "answer": answer, "task_name": "math",
+            "metadata": metadata}
+
+
+_NORMALIZERS = {
+    "messages": _from_messages,
+    "sharegpt": _from_sharegpt,
+    "alpaca": _from_alpaca,
+    "prompt_completion": _from_prompt_completion,
+    "squad": _from_squad,
+    "preference": _from_preference,
+    "math": _from_math,
+}

@@ -1,0 +1,81 @@
+"""A resumable loader over in-memory rows: the one data iterator of every algorithm.
+
+Each epoch is a permutation of the rows drawn from `seed + epoch`, so the order is the same
+on every run and after a resume; `state_dict()` is all a checkpoint needs to continue at the
+exact next row.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator, Sequence
+
+
+class RowLoader:
+    """Yields lists of `batch_size` rows, epoch after epoch, shuffled per epoch when asked.
+
+    The last incomplete batch of an epoch is dropped (every step sees a full batch, as with
+    `drop_last=True`); `max_epochs` bounds the iteration (None = endless).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        max_epochs: int | None = None,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(rows) < batch_size:
+            raise ValueError(
+                f"the dataset has {len(rows)} rows, fewer than one batch of {batch_size}: "
+                "add data or lower the batch size"
+            )
+        self.rows = rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.max_epochs = max_epochs
+        self.epoch = 0
+        self.index = 0  # position of the next row within the current epoch's order
+        self._order = self._make_order()
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.rows) // self.batch_size
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        return self
+
+    def __next__(self) -> list[dict[str, Any]]:
+        if self.index + self.batch_size > len(self.rows):
+            self.epoch += 1
+            self.index = 0
+            self._order = self._make_order()
+        if self.max_epochs is not None and self.epoch >= self.max_epochs:
+            raise StopIteration
+        idx = self._order[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return [self.rows[i] for i in idx]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("num_rows") not in (None, len(self.rows)):
+            raise ValueError(
+                f"the checkpoint's data loader saw {state['num_rows']} rows but the dataset now has "
+                f"{len(self.rows)}: resuming would not continue where the run stopped"
+            )
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order = self._make_order()

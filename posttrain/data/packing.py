@@ -1,0 +1,192 @@
+"""Sequence packing and dynamic batching: how rows are grouped into micro-batches by tokens.
+
+Packing puts several sequences into one row; their `position_ids` restart at 0 for each
+sequence and there is no attention mask, which transformers (>= 4.53, all attention
+backends: sdpa, eager, flash-attention varlen) reads as "packed sequences": each token
+attends only to earlier tokens of its own sequence (see `transformers.masking_utils.
+find_packed_sequence_indices`). The model must then be called with `use_cache=False`.
+
+Dynamic batching keeps one sequence per row but sizes micro-batches by a token budget
+(rows x padded length), sorting by length so that little compute goes into padding.
+
+Both work on "units" of `group` consecutive rows (2 for chosen/rejected pairs) that always
+stay in the same micro-batch, in their original order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PACKING_ALGORITHMS = ("modified_first_fit_decreasing", "first_fit_decreasing", "first_fit")
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _first_fit(order: list[int], sizes: list[int], capacity: int, bins: list[list[int]], loads: list[int]) -> None:
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + sizes[i] <= capacity:
+                bins[b].append(i)
+                loads[b] += sizes[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(sizes[i])
+
+
+def pack_bins(sizes: list[int], capacity: int, algorithm: str = "modified_first_fit_decreasing") -> list[list[int]]:
+    """Group item indices into bins whose summed `sizes` are <= `capacity`.
+
+    - "first_fit": items in the given order, each into the first bin with room.
+    - "first_fit_decreasing": the same over items sorted by size, largest first.
+    - "modified_first_fit_decreasing" (Johnson & Garey 1985, "A 71/60 theorem for bin
+      packing"): items > C/2 open one bin each; going forward through those bins, each takes
+      the largest item in (C/3, C/2] that fits; going backward, each takes the smallest item
+      <= C/3 plus the largest other such item that still fits; the rest go first-fit decreasing.
+    Bins are returned with their item indices sorted ascending (original order inside a bin).
+    """
+    if algorithm not in PACKING_ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}; valid: {', '.join(PACKING_ALGORITHMS)}")
+    too_big = [i for i, s in enumerate(sizes) if s > capacity]
+    if too_big:
+        raise ValueError(
+            f"item {too_big[0]} has {sizes[too_big[0]]} tokens, more than the micro-batch token budget "
+            f"{capacity}; raise the *_mb_tokens setting to at least the longest sequence"
+        )
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    if algorithm == "first_fit":
+        _first_fit(list(range(len(sizes))), sizes, capacity, bins, loads)
+    elif algorithm == "first_fit_decreasing":
+        _first_fit(sorted(range(len(sizes)), key=lambda i: -sizes[i]), sizes, capacity, bins, loads)
+    else:
+        order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+        large = [i for i in order if sizes[i] * 2 > capacity]
+        medium = [i for i in order if 3 * sizes[i] > capacity >= 2 * sizes[i]]
+        small = [i for i in order if 3 * sizes[i] <= capacity]
+        for i in large:
+            bins.append([i])
+            loads.append(sizes[i])
+        for b in range(len(bins)):  # forward: largest medium item that fits
+            for j, i in enumerate(medium):
+                if loads[b] + sizes[i] <= capacity:
+                    bins[b].append(medium.pop(j))
+                    loads[b] += sizes[i]
+                    break
+        for b in reversed(range(len(bins))):  # backward: smallest small item + largest that fits with it
+            if len(small) >= 2 and loads[b] + sizes[small[-1]] + sizes[small[-2]] <= capacity:
+                first = small.pop()
+                loads[b] += sizes[first]
+                bins[b].append(first)
+                for j, i in enumerate(small):
+                    if loads[b] + sizes[i] <= capacity:
+                        bins[b].append(small.pop(j))
+                        loads[b] += sizes[i]
+                        break
+        _first_fit(sorted(medium + small, key=lambda i: -sizes[i]), sizes, capacity, bins, loads)
+    return [sorted(b) for b in bins]
+
+
+def _units(lengths: list[int], group: int) -> list[list[int]]:
+    if len(lengths) % group:
+        raise ValueError(f"{len(lengths)} rows do not split into groups of {group} (chosen/rejected pairs)")
+    return [list(range(u, u + group)) for u in range(0, len(lengths), group)]
+
+
+def packed_microbatches(lengths: list[int], token_budget: int, algorithm: str,
+                        group: int = 1) -> list[list[list[int]]]:
+    """Micro-batches of packed rows: `[[row indices of packed row 0, ...], ...]` per micro-batch.
+
+    Sequences are packed into rows as long as the longest unit (a sequence, or a pair with
+    `group=2`), so attention, which costs (row length)^2 per row without a varlen kernel,
+    costs no more than without packing; then as many rows as fit `token_budget`
+    (rows x row length) form one micro-batch. Padding is what packing saves.
+    """
+    units = _units(lengths, group)
+    sizes = [sum(lengths[i] for i in u) for u in units]
+    if max(sizes) > token_budget:
+        raise ValueError(f"a {'pair of sequences' if group > 1 else 'sequence'} has {max(sizes)} tokens, more "
+                         f"than the micro-batch token budget {token_budget}; raise the *_mb_tokens setting")
+    row_len = max(sizes)
+    rows = [[i for u in b for i in units[u]] for b in pack_bins(sizes, row_len, algorithm)]
+    per_mb = max(1, token_budget // row_len)
+    return [rows[s : s + per_mb] for s in range(0, len(rows), per_mb)]
+
+
+def dynamic_microbatches(lengths: list[int], token_budget: int, round_to: int = 1, group: int = 1) -> list[list[int]]:
+    """Row indices of each micro-batch: rows sorted by length (longest first) and cut so that
+    rows x (longest length rounded up to `round_to`) <= `token_budget` (a single row may exceed it)."""
+    units = _units(lengths, group)
+    unit_len = [max(lengths[i] for i in u) for u in units]
+    order = sorted(range(len(units)), key=lambda u: -unit_len[u])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_max = 0
+    for u in order:
+        padded = _round_up(max(current_max, unit_len[u]), round_to)
+        if current and padded * (len(current) + group) > token_budget:
+            batches.append(current)
+            current, current_max = [], 0
+        current.extend(units[u])
+        current_max = max(current_max, unit_len[u])
+    if current:
+        batches.append(current)
+    return [sorted(b) for b in batches]
+
+
+@dataclass
+class PackedRows:
+    """Packed rows `[R, L]` and where each source row sits (source rows in packed order)."""
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L] restarting at 0 for each sequence (and for the padding tail)
+    row: list[int]  # packed row of each source row
+    start: list[int]  # offset of each source row in its packed row
+    length: list[int]  # unpadded length of each source row
+
+
+def pack_rows(input_ids: torch.Tensor, input_lengths: torch.Tensor, rows: list[int], pad_id: int,
+              round_to: int = 1) -> PackedRows:
+    """Pack the unpadded rows of `input_ids [b, S]` into `len(rows)` rows: packed row r holds the
+    next `rows[r]` source rows in order. Rows are right-padded to the longest, rounded up to
+    a multiple of `round_to`."""
+    if sum(rows) != input_ids.shape[0]:
+        raise ValueError(f"pack_rows: row sizes {rows} do not cover the {input_ids.shape[0]} source rows")
+    lengths = [int(x) for x in input_lengths.tolist()]
+    row_of, starts, ids_rows, pos_rows = [], [], [], []
+    src = 0
+    for r, count in enumerate(rows):
+        pieces, positions, offset = [], [], 0
+        for _ in range(count):
+            n = lengths[src]
+            pieces.append(input_ids[src, :n])
+            positions.append(torch.arange(n, device=input_ids.device))
+            row_of.append(r)
+            starts.append(offset)
+            offset += n
+            src += 1
+        ids_rows.append(torch.cat(pieces))
+        pos_rows.append(torch.cat(positions))
+    width = _round_up(max(len(x) for x in ids_rows), round_to)
+    ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    pos = torch.zeros((len(rows), width), dtype=torch.long, device=input_ids.device)
+    for r, (x, p) in enumerate(zip(ids_rows, pos_rows)):
+        ids[r, : len(x)] = x
+        # The padding tail is its own segment (positions 0, 1, ...), so it attends to nothing real.
+        pos[r, : len(p)] = p
+        pos[r, len(p) :] = torch.arange(width - len(p))
+    return PackedRows(input_ids=ids, position_ids=pos, row=row_of, start=starts, length=lengths)
+
+
+def unpack_token_values(values: torch.Tensor, packed: PackedRows, seq_len: int) -> torch.Tensor:
+    """Token-aligned values of packed rows `[R, L]` back to `[b, seq_len]` source rows (zeros
+    beyond each row's length, and at position 0 where the packed value belongs to the
+    previous sequence)."""
+    out = values.new_zeros(len(packed.length), seq_len)
+    for i, (r, s, n) in enumerate(zip(packed.row, packed.start, packed.length)):
+        out[i, 1:n] = values[r, s + 1 : s + n]
+    return out

@@ -1,0 +1,215 @@
+"""Tokenization of canonical rows into training examples and batches.
+
+A conversation is rendered with the tokenizer's chat template (`policy.tokenizer.chat_template`
+overrides it) one message at a time: the text each message adds to the rendered prefix is
+tokenized on its own, so the token boundaries of the loss mask are exact. The loss mask is 1
+on assistant tokens only (content and the template's end-of-turn marker, not the
+`<|assistant|>`-style header the generation prompt adds, so training matches generation).
+
+Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
+them at the right; rows left without a single loss token are removed too. The counts come
+back in the stats dict (the algorithms log them), and a dataset with no row left is an
+error, not a silent zero-step run.
+
+Batches follow the training-batch contract (docs/architecture.md): `input_ids [B, S]`,
+`input_lengths [B]`, `token_mask [B, S]` (1 where token t gets loss), `sample_mask [B]`.
+Preference batches interleave pairs: row 2i is chosen, row 2i+1 rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.schemas import DataConfig, TokenizerConfig
+
+Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
+
+
+def load_tokenizer(cfg: TokenizerConfig):
+    """The tokenizer named by `policy.tokenizer.name` (embedded names resolved), with the
+    config's chat template applied and a pad token (EOS when the tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    from posttrain.embedded import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name))
+    if cfg.chat_template is not None:
+        tok.chat_template = cfg.chat_template
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: Any) -> str:
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+
+
+def tokenize_messages(
+    messages: list[dict[str, str]],
+    tokenizer,
+    *,
+    add_bos: bool = True,
+    add_eos: bool = True,
+    loss_start: int = 0,
+    tools: Any = None,
+) -> Example:
+    """Token ids and loss mask of one conversation.
+
+    Assistant messages at index >= `loss_start` get loss (a preference pair passes the
+    length of its shared prompt, so earlier assistant turns of the context are not trained).
+    `add_bos` prepends BOS unless the template already starts with it; `add_eos` appends EOS
+    unless the template already ends with it (it gets loss when the last message does).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
+            "policy.tokenizer.chat_template (e.g. \"{% for m in messages %}{{ m['content'] }}{% endfor %}\" "
+            "for plain text)"
+        )
+    ids: list[int] = []
+    mask: list[int] = []
+    rendered = ""
+    for i, msg in enumerate(messages):
+        full = _render(tokenizer, messages[: i + 1], False, tools)
+        trains = msg["role"] == "assistant" and i >= loss_start
+        if trains:
+            with_header = _render(tokenizer, messages[:i], True, tools) if i else ""
+            if with_header.startswith(rendered) and full.startswith(with_header):
+                _extend(ids, mask, tokenizer, with_header[len(rendered):], 0)
+                rendered = with_header
+        if not full.startswith(rendered):
+            raise ValueError(
+                "the chat template renders earlier messages differently once later ones are added "
+                f"(message {i}, role {msg['role']!r}), so per-message loss masks cannot be built; "
+                "set policy.tokenizer.chat_template to a template whose renders extend each other"
+            )
+        _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
+        rendered = full
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+        mask.insert(0, 0)
+    if add_eos and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+        mask.append(mask[-1] if mask else 0)
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def _extend(ids: list[int], mask: list[int], tokenizer, text: str, value: int) -> None:
+    if text:
+        new = tokenizer.encode(text, add_special_tokens=False)
+        ids.extend(new)
+        mask.extend([value] * len(new))
+
+
+def _fit(example: Example, max_len: int, policy: str) -> tuple[Example | None, str]:
+    """(example or None, what happened: "ok" | "truncated" | "dropped" | "no_loss")."""
+    status = "ok"
+    if len(example["input_ids"]) > max_len:
+        if policy == "drop":
+            return None, "dropped"
+        example = {k: v[:max_len] for k, v in example.items()}
+        status = "truncated"
+    if not any(example["loss_mask"]):
+        return None, "no_loss"
+    return example, status
+
+
+def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig, what: str) -> None:
+    if kept == 0:
+        raise ValueError(
+            f"no {what} left after applying data.truncation={cfg.truncation!r} at {max_len} tokens "
+            f"({stats}); raise policy.max_total_sequence_length / data.max_input_seq_length or use "
+            "data.truncation=truncate"
+        )
+
+
+def process_sft_rows(
+    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
+) -> tuple[list[Example], dict[str, int]]:
+    """Tokenize SFT rows `{"messages"}`; returns the examples and the counts
+    {rows, kept, truncated, dropped, no_loss} (see the module docstring)."""
+    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    out = []
+    for row in rows:
+        if "messages" not in row:
+            raise ValueError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
+        ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                               tools=row.get("tools"))
+        ex, status = _fit(ex, max_len, cfg.truncation)
+        if status != "ok":
+            stats[status] += 1
+        if ex is not None:
+            out.append(ex)
+    stats["kept"] = len(out)
+    _check_left(len(out), stats, max_len, cfg, "rows")
+    return out, stats
+
+
+def process_preference_rows(
+    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
+) -> tuple[list[tuple[Example, Example]], dict[str, int]]:
+    """Tokenize preference rows into (chosen, rejected) example pairs. Loss tokens are the
+    responses only; a pair is dropped when either side is (counts as in `process_sft_rows`)."""
+    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    out = []
+    for row in rows:
+        if "prompt_messages" not in row:
+            raise ValueError(f"DPO/RM need preference rows (`chosen`/`rejected`), got keys {sorted(row)}")
+        prompt = row["prompt_messages"]
+        pair, statuses = [], []
+        for side in ("chosen", "rejected"):
+            ex = tokenize_messages(prompt + row[side], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                   loss_start=len(prompt), tools=row.get("tools"))
+            ex, status = _fit(ex, max_len, cfg.truncation)
+            pair.append(ex)
+            statuses.append(status)
+        # One count per pair, for what happened to it (a drop outranks a truncation).
+        status = next((s for s in ("dropped", "no_loss", "truncated") if s in statuses), None)
+        if status:
+            stats[status] += 1
+        if all(ex is not None for ex in pair):
+            out.append((pair[0], pair[1]))
+    stats["kept"] = len(out)
+    _check_left(len(out), stats, max_len, cfg, "preference pairs")
+    return out, stats
+
+
+def collate(examples: list[Example], pad_id: int) -> BatchedDataDict:
+    """A training batch from examples: input_ids/token_mask right padded to the longest."""
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    b = len(examples)
+    input_ids = torch.full((b, longest), pad_id, dtype=torch.long)  # [B, S]
+    token_mask = torch.zeros((b, longest), dtype=torch.float32)  # [B, S]
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        input_ids[i, :n] = torch.tensor(ex["input_ids"], dtype=torch.long)
+        token_mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.float32)
+    # Position 0 has no logprob (nothing precedes it), so it never gets loss.
+    token_mask[:, 0] = 0
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=torch.tensor([len(ex["input_ids"]) for ex in examples], dtype=torch.long),  # [B]
+        token_mask=token_mask,
+        sample_mask=torch.ones(b, dtype=torch.float32),  # [B]
+    )
+
+
+def tokenize_sft_rows(
+    rows: list[dict[str, Any]], tokenizer, max_len: int, cfg: DataConfig | None = None
+) -> BatchedDataDict:
+    """SFT rows straight to a training batch (`process_sft_rows` + `collate`), for callers that
+    do not log the truncation counts (e.g. GRPO's warm-up SFT); `cfg` defaults to the schema's."""
+    examples, _ = process_sft_rows(rows, tokenizer, cfg or DataConfig(), max_len)
+    return collate(examples, tokenizer.pad_token_id)
+
+
+def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> BatchedDataDict:
+    """A preference batch: rows 2i (chosen) and 2i+1 (rejected) of pair i."""
+    return collate([ex for pair in pairs for ex in pair], pad_id)

@@ -1,0 +1,223 @@
+"""`RayWorkerGroup`: N Ray actors (one per placement-group bundle) forming a torch.distributed group.
+
+Each actor is its own process hosting one instance of a plain Python `worker_cls` (the
+worker class needs no Ray knowledge). Before the worker is built the host sets RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (a free port found
+on the rank-0 node), torch's thread count from `cluster.cpus_per_worker`, and tees its
+stdout/stderr to a log file so that the driver can show the last lines of a worker that died.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.cluster import RayVirtualCluster
+
+
+def _node_ip_and_free_port() -> tuple[str, int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def _tee_output(log_path: str) -> None:
+    """Send fd 1 and 2 through a pipe to both the original stdout and `log_path`."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    logfile = open(log_path, "ab", buffering=0)
+    original = os.dup(1)
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 1)
+    os.dup2(write_fd, 2)
+
+    def pump() -> None:
+        while True:
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                return
+            os.write(original, chunk)
+            logfile.write(chunk)
+
+    threading.Thread(target=pump, daemon=True, name="log-tee").start()
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+class _WorkerHost:
+    """The Ray actor: sets up the process, then builds and serves one `worker_cls` instance."""
+
+    def __init__(self, env: dict[str, str], log_path: str, threads: int, worker_cls, args, kwargs):
+        _tee_output(log_path)
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(threads)
+        self.worker = worker_cls(*args, **kwargs)
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+
+    def call(self, method: str, *args, **kwargs):
+        # One line per call, so the tail of a dead worker's log says what it was doing.
+        print(f"{time.strftime('%H:%M:%S')} rank {os.environ['RANK']}: {method}", flush=True)
+        return getattr(self.worker, method)(*args, **kwargs)
+
+
+class WorkerError(RuntimeError):
+    """A worker process died; the message names it and shows its last log lines."""
+
+
+class RayWorkerGroup:
+    """One actor per bundle of `cluster`, ranks in bundle order."""
+
+    def __init__(self, cluster: RayVirtualCluster, worker_cls: type, *args, name_prefix: str = "worker",
+                 log_dir: str | None = None, env_vars: dict[str, str] | None = None, **kwargs):
+        self.cluster = cluster
+        self.name = name_prefix
+        self.world_size = cluster.world_size
+        self.log_dir = log_dir or os.path.join(
+            os.environ.get("RAY_TMPDIR", tempfile.gettempdir()), "posttrain-workers",
+            f"{name_prefix}-{uuid.uuid4().hex[:8]}",
+        )
+        pg = cluster.placement_group
+        # Port probe on the rank-0 bundle's node: that is where the rendezvous store listens.
+        addr, port = ray.get(
+            ray.remote(num_cpus=0)(_node_ip_and_free_port)
+            .options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+            .remote()
+        )
+        threads = max(1, int(cluster.cfg.cpus_per_worker))
+        host_cls = ray.remote(_WorkerHost)
+        self.log_paths = [os.path.join(self.log_dir, f"rank{r}.log") for r in range(self.world_size)]
+        self.actors = []
+        for rank in range(self.world_size):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(rank % cluster.workers_per_node),
+                "LOCAL_WORLD_SIZE": str(cluster.workers_per_node),
+                "MASTER_ADDR": addr,
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads),
+                **(env_vars or {}),
+            }
+            actor = host_cls.options(
+                num_cpus=cluster.cfg.cpus_per_worker,
+                num_gpus=1 if cluster.use_gpus else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                name=f"{name_prefix}-{uuid.uuid4().hex[:6]}-rank{rank}",
+            ).remote(env, self.log_paths[rank], threads, worker_cls, args, kwargs)
+            self.actors.append(actor)
+        self._ref_rank: dict[bytes, int] = {}
+        self.worker_info: list[dict[str, Any]] = [{"pid": None, "node": None}] * self.world_size
+        self.worker_info = self.get([a.info.remote() for a in self.actors], _track=False)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def run_all(self, method: str, *args, **kwargs) -> list[ray.ObjectRef]:
+        """`worker.method(*args, **kwargs)` on every worker; futures in rank order."""
+        return [self._track(r, a.call.remote(method, *args, **kwargs)) for r, a in enumerate(self.actors)]
+
+    def run_sharded(self, method: str, batch: BatchedDataDict, *args, batch_size: int | None = None,
+                    **kwargs) -> list[ray.ObjectRef]:
+        """Shard `batch` over the workers (`shard_by_batch_size(world_size, batch_size)`); worker i
+        gets shard i as its first argument. Futures in rank order."""
+        shards = batch.shard_by_batch_size(self.world_size, batch_size=batch_size)
+        return [self._track(r, a.call.remote(method, shards[r], *args, **kwargs))
+                for r, a in enumerate(self.actors)]
+
+    def _track(self, rank: int, ref: ray.ObjectRef) -> ray.ObjectRef:
+        self._ref_rank[ref.binary()] = rank
+        return ref
+
+    def get(self, refs: list[ray.ObjectRef], _track: bool = True) -> list[Any]:
+        """Results of `refs` in order. Waits on all at once, so one dead worker fails the call at
+        once (its peers may be blocked in a collective waiting for it) with a `WorkerError`
+        naming the worker and its last log lines; an exception raised inside a worker is
+        re-raised as its own type."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except RayActorError as e:
+                rank = self._ref_rank.get(ready[0].binary(), refs.index(ready[0]))
+                self._forget(refs)
+                raise self._dead_worker_error(rank, e) from None
+            except RayTaskError as e:
+                # A peer's death often surfaces first as a collective error on a live rank
+                # ("connection reset"): name the dead worker if there is one.
+                dead = self._first_dead(refs, pending)
+                self._forget(refs)
+                if dead is not None:
+                    raise dead from None
+                raise e.as_instanceof_cause() from None
+        self._forget(refs)
+        return ray.get(list(refs))
+
+    def _first_dead(self, refs: list[ray.ObjectRef], pending: list[ray.ObjectRef],
+                    grace_s: float = 10.0) -> WorkerError | None:
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                return self._dead_worker_error(self._ref_rank.get(ref.binary(), refs.index(ref)), e)
+            except RayTaskError:
+                continue
+        return None
+
+    def _forget(self, refs: list[ray.ObjectRef]) -> None:
+        for r in refs:
+            self._ref_rank.pop(r.binary(), None)
+
+    def _dead_worker_error(self, rank: int, err: Exception) -> WorkerError:
+        info = self.worker_info[rank]
+        # A failed constructor carries its traceback in the message; a killed process one line.
+        reason = "\n".join(str(err).splitlines()[-15:]) or type(err).__name__
+        return WorkerError(
+            f"{self.name} worker rank {rank} (pid {info['pid']}, node {info['node']}) died: {reason}\n"
+            f"last lines of its log {self.log_paths[rank]}:\n{self.tail_log(rank)}"
+        )
+
+    def tail_log(self, rank: int, lines: int = 20) -> str:
+        try:
+            with open(self.log_paths[rank], errors="replace") as f:
+                return "".join(deque(f, maxlen=lines)) or "(empty)"
+        except OSError as e:
+            return f"(log unavailable: {e})"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        """Kill the actors and wait until their processes are gone."""
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        # Only processes on this node can be checked from here; Ray reaps the others.
+        here = ray.util.get_node_ip_address()
+        _wait_pids_gone([i["pid"] for i in self.worker_info if i["pid"] and i["node"] == here])
+        self.actors = []
+
+
+def _wait_pids_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)

@@ -1,0 +1,166 @@
+"""Environments as Ray actors behind one driver-side facade, `EnvironmentGroup`.
+
+`create_env(name, cfg)` starts `cfg.num_workers` actors (0 CPUs each: they are light and
+must not starve training) of the environment registered as `name`. `group.step(...)`
+splits the batch into one contiguous slice per actor, runs the slices in parallel and
+gathers them in order. A slice that does not finish within the step time limit, or whose
+actor crashes or raises, scores 0 for its samples (each records "env_error" in its
+metadata, which the rollout counts) and the run goes on; a stuck actor is killed and, like
+a crashed one, restarted by Ray (`max_restarts`). An actor that fails more often than
+`max_restarts` allows is broken for good: the next step raises instead of scoring zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from posttrain.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from posttrain.schemas import EnvWorkerConfig
+
+log = logging.getLogger("posttrain.environments")
+
+
+class EnvironmentActor:
+    """The Ray actor around one environment instance (its methods mirror the interface)."""
+
+    def __init__(self, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
+        self.env = env_cls(cfg)
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
+        return self.env.step(message_logs, metadata)
+
+    def _await_restart(self, i: int, timeout_s: float = 120.0) -> None:
+        """Block until Ray has restarted actor `i` (calls to a restarting actor fail instead of waiting)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(self._actors[i].ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                self._restarting.discard(i)
+                return
+            except (ActorUnavailableError, GetTimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"environment {self.name!r} actor {i} did not restart within {timeout_s:g} s") from e
+                time.sleep(0.2)
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
+        return self.env.global_post_process_and_metrics(batch)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class EnvironmentGroup:
+    """Driver facade over `cfg.num_workers` actors of one environment (see the module docstring)."""
+
+    def __init__(self, name: str, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
+        import ray
+
+        from posttrain.config import validate
+
+        config_class = getattr(env_cls, "config_class", None)
+        if config_class is not None:  # fail on the driver, naming the key, before any actor starts
+            validate(cfg.cfg, config_class, source=f"env.{name}.cfg")
+        self.name = name
+        self.cfg = cfg
+        remote_cls = ray.remote(EnvironmentActor).options(
+            num_cpus=0, max_restarts=cfg.max_restarts, max_task_retries=0
+        )
+        self._actors = [remote_cls.remote(env_cls, cfg) for _ in range(cfg.num_workers)]
+        self._failures = [0] * cfg.num_workers
+        self._restarting: set[int] = set()
+        try:
+            ray.get([a.ready.remote() for a in self._actors])
+        except Exception as e:
+            self.shutdown()
+            raise RuntimeError(f"environment {name!r} failed to start: {e}") from e
+
+    def _slice_timeout(self, n: int) -> float:
+        if self.cfg.step_timeout_s is not None:
+            return self.cfg.step_timeout_s
+        return self.cfg.timeout_s * n + 30.0
+
+    def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
+        """`EnvironmentInterface.step` over the actors; failed slices score 0 (module docstring)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        if len(message_logs) != len(metadata):
+            raise ValueError(f"env {self.name}: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
+        for i in sorted(self._restarting):
+            self._await_restart(i)
+        n = len(message_logs)
+        k = min(len(self._actors), n)
+        bounds = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        started = time.monotonic()
+        pending = [
+            (i, lo, hi, self._actors[i].step.remote(message_logs[lo:hi], metadata[lo:hi]))
+            for i, (lo, hi) in enumerate(bounds)
+        ]
+        parts = []
+        for i, lo, hi, ref in pending:
+            limit = self._slice_timeout(hi - lo)
+            try:
+                parts.append(ray.get(ref, timeout=max(0.0, started + limit - time.monotonic())))
+                continue
+            except GetTimeoutError:
+                error = f"environment {self.name!r} actor {i} did not answer within {limit:g} s"
+                self._count_failure(i, error)
+                ray.kill(self._actors[i], no_restart=False)
+            except RayActorError as e:
+                error = f"environment {self.name!r} actor {i} died: {e}"
+                self._count_failure(i, error)
+            except Exception as e:  # noqa: BLE001 - the environment's step raised: the slice scores 0
+                error = f"environment {self.name!r} step failed: {type(e).__name__}: {e}"
+            log.warning("%s; %d samples score 0", error, hi - lo)
+            parts.append(EnvironmentReturn.failed(metadata[lo:hi], error))
+        return EnvironmentReturn.concat(parts)
+
+    def _count_failure(self, i: int, error: str) -> None:
+        self._failures[i] += 1
+        self._restarting.add(i)
+        if self._failures[i] > self.cfg.max_restarts:
+            raise RuntimeError(
+                f"{error}; it has failed {self._failures[i]} times, more than env.{self.name}.max_restarts="
+                f"{self.cfg.max_restarts}: stopping rather than scoring every sample 0"
+            )
+
+    def _await_restart(self, i: int, timeout_s: float = 120.0) -> None:
+        """Block until Ray has restarted actor `i` (calls to a restarting actor fail instead of waiting)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(self._actors[i].ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                self._restarting.discard(i)
+                return
+            except (ActorUnavailableError, GetTimeoutError) as e:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"environment {self.name!r} actor {i} did not restart within {timeout_s:g} s") from e
+                time.sleep(0.2)
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
+        import ray
+
+        return ray.get(self._actors[0].global_post_process_and_metrics.remote(batch))
+
+    def shutdown(self) -> None:
+        """Close the environments (their child processes) and stop the actors."""
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.get(actor.close.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
+                pass
+            ray.kill(actor, no_restart=True)
+        self._actors = []

@@ -1,0 +1,129 @@
+"""The environment contract (docs/architecture.md) and the per-sample base every built-in
+environment uses, which turns a verifier that raises into reward 0 plus a recorded error.
+
+`step(message_logs, metadata)` gets, per sample, the conversation so far (the last message
+is the model's) and the sample's metadata (for RL rows: the row's `metadata` plus its
+`answer`), and returns an `EnvironmentReturn`. The metadata returned for a sample is what
+the next `step` of a multi-turn conversation receives. A sample whose verification failed
+carries `metadata["env_error"]` (the error text); the rollout counts these as `env_errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("posttrain.environments")
+
+ENV_ERROR_KEY = "env_error"
+
+
+@dataclass
+class EnvironmentReturn:
+    observations: list[dict[str, str]]  # {"role": "environment"|"user", "content": str}, one per sample
+    metadata: list[dict[str, Any]]  # per sample; passed to the next step of a multi-turn conversation
+    next_stop_strings: list[list[str] | None]  # stop strings of the next generation turn (None: defaults)
+    rewards: torch.Tensor  # [B] float
+    terminateds: torch.Tensor  # [B] bool
+    answers: list[str | None]  # the answer the environment extracted (for logs), None if none
+
+    @property
+    def num_errors(self) -> int:
+        """Samples whose verification raised or timed out (they scored 0)."""
+        return sum(1 for m in self.metadata if m.get(ENV_ERROR_KEY))
+
+    @staticmethod
+    def concat(parts: list["EnvironmentReturn"]) -> "EnvironmentReturn":
+        return EnvironmentReturn(
+            observations=[o for p in parts for o in p.observations],
+            metadata=[m for p in parts for m in p.metadata],
+            next_stop_strings=[s for p in parts for s in p.next_stop_strings],
+            rewards=torch.cat([p.rewards.float() for p in parts]) if parts else torch.zeros(0),
+            terminateds=torch.cat([p.terminateds.bool() for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
+            answers=[a for p in parts for a in p.answers],
+        )
+
+    @staticmethod
+    def failed(metadata: list[dict[str, Any]], error: str) -> "EnvironmentReturn":
+        """Every sample scores 0, ends its conversation and records `error`."""
+        n = len(metadata)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": "Environment error."} for _ in range(n)],
+            metadata=[{**m, ENV_ERROR_KEY: error} for m in metadata],
+            next_stop_strings=[None] * n,
+            rewards=torch.zeros(n),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[None] * n,
+        )
+
+
+class EnvironmentInterface(ABC):
+    @abstractmethod
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        """Score the last assistant message of each conversation; see the module docstring."""
+
+    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
+        """Optional hook on the whole rollout batch (e.g. task-level metrics); default: unchanged, none."""
+        return batch, {}
+
+    def close(self) -> None:
+        """Release processes or files the environment holds (called before its actor is stopped)."""
+
+
+@dataclass
+class StepResult:
+    """What a `PerSampleEnvironment` returns for one sample."""
+
+    observation: str
+    reward: float
+    terminated: bool
+    metadata: dict[str, Any]
+    answer: str | None = None
+    next_stop_strings: list[str] | None = None
+
+
+class PerSampleEnvironment(EnvironmentInterface):
+    """An environment defined one sample at a time by `step_one`.
+
+    `step` calls `step_one` per sample; an exception (a broken verifier, a malformed
+    conversation, a timeout) scores that sample 0, ends its conversation, stores the error
+    text in its metadata under "env_error" and is logged. It never stops the batch.
+    """
+
+    @abstractmethod
+    def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
+        """One sample's turn: `messages` ends with the model's message."""
+
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        if len(message_logs) != len(metadata):
+            raise ValueError(f"step: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
+        results = []
+        for i, (messages, meta) in enumerate(zip(message_logs, metadata)):
+            meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
+            try:
+                res = self.step_one(messages, meta)
+            except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
+                error = f"{type(e).__name__}: {e}"
+                log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)
+                res = StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: error})
+            results.append(res)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": r.observation} for r in results],
+            metadata=[r.metadata for r in results],
+            next_stop_strings=[r.next_stop_strings for r in results],
+            rewards=torch.tensor([float(r.reward) for r in results], dtype=torch.float32),
+            terminateds=torch.tensor([bool(r.terminated) for r in results], dtype=torch.bool),
+            answers=[r.answer for r in results],
+        )
+
+
+def last_assistant_text(messages: list[dict[str, str]]) -> str:
+    """Content of the last assistant message; a conversation without one is an error."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            return str(m.get("content", ""))
+    raise ValueError("the conversation has no assistant message to score")

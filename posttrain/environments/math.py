@@ -1,0 +1,55 @@
+"""`math`: reward 1 when the final answer of the model's last message equals the gold answer
+under math-verify (https://github.com/huggingface/Math-Verify), else 0.
+
+- Final answer: the content of the last `\\boxed{...}` (or `\\fbox{...}`), else the last number
+  in the message (thousands separators removed). No answer scores 0 (not an error).
+- Gold answer: the sample's metadata "answer"; a GSM8K solution "... #### 72" gives "72".
+- Equal strings score 1 at once; anything else is compared by math-verify (so 0.5 = \\frac{1}{2})
+  in a child process with a hard time limit of `env.math.timeout_s`: a check that runs over
+  scores 0 and is recorded as an error (see `posttrain.environments.timeout`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
+from posttrain.environments.math_answers import (
+    extract_final_answer,
+    gold_answer,
+    import_math_verify,
+    math_verify_equal,
+)
+from posttrain.environments.timeout import SubprocessRunner
+from posttrain.schemas import EnvWorkerConfig, MathEnvConfig
+
+
+class MathEnvironment(PerSampleEnvironment):
+    config_class = MathEnvConfig
+
+    def __init__(self, cfg: EnvWorkerConfig):
+        self.cfg = MathEnvConfig.model_validate(cfg.cfg)
+        self.timeout_s = cfg.timeout_s
+        self._runner = SubprocessRunner(warmup=import_math_verify)
+
+    def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
+        if "answer" not in metadata or metadata["answer"] is None:
+            raise KeyError("math: the sample's metadata has no 'answer' (the row's gold answer)")
+        gold = gold_answer(metadata["answer"])
+        pred = extract_final_answer(last_assistant_text(messages))
+        if pred is None:
+            correct = False
+        elif pred == gold:
+            correct = True
+        else:
+            correct = self._runner.run(math_verify_equal, (gold, pred, self.cfg.float_rounding), self.timeout_s)
+        return StepResult(
+            observation="Environment: correct" if correct else "Environment: incorrect",
+            reward=1.0 if correct else 0.0,
+            terminated=True,
+            metadata=metadata,
+            answer=pred,
+        )
+
+    def close(self) -> None:
+        self._runner.close()

@@ -1,0 +1,76 @@
+"""Answer logic of the `math` environment, free of torch and Ray: the child process that
+runs math-verify under a time limit imports only this module (and math-verify).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...} (nested braces matched), None if there is none."""
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    depth = 0
+    for i in range(brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[brace + 1 : i].strip()
+    return None
+
+
+def _clean_number(s: str) -> str:
+    return s.replace(",", "").rstrip(".")
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The boxed answer if any, else the last number of `text`, else None."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _NUMBER.findall(text)
+    return _clean_number(numbers[-1]) if numbers else None
+
+
+def gold_answer(answer: Any) -> str:
+    """The reference answer: the text after the last "####" (GSM8K), stripped, else the whole answer."""
+    text = str(answer)
+    if "####" in text:
+        return _clean_number(text.rsplit("####", 1)[1].strip())
+    return text.strip()
+
+
+def import_math_verify() -> None:
+    """Warm-up of a new child: import math-verify once, and silence its warning that its own
+    timeouts are off (expected: the parent enforces the limit)."""
+    import logging
+
+    import math_verify  # noqa: F401
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def math_verify_equal(gold: str, pred: str, float_rounding: int) -> bool:
+    """math-verify equivalence of two answers (runs in the child process; its own SIGALRM
+    timeouts are off because the parent enforces the limit by killing the child)."""
+    from math_verify import parse, verify
+
+    return bool(
+        verify(
+            parse(f"${gold}$", parsing_timeout=None),
+            parse(f"${pred}$", parsing_timeout=None),
+            float_rounding=float_rounding,
+            timeout_seconds=None,
+        )
+    )

@@ -1,0 +1,150 @@
+"""The generation contract shared by every backend (see docs/architecture.md, "Generation").
+
+Input batch (`BatchedDataDict`):
+```
+input_ids      # [B, S] long, right-padded prompts
+input_lengths  # [B]    long, unpadded prompt lengths
+stop_strings   # optional: list (length B) of per-row lists of strings, or None per row
+```
+Output batch:
+```
+output_ids                 # [B, S'] prompt + generated tokens, right padded with pad id
+logprobs                   # [B, S'] token-aligned logprob of each generated token under the
+                           #         sampling distribution (after temperature/top-k/top-p;
+                           #         greedy: the temperature-1 distribution); 0 elsewhere
+generation_lengths         # [B] generated tokens, including the stop/EOS token
+unpadded_sequence_lengths  # [B] input_length + generation_length
+truncated                  # [B] bool, hit max_new_tokens or the context without stopping
+prompt_truncated           # [B] bool, the prompt was left-truncated (overlong_prompt="truncate");
+                           #     output_ids then hold the truncated prompt
+```
+Stop strings: the sequence ends at the token that completes the stop string and that token
+stays in the output (vLLM's `include_stop_str_in_output=True`; HF `generate` does the same).
+Only generated text is searched, never the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+
+
+@runtime_checkable
+class GenerationInterface(Protocol):
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Generate a continuation of every prompt (see the module docstring for the fields)."""
+
+    def prepare_for_generation(self) -> None:
+        """Make the engine ready (allocate, refresh derived weights); idempotent."""
+
+    def finish_generation(self) -> None:
+        """Release what generation holds (caches) so training gets the memory back."""
+
+    def update_weights(self, state_dict_or_ref: Any, version: int) -> None:
+        """Load new weights (a CPU state dict or a Ray ObjectRef to one) tagged with `version`."""
+
+
+def validate_prompts(batch: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the input batch and return (`input_ids [B, S]`, `input_lengths [B]`) on CPU.
+
+    An empty prompt (length 0) or a length beyond the padded width is an error naming the row.
+    """
+    for key in ("input_ids", "input_lengths"):
+        if key not in batch:
+            raise KeyError(f"generation batch is missing {key!r}; it has {sorted(batch.keys())}")
+    ids = batch["input_ids"]
+    lengths = torch.as_tensor(batch["input_lengths"]).long().cpu()
+    if ids.dim() != 2 or lengths.dim() != 1 or ids.shape[0] != lengths.shape[0]:
+        raise ValueError(
+            f"generation batch needs input_ids [B, S] and input_lengths [B], got {tuple(ids.shape)} "
+            f"and {tuple(lengths.shape)}"
+        )
+    empty = (lengths <= 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"empty prompt in generation batch at row(s) {empty[:10]}: every prompt needs >= 1 token")
+    too_long = (lengths > ids.shape[1]).nonzero().flatten().tolist()
+    if too_long:
+        r = too_long[0]
+        raise ValueError(
+            f"input_lengths[{r}] = {int(lengths[r])} exceeds the padded width {ids.shape[1]} of input_ids"
+        )
+    return ids.cpu().long(), lengths
+
+
+def prompt_limits(
+    lengths: torch.Tensor, *, max_total_sequence_length: int, max_new_tokens: int, overlong_prompt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply `overlong_prompt` to prompts that leave no room for a single new token.
+
+    Returns (`keep [B]` = prompt tokens kept from the right end, `prompt_truncated [B]` bool).
+    "error" raises naming the first overlong row; "truncate" keeps the last
+    `max(1, max_total_sequence_length - max_new_tokens)` tokens of each overlong row, so the
+    row can still generate (up to) max_new_tokens.
+    """
+    overlong = lengths >= max_total_sequence_length
+    if bool(overlong.any()) and overlong_prompt == "error":
+        r = int(overlong.nonzero()[0])
+        raise ValueError(
+            f"prompt at row {r} has {int(lengths[r])} tokens, which leaves no room to generate within "
+            f"policy.max_total_sequence_length={max_total_sequence_length} "
+            f"({int(overlong.sum())} overlong row(s)); shorten it or set "
+            f"policy.generation.overlong_prompt=truncate"
+        )
+    keep_len = max(1, max_total_sequence_length - max_new_tokens)
+    keep = torch.where(overlong, torch.full_like(lengths, keep_len), lengths)
+    return keep, overlong
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads outputs: the tokenizer's pad token, else its EOS, else 0."""
+    for t in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if t is not None:
+            return int(t)
+    return 0
+
+
+def combine_stop_strings(cfg_stop: list[str] | None, batch: BatchedDataDict, n: int) -> list[list[str]]:
+    """Per-row stop strings: the config's plus the batch's own `stop_strings` for that row."""
+    rows = batch.get("stop_strings") if "stop_strings" in batch else None
+    out = []
+    for i in range(n):
+        s = list(cfg_stop or [])
+        if rows is not None and rows[i]:
+            s += [x for x in rows[i] if x not in s]
+        if any(x == "" for x in s):
+            raise ValueError(f"empty stop string for row {i}; stop strings must be non-empty")
+        out.append(s)
+    return out
+
+
+def assemble_output(
+    prompts: list[torch.Tensor],
+    generated: list[torch.Tensor],
+    gen_logprobs: list[torch.Tensor],
+    truncated: list[bool],
+    prompt_truncated: torch.Tensor,
+    pad_id: int,
+) -> BatchedDataDict:
+    """Build the output batch from per-row prompt tokens, generated tokens and their logprobs."""
+    n = len(prompts)
+    lens_in = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    lens_gen = torch.tensor([len(g) for g in generated], dtype=torch.long)
+    width = int((lens_in + lens_gen).max())
+    output_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for i in range(n):
+        a, g = int(lens_in[i]), int(lens_gen[i])
+        output_ids[i, :a] = prompts[i]
+        output_ids[i, a : a + g] = generated[i]
+        logprobs[i, a : a + g] = gen_logprobs[i].float()
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=lens_gen,
+        unpadded_sequence_lengths=lens_in + lens_gen,
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+        prompt_truncated=prompt_truncated.clone().bool(),
+    )

@@ -1,0 +1,101 @@
+"""Token sampling and stop detection shared by the generation backends.
+
+Sampling distribution (what `logprobs` report, as vLLM does):
+    l = logits / T;  keep the top-k of l;  keep the smallest prefix of the sorted
+    distribution whose mass reaches top_p (nucleus sampling, Holtzman et al. 2019,
+    https://arxiv.org/abs/1904.09751);  p = softmax(l over the kept tokens).
+Greedy picks argmax(logits) and reports its logprob under softmax(logits) (temperature 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    greedy: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, greedy: bool) -> "SamplingSettings":
+        """From a `GenerationConfig`; temperature 0 means greedy."""
+        return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0)
+
+
+def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
+    """Log-probabilities `[B, V]` of the sampling distribution for `logits [B, V]` (-inf = excluded)."""
+    logits = logits.float()
+    if s.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    if s.temperature != 1.0:
+        logits = logits / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first is always kept).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of `logits [B, V]`; returns (`tokens [B]` long, `logprobs [B]` float32)."""
+    lp = sampling_logprobs(logits, s)
+    if s.greedy:
+        tokens = lp.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, lp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class StopChecker:
+    """Finds the generated token that ends a sequence: EOS / stop token ids, or a completed stop string.
+
+    Stop strings are matched on the decoded text of the generated tokens only. Decoding every
+    row every step would dominate a small model's step time, so a row's tail is decoded only
+    when its new token could complete one of the stop strings: its own text contains a stop
+    string's last character, or it is a partial character (byte-level BPE).
+    """
+
+    def __init__(self, tokenizer, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
+        self._token_texts: list[str] | None = None
+        self._candidate_cache: dict[frozenset[str], torch.Tensor] = {}
+
+    def stop_id_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+
+    def candidates(self, stop_strings: set[str]) -> torch.Tensor:
+        """Bool `[V]`: tokens that may complete one of `stop_strings` (cached per set)."""
+        key = frozenset(stop_strings)
+        if key not in self._candidate_cache:
+            if self._token_texts is None:
+                vocab = len(self.tokenizer)
+                self._token_texts = self.tokenizer.batch_decode([[i] for i in range(vocab)])
+            last_chars = {s[-1] for s in key}
+            mask = [("\ufffd" in t) or any(c in t for c in last_chars) for t in self._token_texts]
+            self._candidate_cache[key] = torch.tensor(mask, dtype=torch.bool)
+        return self._candidate_cache[key]
+
+    def ends_with_stop_string(self, generated: list[int], stop_strings: list[str]) -> bool:
+        """Whether the decoded `generated` tokens contain one of `stop_strings` ending in the last token."""
+        if not stop_strings:
+            return False
+        # 4 tokens per character covers byte-level BPE; the extra 4 covers a cut partial character.
+        tail_tokens = 4 * max(len(s) for s in stop_strings) + 4
+        text = self.tokenizer.decode(generated[-tail_tokens:])
+        prev = self.tokenizer.decode(generated[-tail_tokens:-1]) if len(generated) > 1 else ""
+        # A match already present without the last token would have stopped the row earlier.
+        return any(s in text and s not in prev for s in stop_strings)

@@ -1,0 +1,434 @@
+"""The built-in `torch` generation engine: continuous batching with a slot KV cache.
+
+Why it is fast on a CPU: HF `generate` pays, every step, for mask construction, cache
+bookkeeping, logits processors and stopping criteria written for generality; on a small
+model that overhead dominates. This engine runs its own decode step over the model's
+weights (fused QKV and gate/up projections, one pre-allocated KV cache, a handful of kernels
+per layer), keeps all bookkeeping vectorized, and decodes prompts of any length together:
+each slot of the batch has its own position, so prompts need no left padding and a finished
+sequence's slot is refilled by a waiting prompt (continuous batching) while the others go on.
+
+Supported architectures: the Llama family as laid out by transformers (`model_type` in
+`SUPPORTED_MODEL_TYPES`: Llama, Mistral without a sliding window, Qwen2, Qwen3). For any
+other causal LM use the `hf` backend (the error says so).
+
+KV-cache memory is bounded by `torch_cfg.max_tokens_in_flight`: the engine runs at most
+`max_tokens_in_flight // slot_length` slots, where a slot holds the longest prompt plus
+`max_new_tokens` (capped at the context).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
+from posttrain.generation.interfaces import (
+    assemble_output,
+    combine_stop_strings,
+    pad_token_id,
+    prompt_limits,
+    validate_prompts,
+)
+from posttrain.generation.sampling import SamplingSettings, StopChecker, sample
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Prompts prefilled in one forward are capped at this many (padded) tokens, so that the
+# prefill attention of a large refill stays small next to the KV cache.
+_PREFILL_CHUNK_TOKENS = 16384
+# A free slot is refilled once this fraction of the slots is free (or none is running):
+# a prefill forward costs about as much as a decode step, so refilling one slot at a time
+# would double the forwards in a long tail of short sequences.
+_REFILL_FRACTION = 0.125
+# When no prompt is waiting and at most this fraction of slots is still running, the cache
+# is compacted to the running slots so the tail does not pay for finished ones.
+_COMPACT_FRACTION = 0.5
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_supported(model) -> None:
+    """Raise a clear error when `model` is not a Llama-family causal LM this engine can run."""
+    mt = getattr(model.config, "model_type", None)
+    problem = None
+    if mt not in SUPPORTED_MODEL_TYPES:
+        problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
+        problem = "the model does not have the `model.layers` / `lm_head` layout"
+    elif getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
+        if model.config.sliding_window < model.config.max_position_embeddings:
+            problem = f"sliding-window attention (window {model.config.sliding_window}) is not supported"
+    if problem:
+        raise NotImplementedError(
+            f"the torch generation engine cannot run this model: {problem}; use "
+            f"policy.generation.backend=hf (any causal LM) or vllm"
+        )
+
+
+class _Weights:
+    """The decode-time copy of the model's weights: fused, in the engine's dtype.
+
+    In float32 the unfused tensors are views of the live parameters; the fused QKV and
+    gate/up matrices are copies, which `refresh()` rebuilds after the model's weights change.
+    """
+
+    def __init__(self, model, dtype: torch.dtype, device: torch.device, max_positions: int):
+        check_supported(model)
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        c = model.config
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.n_layers = len(model.model.layers)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[c.hidden_act]
+        # cos/sin for every position, computed once by the model's own rotary module (any rope scaling).
+        rot = model.model.rotary_emb
+        pos = torch.arange(max_positions, device=rot.inv_freq.device)[None]
+        cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=pos.device), pos)
+        self.cos = cos[0].to(device=device, dtype=dtype)  # [P, head_dim]
+        self.sin = sin[0].to(device=device, dtype=dtype)
+        self.refresh()
+
+    def _t(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().to(device=self.device, dtype=self.dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-read every weight from the model (after training or a state-dict load)."""
+        m = self.model
+        self.embed = self._t(m.model.embed_tokens.weight)
+        self.norm = self._t(m.model.norm.weight)
+        self.lm_head = self._t(m.lm_head.weight)
+        self.layers = []
+        for layer in m.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv_bias = None
+            if a.q_proj.bias is not None:
+                qkv_bias = self._t(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            self.layers.append(
+                dict(
+                    ln1=self._t(layer.input_layernorm.weight),
+                    ln2=self._t(layer.post_attention_layernorm.weight),
+                    qkv=self._t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                    qkv_bias=qkv_bias,
+                    o=self._t(a.o_proj.weight),
+                    o_bias=self._t(a.o_proj.bias),
+                    gate_up=self._t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    gate_up_bias=None
+                    if mlp.gate_proj.bias is None
+                    else self._t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
+                    down=self._t(mlp.down_proj.weight),
+                    down_bias=self._t(mlp.down_proj.bias),
+                    q_norm=self._t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
+                    k_norm=self._t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
+                )
+            )
+
+    def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as transformers' Llama computes it (statistics in float32)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding with transformers' rotate-half convention; x [B, h, S, d], cos/sin [B, 1, S, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _SlotCache:
+    """KV cache `[slots, kv_heads, slot_len, head_dim]` per layer; each slot has its own length."""
+
+    def __init__(self, w: _Weights, slots: int, slot_len: int):
+        shape = (slots, w.n_kv, slot_len, w.head_dim)
+        # Zeros, not empty: masked positions get weight 0, and 0 * NaN from uninitialised memory is NaN.
+        self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(w.n_layers)]
+        self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(w.n_layers)]
+
+    def keep(self, idx: torch.Tensor) -> None:
+        # Indexing copies, so the kept cache stays contiguous (decode writes through .view).
+        self.k = [k[idx] for k in self.k]
+        self.v = [v[idx] for v in self.v]
+
+
+def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cos, sin):
+    """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d] with rotary applied."""
+    b, s, _ = h.shape
+    qkv = F.linear(w.rms(h, p["ln1"]), p["qkv"], p["qkv_bias"])
+    nq, nk = w.n_heads * w.head_dim, w.n_kv * w.head_dim
+    q = qkv[..., :nq].view(b, s, w.n_heads, w.head_dim)
+    k = qkv[..., nq : nq + nk].view(b, s, w.n_kv, w.head_dim)
+    v = qkv[..., nq + nk :].view(b, s, w.n_kv, w.head_dim).transpose(1, 2)
+    if p["q_norm"] is not None:
+        q, k = w.rms(q, p["q_norm"]), w.rms(k, p["k_norm"])
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _layer_out(w: _Weights, p: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Residual + output projection + MLP; attn [B, nh, S, d], x [B, S, H]."""
+    b, _, s, _ = attn.shape
+    x = x + F.linear(attn.transpose(1, 2).reshape(b, s, -1), p["o"], p["o_bias"])
+    gu = F.linear(w.rms(x, p["ln2"]), p["gate_up"], p["gate_up_bias"])
+    g, u = gu.chunk(2, dim=-1)
+    return x + F.linear(w.act(g) * u, p["down"], p["down_bias"])
+
+
+def _logits(w: _Weights, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(w.rms(x, w.norm), w.lm_head)
+
+
+def prefill(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+    """Run right-padded prompts `tokens [b, S]` into cache `slots [b]`; returns next-token logits [b, V].
+
+    Right padding needs no mask: with causal attention a real token only sees earlier real
+    tokens, and the padded positions' keys are overwritten by decoding before they are read.
+    """
+    b, s = tokens.shape
+    x = w.embed[tokens]
+    cos, sin = w.cos[:s][None, None], w.sin[:s][None, None]
+    gqa = w.n_heads != w.n_kv
+    for li, p in enumerate(w.layers):
+        q, k, v = _layer_qkv(w, p, x, cos, sin)
+        cache.k[li][slots, :, :s] = k
+        cache.v[li][slots, :, :s] = v
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        x = _layer_out(w, p, x, attn)
+    last = x[torch.arange(b, device=x.device), lengths - 1]
+    return _logits(w, last)
+
+
+def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torch.Tensor, span: int):
+    """One token per slot: `tokens [N]` at `positions [N]` (all slots); returns logits [N, V].
+
+    Attention reads the first `span` cache positions (the longest running sequence), masked
+    per slot to its own length.
+    """
+    n = tokens.shape[0]
+    x = w.embed[tokens][:, None]  # [N, 1, H]
+    cos, sin = w.cos[positions][:, None, None], w.sin[positions][:, None, None]
+    slot_len = cache.k[0].shape[2]
+    # Row of (slot, kv head) at its position in the cache viewed as [N * n_kv * slot_len, d]:
+    # one index_copy_ per tensor is several times cheaper than advanced-index assignment.
+    flat = ((torch.arange(n, device=tokens.device) * w.n_kv)[:, None] + torch.arange(w.n_kv, device=tokens.device))
+    flat = (flat * slot_len + positions[:, None]).reshape(-1)
+    mask = (torch.arange(span, device=tokens.device)[None] <= positions[:, None])[:, None, None]  # [N,1,1,span]
+    gqa = w.n_heads != w.n_kv
+    for li, p in enumerate(w.layers):
+        q, k, v = _layer_qkv(w, p, x, cos, sin)
+        kc, vc = cache.k[li], cache.v[li]
+        kc.view(-1, w.head_dim).index_copy_(0, flat, k.reshape(-1, w.head_dim))
+        vc.view(-1, w.head_dim).index_copy_(0, flat, v.reshape(-1, w.head_dim))
+        attn = F.scaled_dot_product_attention(q, kc[:, :, :span], vc[:, :, :span], attn_mask=mask, enable_gqa=gqa)
+        x = _layer_out(w, p, x, attn)
+    return _logits(w, x[:, 0])
+
+
+def stop_token_ids(tokenizer, model_config, cfg) -> list[int]:
+    """EOS ids (tokenizer's and the model's, unless `cfg.ignore_eos`) plus `cfg.stop_token_ids`."""
+    ids = set(cfg.stop_token_ids or [])
+    if cfg.ignore_eos:
+        return sorted(ids)
+    for e in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(e)
+    return sorted(ids)
+
+
+class TorchGeneration:
+    """The `torch` backend (see the module docstring); implements `GenerationInterface`."""
+
+    def __init__(self, model, tokenizer, cfg, max_total_sequence_length: int, precision: str = "float32",
+                 device: str | torch.device = "cpu"):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model = model.eval()
+        self.context = max_total_sequence_length
+        self.device = torch.device(device)
+        dtype = DTYPES[cfg.torch_cfg.precision or precision]
+        positions = max(max_total_sequence_length, 1)
+        self.weights = _Weights(self.model, dtype, self.device, positions)
+        self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, model.config, cfg))
+        self.pad_id = pad_token_id(tokenizer)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        self.weight_version = 0
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ interface
+
+    def prepare_for_generation(self) -> None:
+        # Colocated: the policy trained the model in place; the fused copies must follow.
+        self.weights.refresh()
+
+    def finish_generation(self) -> None:
+        # The KV cache lives only inside generate(); nothing else is held between calls.
+        return None
+
+    def update_weights(self, state_dict_or_ref, version: int) -> float:
+        """Copy new weights into the existing model (no rebuild); returns the refit seconds."""
+        t0 = time.perf_counter()
+        load_state_dict_inplace(self.model, resolve_state_dict(state_dict_or_ref))
+        self.weights.refresh()
+        self.weight_version = version
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        cfg = self.cfg
+        ids, lengths = validate_prompts(batch)
+        keep, prompt_truncated = prompt_limits(
+            lengths, max_total_sequence_length=self.context, max_new_tokens=cfg.max_new_tokens,
+            overlong_prompt=cfg.overlong_prompt,
+        )
+        n = ids.shape[0]
+        prompts = [ids[i, int(lengths[i] - keep[i]) : int(lengths[i])] for i in range(n)]
+        stops = combine_stop_strings(cfg.stop_strings, batch, n)
+        settings = SamplingSettings.from_config(cfg, greedy)
+        t0 = time.perf_counter()
+        generated, gen_lp, truncated = self._run(prompts, stops, settings)
+        out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+        elapsed = time.perf_counter() - t0
+        self.last_metrics = {
+            "generation/tokens": float(out["generation_lengths"].sum()),
+            "generation/tokens_per_s": float(out["generation_lengths"].sum()) / max(elapsed, 1e-9),
+            "generation/truncated_prompts": float(prompt_truncated.sum()),
+        }
+        return out
+
+    # ------------------------------------------------------------------ the decode loop
+
+    def _num_slots(self, n: int, slot_len: int) -> int:
+        tc = self.cfg.torch_cfg
+        slots = min(tc.max_batch_size, n)
+        if tc.max_tokens_in_flight is not None:
+            if tc.max_tokens_in_flight < slot_len:
+                raise ValueError(
+                    f"policy.generation.torch_cfg.max_tokens_in_flight={tc.max_tokens_in_flight} is smaller "
+                    f"than one sequence ({slot_len} tokens = longest prompt + max_new_tokens); raise it"
+                )
+            slots = min(slots, tc.max_tokens_in_flight // slot_len)
+        return slots
+
+    def _run(self, prompts: list[torch.Tensor], stops: list[list[str]], settings: SamplingSettings):
+        w, dev, n = self.weights, self.device, len(prompts)
+        plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        max_new = torch.clamp(self.context - plen, max=self.cfg.max_new_tokens)
+        slot_len = int((plen + max_new).max())
+        cap = int(max_new.max())
+        num = self._num_slots(n, slot_len)
+        cache = _SlotCache(w, num, slot_len)
+        stop_ids = self.stop.stop_id_tensor(dev)
+        all_stops = {s for row in stops for s in row}
+        cand_table = self.stop.candidates(all_stops).to(dev) if all_stops else None
+
+        req = torch.full((num,), -1, dtype=torch.long)  # request in each slot, -1 = free
+        active = torch.zeros(num, dtype=torch.bool, device=dev)
+        seq_len = torch.zeros(num, dtype=torch.long, device=dev)  # tokens in the cache
+        n_gen = torch.zeros(num, dtype=torch.long, device=dev)
+        limit = torch.ones(num, dtype=torch.long, device=dev)
+        last = torch.zeros(num, dtype=torch.long, device=dev)
+        gen_buf = torch.zeros(num, cap, dtype=torch.long, device=dev)
+        lp_buf = torch.zeros(num, cap, dtype=torch.float32, device=dev)
+        has_stop_str = torch.zeros(num, dtype=torch.bool, device=dev)
+
+        generated: list = [None] * n
+        gen_lp: list = [None] * n
+        truncated = [False] * n
+        waiting = deque(range(n))
+        refill_min = max(1, int(num * _REFILL_FRACTION))
+
+        def record(tok, lp, rows):
+            """Append sampled tokens of `rows` and finish the rows that stop."""
+            nonlocal active
+            gen_buf[rows, n_gen[rows]] = tok
+            lp_buf[rows, n_gen[rows]] = lp
+            n_gen[rows] += 1
+            hit_id = torch.isin(tok, stop_ids)
+            done = hit_id | (n_gen[rows] >= limit[rows])
+            if cand_table is not None:
+                maybe = (cand_table[tok] & has_stop_str[rows] & ~done).nonzero().flatten().tolist()
+                for j in maybe:
+                    s = int(rows[j])
+                    r = int(req[s])
+                    if self.stop.ends_with_stop_string(gen_buf[s, : int(n_gen[s])].tolist(), stops[r]):
+                        done[j] = True
+                        hit_id[j] = True
+            for j in done.nonzero().flatten().tolist():
+                s = int(rows[j])
+                r = int(req[s])
+                g = int(n_gen[s])
+                generated[r] = gen_buf[s, :g].cpu().clone()
+                gen_lp[r] = lp_buf[s, :g].cpu().clone()
+                truncated[r] = not bool(hit_id[j])
+                req[s] = -1
+                active[s] = False
+
+        while waiting or bool(active.any()):
+            free = (req < 0).nonzero().flatten()
+            if waiting and len(free) and (len(free) >= refill_min or not bool(active.any())):
+                take = free[: len(waiting)].tolist()
+                reqs = [waiting.popleft() for _ in take]
+                self._refill(cache, prompts, reqs, take, plen, max_new, stops, settings, req, active, seq_len,
+                             n_gen, limit, last, has_stop_str, record)
+            if not bool(active.any()):
+                continue
+            if not waiting and int(active.sum()) <= num * _COMPACT_FRACTION and num > 1:
+                idx = active.nonzero().flatten()
+                cache.keep(idx)
+                req, active, seq_len, n_gen, limit, last = (t[idx] for t in (req, active, seq_len, n_gen, limit, last))
+                gen_buf, lp_buf, has_stop_str = gen_buf[idx], lp_buf[idx], has_stop_str[idx]
+                num = len(idx)
+            span = int(seq_len.max()) + 1
+            logits = decode(w, cache, last, seq_len, span)
+            tok, lp = sample(logits, settings, self.generator)
+            act = active.nonzero().flatten()
+            seq_len += active.long()
+            last = torch.where(active, tok, last)
+            record(tok[act], lp[act], act)
+        return generated, gen_lp, truncated
+
+    def _refill(self, cache, prompts, reqs, slots, plen, max_new, stops, settings, req, active, seq_len, n_gen,
+                limit, last, has_stop_str, record):
+        """Prefill waiting prompts `reqs` into free `slots` and sample their first token."""
+        dev = self.device
+        start = 0
+        while start < len(reqs):
+            # Grow the chunk while its padded size stays under the prefill budget.
+            end, longest = start, 0
+            while end < len(reqs):
+                longest_next = max(longest, int(plen[reqs[end]]))
+                if end > start and longest_next * (end - start + 1) > _PREFILL_CHUNK_TOKENS:
+                    break
+                longest, end = longest_next, end + 1
+            rs, ss = reqs[start:end], torch.tensor(slots[start:end], dtype=torch.long, device=dev)
+            tokens = torch.full((len(rs), longest), self.pad_id, dtype=torch.long, device=dev)
+            for j, r in enumerate(rs):
+                tokens[j, : len(prompts[r])] = prompts[r].to(dev)
+            lens = plen[rs].to(dev)
+            logits = prefill(self.weights, cache, tokens, lens, ss)
+            tok, lp = sample(logits, settings, self.generator)
+            req[ss.cpu()] = torch.tensor(rs, dtype=torch.long)
+            active[ss] = True
+            seq_len[ss] = lens
+            n_gen[ss] = 0
+            limit[ss] = max_new[rs].to(dev)
+            last[ss] = tok
+            has_stop_str[ss] = torch.tensor([bool(stops[r]) for r in rs], device=dev)
+            record(tok, lp, ss)
+            start = end

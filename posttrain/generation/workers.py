@@ -1,0 +1,124 @@
+"""Separate placement: generation engines as their own Ray actors, refit by version.
+
+```python
+cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2), name="generation")
+gen = GenerationWorkerGroup(cluster, backend="torch", model_path=path, cfg=policy_cfg.generation,
+                            max_total_sequence_length=512)
+out = gen.generate(batch)                                   # shards rows over the workers, gathers
+stats = gen.update_weights(policy.full_state_dict_ref(), version=step)   # {"refit_s": ...}
+```
+Versioning: every generate call carries the version the group expects and a worker whose
+weights are of another version raises, so a batch is never generated with a mix of two
+versions. Each actor runs one call at a time, so an update submitted after a generate waits
+for it, and `update_weights` returns only when every worker holds the new version.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.distributed.worker_group import RayWorkerGroup
+
+
+class WeightVersionError(RuntimeError):
+    """A generation worker holds other weights than the caller expects."""
+
+
+class GenerationWorker:
+    """One generation engine in its own process (hosted by `RayWorkerGroup`)."""
+
+    def __init__(self, backend: str, model_path: str, cfg, max_total_sequence_length: int, precision: str):
+        from posttrain.generation import build_generation
+
+        # Shards of one batch must not replay the same random stream.
+        cfg = cfg.model_copy(update={"seed": cfg.seed + int(os.environ.get("RANK", "0"))})
+        self.engine = build_generation(backend, model_path=model_path, cfg=cfg,
+                                       max_total_sequence_length=max_total_sequence_length, precision=precision)
+        self.version = 0
+
+    def generate(self, batch: BatchedDataDict, greedy: bool, expected_version: int) -> BatchedDataDict:
+        if self.version != expected_version:
+            raise WeightVersionError(
+                f"generation worker rank {os.environ.get('RANK')} holds weights version {self.version}, "
+                f"the caller expects {expected_version} (a refit failed or is missing)"
+            )
+        return self.engine.generate(batch, greedy=greedy)
+
+    def update_weights(self, state_dict, version: int) -> float:
+        """Load the new weights (Ray resolved the trainer's ObjectRef); returns the load seconds."""
+        seconds = self.engine.update_weights(state_dict, version)
+        self.version = version
+        return seconds
+
+    def prepare_for_generation(self) -> None:
+        self.engine.prepare_for_generation()
+
+    def finish_generation(self) -> None:
+        self.engine.finish_generation()
+
+
+class GenerationWorkerGroup:
+    """N generation actors on `cluster`'s bundles; implements `GenerationInterface`."""
+
+    def __init__(self, cluster: RayVirtualCluster, *, backend: str, model_path: str, cfg,
+                 max_total_sequence_length: int, precision: str = "float32", name_prefix: str = "generation"):
+        from posttrain.embedded import resolve_model_path
+
+        self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path), cfg,
+                                      max_total_sequence_length, precision, name_prefix=name_prefix)
+        self.version = 0
+        self.pad_id = self._pad_id(model_path)
+        self.last_refit: dict[str, float] = {}
+
+    @staticmethod
+    def _pad_id(model_path: str) -> int:
+        from transformers import AutoTokenizer
+
+        from posttrain.embedded import resolve_model_path
+        from posttrain.generation.interfaces import pad_token_id
+
+        return pad_token_id(AutoTokenizer.from_pretrained(resolve_model_path(model_path)))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers.actors)
+
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Contiguous row shards (sizes may differ by one) to the workers; outputs in input order."""
+        chunks = [c for c in torch.arange(batch.size).tensor_split(self.num_workers) if len(c)]
+        refs = [
+            self.workers.actors[r].call.remote("generate", batch.select_indices(c), greedy, self.version)
+            for r, c in enumerate(chunks)
+        ]
+        outs = self.workers.get(refs)
+        return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": self.pad_id})
+
+    def update_weights(self, state_dict_or_ref, version: int) -> dict[str, float]:
+        """Refit every worker to `version` from a CPU state dict or (better) one ObjectRef to it.
+
+        Returns {"refit_s": wall seconds, "refit_load_s": slowest worker's load seconds}.
+        """
+        import ray
+
+        from posttrain.distributed.weight_sync import put_state_dict
+
+        t0 = time.perf_counter()
+        ref = state_dict_or_ref if isinstance(state_dict_or_ref, ray.ObjectRef) else put_state_dict(state_dict_or_ref)
+        loads = self.workers.get(self.workers.run_all("update_weights", ref, version))
+        self.version = version
+        self.last_refit = {"refit_s": time.perf_counter() - t0, "refit_load_s": max(loads)}
+        return dict(self.last_refit)
+
+    def prepare_for_generation(self) -> None:
+        self.workers.get(self.workers.run_all("prepare_for_generation"))
+
+    def finish_generation(self) -> None:
+        self.workers.get(self.workers.run_all("finish_generation"))
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()

@@ -1,0 +1,114 @@
+"""Console backend (rich): a progress bar with ETA and one compact line of key metrics per log call."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+# Shown first, in this order, when present (matched as whole words of the metric's leaf name).
+KEY_METRICS = ("loss", "reward", "accuracy", "kl", "entropy", "grad_norm", "lr", "tokens_per_s")
+_MAX_SHOWN = 8
+_MAX_CELL = 300
+
+
+def word_match(key: str, word: str) -> bool:
+    """True when `word` is a whole `_`-separated word of the last `/` segment of `key`."""
+    leaf = key.rsplit("/", 1)[-1]
+    return re.search(rf"(^|_){re.escape(word)}($|_)", leaf) is not None
+
+
+def compact_line(metrics: dict[str, float], step: int, prefix: str, total_steps: int | None) -> str:
+    """`[train] step 3/10 | loss 0.693 | reward 0.25 | ... | time 1.2s`: the key metrics of one step."""
+    plain = {k: v for k, v in metrics.items() if not k.startswith("timing/")}
+    shown: list[str] = []
+    for word in KEY_METRICS:
+        shown += [k for k in plain if word_match(k, word) and k not in shown]
+    if not shown:
+        shown = list(plain)
+    parts = [f"[bold]{escape(prefix)}[/bold] step {step}" + (f"/{total_steps}" if total_steps else "")]
+    parts += [f"{escape(k)} {plain[k]:.4g}" for k in shown[:_MAX_SHOWN]]
+    step_time = sum(v for k, v in metrics.items() if k.startswith("timing/") and k.count("/") == 1)
+    if step_time:
+        parts.append(f"time {step_time:.3g}s")
+    return " | ".join(parts)
+
+
+class ConsoleBackend:
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._total: int | None = None
+
+    def start_progress(self, total_steps: int, initial_step: int = 0) -> None:
+        """Show a progress bar over `total_steps`; `initial_step` steps are already done (a resume)."""
+        self.stop_progress()
+        self._total = total_steps
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[summary]}"),
+            console=self.console,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("steps", total=total_steps, completed=initial_step, summary="")
+
+    def stop_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def update_progress(self, step: int, summary: dict[str, float] | None = None) -> None:
+        """`step` counts completed steps: the bar moves to it (never back); `summary` shows beside it."""
+        if self._progress is None or self._task is None:
+            return
+        done = self._progress.tasks[0].completed
+        fields = {"summary": escape("  ".join(f"{k} {v:.4g}" for k, v in summary.items()))} if summary is not None else {}
+        self._progress.update(self._task, completed=max(done, step), **fields)
+
+    def message(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)
+
+    def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
+        self.console.print(compact_line(metrics, step, prefix, self._total), highlight=False)
+        self.update_progress(step)
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        """Not printed: the resolved config is in `<run_dir>/config.yaml` (`--print-config` shows it)."""
+
+    def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
+        if not rows:
+            return
+        table = Table(title=title, show_lines=True)
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        for col in columns:
+            table.add_column(col, overflow="fold")
+        for row in rows:
+            table.add_row(*(_cell(row.get(c, "")) for c in columns))
+        self.console.print(table)
+
+    def close(self) -> None:
+        self.stop_progress()
+
+
+def _cell(value: Any) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 3] + "..."

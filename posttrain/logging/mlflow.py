@@ -1,0 +1,67 @@
+"""MLflow backend.
+
+Without `logger.mlflow.tracking_uri` the run goes to a local store inside the run
+directory: `sqlite:///<run_dir>/mlflow/mlflow.db` (MLflow 3 keeps its plain-file store in
+maintenance mode and refuses it by default; SQLite is its recommended local file store)
+with artifacts in `<run_dir>/mlflow/artifacts`. Browse with
+`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from posttrain.schemas import MlflowConfig
+
+# MLflow limits: names of [A-Za-z0-9_-. /:]; parameter values of at most 6000 characters.
+_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+_MAX_PARAM_LEN = 6000
+
+
+class MlflowBackend:
+    def __init__(self, cfg: MlflowConfig, run_dir: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
+        store = run_dir / "mlflow"
+        store.mkdir(parents=True, exist_ok=True)
+        self.tracking_uri = cfg.tracking_uri or f"sqlite:///{store.resolve()}/mlflow.db"
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        exp = self._client.get_experiment_by_name(cfg.experiment_name)
+        if exp is None:
+            artifacts = None if cfg.tracking_uri else (store / "artifacts").resolve().as_uri()
+            exp_id = self._client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
+        else:
+            exp_id = exp.experiment_id
+        self.run_id = self._client.create_run(exp_id, run_name=cfg.run_name or run_dir.name).info.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(_BAD_CHARS.sub("_", f"{prefix}/{k}"), float(v), now, step) for k, v in metrics.items()]
+        self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [
+            Param(_BAD_CHARS.sub("_", k), str(v)[:_MAX_PARAM_LEN]) for k, v in _flatten(hparams).items()
+        ]
+        for i in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
+            self._client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,86 @@
+"""PNG plots of the main training curves, from the logged metric records.
+
+One figure per group, for the groups that have data: `reward.png` (reward and accuracy),
+`loss.png`, `kl.png`, `entropy.png`, and `timing.png` (the step-time breakdown: the
+top-level `timing/<phase>` keys stacked). Metrics are matched by whole words of their leaf
+name (`reward`, `val/accuracy`, `kl_penalty`, `gen_kl_error`, ...). Uses matplotlib's Agg
+canvas directly, so pyplot's global state is never touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from posttrain.logging.console import word_match
+
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward", "rewards", "accuracy"),
+    "loss": ("loss",),
+    "kl": ("kl",),
+    "entropy": ("entropy",),
+}
+_MAX_SERIES = 8
+_META = ("step", "prefix", "time")
+
+
+def series_from_records(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """`{"<prefix>/<metric>": {step: value}}`; a step logged twice (a resumed run) keeps the last value."""
+    series: dict[str, dict[int, float]] = {}
+    for rec in records:
+        step, prefix = rec.get("step"), rec.get("prefix", "")
+        if not isinstance(step, int):
+            continue
+        for key, value in rec.items():
+            if key in _META or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            series.setdefault(f"{prefix}/{key}" if prefix else key, {})[step] = float(value)
+    return series
+
+
+def plot_history(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Write the PNGs for whichever groups have data; return their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    series = series_from_records(records)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for group, words in _GROUPS.items():
+        keys = sorted(k for k in series if "timing/" not in k and any(word_match(k, w) for w in words))
+        if not keys:
+            continue
+        fig = Figure(figsize=(7, 4), dpi=100)
+        ax = fig.add_subplot()
+        for key in keys[:_MAX_SERIES]:
+            steps = sorted(series[key])
+            ax.plot(steps, [series[key][s] for s in steps], marker="." if len(steps) < 50 else None, label=key)
+        _finish(ax, group, "value")
+        written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{group}.png"))
+
+    timing = sorted(k for k in series if k.split("/").count("timing") == 1 and k.split("timing/", 1)[1].count("/") == 0)
+    if timing:
+        steps = sorted(set().union(*(series[k] for k in timing)))
+        fig = Figure(figsize=(7, 4), dpi=100)
+        ax = fig.add_subplot()
+        ax.stackplot(steps, [[series[k].get(s, 0.0) for s in steps] for k in timing],
+                     labels=[k.split("timing/", 1)[1] for k in timing])
+        _finish(ax, "step time breakdown", "seconds")
+        written.append(_save(FigureCanvasAgg(fig), fig, out_dir / "timing.png"))
+    return written
+
+
+def _finish(ax: Any, title: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _save(canvas: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    canvas.print_png(str(tmp))
+    tmp.replace(path)  # a viewer never sees a half-written file
+    return path

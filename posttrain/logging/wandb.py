@@ -1,0 +1,46 @@
+"""Weights & Biases backend.
+
+`logger.wandb.mode` (online/offline/disabled) wins over `WANDB_MODE`; when it is null,
+`WANDB_MODE` decides (offline writes `<run_dir>/wandb/offline-run-*` to sync later with
+`wandb sync`). Metrics are logged against their own `global_step` axis, so logging a
+step that wandb has already seen (a resumed run, validation after training at one step)
+is kept rather than dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from posttrain.schemas import WandbConfig
+
+_STEP_KEY = "global_step"
+
+
+class WandbBackend:
+    def __init__(self, cfg: WandbConfig, run_dir: Path, hparams: dict[str, Any]) -> None:
+        import wandb
+
+        self._wandb = wandb
+        mode = cfg.mode or os.environ.get("WANDB_MODE") or None
+        self.run = wandb.init(
+            project=cfg.project,
+            name=cfg.name or run_dir.name,
+            entity=cfg.entity,
+            mode=mode,
+            dir=str(run_dir),
+            config=hparams,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.run.define_metric(_STEP_KEY)
+        self.run.define_metric("*", step_metric=_STEP_KEY)
+
+    def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
+        self.run.log({_STEP_KEY: step, **{f"{prefix}/{k}": v for k, v in metrics.items()}})
+
+    def log_hparams(self, hparams: dict[str, Any]) -> None:
+        """Given to `wandb.init(config=...)` at construction."""
+
+    def close(self) -> None:
+        self.run.finish()

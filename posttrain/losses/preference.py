@@ -1,0 +1,200 @@
+"""Pairwise preference losses: DPO (sigmoid), IPO, SimPO and Bradley-Terry reward models.
+
+Pair batches interleave rows: row 2i is the chosen response of pair i, row 2i+1 the
+rejected one (`needs_pairs = True` tells the policy to keep both in one micro-batch and
+worker shard). Losses and metrics are divided by the GLOBAL number of pairs,
+`global_valid_seqs / 2` (global_valid_seqs counts rows), so micro-batch values sum to the
+global mean.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.losses.utils import masked_mean
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+
+
+def sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
+    """Per-sequence log-likelihood of the masked tokens: `[B, S]` -> `[B]`, the sum or the mean."""
+    return masked_mean(logprobs, token_mask, dim=-1) if average else (logprobs * token_mask).sum(-1)
+
+
+def preference_pair_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    beta: float,
+    name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
+    gamma: float = 0.0,
+) -> torch.Tensor:
+    """Per-pair preference losses `[P]` from per-pair scores `[P]`.
+
+    For "sigmoid" and "ipo", `chosen`/`rejected` are log-ratios log pi(y|x) - log pi_ref(y|x);
+    for "simpo" they are the policy's length-averaged logprobs (reference-free).
+      sigmoid (DPO, https://arxiv.org/abs/2305.18290):  -log sigma(beta * (c - r))
+      ipo     (IPO, https://arxiv.org/abs/2310.12036):  (c - r - 1 / (2 beta))^2   (beta = tau)
+      simpo   (SimPO, https://arxiv.org/abs/2405.14734): -log sigma(beta * (c - r) - gamma)
+    """
+    h = chosen - rejected
+    if name == "sigmoid":
+        return -F.logsigmoid(beta * h)
+    if name == "ipo":
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    if name == "simpo":
+        return -F.logsigmoid(beta * h - gamma)
+    raise ValueError(f"unknown preference loss {name!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
+
+
+def _pair_mask(sample_mask: torch.Tensor) -> torch.Tensor:
+    if sample_mask.shape[0] % 2:
+        raise ValueError(f"a pair batch needs an even number of rows (chosen, rejected), got {sample_mask.shape[0]}")
+    return sample_mask[0::2] * sample_mask[1::2]
+
+
+def _mean(pair_mask: torch.Tensor, n_pairs: torch.Tensor, values: torch.Tensor) -> float:
+    """A metric's share of the global per-pair mean (sums over micro-batches to the mean)."""
+    return masked_mean(values, pair_mask, global_normalization_factor=n_pairs).item()
+
+
+class DPOLoss:
+    """DPO and its variants, with an optional SFT term on the chosen responses.
+
+        loss = preference_loss_weight * mean_pairs(preference_pair_losses(...))
+             + sft_loss_weight * mean_pairs(-log pi(y_chosen | x))
+
+    Inputs: curr `[b, S]` token-aligned policy logprobs; mb["reference_logprobs"] `[b, S]`
+    (not read by "simpo"), mb["token_mask"] `[b, S]` (response tokens), mb["sample_mask"]
+    `[b]`. beta is `dpo.reference_policy_kl_penalty`. Sequence logprobs are token sums, or
+    means when `average_log_probs` (`dpo.preference_average_log_probs`); SimPO always uses
+    means (its length normalisation is the point of the method). The SFT term averages over
+    tokens when `sft_average_log_probs`.
+
+    Metrics (per pair, summing over micro-batches to the global mean): loss,
+    preference_loss, sft_loss, accuracy (chosen reward > rejected reward), rewards_chosen_mean,
+    rewards_rejected_mean, reward_margin; rewards are beta * log-ratio (beta * mean logprob
+    for SimPO).
+    """
+
+    loss_type = "sequence"
+    needs_pairs = True
+
+    def __init__(
+        self,
+        beta: float = 0.05,
+        name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
+        average_log_probs: bool = False,
+        sft_average_log_probs: bool | None = None,
+        preference_loss_weight: float = 1.0,
+        sft_loss_weight: float = 0.0,
+        simpo_gamma: float = 0.5,
+    ):
+        if name not in PREFERENCE_LOSSES:
+            raise ValueError(f"unknown dpo.loss.name {name!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
+        if name == "ipo" and beta <= 0:
+            raise ValueError("IPO needs dpo.reference_policy_kl_penalty > 0 (its target margin is 1 / (2 beta))")
+        self.beta = beta
+        self.name = name
+        self.average_log_probs = average_log_probs or name == "simpo"
+        self.sft_average_log_probs = average_log_probs if sft_average_log_probs is None else sft_average_log_probs
+        self.preference_loss_weight = preference_loss_weight
+        self.sft_loss_weight = sft_loss_weight
+        self.simpo_gamma = simpo_gamma
+
+    @classmethod
+    def from_config(cls, dpo_cfg) -> "DPOLoss":
+        """From the `dpo` section (`posttrain.schemas.DPOConfig`)."""
+        return cls(
+            beta=dpo_cfg.reference_policy_kl_penalty,
+            name=dpo_cfg.loss.name,
+            average_log_probs=dpo_cfg.preference_average_log_probs,
+            sft_average_log_probs=dpo_cfg.sft_average_log_probs,
+            preference_loss_weight=dpo_cfg.preference_loss_weight,
+            sft_loss_weight=dpo_cfg.sft_loss_weight,
+            simpo_gamma=dpo_cfg.loss.simpo_gamma,
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.name != "simpo"
+
+    def __call__(
+        self,
+        curr: torch.Tensor,
+        mb: BatchedDataDict,
+        global_valid_toks: torch.Tensor,
+        global_valid_seqs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb["token_mask"].to(curr.dtype)  # [b, S]
+        pair_mask = _pair_mask(mb["sample_mask"].to(curr.dtype))  # [P]
+        n_pairs = global_valid_seqs / 2
+
+        policy_seq = sequence_logprobs(curr, mask, self.average_log_probs)  # [b]
+        if self.needs_reference:
+            ref_seq = sequence_logprobs(mb["reference_logprobs"].to(curr.dtype), mask, self.average_log_probs)
+            scores = policy_seq - ref_seq  # log-ratios [b]
+        else:
+            scores = policy_seq
+        chosen, rejected = scores[0::2], scores[1::2]  # [P]
+        per_pair = preference_pair_losses(chosen, rejected, self.beta, self.name, self.simpo_gamma)  # [P]
+        pref = masked_mean(per_pair, pair_mask, global_normalization_factor=n_pairs)
+        sft_seq = sequence_logprobs(curr[0::2], mask[0::2], self.sft_average_log_probs)  # [P]
+        sft = masked_mean(-sft_seq, pair_mask, global_normalization_factor=n_pairs)
+        loss = self.preference_loss_weight * pref + self.sft_loss_weight * sft
+
+        with torch.no_grad():
+            rc, rr = self.beta * chosen.detach(), self.beta * rejected.detach()
+            metrics = {
+                "loss": loss.item(),
+                "preference_loss": pref.item(),
+                "sft_loss": sft.item(),
+                "accuracy": _mean(pair_mask, n_pairs, (rc > rr).to(curr.dtype)),
+                "rewards_chosen_mean": _mean(pair_mask, n_pairs, rc),
+                "rewards_rejected_mean": _mean(pair_mask, n_pairs, rr),
+                "reward_margin": _mean(pair_mask, n_pairs, rc - rr),
+                "num_valid_samples": pair_mask.sum().item(),
+            }
+        return loss, metrics
+
+
+class BradleyTerryLoss:
+    """Bradley-Terry reward-model loss (https://arxiv.org/abs/2203.02155, eq. 1):
+
+        loss = mean_pairs( -log sigma(r(x, y_chosen) - r(x, y_rejected)) )
+
+    Inputs: curr = scores `[b]` of a one-label sequence-classification model (rows 2i
+    chosen, 2i+1 rejected), mb["sample_mask"] `[b]`. Metrics (per pair, summing over
+    micro-batches to the global mean): loss, accuracy (chosen scored higher),
+    rewards_chosen_mean, rewards_rejected_mean.
+    """
+
+    loss_type = "sequence"
+    needs_pairs = True
+
+    def __call__(
+        self,
+        curr: torch.Tensor,
+        mb: BatchedDataDict,
+        global_valid_toks: torch.Tensor,
+        global_valid_seqs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if curr.dim() != 1:
+            raise ValueError(f"BradleyTerryLoss takes scores [b], got shape {tuple(curr.shape)}")
+        pair_mask = _pair_mask(mb["sample_mask"].to(curr.dtype))  # [P]
+        n_pairs = global_valid_seqs / 2
+        chosen, rejected = curr[0::2], curr[1::2]  # [P]
+        loss = masked_mean(-F.logsigmoid(chosen - rejected), pair_mask, global_normalization_factor=n_pairs)
+        with torch.no_grad():
+            c, r = chosen.detach(), rejected.detach()
+            metrics = {
+                "loss": loss.item(),
+                "accuracy": _mean(pair_mask, n_pairs, (c > r).to(curr.dtype)),
+                "rewards_chosen_mean": _mean(pair_mask, n_pairs, c),
+                "rewards_rejected_mean": _mean(pair_mask, n_pairs, r),
+                "num_valid_samples": pair_mask.sum().item(),
+            }
+        return loss, metrics

@@ -1,0 +1,474 @@
+"""`FSDPPolicyWorker`: one rank of the policy, hosted by a `RayWorkerGroup` actor.
+
+Every rank loads the model, shards it with FSDP2 (`fully_shard` per decoder layer, then the
+root) over a 1-D data-parallel mesh of WORLD_SIZE ranks (gloo on CPU, nccl on CUDA), and
+serves train / logprob / checkpoint / export / colocated-generation calls. All methods are
+collective: the driver calls them on every rank at once (`Policy` does).
+
+Loss normalization: the driver's loss function divides each micro-batch loss by the GLOBAL
+number of valid tokens (or sequences) of the global batch, counted over all ranks
+(all_reduce). Micro-batch losses are then summed (not averaged) and FSDP's gradient
+reduction sums over ranks (divide factor 1), so gradients do not depend on the micro-batch
+size or the number of workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
+from posttrain.data.batch import BatchedDataDict
+from posttrain.data.packing import dynamic_microbatches, pack_rows, packed_microbatches, unpack_token_values
+from posttrain.distributed.weight_sync import load_state_dict_inplace
+from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
+from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
+from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.schemas import PolicyConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`policy.device`: "auto" is CUDA when present, else CPU."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("policy.device=cuda but torch sees no CUDA device in this worker")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Token-aligned log-probabilities, computed in float32.
+
+        out[b, 0] = 0,   out[b, t] = log softmax(logits[b, t-1])[input_ids[b, t]]  (t >= 1)
+
+    logits `[b, L, V]`, input_ids `[b, L]` -> `[b, L]`. With `chunk_size`, the float32
+    log-softmax is done `chunk_size` positions at a time to bound memory (vocab x positions).
+    """
+    b, length, _ = logits.shape
+    targets = input_ids[:, 1:]
+    step = chunk_size or length
+    parts = []
+    for s in range(0, length - 1, step):
+        e = min(s + step, length - 1)
+        chunk = logits[:, s:e].float()
+        picked = chunk.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1)
+        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    zero = torch.zeros(b, 1, dtype=torch.float32, device=logits.device)
+    return torch.cat([zero, *parts], dim=1)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks, by the class names transformers marks as not splittable."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard "
+                         f"(_no_split_modules={sorted(names)})")
+    return layers
+
+
+class FSDPPolicyWorker:
+    """One FSDP2 rank of the policy (see the module docstring). `setup()` does the loading."""
+
+    def __init__(self, cfg: PolicyConfig, init_reference: bool = True, model_kind: str = "causal_lm"):
+        self.cfg = cfg
+        self.init_reference = init_reference
+        self.model_kind = model_kind
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.gen_engine = None
+        self.weights_version = 0  # bumped by every optimizer step; generation refits when it lags
+        self.gen_version = -1
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.device = resolve_device(cfg.device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    rank=self.rank, world_size=self.world_size)
+        path, hf_config = load_hf_config(cfg.model_name)
+        self.model_path, self.hf_config = path, hf_config
+        n_params = check_fits_in_memory(
+            cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
+            world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            with_reference=self.init_reference, max_memory_fraction=cfg.max_memory_fraction,
+        )
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # keeps worker logs readable line by line
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg))
+        if cfg.tokenizer.chat_template is not None:
+            self.tokenizer.chat_template = cfg.tokenizer.chat_template
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        t0 = time.perf_counter()
+        self.model = self._load_and_shard(path, train=True)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
+        self.reference = self._load_and_shard(path, train=False) if self.init_reference else None
+        return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
+                "pad_id": self.pad_id}
+
+    def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                            fully_shard)
+
+        cfg = self.cfg
+        kwargs = {"num_labels": 1} if self.model_kind == "sequence_classification" else {}
+        model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
+        if self.model_kind == "sequence_classification" and model.config.pad_token_id is None:
+            model.config.pad_token_id = self.pad_id
+        if train:
+            model = maybe_apply_lora(model, cfg.lora)
+            if cfg.dtensor_cfg.activation_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.requires_grad_(False)
+        model.config.use_cache = False
+        compute = DTYPES[cfg.precision]
+        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        shard_kwargs = {
+            "mesh": mesh,
+            # float32 master weights; bf16/fp16 compute, fp32 gradient reduction.
+            "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
+            "offload_policy": CPUOffloadPolicy() if cfg.dtensor_cfg.cpu_offload else OffloadPolicy(),
+        }
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
+        if not cfg.dtensor_cfg.cpu_offload:
+            model.to(self.device)
+        # The loss is already divided by the global counts: sum gradients over ranks, not mean.
+        # Plain SUM collectives (with the factor applied around them) also work on gloo,
+        # which has no PREMUL_SUM/AVG.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        model.train(train)
+        return model
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _microbatches(self, batch: BatchedDataDict, train: bool,
+                      group: int) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Row indices of each micro-batch, and (packing) the number of sequences in each packed row."""
+        cfg = self.cfg
+        lengths = [int(x) for x in batch["input_lengths"].tolist()]
+        packing = cfg.sequence_packing.enabled and self.model_kind == "causal_lm"
+        if packing:
+            budget = cfg.sequence_packing.train_mb_tokens if train else cfg.sequence_packing.logprob_mb_tokens
+            mbs = packed_microbatches(lengths, budget, cfg.sequence_packing.algorithm, group)
+            return [[i for row in mb for i in row] for mb in mbs], [[len(row) for row in mb] for mb in mbs]
+        if cfg.dynamic_batching.enabled:
+            budget = cfg.dynamic_batching.train_mb_tokens if train else cfg.dynamic_batching.logprob_mb_tokens
+            return dynamic_microbatches(lengths, budget, cfg.dynamic_batching.sequence_length_round, group), None
+        size = cfg.train_micro_batch_size if train else cfg.logprob_batch_size
+        if size % group:
+            raise ValueError(f"a pair loss needs an even micro-batch size, got {size} "
+                             f"(policy.{'train_micro_batch_size' if train else 'logprob_batch_size'})")
+        return [list(range(s, min(s + size, len(lengths)))) for s in range(0, len(lengths), size)], None
+
+    def _max_over_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, rows: list[int] | None) -> torch.Tensor:
+        """Token-aligned logprobs `[b, S]` (causal LM) or scores `[b]` (sequence classification);
+        `rows`: pack the micro-batch into rows of that many sequences each (None: no packing)."""
+        ids = mb["input_ids"].to(self.device)
+        lengths = mb["input_lengths"]
+        seq_len = ids.shape[1]
+        if self.model_kind == "sequence_classification":
+            length = self._padded_length(int(lengths.max()), seq_len, self.cfg.make_sequence_length_divisible_by)
+            return model(input_ids=self._fit(ids, length), use_cache=False).logits[:, 0].float()
+        if rows is not None:
+            packed = pack_rows(ids, lengths, rows, self.pad_id, self.cfg.sequence_packing.sequence_length_round)
+            # No attention mask + restarting position_ids = packed sequences in transformers.
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+            lp = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size)
+            return unpack_token_values(lp, packed, seq_len)
+        length = self._padded_length(int(lengths.max()), seq_len, self.cfg.make_sequence_length_divisible_by)
+        fitted = self._fit(ids, length)
+        # Right padding + causal attention: valid tokens never see the padding, so no mask is
+        # needed and attention takes the fast causal path.
+        logits = model(input_ids=fitted, use_cache=False).logits
+        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size)[:, : min(length, seq_len)]
+        valid = torch.arange(lp.shape[1], device=lp.device) < lengths.to(lp.device).unsqueeze(1)
+        lp = lp * valid
+        if lp.shape[1] < seq_len:
+            lp = torch.nn.functional.pad(lp, (0, seq_len - lp.shape[1]))
+        return lp
+
+    @staticmethod
+    def _padded_length(longest: int, seq_len: int, multiple: int) -> int:
+        return -(-longest // multiple) * multiple
+
+    def _fit(self, ids: torch.Tensor, length: int) -> torch.Tensor:
+        if length <= ids.shape[1]:
+            return ids[:, :length]
+        return torch.nn.functional.pad(ids, (0, length - ids.shape[1]), value=self.pad_id)
+
+    # ------------------------------------------------------------------ train
+
+    def train(self, shard: BatchedDataDict, loss_fn: Callable, local_batch_size: int) -> dict[str, Any]:
+        """Optimizer steps over consecutive local global-batch chunks of `local_batch_size` rows."""
+        self.model.train()
+        steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn)
+                 for s in range(0, shard.size, local_batch_size)]
+        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
+        out["lr"] = steps[-1]["lr"]
+        out["num_optimizer_steps"] = len(steps)
+        return out
+
+    def _train_step(self, batch: BatchedDataDict, loss_fn: Callable) -> dict[str, float]:
+        t0 = time.perf_counter()
+        dev = self._comm_device()
+        group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
+        n = batch.size
+        sample_mask = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(n)
+        if "token_mask" in batch:
+            valid_toks = (batch["token_mask"].float() * sample_mask.unsqueeze(-1)).sum()
+        else:
+            valid_toks = (batch["input_lengths"].float() * sample_mask).sum()
+        counts = torch.stack([valid_toks, sample_mask.sum()]).to(dev)
+        dist.all_reduce(counts)
+        global_toks, global_seqs = counts[0].to(self.device), counts[1].to(self.device)
+
+        mbs, packed = self._microbatches(batch, train=True, group=group)
+        # Every rank must run the same number of forward/backward passes (FSDP collectives):
+        # ranks with fewer micro-batches repeat their first one with the loss scaled by 0.
+        n_mb = self._max_over_ranks(len(mbs))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        metrics: dict[str, float] = {}
+        tokens = 0
+        for i in range(n_mb):
+            real = i < len(mbs)
+            mb = batch.select_indices(mbs[i] if real else mbs[0]).to(self.device)
+            curr = self._forward(self.model, mb, packed[i if real else 0] if packed else None)
+            loss, mb_metrics = loss_fn(curr, mb, global_toks, global_seqs)
+            (loss if real else loss * 0.0).backward()
+            if real:
+                loss_sum += float(loss.detach())
+                tokens += int(mb["input_lengths"].sum())
+                _accumulate(metrics, mb_metrics)
+        grad_norm = self._clip_grads()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.weights_version += 1
+        local = {"loss": loss_sum, **metrics}
+        gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local)
+        out: dict[str, float] = {}
+        for g in gathered:
+            _accumulate(out, g)
+        tok = torch.tensor([tokens], dtype=torch.long, device=dev)
+        dist.all_reduce(tok)
+        out.update(grad_norm=grad_norm, lr=lr, num_tokens=float(tok.item()),
+                   global_valid_toks=float(global_toks), global_valid_seqs=float(global_seqs),
+                   num_microbatches=float(n_mb), step_time_s=time.perf_counter() - t0)
+        return out
+
+    def _clip_grads(self) -> float:
+        """Global L2 grad norm over all shards (DTensor-aware); clips to policy.max_grad_norm."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total)
+        return float(total)
+
+    # ------------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def get_logprobs(self, shard: BatchedDataDict, reference: bool = False) -> BatchedDataDict:
+        """`logprobs` (or `reference_logprobs`) `[b, S]` of the rows of `shard`."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("get_reference_logprobs: this Policy was built with init_reference=False")
+        key = "reference_logprobs" if reference else "logprobs"
+        out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
+        return BatchedDataDict({key: self._inference(model, shard, out)})
+
+    @torch.no_grad()
+    def get_scores(self, shard: BatchedDataDict) -> BatchedDataDict:
+        """`scores` `[b]` of a sequence-classification (reward) model."""
+        out = torch.zeros(shard.size, dtype=torch.float32)
+        return BatchedDataDict(scores=self._inference(self.model, shard, out))
+
+    def _inference(self, model: torch.nn.Module, shard: BatchedDataDict, out: torch.Tensor) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        mbs, packed = self._microbatches(shard, train=False, group=1)
+        n_mb = self._max_over_ranks(len(mbs))
+        for i in range(n_mb):
+            if i < len(mbs):
+                out[mbs[i]] = self._forward(model, shard.select_indices(mbs[i]), packed[i] if packed else None).cpu()
+            else:  # keep FSDP collectives in step with ranks that have more micro-batches
+                self._forward(model, self._dummy_batch(), None)
+        model.train(was_training)
+        return out
+
+    def _dummy_batch(self) -> BatchedDataDict:
+        return BatchedDataDict(input_ids=torch.full((1, 2), self.pad_id, dtype=torch.long),
+                               input_lengths=torch.tensor([2]))
+
+    # ------------------------------------------------------------------ weights out
+
+    def _full_state_dict(self, all_ranks: bool) -> dict[str, torch.Tensor]:
+        """The unsharded fp32 state dict: on every rank (`all_ranks`) or on rank 0 only, on CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+        return {k: v.detach().to("cpu") for k, v in sd.items()}
+
+    def _base_weights(self, all_ranks: bool) -> dict[str, torch.Tensor]:
+        """The full state dict in the base architecture's keys (LoRA adapters merged in)."""
+        sd = self._full_state_dict(all_ranks)
+        if sd and self.cfg.lora.enabled:
+            sd = merge_lora_state_dict(sd, self.cfg.lora)
+        return sd
+
+    def full_state_dict_ref(self) -> list | None:
+        """Rank 0: `[ObjectRef]` of the full CPU state dict in Ray's object store (others: None)."""
+        import ray
+
+        sd = self._base_weights(all_ranks=False)
+        return [ray.put(sd)] if self.rank == 0 else None
+
+    def export_hf(self, path: str) -> None:
+        """Rank 0 writes a transformers checkpoint (LoRA: merged weights, or the adapter alone
+        when policy.lora.export == "adapter")."""
+        if self.cfg.lora.enabled and self.cfg.lora.export == "adapter":
+            sd = self._full_state_dict(all_ranks=False)
+            if self.rank == 0:
+                save_adapter(sd, self.cfg.lora, path, base_model_name_or_path=self.cfg.model_name, model=self.model)
+                self.tokenizer.save_pretrained(path)
+        else:
+            sd = self._base_weights(all_ranks=False)
+            if self.rank == 0:
+                save_hf(sd, self.hf_config, self.tokenizer, path, self.model_kind)
+        dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer with torch.distributed.checkpoint; scheduler and HF config on rank 0."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(), "weights_version": self.weights_version},
+                       Path(path) / "trainer_state.pt")
+            # Lets `posttrain convert dcp-to-hf` rebuild the model without the run config.
+            self.hf_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
+            self.tokenizer.save_pretrained(Path(path) / HF_CONFIG_DIR)
+            meta = {"model_kind": self.model_kind, "lora": self.cfg.lora.model_dump()}
+            (Path(path) / META_FILE).write_text(json.dumps(meta, indent=1))
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if not (Path(path) / ".metadata").is_file():
+            raise FileNotFoundError(f"no torch.distributed.checkpoint at {path} (missing .metadata)")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.weights_version = extra["weights_version"]
+        dist.barrier()
+
+    # ------------------------------------------------------------------ colocated generation
+
+    def generate(self, shard: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Generate with the torch engine on this rank's unsharded copy of the policy.
+
+        After each optimizer step the copy is refit in process from the gathered full state
+        dict (a collective, so every rank takes part even with an empty shard)."""
+        self.prepare_for_generation()
+        if shard.size == 0:
+            return BatchedDataDict()
+        return self.gen_engine.generate(shard.to("cpu") if self.device.type == "cpu" else shard, greedy=greedy)
+
+    def prepare_for_generation(self) -> dict[str, float]:
+        if self.gen_version == self.weights_version and self.gen_engine is not None:
+            return {"refit_s": 0.0}
+        t0 = time.perf_counter()
+        sd = self._base_weights(all_ranks=True)
+        if self.gen_engine is None:
+            from posttrain.generation import build_generation
+
+            # Loaded once from the model folder (so buffers such as rotary frequencies are
+            # built), then refit in place from the live weights.
+            copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
+            copy.to(self.device)
+            load_state_dict_inplace(copy, sd)
+            self.gen_engine = build_generation(
+                "torch", model=copy.eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
+                max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
+                device=self.device,
+            )
+        else:
+            self.gen_engine.update_weights(sd, self.weights_version)
+        self.gen_version = self.weights_version
+        refit_s = time.perf_counter() - t0
+        log.info("rank %d: generation refit (weights version %d) took %.3f s", self.rank, self.gen_version, refit_s)
+        return {"refit_s": refit_s}
+
+    def finish_generation(self) -> None:
+        if self.gen_engine is not None:
+            self.gen_engine.finish_generation()
+
+    def generation_metrics(self) -> dict[str, float]:
+        return dict(self.gen_engine.last_metrics) if self.gen_engine is not None else {}
+
+
+def resolve_tokenizer_path(cfg: PolicyConfig) -> str:
+    from posttrain.embedded import resolve_model_path
+
+    return resolve_model_path(cfg.tokenizer.name or cfg.model_name)
+
+
+def _accumulate(into: dict[str, float], metrics: dict[str, Any]) -> None:
+    """Combine loss metrics over micro-batches and ranks: a loss divides its metrics by the
+    global counts like the loss itself, so they add up; keys ending in `_max`/`_min` take the
+    max/min."""
+    for k, v in metrics.items():
+        v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+        if k not in into:
+            into[k] = v
+        elif k.endswith("_max"):
+            into[k] = max(into[k], v)
+        elif k.endswith("_min"):
+            into[k] = min(into[k], v)
+        else:
+            into[k] += v

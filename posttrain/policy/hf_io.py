@@ -1,0 +1,116 @@
+"""Hugging Face model I/O for the policy workers: config loading with clear errors, the
+memory check that runs BEFORE any weights are loaded, model construction, and export."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from posttrain.embedded import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Bytes of training state per parameter, in units of the master-weight size: fp32 weights,
+# fp32 grads, and Adam's two fp32 moments.
+TRAIN_STATE_COPIES = 4
+
+
+def load_hf_config(model_name: str):
+    """`AutoConfig` of a folder, hub id or `embedded:<name>`, failing with the name on error."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model_name)
+    try:
+        return path, AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        where = "local folder" if os.path.isabs(path) or path.startswith(".") else "hub id or folder"
+        raise FileNotFoundError(
+            f"policy.model_name={model_name!r}: cannot load a model config from this {where} "
+            f"({path}): {str(e).splitlines()[0]}"
+        ) from None
+
+
+def model_class(model_kind: str):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kinds = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification}
+    if model_kind not in kinds:
+        raise ValueError(f"unknown model_kind {model_kind!r}; valid: {', '.join(kinds)}")
+    return kinds[model_kind]
+
+
+def count_parameters(config, model_kind: str) -> int:
+    """Parameter count of the model `config` describes, built on the meta device (no memory)."""
+    from accelerate import init_empty_weights
+
+    if model_kind == "sequence_classification":
+        # transformers 5's from_config takes no config kwargs: set the one label on a copy.
+        config = copy.deepcopy(config)
+        config.num_labels = 1
+    with init_empty_weights():
+        model = model_class(model_kind).from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: torch.device, world_size: int,
+                         workers_on_device: int, with_reference: bool, max_memory_fraction: float) -> int:
+    """Raise MemoryError before loading when the model's training state cannot fit; returns the param count.
+
+    Estimate for one device (the node's RAM on CPU, which its `workers_on_device` workers share):
+    the fp32 training state (weights + grads + 2 Adam moments = 4 x 4 bytes per parameter)
+    sharded over `world_size` workers, plus the frozen reference copy (4 bytes per parameter,
+    sharded), plus one unsharded fp32 copy per worker while it loads before sharding.
+    """
+    n = count_parameters(config, model_kind)
+    per_param = 4  # fp32 master weights, whatever the compute precision
+    shard = TRAIN_STATE_COPIES + (1 if with_reference else 0)
+    need = n * per_param * (shard * workers_on_device / world_size + workers_on_device)
+    avail = available_memory_bytes(device)
+    budget = avail * max_memory_fraction
+    if need > budget:
+        gib = 2**30
+        raise MemoryError(
+            f"model {model_name!r} ({n / 1e6:,.1f}M parameters) needs about {need / gib:,.1f} GiB on this "
+            f"{device.type} ({workers_on_device} of {world_size} workers: fp32 weights + grads + 2 Adam states"
+            f"{' + reference' if with_reference else ''}, plus a full copy while loading), but only "
+            f"{budget / gib:,.1f} GiB is allowed ({avail / gib:,.1f} GiB available x "
+            f"policy.max_memory_fraction={max_memory_fraction}); use more workers/nodes, a smaller model, "
+            f"or LoRA"
+        )
+    return n
+
+
+def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str | os.PathLike, model_kind: str) -> None:
+    """Write `state_dict` (full, CPU) as a transformers checkpoint: safetensors + config + tokenizer.
+
+    The model is built on the meta device and takes the given tensors by assignment, so no
+    extra copy is made and transformers handles tied weights and shard files itself.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"num_labels": 1} if model_kind == "sequence_classification" else {}
+    with torch.device("meta"):
+        model = model_class(model_kind).from_config(config, dtype=next(iter(state_dict.values())).dtype, **kwargs)
+    missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise KeyError(f"export_hf: state dict does not match {type(model).__name__}: missing {missing[:5]}, "
+                       f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

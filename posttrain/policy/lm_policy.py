@@ -1,0 +1,168 @@
+"""`Policy`: the driver-side facade over a group of FSDP2 policy workers.
+
+It checks batches early (lengths, batch sizes), shards them over the data-parallel workers,
+dispatches, and gathers the results back in the caller's row order. Every worker method is
+collective, so every call goes to all workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import ray
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.distributed.worker_group import RayWorkerGroup
+from posttrain.policy.fsdp_worker import FSDPPolicyWorker
+from posttrain.schemas import PolicyConfig
+
+log = logging.getLogger(__name__)
+
+
+def validate_policy_config(cfg: PolicyConfig) -> None:
+    """Settings that only make sense together; fails before any worker starts."""
+    for section, name in ((cfg.sequence_packing, "sequence_packing"), (cfg.dynamic_batching, "dynamic_batching")):
+        if section.enabled:
+            for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                if getattr(section, key) is None:
+                    raise ValueError(f"policy.{name}.enabled is true: set policy.{name}.{key} (token budget "
+                                     f"of one micro-batch, e.g. {cfg.max_total_sequence_length * cfg.train_micro_batch_size})")
+    if cfg.sequence_packing.enabled and cfg.dynamic_batching.enabled:
+        raise ValueError("policy.sequence_packing and policy.dynamic_batching are alternatives: enable one")
+    if cfg.dtensor_cfg.tensor_parallel_size != 1 or cfg.dtensor_cfg.context_parallel_size != 1:
+        raise ValueError("policy.dtensor_cfg.tensor_parallel_size/context_parallel_size > 1 are not supported yet: "
+                         "the policy is data-parallel FSDP2 over all workers")
+
+
+class Policy:
+    """See docs/architecture.md ("Policy")."""
+
+    def __init__(self, cluster: RayVirtualCluster, cfg: PolicyConfig, *, init_reference: bool = True,
+                 model_kind: str = "causal_lm", name_prefix: str = "policy"):
+        validate_policy_config(cfg)
+        self.cfg = cfg
+        self.model_kind = model_kind
+        self.workers = RayWorkerGroup(cluster, FSDPPolicyWorker, cfg, init_reference=init_reference,
+                                      model_kind=model_kind, name_prefix=name_prefix)
+        self.dp = self.workers.world_size
+        try:
+            info = self.workers.get(self.workers.run_all("setup"))
+        except BaseException:
+            self.workers.shutdown()
+            raise
+        self.num_parameters = info[0]["num_parameters"]
+        self.pad_id = info[0]["pad_id"]
+        self.last_generation_metrics: dict[str, float] = {}
+        log.info("policy %s: %d workers, %.2fM parameters, loaded in %.1f s", cfg.model_name, self.dp,
+                 self.num_parameters / 1e6, info[0]["load_s"])
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_batch(self, batch: BatchedDataDict, what: str) -> None:
+        for key in ("input_ids", "input_lengths"):
+            if key not in batch:
+                raise KeyError(f"{what}: the batch has no {key!r} (keys: {sorted(batch)})")
+        lengths = batch["input_lengths"]
+        longest = int(lengths.max())
+        if longest > self.cfg.max_total_sequence_length:
+            row = int(lengths.argmax())
+            raise ValueError(f"{what}: row {row} has {longest} tokens, more than "
+                             f"policy.max_total_sequence_length={self.cfg.max_total_sequence_length}")
+        if longest > batch["input_ids"].shape[1]:
+            raise ValueError(f"{what}: row {int(lengths.argmax())} has input_length {longest} > input_ids width "
+                             f"{batch['input_ids'].shape[1]}")
+
+    def _padded(self, batch: BatchedDataDict) -> BatchedDataDict:
+        """`batch` with its last row repeated up to a multiple of the worker count."""
+        extra = -batch.size % self.dp
+        if not extra:
+            return batch
+        return batch.select_indices(list(range(batch.size)) + [batch.size - 1] * extra)
+
+    def _sharded(self, method: str, batch: BatchedDataDict, *args, pad_values: dict | None = None) -> BatchedDataDict:
+        n = batch.size
+        outs = self.workers.get(self.workers.run_sharded(method, self._padded(batch), *args))
+        return BatchedDataDict.from_batches(outs, pad_value_dict=pad_values).slice(0, n)
+
+    # ------------------------------------------------------------------ train and inference
+
+    def train(self, batch: BatchedDataDict, loss_fn: Callable) -> dict[str, float]:
+        """One optimizer step per `policy.train_global_batch_size` rows of `batch`; returns loss,
+        grad_norm, lr (of the last step), and the loss function's metrics (means over the steps)."""
+        self._check_batch(batch, "train")
+        gbs = self.cfg.train_global_batch_size
+        if batch.size == 0 or batch.size % gbs:
+            raise ValueError(f"train: batch of {batch.size} rows is not a multiple of "
+                             f"policy.train_global_batch_size={gbs}")
+        if gbs % self.dp:
+            raise ValueError(f"policy.train_global_batch_size={gbs} does not split over {self.dp} workers")
+        local = gbs // self.dp
+        if getattr(loss_fn, "needs_pairs", False) and local % 2:
+            raise ValueError(f"train: {type(loss_fn).__name__} needs chosen/rejected pairs, but each of the "
+                             f"{self.dp} workers would get {local} rows (odd); make "
+                             "policy.train_global_batch_size / workers even")
+        refs = self.workers.run_sharded("train", batch, loss_fn, local, batch_size=gbs)
+        return self.workers.get(refs)[0]
+
+    def get_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:
+        """`logprobs [B, S]`: position t = log p(token_t | <t) under the current policy; 0 at t=0 and padding."""
+        self._check_batch(batch, "get_logprobs")
+        return self._sharded("get_logprobs", batch, False)
+
+    def get_reference_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:
+        """`reference_logprobs [B, S]` under the frozen reference policy (the initial weights)."""
+        self._check_batch(batch, "get_reference_logprobs")
+        return self._sharded("get_logprobs", batch, True)
+
+    def get_scores(self, batch: BatchedDataDict) -> BatchedDataDict:
+        """`scores [B]` of a reward model (model_kind="sequence_classification")."""
+        if self.model_kind != "sequence_classification":
+            raise ValueError("get_scores needs a Policy with model_kind='sequence_classification'")
+        self._check_batch(batch, "get_scores")
+        return self._sharded("get_scores", batch)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Colocated generation: each worker generates its shard with the torch engine on its own
+        unsharded copy of the current weights (refit in process after each train step)."""
+        out = self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id})
+        metrics = self.workers.get(self.workers.run_all("generation_metrics"))
+        self.last_generation_metrics = metrics[0]
+        return out
+
+    def prepare_for_generation(self) -> dict[str, float]:
+        """Refit the generation copies to the current weights; returns {"refit_s": seconds (rank 0)}."""
+        return self.workers.get(self.workers.run_all("prepare_for_generation"))[0]
+
+    def finish_generation(self) -> None:
+        self.workers.get(self.workers.run_all("finish_generation"))
+
+    def full_state_dict_ref(self) -> ray.ObjectRef:
+        """Ref to the full CPU state dict (base-model keys, LoRA merged) in Ray's object store."""
+        return self.workers.get(self.workers.run_all("full_state_dict_ref"))[0][0]
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Sharded model + optimizer (torch.distributed.checkpoint) + scheduler into folder `path`."""
+        self.workers.get(self.workers.run_all("save_checkpoint", os.path.abspath(path)))
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        self.workers.get(self.workers.run_all("load_checkpoint", os.path.abspath(path)))
+
+    def export_hf(self, path: str | os.PathLike) -> None:
+        """safetensors + config + tokenizer that `AutoModelForCausalLM.from_pretrained(path)` loads."""
+        self.workers.get(self.workers.run_all("export_hf", os.path.abspath(path)))
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+    # Worker processes are named in errors; this lets tests and tools reach them.
+    @property
+    def worker_info(self) -> list[dict[str, Any]]:
+        return self.workers.worker_info
+

@@ -1,0 +1,121 @@
+"""LoRA through peft (`policy.lora`), and its export: merged weights or the adapter alone.
+
+`maybe_apply_lora(model, cfg)` wraps a model in a peft `PeftModel` when `policy.lora.enabled`;
+the worker applies it before sharding, so only the adapter (and, for reward models, the
+score head) trains. The export helpers work on a FULL state dict of the wrapped model (what
+a worker gathers from its FSDP shards), so they need no live peft module:
+
+- `merge_lora_state_dict(sd, cfg)`: the base model's state dict with every adapted linear
+  weight replaced by W + (alpha / r) * B @ A (LoRA, https://arxiv.org/abs/2106.09685, eq. 3);
+  loadable by the base architecture's `from_pretrained`, and what generation engines get.
+- `adapter_state_dict(sd)` / `save_adapter(...)`: the adapter alone in peft's on-disk layout
+  (`adapter_model.safetensors` + `adapter_config.json`), loadable by
+  `peft.PeftModel.from_pretrained(base_model, path)`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from posttrain.schemas import LoraConfig
+
+_PEFT_PREFIX = "base_model.model."
+_ADAPTER = "default"  # peft's name for the one adapter maybe_apply_lora adds
+
+
+def _peft_config(cfg: LoraConfig, model: Any):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType
+
+    # Sequence classification: peft also trains (and saves) the freshly initialised score head.
+    is_cls = type(model).__name__.endswith("ForSequenceClassification")
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type=TaskType.SEQ_CLS if is_cls else TaskType.CAUSAL_LM,
+    )
+
+
+def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
+    """`model` wrapped with trainable LoRA adapters when `cfg.enabled`, else `model` itself.
+
+    Base weights are frozen (requires_grad False); lora_A is initialised randomly and lora_B
+    to zero, so the wrapped model starts out computing exactly the base model.
+    """
+    if not cfg.enabled:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, _peft_config(cfg, model))
+
+
+def is_lora_state_dict(sd: dict[str, Any]) -> bool:
+    return any(".lora_A." in k for k in sd)
+
+
+def merge_lora_state_dict(sd: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """A base-model state dict from a full peft state dict: W + (alpha / r) * B @ A.
+
+    Keys lose peft's `base_model.model.` prefix and `.base_layer`; a modules-to-save copy
+    (the reward model's trained score head) replaces its original.
+    """
+    if not is_lora_state_dict(sd):
+        raise ValueError("merge_lora_state_dict: the state dict holds no LoRA weights (policy.lora.enabled false?)")
+    if any("lora_embedding_" in k for k in sd):
+        raise ValueError("merge_lora_state_dict: LoRA on embeddings is not supported; target linear layers only")
+    scale = cfg.alpha / cfg.rank
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if ".lora_A." in key or ".lora_B." in key or ".original_module." in key:
+            continue
+        name = key.removeprefix(_PEFT_PREFIX)
+        if ".base_layer." in name:
+            module = key.split(".base_layer.")[0]
+            name = name.replace(".base_layer.", ".")
+            if key.endswith(".weight"):
+                a = sd[f"{module}.lora_A.{_ADAPTER}.weight"]  # [r, in]
+                b = sd[f"{module}.lora_B.{_ADAPTER}.weight"]  # [out, r]
+                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
+        elif f".modules_to_save.{_ADAPTER}." in name:
+            name = name.replace(f".modules_to_save.{_ADAPTER}.", ".")
+        out[name] = value
+    return out
+
+
+def adapter_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter weights (and modules-to-save) of a full peft state dict, in peft's saved
+    key layout (the adapter name dropped)."""
+    out = {}
+    for key, value in sd.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            out[key.replace(f".{_ADAPTER}.", ".")] = value
+        elif f".modules_to_save.{_ADAPTER}." in key:
+            out[key.replace(f".modules_to_save.{_ADAPTER}.", ".")] = value
+    if not out:
+        raise ValueError("adapter_state_dict: the state dict holds no LoRA weights (policy.lora.enabled false?)")
+    return out
+
+
+def save_adapter(
+    sd: dict[str, torch.Tensor],
+    cfg: LoraConfig,
+    path: str | os.PathLike,
+    base_model_name_or_path: str,
+    model: Any = None,
+) -> None:
+    """Write the adapter of a full peft state dict as `adapter_model.safetensors` +
+    `adapter_config.json` (peft's layout). `model` (the base or wrapped model, any rank's
+    copy) picks the task type; None means a causal LM."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    peft_cfg = _peft_config(cfg, model)
+    peft_cfg.base_model_name_or_path = base_model_name_or_path
+    peft_cfg.save_pretrained(str(path))
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(sd).items()}
+    save_file(tensors, os.path.join(str(path), "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,101 @@
+"""Optimizer and LR-scheduler chain from config, by name.
+
+`policy.optimizer.name` is a registry name ("adamw", "adam", "sgd") or a dotted import path
+("torch.optim.AdamW"). `policy.scheduler` follows NeMo RL: a list of entries with
+`name` (a class of `torch.optim.lr_scheduler` such as "LinearLR", or a dotted path such as
+"torch.optim.lr_scheduler.CosineAnnealingLR") and `kwargs`; an entry with `milestones`
+chains the named ones into a `SequentialLR` switching at those steps. No entries: constant LR.
+The scheduler steps once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Iterable
+
+import torch
+from torch.optim import lr_scheduler as lrs
+
+from posttrain.schemas import OptimizerConfig, SchedulerEntry
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+SCHEDULERS: dict[str, type] = {
+    name: obj for name, obj in vars(lrs).items()
+    if isinstance(obj, type) and issubclass(obj, lrs.LRScheduler) and obj is not lrs.LRScheduler
+    and name not in ("SequentialLR", "ChainedScheduler", "ReduceLROnPlateau", "_LRScheduler")
+}
+
+
+def _import_dotted(path: str):
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import {path!r}: {e}") from None
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name` over `params`, with `cfg.kwargs`."""
+    if cfg.name.lower() in OPTIMIZERS:
+        cls = OPTIMIZERS[cfg.name.lower()]
+    elif "." in cfg.name:
+        cls = _import_dotted(cfg.name)
+    else:
+        raise ValueError(
+            f"unknown policy.optimizer.name {cfg.name!r}; valid: {', '.join(OPTIMIZERS)} "
+            "or a dotted import path such as 'torch.optim.AdamW'"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"policy.optimizer.name {cfg.name!r} is not a torch.optim.Optimizer subclass")
+    try:
+        return cls(params, **cfg.kwargs)
+    except TypeError as e:
+        raise ValueError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
+
+
+def _scheduler_cls(name: str) -> type:
+    if name in SCHEDULERS:
+        return SCHEDULERS[name]
+    if "." in name:
+        cls = _import_dotted(name)
+        if isinstance(cls, type) and issubclass(cls, lrs.LRScheduler):
+            return cls
+        raise ValueError(f"policy.scheduler name {name!r} is not an LR scheduler class")
+    raise ValueError(
+        f"unknown policy.scheduler name {name!r}; valid: {', '.join(sorted(SCHEDULERS))} "
+        "or a dotted import path such as 'torch.optim.lr_scheduler.LinearLR'"
+    )
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry]) -> lrs.LRScheduler:
+    """The LR scheduler chain of `policy.scheduler` (see the module docstring)."""
+    named = [e for e in entries if e.name is not None]
+    milestones = [e.milestones for e in entries if e.milestones is not None]
+    if len(milestones) > 1:
+        raise ValueError("policy.scheduler has more than one `milestones` entry")
+    if not named:
+        if milestones:
+            raise ValueError("policy.scheduler has `milestones` but no scheduler entries to chain")
+        return lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    schedulers = []
+    for i, e in enumerate(named):
+        cls = _scheduler_cls(e.name)
+        try:
+            schedulers.append(cls(optimizer, **e.kwargs))
+        except TypeError as err:
+            raise ValueError(f"policy.scheduler[{i}] ({e.name}) kwargs {e.kwargs}: {err}") from None
+    if len(schedulers) == 1:
+        if milestones:
+            raise ValueError("policy.scheduler: `milestones` needs at least two schedulers to switch between")
+        return schedulers[0]
+    if not milestones or len(milestones[0]) != len(schedulers) - 1:
+        raise ValueError(
+            f"policy.scheduler has {len(schedulers)} schedulers: add an entry `milestones` with "
+            f"{len(schedulers) - 1} step(s) at which to switch (got {milestones[0] if milestones else None})"
+        )
+    return lrs.SequentialLR(optimizer, schedulers, milestones=milestones[0])

@@ -1,0 +1,196 @@
+"""Single- and multi-turn rollouts: generation + environments -> a token-aligned batch.
+
+One code path serves both: a single-turn task is a multi-turn rollout whose environment
+terminates after the first answer. Per turn, the active conversations are generated in one
+batch, the environments score them (grouped by each row's `task_name`), and the
+observations of conversations that go on are appended as chat messages, tokenized with the
+tokenizer's chat template. Loss masks cover generated tokens only; a conversation that
+reaches `max_seq_len` stops and is counted as truncated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+
+
+class _EnvGroup(Protocol):
+    def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> Any: ...
+
+
+@dataclass
+class Conversation:
+    """The state of one rollout: its tokens and what the loss and the logs need of them."""
+
+    messages: list[dict[str, str]]
+    metadata: dict[str, Any]
+    task_name: str
+    tokens: list[int]
+    prompt_length: int
+    generated_mask: list[int] = field(default_factory=list)
+    generation_logprobs: list[float] = field(default_factory=list)
+    stop_strings: list[str] | None = None
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    turns: int = 0
+    response_tokens: int = 0
+    env_errors: int = 0
+
+
+@dataclass
+class RolloutResult:
+    batch: BatchedDataDict  # input_ids/token_mask/generation_logprobs [B, S]; input_lengths, rewards, truncated [B]
+    conversations: list[Conversation]
+    metrics: dict[str, float]
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the chat template, ending in the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _observation_tokens(tokenizer, before: list[dict[str, str]], observation: dict[str, str]) -> list[int]:
+    """Tokens the chat template adds for `observation` plus the next generation prompt.
+
+    Rendered as the difference between the template over the conversation with and without
+    the observation, so templates that inject text between turns stay exact. Chat templates
+    know user/assistant/system/tool roles; an environment's message is shown as a user turn.
+    """
+    role = observation.get("role", "user")
+    message = {"role": "user" if role == "environment" else role, "content": observation["content"]}
+    prev = tokenizer.apply_chat_template(before, tokenize=False)
+    full = tokenizer.apply_chat_template(before + [message], tokenize=False, add_generation_prompt=True)
+    delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
+        [message], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(delta, add_special_tokens=False)["input_ids"]
+
+
+def start_conversations(tokenizer, rows: Sequence[dict[str, Any]]) -> list[Conversation]:
+    convs = []
+    for row in rows:
+        messages = [dict(m) for m in row["messages"]]
+        tokens = render_prompt(tokenizer, messages)
+        metadata = dict(row.get("metadata") or {})
+        if "answer" in row:
+            metadata.setdefault("answer", row["answer"])
+        convs.append(
+            Conversation(
+                messages=messages,
+                metadata=metadata,
+                task_name=row.get("task_name", "math"),
+                tokens=tokens,
+                prompt_length=len(tokens),
+                generated_mask=[0] * len(tokens),
+                generation_logprobs=[0.0] * len(tokens),
+                stop_strings=row.get("stop_strings"),
+            )
+        )
+    return convs
+
+
+def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=dtype)
+    return out
+
+
+def run_rollouts(
+    generation,
+    rows: Sequence[dict[str, Any]],
+    envs: dict[str, _EnvGroup],
+    tokenizer,
+    *,
+    max_turns: int,
+    max_seq_len: int,
+    greedy: bool = False,
+) -> RolloutResult:
+    """Roll out every row to termination (or `max_turns` / `max_seq_len`) and score it.
+
+    `generation` follows `posttrain.generation.GenerationInterface`; `envs` maps task names
+    to environment groups. Returns the training-ready batch (right padded with the pad id):
+    `input_ids [B, S]`, `input_lengths [B]`, `token_mask [B, S]` (1 on generated tokens),
+    `generation_logprobs [B, S]`, `rewards [B]`, `truncated [B]`, `response_lengths [B]`.
+    """
+    missing = sorted({r.get("task_name", "math") for r in rows} - set(envs))
+    if missing:
+        raise ValueError(f"rows name task(s) {missing} but only environments {sorted(envs)} are configured (env section)")
+    convs = start_conversations(tokenizer, rows)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generated_tokens = 0
+    for turn in range(max_turns):
+        active = [c for c in convs if not c.done]
+        if not active:
+            break
+        gen_in = BatchedDataDict(
+            input_ids=_pad([c.tokens for c in active], pad_id, torch.long),
+            input_lengths=torch.tensor([len(c.tokens) for c in active], dtype=torch.long),
+            stop_strings=[c.stop_strings for c in active],
+        )
+        out = generation.generate(gen_in, greedy=greedy)
+        for j, c in enumerate(active):
+            start, n = len(c.tokens), int(out["generation_lengths"][j])
+            new = out["output_ids"][j, start : start + n].tolist()
+            c.tokens += new
+            c.generated_mask += [1] * n
+            c.generation_logprobs += out["logprobs"][j, start : start + n].tolist()
+            c.response_tokens += n
+            c.turns += 1
+            c.messages.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
+            if bool(out["truncated"][j]):
+                c.truncated = True
+            generated_tokens += n
+
+        by_task: dict[str, list[Conversation]] = defaultdict(list)
+        for c in active:
+            by_task[c.task_name].append(c)
+        for task, group in by_task.items():
+            ret = envs[task].step([c.messages for c in group], [c.metadata for c in group])
+            for k, c in enumerate(group):
+                c.reward += float(ret.rewards[k])
+                c.metadata = ret.metadata[k] if ret.metadata[k] is not None else c.metadata
+                if c.metadata.get("env_error"):
+                    c.env_errors += 1
+                last_turn = turn == max_turns - 1
+                if bool(ret.terminateds[k]) or last_turn or c.truncated:
+                    c.done = True
+                    continue
+                obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k])
+                if len(c.tokens) + len(obs_tokens) >= max_seq_len:
+                    c.done = c.truncated = True
+                    continue
+                c.messages.append(ret.observations[k])
+                c.tokens += obs_tokens
+                c.generated_mask += [0] * len(obs_tokens)
+                c.generation_logprobs += [0.0] * len(obs_tokens)
+                c.stop_strings = ret.next_stop_strings[k]
+
+    batch = BatchedDataDict(
+        input_ids=_pad([c.tokens for c in convs], pad_id, torch.long),
+        input_lengths=torch.tensor([len(c.tokens) for c in convs], dtype=torch.long),
+        token_mask=_pad([c.generated_mask for c in convs], 0, torch.float32),
+        generation_logprobs=_pad([c.generation_logprobs for c in convs], 0.0, torch.float32),
+        rewards=torch.tensor([c.reward for c in convs], dtype=torch.float32),
+        truncated=torch.tensor([c.truncated for c in convs], dtype=torch.bool),
+        response_lengths=torch.tensor([c.response_tokens for c in convs], dtype=torch.float32),
+    )
+    n = len(convs)
+    metrics = {
+        "reward": float(batch["rewards"].mean()),
+        "response_length_mean": float(batch["response_lengths"].mean()),
+        "response_length_max": float(batch["response_lengths"].max()),
+        "truncation_rate": float(batch["truncated"].float().mean()),
+        "turns_mean": sum(c.turns for c in convs) / n,
+        "env_errors": float(sum(c.env_errors for c in convs)),
+        "generated_tokens": float(generated_tokens),
+    }
+    return RolloutResult(batch=batch, conversations=convs, metrics=metrics)

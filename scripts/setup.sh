@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv and install posttrain into it, keeping the CPU build of torch.
+#
+#   bash scripts/setup.sh          # runtime dependencies
+#   bash scripts/setup.sh --dev    # + test/benchmark dependencies (pytest, wandb, mlflow, trl)
+#
+# torch is installed first, pinned (POSTTRAIN_TORCH, default torch==2.13.0: on CPU machines
+# this is the CPU wheel), and every later install is constrained to the torch that is
+# installed, so no dependency can pull a multi-GB CUDA build over it. On a GPU machine, install
+# the CUDA torch you want into .venv first (or set POSTTRAIN_TORCH); it is kept as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing ${POSTTRAIN_TORCH:-torch==2.13.0}"
+  "${pip[@]}" install "${POSTTRAIN_TORCH:-torch==2.13.0}"
+fi
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+echo "torch==${torch_version}" > .venv/torch-constraint.txt
+
+echo "[setup] installing posttrain${extras} (torch kept at ${torch_version})"
+"${pip[@]}" install -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+.venv/bin/python -c "import posttrain, torch; print(f'[setup] posttrain {posttrain.__version__} ready, torch {torch.__version__}')"

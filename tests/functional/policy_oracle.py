@@ -1,0 +1,52 @@
+"""Plain single-process transformers references for the policy tests (no Ray, no FSDP)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.data.batch import BatchedDataDict
+
+SEQ = 16
+LENGTHS = [16, 9, 12, 5]
+
+
+def make_batch(lengths=LENGTHS, seq=SEQ, seed=0) -> BatchedDataDict:
+    """Right-padded rows of random tokens; loss on positions >= 3 (the "response")."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    ids = torch.randint(8, 60, (n, seq), generator=g)
+    lengths_t = torch.tensor(lengths)
+    pos = torch.arange(seq).unsqueeze(0)
+    ids[pos >= lengths_t.unsqueeze(1)] = 0  # pad id of the embedded tokenizer
+    token_mask = ((pos >= 3) & (pos < lengths_t.unsqueeze(1))).float()
+    return BatchedDataDict(input_ids=ids, input_lengths=lengths_t, token_mask=token_mask,
+                           sample_mask=torch.ones(n))
+
+
+def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
+    """log_softmax of a plain forward (each row alone, unpadded) gathered at the next tokens; `[B, S]`."""
+    out = torch.zeros(batch["input_ids"].shape)
+    for r in range(batch.size):
+        n = int(batch["input_lengths"][r])
+        ids = batch["input_ids"][r : r + 1, :n]
+        logits = model(input_ids=ids).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        out[r, 1:n] = lp
+    return out
+
+
+def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float):
+    """NLL over all masked tokens / their count, one plain SGD step: (loss, grad_norm, new state dict)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    curr = reference_logprobs(model, batch)
+    mask = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
+    loss = -(curr * mask).sum() / mask.sum()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return loss.item(), grad_norm.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}

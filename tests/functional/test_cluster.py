@@ -1,0 +1,90 @@
+"""RayVirtualCluster and RayWorkerGroup with real processes."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.distributed.worker_group import RayWorkerGroup, WorkerError
+from posttrain.schemas import ClusterConfig
+
+
+class EchoWorker:
+    """Joins the torch.distributed group from the env the worker group sets."""
+
+    def __init__(self, tag: str):
+        import torch.distributed as dist
+
+        self.tag = tag
+        dist.init_process_group("gloo")
+        print(f"{tag} ready on rank {os.environ['RANK']}", flush=True)
+
+    def env(self):
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        return {k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
+
+    def all_reduce(self, x: float) -> float:
+        t = torch.tensor([x])
+        torch.distributed.all_reduce(t)
+        return t.item()
+
+    def rows(self, batch: BatchedDataDict, scale: int) -> list[int]:
+        return [int(v) * scale for v in batch["x"]]
+
+    def fail(self):
+        raise ValueError(f"bad value on {self.tag}")
+
+
+@pytest.fixture(scope="module")
+def group(ray_session):
+    # Test-module classes are not importable in the worker processes: ship them by value.
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, cpus_per_worker=1), name="cluster-test")
+    g = RayWorkerGroup(cluster, EchoWorker, "echo", name_prefix="echo")
+    yield g
+    g.shutdown()
+    cluster.shutdown()
+
+
+def test_ranks_env_and_collective(group):
+    envs = group.get(group.run_all("env"))
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and envs[0]["threads"] == 1
+    assert group.get(group.run_all("all_reduce", 1.5)) == [3.0, 3.0]
+    assert len({i["pid"] for i in group.worker_info} | {os.getpid()}) == 3  # own processes
+
+
+def test_run_sharded_and_worker_exception(group):
+    batch = BatchedDataDict(x=torch.arange(6))
+    assert group.get(group.run_sharded("rows", batch, 10)) == [[0, 10, 20], [30, 40, 50]]
+    with pytest.raises(ValueError, match="bad value on echo"):
+        group.get(group.run_all("fail"))
+    assert "echo ready on rank 1" in group.tail_log(1)
+
+
+def test_unsatisfiable_request_fails_fast_with_numbers(ray_session):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"asked for 64 bundles of \{'CPU': 1.0\}.*Ray offers \{CPU: "):
+        RayVirtualCluster(ClusterConfig(workers_per_node=64, placement_timeout_s=1.0))
+    assert time.monotonic() - t0 < 10
+
+
+def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name="short")
+    g = RayWorkerGroup(cluster, EchoWorker, "solo", name_prefix="solo")
+    pid = g.worker_info[0]["pid"]
+    os.kill(pid, 9)
+    with pytest.raises(WorkerError, match=rf"(?s)solo worker rank 0 \(pid {pid}, node .*solo ready on rank 0"):
+        g.get(g.run_all("env"))
+    g.shutdown()
+    g2 = RayWorkerGroup(cluster, EchoWorker, "again", name_prefix="again")
+    pid2 = g2.worker_info[0]["pid"]
+    g2.shutdown()
+    cluster.shutdown()
+    for p in (pid, pid2):
+        with pytest.raises(ProcessLookupError):
+            os.kill(p, 0)

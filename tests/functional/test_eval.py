@@ -1,0 +1,156 @@
+"""`posttrain eval` end to end: real data, real models, the real math and arithmetic
+environments, on Ray. stories260K cannot do arithmetic, so GSM8K accuracy is ~0: the test
+checks the files, the counts, the metric ranges and that the reported metrics follow from the
+per-sample records."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.evals import pass_at_k
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs" / "evals"
+
+
+@pytest.fixture(scope="module")
+def stories_hf(shared_data, tmp_path_factory):
+    from posttrain.convert.llama2c import convert
+
+    src = os.path.join(shared_data, "models", "stories260K")
+    return str(convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"),
+                       tmp_path_factory.mktemp("s260") / "hf"))
+
+
+def _read(save_dir: Path):
+    results = json.loads((save_dir / "results.json").read_text())
+    samples = [json.loads(line) for line in (save_dir / "samples.jsonl").read_text().splitlines()]
+    return results, samples
+
+
+def _check_consistent(results, samples, num_prompts, n):
+    assert results["num_prompts"] == num_prompts and results["num_samples"] == num_prompts * n == len(samples)
+    assert [(s["prompt_index"], s["sample_index"]) for s in samples] == [
+        (p, j) for p in range(num_prompts) for j in range(n)
+    ]
+    for k in range(1, n + 1):
+        for name in (f"pass@{k}", f"cons@{k}"):
+            assert 0.0 <= results[name] <= 1.0
+        per_prompt = [sum(s["correct"] for s in samples[p * n:(p + 1) * n]) for p in range(num_prompts)]
+        expected = sum(pass_at_k(n, c, k) for c in per_prompt) / num_prompts
+        assert results[f"pass@{k}"] == pytest.approx(expected)
+    assert results["num_correct"] == sum(s["correct"] for s in samples)
+    assert results["accuracy"] == pytest.approx(results["num_correct"] / len(samples))
+    assert results["num_truncated"] == sum(s["truncated"] for s in samples)
+    assert all(s["correct"] == (s["reward"] > 0) for s in samples)
+    assert results["num_env_errors"] == 0
+    assert results["generated_tokens"] == sum(s["response_tokens"] for s in samples) > 0
+
+
+def test_eval_gsm8k_20_problems_with_stories260k(ray_session, stories_hf, tmp_path):
+    from posttrain.algorithms.eval import run
+
+    save = tmp_path / "gsm8k"
+    cfg = load_config("eval", CONFIGS / "gsm8k.yaml", [
+        f"policy.model_name={stories_hf}", "policy.generation.backend=torch", "policy.precision=float32",
+        "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=24",
+        "policy.generation_batch_size=16", "cluster.gpus_per_node=0", "env.math.num_workers=1",
+        "eval.max_samples=20", "eval.num_tests_per_prompt=2", "eval.k_value=2", "eval.metric=cons@k",
+        f"eval.save_path={save}", f"logger.log_dir={tmp_path / 'logs'}",
+    ])
+    summary = run(cfg)
+    results, samples = _read(save)
+    assert summary["results_path"] == str(save / "results.json")
+    assert results["metric"] == "cons@2" and results["score"] == results["cons@2"]
+    assert results["greedy"] is False  # 2 samples per prompt: sampled
+    _check_consistent(results, samples, 20, 2)
+    gold = [json.loads(line) for line in open(os.path.join(os.environ.get("POSTTRAIN_SHARED_DATA", str(
+        Path(__file__).resolve().parents[3] / "shared" / "data")), "gsm8k", "test.jsonl"))][:20]
+    assert [s["reference_answer"] for s in samples[::2]] == [g["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+                                                             for g in gold]
+    assert samples[0]["prompt"][0]["content"].startswith(gold[0]["question"])
+    assert "\\boxed{}" in samples[0]["prompt"][0]["content"]  # the prompt file was applied
+    assert all(0 < s["response_tokens"] <= 24 for s in samples)
+    assert results["accuracy"] <= 0.1  # a 260K-parameter story model does not solve GSM8K
+    assert results["config"]["policy"]["model_name"] == stories_hf
+
+
+def test_eval_arithmetic_config(ray_session, tmp_path):
+    from posttrain.algorithms.eval import run
+
+    save = tmp_path / "arith"
+    cfg = load_config("eval", CONFIGS / "arithmetic.yaml", [f"eval.save_path={save}", f"logger.log_dir={save}"])
+    run(cfg)
+    results, samples = _read(save)
+    _check_consistent(results, samples, 20, 4)
+    assert results["metric"] == "pass@4" and results["score"] == results["pass@4"]
+    assert all(s["task_name"] == "arithmetic" and s["prompt"][0]["content"].endswith("=") for s in samples)
+    # The arithmetic environment's answer is the whole response: cons@k votes over responses.
+    assert all(s["extracted_answer"] == s["response"].strip() for s in samples)
+    assert (save / "config.yaml").is_file() and (save / "metrics.jsonl").is_file()
+
+
+def test_eval_rejects_k_above_n():
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="k_value"):
+        load_config("eval", CONFIGS / "arithmetic.yaml", ["eval.k_value=5"])
+
+
+def test_eval_story_task_scores_above_zero(ray_session, stories_hf, tmp_path, monkeypatch):
+    """A task stories260K can do: its stories mention the prompt's animal (`story` env), so the
+    scores are non-zero and pass@k grows with k."""
+    from posttrain.algorithms.eval import run
+    from posttrain.data import datasets
+    from posttrain.environments import ENVIRONMENTS
+    from posttrain.environments.story import StoryEnvironment, make_story_rows
+
+    monkeypatch.setitem(ENVIRONMENTS, "story", StoryEnvironment)
+    monkeypatch.setitem(datasets.REGISTRY, "stories", make_story_rows)
+    save = tmp_path / "story"
+    cfg = load_config("eval", None, [
+        f"policy.model_name={stories_hf}", "policy.device=cpu", "policy.max_total_sequence_length=128",
+        "policy.generation.max_new_tokens=32", "policy.generation_batch_size=32", "data.dataset_name=stories",
+        "data.num_val=8", "eval.num_tests_per_prompt=4", "eval.k_value=4", f"eval.save_path={save}",
+        f"logger.log_dir={save}", "cluster.gpus_per_node=0",
+    ])
+    run(cfg)
+    results, samples = _read(save)
+    _check_consistent(results, samples, 8, 4)
+    assert 0.0 < results["pass@1"] < results["pass@4"] <= 1.0
+    assert 0.0 < results["mean_reward"] < 1.0
+    assert all(s["extracted_answer"].isdigit() for s in samples)  # the mention count
+
+
+def test_eval_rejects_overlong_prompts_at_setup(stories_hf, tmp_path):
+    from posttrain.algorithms.eval import setup
+
+    cfg = load_config("eval", CONFIGS / "gsm8k.yaml", [
+        f"policy.model_name={stories_hf}", "policy.generation.backend=torch", "policy.precision=float32",
+        "policy.max_total_sequence_length=64", "eval.max_samples=5", f"eval.save_path={tmp_path}",
+        "cluster.gpus_per_node=0",
+    ])
+    with pytest.raises(ValueError, match=r"prompts of 'gsm8k' .* row 0, \d+ tokens.*overlong_prompt=truncate"):
+        setup(cfg)
+
+
+def test_eval_local_file_is_evaluated_whole(ray_session, stories_hf, tmp_path):
+    """A file named by data.dataset_name: every row is scored (no validation split held out)."""
+    from posttrain.algorithms.eval import run
+
+    rows = [{"question": f"What is {a} plus {a}?", "answer": str(2 * a)} for a in range(1, 5)]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save = tmp_path / "out"
+    run(load_config("eval", None, [
+        f"policy.model_name={stories_hf}", "policy.device=cpu", "policy.max_total_sequence_length=64",
+        "policy.generation.max_new_tokens=8", f"data.dataset_name={path}", f"eval.save_path={save}",
+        f"logger.log_dir={save}", "cluster.gpus_per_node=0",
+    ]))
+    results, samples = _read(save)
+    _check_consistent(results, samples, 4, 1)
+    assert results["greedy"] is True  # one sample per prompt: greedy
+    assert [s["reference_answer"] for s in samples] == ["2", "4", "6", "8"]
+    assert all(s["task_name"] == "math" for s in samples)

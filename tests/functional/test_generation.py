@@ -1,0 +1,229 @@
+"""The torch and hf generation backends on a tiny model: equality with HF greedy, logprob
+agreement with a plain forward, refit, seeding, continuous batching and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_generation_helpers import (
+    PROMPTS,
+    forward_logprobs,
+    generated_mask,
+    make_batch,
+    perturb_,
+    perturbed_tiny,
+    token_mult_prob_error,
+)
+
+from posttrain.generation import build_generation
+from posttrain.schemas import GenerationConfig
+
+CTX = 128
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_path):
+    return perturbed_tiny(tiny_model_path)
+
+
+def engine(backend, model, tok, **cfg_kw):
+    torch_cfg = cfg_kw.pop("torch_cfg", {})
+    cfg = GenerationConfig(**cfg_kw)
+    for k, v in torch_cfg.items():
+        setattr(cfg.torch_cfg, k, v)
+    precision = "bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32"
+    return build_generation(backend, model=model, tokenizer=tok, cfg=cfg, max_total_sequence_length=CTX,
+                            precision=precision)
+
+
+def test_unknown_backend_lists_valid(model_tok):
+    model, tok = model_tok
+    with pytest.raises(ValueError, match="valid: torch, hf, vllm"):
+        build_generation("tensorrt", model=model, tokenizer=tok, cfg=GenerationConfig(), max_total_sequence_length=CTX)
+
+
+def test_greedy_torch_equals_hf_with_stop_strings(model_tok):
+    model, tok = model_tok
+    batch = make_batch(tok)
+    free = engine("hf", model, tok, max_new_tokens=24).generate(batch, greedy=True)
+    # A stop string that row 0 produces mid-way (per-row), and a global one never produced.
+    a = int(batch["input_lengths"][0])
+    row0 = tok.decode(free["output_ids"][0, a + 6 : a + 8])
+    batch["stop_strings"] = [[row0]] + [None] * (batch.size - 1)
+    kw = dict(max_new_tokens=24, stop_strings=["@@never@@"])
+    ref = engine("hf", model, tok, **kw).generate(batch, greedy=True)
+    out = engine("torch", model, tok, **kw).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    assert out["generation_lengths"].tolist() == ref["generation_lengths"].tolist()
+    assert out["truncated"].tolist() == ref["truncated"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    # Row 0 stopped on its stop string, which stays in the output (at most 8 tokens: 6 + 2).
+    g0 = int(out["generation_lengths"][0])
+    assert g0 <= 8 and not out["truncated"][0]
+    assert tok.decode(out["output_ids"][0, a : a + g0]).endswith(row0)
+    # The mix has both EOS-stopped and length-truncated rows, so both paths are compared.
+    assert bool(out["truncated"].any())
+
+
+def test_continuous_batching_equals_one_batch(model_tok):
+    """2 slots for 12 rows: slots are refilled and the cache compacted; greedy results are unchanged."""
+    model, tok = model_tok
+    batch = make_batch(tok, repeat=2)
+    batch["stop_strings"] = [["e"] if i % 3 == 0 else None for i in range(batch.size)]
+    full = engine("torch", model, tok, max_new_tokens=20).generate(batch, greedy=True)
+    small = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_batch_size": 2}).generate(batch, greedy=True)
+    assert small["output_ids"].tolist() == full["output_ids"].tolist()
+    torch.testing.assert_close(small["logprobs"], full["logprobs"], atol=1e-4, rtol=0)
+    budget = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_tokens_in_flight": 80})
+    assert budget.generate(batch, greedy=True)["output_ids"].tolist() == full["output_ids"].tolist()
+
+
+def test_token_budget_smaller_than_a_sequence_fails(model_tok):
+    model, tok = model_tok
+    e = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_tokens_in_flight": 10})
+    with pytest.raises(ValueError, match="max_tokens_in_flight=10"):
+        e.generate(make_batch(tok))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1.01), (torch.bfloat16, 1.05)])
+def test_sampled_logprobs_match_forward(tiny_model_path, dtype, bound):
+    model, tok = perturbed_tiny(tiny_model_path, dtype=dtype)
+    batch = make_batch(tok, repeat=4)
+    out = engine("torch", model, tok, max_new_tokens=32, temperature=1.0).generate(batch)
+    train = forward_logprobs(model, out)
+    err = token_mult_prob_error(batch, out, train)
+    assert 1.0 <= err < bound
+    assert int(generated_mask(batch, out).sum()) > 100
+    # Logprobs sit exactly on the generated tokens (token-aligned, 0 on the prompt and padding).
+    assert bool((out["logprobs"][~generated_mask(batch, out)] == 0).all())
+    assert bool((out["logprobs"][generated_mask(batch, out)] < 0).all())
+
+
+def test_logprobs_are_of_the_sampling_distribution(model_tok):
+    """temperature 0.7 + top_k 5: logprobs are log_softmax(logits / T) renormalised over the top 5."""
+    model, tok = model_tok
+    batch = make_batch(tok)
+    out = engine("torch", model, tok, max_new_tokens=16, temperature=0.7, top_k=5).generate(batch)
+    ids = out["output_ids"]
+    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / 0.7
+    kth = logits.topk(5, dim=-1).values[..., -1:]
+    lp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    m = generated_mask(batch, out)
+    assert bool(torch.isfinite(expected[m]).all()), "a token outside the top 5 was sampled"
+    torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
+
+
+def test_refit_in_process(tiny_model_path):
+    """After update_weights the engine uses the new weights (no rebuild): logprobs change and agree again."""
+    model, tok = perturbed_tiny(tiny_model_path)
+    e = engine("torch", model, tok, max_new_tokens=16)
+    batch = make_batch(tok)
+    before = e.generate(batch, greedy=True)
+    assert token_mult_prob_error(batch, before, forward_logprobs(model, before)) < 1.01
+
+    trained = copy.deepcopy(model)
+    perturb_(trained, std=0.3, seed=2)
+    seconds = e.update_weights(trained.state_dict(), version=7)
+    assert e.weight_version == 7 and seconds >= 0
+    assert e.model is model  # copied into the existing model, not rebuilt
+    after = e.generate(batch, greedy=True)
+    replay = forward_logprobs(trained, before)  # the old sequences under the new weights
+    m = generated_mask(batch, before)
+    assert float((replay - before["logprobs"]).abs()[m].mean()) > 0.1
+    assert token_mult_prob_error(batch, after, forward_logprobs(trained, after)) < 1.01
+    assert after["output_ids"].tolist() == engine("torch", trained, tok, max_new_tokens=16).generate(
+        batch, greedy=True)["output_ids"].tolist()
+
+
+def test_prepare_for_generation_follows_in_place_training(tiny_model_path):
+    """Colocated use: the policy trains the model in place; prepare_for_generation re-reads it."""
+    model, tok = perturbed_tiny(tiny_model_path)
+    e = engine("torch", model, tok, max_new_tokens=12)
+    batch = make_batch(tok)
+    perturb_(model, std=0.3, seed=3)
+    e.prepare_for_generation()
+    out = e.generate(batch, greedy=True)
+    assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
+
+
+def test_seeded_and_reproducible(model_tok):
+    model, tok = model_tok
+    batch = make_batch(tok, repeat=2)
+    a = engine("torch", model, tok, max_new_tokens=16, seed=5).generate(batch)
+    b = engine("torch", model, tok, max_new_tokens=16, seed=5).generate(batch)
+    c = engine("torch", model, tok, max_new_tokens=16, seed=6).generate(batch)
+    assert a["output_ids"].tolist() == b["output_ids"].tolist()
+    assert a["output_ids"].tolist() != c["output_ids"].tolist()
+
+
+def test_hf_backend_sampling_is_seeded_and_matches_forward(model_tok):
+    model, tok = model_tok
+    batch = make_batch(tok)
+    a = engine("hf", model, tok, max_new_tokens=16, seed=3).generate(batch)
+    b = engine("hf", model, tok, max_new_tokens=16, seed=3).generate(batch)
+    assert a["output_ids"].tolist() == b["output_ids"].tolist()
+    assert token_mult_prob_error(batch, a, forward_logprobs(model, a)) < 1.01
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_empty_prompt_is_an_error(model_tok, backend):
+    model, tok = model_tok
+    batch = make_batch(tok)
+    batch["input_lengths"][2] = 0
+    with pytest.raises(ValueError, match=r"empty prompt .* row\(s\) \[2\]"):
+        engine(backend, model, tok).generate(batch)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_overlong_prompt_error_and_truncate(model_tok, backend):
+    model, tok = model_tok
+    texts = PROMPTS[:2] + ["y" * (CTX + 5)]
+    batch = make_batch(tok, texts)
+    with pytest.raises(ValueError, match="prompt at row 2 has 133 tokens"):
+        engine(backend, model, tok, max_new_tokens=8).generate(batch)
+    out = engine(backend, model, tok, max_new_tokens=8, overlong_prompt="truncate").generate(batch, greedy=True)
+    assert out["prompt_truncated"].tolist() == [False, False, True]
+    kept = int(out["unpadded_sequence_lengths"][2] - out["generation_lengths"][2])
+    assert kept == CTX - 8
+    assert int(out["unpadded_sequence_lengths"][2]) <= CTX
+    assert tok.decode(out["output_ids"][2, :kept]) == "y" * kept  # the left was cut
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_never_produced_runs_to_max_new_tokens(tiny_model_path, backend):
+    # The unperturbed tiny model repeats the prompt's last character: "zz" never appears.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    batch = make_batch(tok, ["aaa", "bb"])
+    out = engine(backend, model, tok, max_new_tokens=10, stop_strings=["zz"]).generate(batch, greedy=True)
+    assert out["generation_lengths"].tolist() == [10, 10]
+    assert out["truncated"].tolist() == [True, True]
+
+
+def test_context_caps_generation(model_tok):
+    """A prompt close to the context generates only up to the context and is marked truncated."""
+    model, tok = model_tok
+    batch = make_batch(tok, ["y" * (CTX - 3)])
+    out = engine("torch", model, tok, max_new_tokens=20, ignore_eos=True).generate(batch, greedy=True)
+    assert out["generation_lengths"].tolist() == [3]
+    assert out["truncated"].tolist() == [True]
+
+
+def test_unsupported_architecture_points_to_hf():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=CTX))
+    with pytest.raises(NotImplementedError, match="backend=hf"):
+        engine("torch", model, tok)
+    out = engine("hf", model, tok, max_new_tokens=4).generate(make_batch(tok), greedy=True)
+    assert out["output_ids"].shape[0] == len(PROMPTS)

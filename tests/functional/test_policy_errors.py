@@ -1,0 +1,37 @@
+"""Policy setup failures: clear errors before any weights load."""
+
+import pytest
+from transformers import LlamaConfig
+
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.policy.lm_policy import Policy, validate_policy_config
+from posttrain.schemas import ClusterConfig, PolicyConfig
+
+
+@pytest.fixture
+def cluster(ray_session):
+    c = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name="errors")
+    yield c
+    c.shutdown()
+
+
+def test_missing_model_path(cluster, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match=rf"policy.model_name='{missing}': cannot load a model config"):
+        Policy(cluster, PolicyConfig(model_name=missing))
+
+
+def test_model_too_large_fails_before_loading(cluster, tmp_path):
+    # A config-only folder: loading weights would fail differently, so the error proves the
+    # check ran first. ~68B parameters cannot fit the RAM of any test machine.
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path)
+    with pytest.raises(MemoryError, match=r"(?s)'.*' \([\d,.]+M parameters\) needs about [\d,.]+ GiB.*"
+                                          r"policy.max_memory_fraction=0.8"):
+        Policy(cluster, PolicyConfig(model_name=str(tmp_path)))
+
+
+def test_incomplete_packing_config_fails_before_workers_start():
+    cfg = PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
+    with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
+        validate_policy_config(cfg)

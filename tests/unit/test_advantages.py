@@ -1,0 +1,147 @@
+"""Advantage estimators and reward transforms on hand-computed values.
+
+Groups used throughout:
+    A (id 0): rewards 1, 0, 0, 0   mean 0.25, sample std sqrt(0.75 / 3) = 0.5
+    B (id 1): rewards 1, 1, 1, 1   no spread
+    C (id 2): rewards 0.5, 1.5     mean 1.0, sample std sqrt(0.5 / 1) = 0.70711
+"""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    apply_overlong_reward_shaping,
+    baseline_and_std,
+    compute_advantages,
+    dynamic_sampling_keep,
+    grpo_advantages,
+    overlong_filter_mask,
+    scale_rewards,
+)
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.5, 1.5])
+GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+S2 = math.sqrt(0.5)
+
+
+def approx(x):
+    return pytest.approx(x, abs=1e-5)
+
+
+def test_baseline_and_std_leave_one_out():
+    baseline, std = baseline_and_std(REWARDS, GROUPS, leave_one_out=True)
+    assert baseline.tolist() == approx([0.0, 1 / 3, 1 / 3, 1 / 3, 1, 1, 1, 1, 1.5, 0.5])
+    assert std.tolist() == approx([0.5] * 4 + [0.0] * 4 + [S2] * 2)
+
+
+def test_baseline_and_std_group_mean():
+    baseline, std = baseline_and_std(REWARDS, GROUPS, leave_one_out=False)
+    assert baseline.tolist() == approx([0.25] * 4 + [1.0] * 4 + [1.0] * 2)
+    assert std.tolist() == approx([0.5] * 4 + [0.0] * 4 + [S2] * 2)
+
+
+def test_grpo_variants():
+    assert grpo_advantages(REWARDS, GROUPS).tolist() == approx(
+        [2.0, -2 / 3, -2 / 3, -2 / 3, 0, 0, 0, 0, -1 / S2, 1 / S2]
+    )
+    assert grpo_advantages(REWARDS, GROUPS, leave_one_out=False).tolist() == approx(
+        [1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0, -0.5 / S2, 0.5 / S2]
+    )
+    assert grpo_advantages(REWARDS, GROUPS, leave_one_out=True, normalize=False).tolist() == approx(
+        [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -1.0, 1.0]
+    )
+
+
+def test_valid_mask_excludes_samples_from_the_statistics():
+    # group A with its 2nd sample invalid: valid rewards 1, 0, 0 -> mean 1/3, std sqrt((6/9) / 2)
+    valid = torch.tensor([1.0, 0.0, 1.0, 1.0] + [1.0] * 6)
+    baseline, std = baseline_and_std(REWARDS, GROUPS, valid_mask=valid, leave_one_out=True)
+    assert baseline[:4].tolist() == approx([0.0, 1 / 3, 0.5, 0.5])
+    assert std[:4].tolist() == approx([math.sqrt(1 / 3)] * 4)
+
+
+def test_groups_with_fewer_than_two_valid_samples_get_zero_advantage():
+    rewards = torch.tensor([0.7, 1.0, 0.0, 3.0])
+    groups = torch.tensor([5, 9, 9, 2])  # any integer ids, in any order
+    valid = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    for loo in (True, False):
+        adv = grpo_advantages(rewards, groups, leave_one_out=loo, valid_mask=valid)
+        assert adv.tolist() == approx([0.0, 0.0, 0.0, 0.0])
+
+
+def test_rloo_and_dr_grpo():
+    assert compute_advantages("rloo", REWARDS, GROUPS).tolist() == approx(
+        [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -1.0, 1.0]
+    )
+    # leave_one_out / normalize do not apply to the fixed estimators
+    assert compute_advantages("dr_grpo", REWARDS, GROUPS, leave_one_out=True, normalize=True).tolist() == approx(
+        [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0.5]
+    )
+
+
+def test_reinforce_pp_global_normalization():
+    # centred a = dr_grpo values, mean 0, sample var (0.75 + 0.5) / 9
+    std = math.sqrt(1.25 / 9)
+    assert compute_advantages("reinforce_pp", REWARDS, GROUPS).tolist() == approx(
+        [0.75 / std] + [-0.25 / std] * 3 + [0.0] * 4 + [-0.5 / std, 0.5 / std]
+    )
+    # one sample per prompt: no baseline, only the batch whitening
+    adv = compute_advantages("reinforce_pp", torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 1, 2]))
+    s = math.sqrt(1 / 3)
+    assert adv.tolist() == approx([(1 / 3) / s, (-2 / 3) / s, (1 / 3) / s])
+
+
+def test_registry_and_errors():
+    assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "grpo", "reinforce_pp", "rloo"]
+    assert compute_advantages("grpo", REWARDS, GROUPS, leave_one_out=False, normalize=False).tolist() == approx(
+        [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0.5]
+    )
+    with pytest.raises(ValueError, match="dr_grpo, grpo, reinforce_pp, rloo"):
+        compute_advantages("ppo", REWARDS, GROUPS)
+    with pytest.raises(ValueError, match="group_ids"):
+        grpo_advantages(REWARDS, GROUPS[:3])
+
+
+def test_scale_rewards():
+    r = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0])
+    assert scale_rewards(r, 0.0, 1.0, -1.0, 1.0).tolist() == approx([-1.0, -1.0, 0.0, 1.0, 1.0])
+    assert scale_rewards(r, 0.0, 2.0, 0.0, 10.0).tolist() == approx([0.0, 0.0, 2.5, 5.0, 10.0])
+    with pytest.raises(ValueError, match="source_max"):
+        scale_rewards(r, 1.0, 1.0, 0.0, 1.0)
+
+
+def test_overlong_reward_shaping():
+    # L_max 10, buffer 4: free up to 6, then -1/4 per token, -1 from 10 on
+    lengths = torch.tensor([5, 6, 7, 8, 10, 12])
+    out = apply_overlong_reward_shaping(torch.ones(6), lengths, 10, 4, 1.0)
+    assert out.tolist() == approx([1.0, 1.0, 0.75, 0.5, 0.0, 0.0])
+    out = apply_overlong_reward_shaping(torch.zeros(6), lengths, 10, 4, 0.5)
+    assert out.tolist() == approx([0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="overlong_buffer_length"):
+        apply_overlong_reward_shaping(torch.ones(2), torch.tensor([1, 2]), 10, 20, 1.0)
+
+
+def test_overlong_filtering_keeps_truncated_samples_in_the_baseline():
+    truncated = torch.tensor([True, False, True, False])
+    assert overlong_filter_mask(truncated).tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert overlong_filter_mask(truncated, torch.tensor([1.0, 0.0, 1.0, 1.0])).tolist() == [0.0, 0.0, 0.0, 1.0]
+    # the advantages are computed over all samples; the mask only removes the loss
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long))
+    assert adv.tolist() == approx([2.0, -2 / 3, -2 / 3, -2 / 3])
+
+
+def test_dynamic_sampling_keeps_groups_with_reward_variance():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5, 1.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    keep, metrics = dynamic_sampling_keep(rewards, groups)
+    assert keep.tolist() == [0, 1, 6, 7]
+    assert metrics == {
+        "dynamic_sampling/groups": 4.0,
+        "dynamic_sampling/groups_kept": 2.0,
+        "dynamic_sampling/zero_variance_fraction": 0.5,
+    }
+    keep, metrics = dynamic_sampling_keep(torch.ones(4), torch.tensor([0, 0, 1, 1]))
+    assert keep.tolist() == [] and metrics["dynamic_sampling/zero_variance_fraction"] == 1.0

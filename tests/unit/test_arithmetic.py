@@ -1,0 +1,64 @@
+"""The embedded arithmetic task: determinism, disjoint validation, answers, prompt format."""
+
+import re
+
+import pytest
+
+from posttrain.data.arithmetic import make_arithmetic_rows, reference_completion
+
+
+def _prompts(rows):
+    return [r["messages"][0]["content"] for r in rows]
+
+
+def test_row_format_and_answers_are_correct():
+    train, val = make_arithmetic_rows(2, ["+", "-", "*"], 300, 50, seed=0)
+    assert len(train) == 300 and len(val) == 50
+    for row in train + val:
+        assert row["task_name"] == "arithmetic"
+        assert row["messages"] == [{"role": "user", "content": row["messages"][0]["content"]}]
+        m = re.fullmatch(r"(\d{1,2})([+\-*])(\d{1,2})=", row["messages"][0]["content"])
+        assert m, row
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        assert int(row["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op]
+        assert reference_completion(row) == row["answer"]
+    assert any(r["answer"].startswith("-") for r in train)  # negative results occur
+    assert {r["messages"][0]["content"][-1] for r in train} == {"="}
+    assert {re.search(r"[+\-*]", p[1:]).group(0) for p in _prompts(train)} == {"+", "-", "*"}
+
+
+def test_known_values():
+    row = make_arithmetic_rows(1, ["-"], 1, 0, seed=3)[0][0]
+    a, b = map(int, row["messages"][0]["content"][:-1].split("-"))
+    assert row["answer"] == str(a - b)
+
+
+def test_deterministic_and_seed_dependent():
+    a = make_arithmetic_rows(3, ["+"], 100, 20, seed=7)
+    b = make_arithmetic_rows(3, ["+"], 100, 20, seed=7)
+    c = make_arithmetic_rows(3, ["+"], 100, 20, seed=8)
+    assert a == b
+    assert _prompts(a[0]) != _prompts(c[0])
+    # Validation does not depend on how many training rows are asked for.
+    assert make_arithmetic_rows(3, ["+"], 5, 20, seed=7)[1] == a[1]
+
+
+def test_val_disjoint_small_space_samples_with_replacement():
+    train, val = make_arithmetic_rows(1, ["+"], 1000, 200, seed=0)
+    assert len(val) == 20  # capped at a fifth of the 100 problems
+    assert len(set(_prompts(val))) == 20
+    assert not set(_prompts(train)) & set(_prompts(val))
+    assert len(train) == 1000 and len(set(_prompts(train))) == 80  # every other problem, repeated
+
+
+def test_val_disjoint_large_space():
+    train, val = make_arithmetic_rows(4, ["+", "*"], 2000, 500, seed=1)
+    assert len(set(_prompts(val))) == 500
+    assert not set(_prompts(train)) & set(_prompts(val))
+
+
+@pytest.mark.parametrize("kw", [dict(num_digits=0), dict(operations=["/"]), dict(operations=[]), dict(num_train=-1)])
+def test_bad_arguments(kw):
+    args = dict(num_digits=1, operations=["+"], num_train=1, num_val=1, seed=0) | kw
+    with pytest.raises(ValueError, match="data."):
+        make_arithmetic_rows(**args)

@@ -1,0 +1,184 @@
+"""CheckpointManager: layout, top-k, resume, signature guard, start_fresh, atomicity under crashes."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from posttrain.config import ConfigError
+from posttrain.schemas import CheckpointingConfig
+
+SIG = {"algorithm": "grpo", "model_name": "embedded:tiny"}
+
+
+def _mgr(tmp_path, **kw):
+    return CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), **kw), SIG)
+
+
+def _save(mgr, step, metric=None, **info):
+    tmp = mgr.begin_save(step)
+    (tmp / "policy").mkdir()
+    (tmp / "policy" / "weights.bin").write_bytes(b"w" * 100)
+    return mgr.finish_save(tmp, step, {"epoch": 0, "consumed_samples": step * 8, **info}, "a: 1\n", metric)
+
+
+def _steps(mgr):
+    return [int(p.name.split("_")[1]) for p in mgr.checkpoints()]
+
+
+def test_layout_and_info(tmp_path):
+    mgr = _mgr(tmp_path, metric_name="val/accuracy")
+    path = _save(mgr, 10, 0.5, dataloader={"epoch": 0, "position": 80})
+    assert path.name == "step_10"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMPLETE", "config.yaml", "policy", "rng_state.pt", "training_info.json"]
+    info = mgr.load_info(path)
+    assert info["step"] == 10 and info["consumed_samples"] == 80 and info["dataloader"] == {"epoch": 0, "position": 80}
+    assert info["metric_value"] == 0.5 and info["best_metric_value"] == 0.5 and info["best_step"] == 10
+    assert info["signature"] == SIG
+    assert (path / "config.yaml").read_text() == "a: 1\n"
+    assert not list((tmp_path / "ckpt").glob("*.tmp-*"))
+
+
+def test_top_k_by_metric_keeps_latest(tmp_path):
+    mgr = _mgr(tmp_path, metric_name="val/accuracy", higher_is_better=True, keep_top_k=2)
+    for step, acc in [(1, 0.1), (2, 0.9), (3, 0.5), (4, 0.7), (5, 0.2)]:
+        _save(mgr, step, acc)
+    # Best two are steps 2 (0.9) and 4 (0.7); step 5 is the latest and always kept.
+    assert _steps(mgr) == [2, 4, 5]
+    assert mgr.load_info(mgr.latest())["best_step"] == 2
+    _save(mgr, 6, None)  # a missing metric ranks last, but the latest is kept
+    assert _steps(mgr) == [2, 4, 6]
+
+
+def test_top_k_lower_is_better_and_no_metric(tmp_path):
+    mgr = _mgr(tmp_path / "a", metric_name="val/loss", higher_is_better=False, keep_top_k=1)
+    for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0)]:
+        _save(mgr, step, loss)
+    assert _steps(mgr) == [2, 3]
+    mgr = _mgr(tmp_path / "b", keep_top_k=2)
+    for step in range(1, 5):
+        _save(mgr, step)
+    assert _steps(mgr) == [3, 4]
+
+
+def test_resume_latest_and_rng(tmp_path):
+    mgr = _mgr(tmp_path, keep_top_k=None)
+    random.seed(1); np.random.seed(1); torch.manual_seed(1)
+    _save(mgr, 1)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    _save(mgr, 2)
+    # A new process (here: a new manager) resumes from the newest complete checkpoint.
+    again = _mgr(tmp_path)
+    latest = again.latest()
+    assert latest.name == "step_2"
+    restore_rng_state(again.load_rng_state(tmp_path / "ckpt" / "step_1"))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_signature_mismatch_names_both_and_the_fix(tmp_path):
+    _save(_mgr(tmp_path), 1)
+    other = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")),
+                              {"algorithm": "sft", "model_name": "Qwen/Qwen2.5-1.5B"})
+    with pytest.raises(ConfigError) as e:
+        other.latest()
+    msg = str(e.value)
+    assert "grpo" in msg and "sft" in msg and "Qwen/Qwen2.5-1.5B" in msg
+    assert "checkpointing.start_fresh=true" in msg and "checkpoint_dir" in msg
+
+
+def test_start_fresh_moves_old_checkpoints_aside(tmp_path):
+    _save(_mgr(tmp_path), 1)
+    fresh = CheckpointManager(
+        CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), start_fresh=True), {"algorithm": "sft", "model_name": "x"})
+    assert fresh.latest() is None
+    assert (fresh.moved_aside / "step_1" / "COMPLETE").is_file()  # kept, not deleted
+    _save(fresh, 1)
+    assert fresh.latest().name == "step_1"
+
+
+def test_disabled_never_resumes(tmp_path):
+    _save(_mgr(tmp_path), 1)
+    mgr = _mgr(tmp_path, enabled=False)
+    assert mgr.latest() is None and not mgr.should_save(10)
+    assert _mgr(tmp_path, save_period=5).should_save(10)
+
+
+def test_exception_between_begin_and_finish(tmp_path):
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+
+    def failing_save():
+        tmp = mgr.begin_save(2)
+        (tmp / "policy").mkdir()
+        raise RuntimeError("out of disk while writing the policy")
+
+    with pytest.raises(RuntimeError):
+        failing_save()
+    tmp = tmp_path / "ckpt" / f"step_2.tmp-{os.getpid()}"
+    assert tmp.is_dir()
+    assert mgr.latest().name == "step_1"
+    # An incomplete step_N (no marker, e.g. copied by hand) is ignored and moved aside, not deleted.
+    (tmp_path / "ckpt" / "step_3").mkdir()
+    assert mgr.latest().name == "step_1"
+    assert list((tmp_path / "ckpt").glob("step_3.incomplete-*"))
+    mgr.abort_save(tmp)
+    assert not tmp.exists()
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from posttrain.checkpoint import CheckpointManager
+    from posttrain.schemas import CheckpointingConfig
+    mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=sys.argv[1]), {"algorithm": "grpo", "model_name": "embedded:tiny"})
+    tmp = mgr.begin_save(1)
+    mgr.finish_save(tmp, 1, {"epoch": 0}, "a: 1\\n")
+    tmp = mgr.begin_save(2)
+    with open(tmp / "weights.bin", "wb") as f:
+        f.write(b"x" * 1000)
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_sigkill_mid_save_resumes_from_previous(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(ckpt)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (ckpt / f"step_2.tmp-{proc.pid}").is_dir()  # the crash left a partial save
+    mgr = _mgr(tmp_path)
+    assert mgr.latest().name == "step_1"
+    assert not (ckpt / f"step_2.tmp-{proc.pid}").exists()  # cleaned: its process is dead
+    assert json.loads((ckpt / "step_1" / "training_info.json").read_text())["step"] == 1
+
+
+def test_rng_capture_restore_roundtrip():
+    state = capture_rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(2).tolist())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == a
+
+
+def test_checkpoint_must_save_by(tmp_path):
+    mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:00:00")
+    assert mgr.save_deadline_s == 0 and mgr.must_save_and_stop()
+    mgr = _mgr(tmp_path, checkpoint_must_save_by="01:02:03:04")
+    assert mgr.save_deadline_s == 93784 and not mgr.must_save_and_stop()
+    assert not _mgr(tmp_path).must_save_and_stop()
+    with pytest.raises(ValueError, match="should match pattern"):
+        CheckpointingConfig(checkpoint_must_save_by="3h")

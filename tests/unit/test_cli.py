@@ -1,0 +1,116 @@
+"""The `posttrain` command: help, --print-config, errors (exit 2, no traceback), dispatch."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+EXE = Path(sys.executable).parent / "posttrain"
+
+
+def _run(*args, **kw):
+    return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=60, cwd=ROOT, **kw)
+
+
+def test_help_lists_algorithms_sections_and_docs():
+    out = _run("--help")
+    assert out.returncode == 0
+    for word in ("grpo", "sft", "dpo", "rm", "eval", "convert", "policy", "checkpointing", "loss_fn",
+                 "docs/config.md", "++a.b=1"):
+        assert word in out.stdout, word
+    sub = _run("grpo", "--help")
+    assert sub.returncode == 0 and "--print-config" in sub.stdout and "loss_fn" in sub.stdout
+    assert "docs/config.md" in sub.stdout
+    assert "dpo " not in sub.stdout.split("config sections:")[1]  # only grpo's sections
+
+
+def test_print_config_resolves_overrides_and_needs_no_algorithm_module(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("policy:\n  max_total_sequence_length: 64\n")
+    out = _run("grpo", "policy.model_name=embedded:small", "--config", str(cfg), "--print-config",
+               "policy.generation.max_new_tokens=${policy.max_total_sequence_length}")
+    assert out.returncode == 0, out.stderr
+    data = yaml.safe_load(out.stdout)
+    assert data["policy"]["model_name"] == "embedded:small"
+    assert data["policy"]["generation"]["max_new_tokens"] == 64
+    assert data["grpo"]["num_generations_per_prompt"] == 8  # schema default filled in
+
+
+def test_config_error_exits_2_without_traceback():
+    out = _run("grpo", "policy.max_grad_nrom=1")
+    assert out.returncode == 2
+    assert "did you mean policy.max_grad_norm?" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = _run("sft", "--config", "missing.yaml")
+    assert out.returncode == 2 and "config file not found" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_command_and_option():
+    assert _run("ppo").returncode == 2
+    out = _run("grpo", "--bogus")
+    assert out.returncode == 2 and "--bogus" in out.stderr
+
+
+def test_launcher_script_is_the_cli():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "run_sft.py"), "--print-config", "sft.max_num_steps=3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["sft"]["max_num_steps"] == 3
+
+
+@pytest.fixture
+def fake_modules(monkeypatch):
+    """Recording stand-ins for an algorithm and a converter: these tests are about the
+    dispatch (what the CLI hands over), not about training, which has its own tests."""
+    calls = {}
+
+    def run(cfg):
+        calls["run"] = cfg
+        return {"final_loss": 0.5}
+
+    def convert_main(args):
+        calls["convert"] = args
+
+    algo = type(sys)("posttrain.algorithms.rm")
+    algo.run = run
+    conv = type(sys)("posttrain.convert.dcp_to_hf")
+    conv.main = convert_main
+    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+    monkeypatch.setitem(sys.modules, "posttrain.convert.dcp_to_hf", conv)
+    return calls
+
+
+def test_dispatch_to_algorithm_run(fake_modules, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rm", "rm.max_num_steps=4"])
+    assert e.value.code == 0
+    assert fake_modules["run"].rm.max_num_steps == 4
+    assert '"final_loss": 0.5' in capsys.readouterr().out
+
+
+def test_dispatch_convert(fake_modules):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "dcp-to-hf", "--checkpoint", "ck/step_3", "--output", "out"])
+    assert e.value.code == 0
+    args = fake_modules["convert"]
+    assert (args.kind, args.checkpoint, args.output, args.config) == ("dcp-to-hf", "ck/step_3", "out", None)
+
+
+def test_convert_requires_its_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "llama2c-to-hf", "--model", "m.bin"])
+    assert e.value.code == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_convert_llama2c_end_to_end(shared_data, tmp_path):
+    model = Path(shared_data) / "models" / "stories260K"
+    out = _run("convert", "llama2c-to-hf", "--model", str(model / "stories260K.bin"),
+               "--tokenizer", str(model / "tok512.model"), "--output", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "hf" / "config.json").is_file()

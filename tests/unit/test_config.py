@@ -1,0 +1,290 @@
+"""Config loading: inheritance, every override form, interpolation, and every error message."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.config import (
+    ConfigError,
+    apply_overrides,
+    load_config,
+    load_yaml_with_defaults,
+    schema_keys,
+    suggest_key,
+    to_yaml,
+    validate,
+)
+from posttrain.schemas import GRPOMasterConfig, SFTMasterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# --------------------------------------------------------------------------- inheritance
+
+
+def test_defaults_inheritance_chain_and_order(tmp_path):
+    _write(tmp_path / "base" / "a.yaml", """
+        policy: {model_name: a, max_grad_norm: 0.5, train_micro_batch_size: 2}
+        grpo: {seed: 1}
+    """)
+    _write(tmp_path / "base" / "b.yaml", """
+        defaults: a.yaml
+        policy: {model_name: b}
+        grpo: {max_num_steps: 7}
+    """)
+    _write(tmp_path / "c.yaml", "grpo: {seed: 3, max_num_steps: 9}\n")
+    child = _write(tmp_path / "child.yaml", """
+        defaults: [base/b.yaml, c.yaml]
+        policy:
+          train_global_batch_size: 8
+    """)
+    cfg = load_config("grpo", child)
+    assert cfg.policy.model_name == "b"  # b overrides its parent a
+    assert cfg.policy.max_grad_norm == 0.5  # inherited from a through b
+    assert cfg.grpo.seed == 3 and cfg.grpo.max_num_steps == 9  # later parents override earlier ones
+    assert cfg.policy.train_global_batch_size == 8  # the file's own keys win
+    assert cfg.policy.train_micro_batch_size == 2
+    assert cfg.grpo.num_generations_per_prompt == GRPOMasterConfig().grpo.num_generations_per_prompt
+    assert "defaults" not in load_yaml_with_defaults(child)
+
+
+def test_defaults_cycle_and_missing_parent(tmp_path):
+    _write(tmp_path / "x.yaml", "defaults: y.yaml\n")
+    _write(tmp_path / "y.yaml", "defaults: x.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config("grpo", tmp_path / "x.yaml")
+    bad = _write(tmp_path / "z.yaml", "defaults: [nope.yaml]\n")
+    with pytest.raises(ConfigError, match=r"z\.yaml:1.*nope\.yaml.*does not exist"):
+        load_config("grpo", bad)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_every_override_form(tmp_path):
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          max_grad_norm: 0.5
+          scheduler:
+            - {name: torch.optim.lr_scheduler.ConstantLR, kwargs: {factor: 1.0}}
+        logger: {wandb: {name: old}}
+    """)
+    cfg = load_config("grpo", path, [
+        "policy.model_name=embedded:small",          # set
+        "+policy.generation.top_k=5",                 # add a key not set yet
+        "++logger.wandb.name=new",                    # add or set (it is set)
+        "++logger.wandb.entity=me",                   # add or set (it is not set)
+        "~policy.scheduler",                          # remove: back to the default
+        'policy.generation.stop_strings=["\\n", "."]',  # a list (YAML: double quotes escape)
+        "data.operations=[+,-]",
+        "policy.max_grad_norm=null",                  # null
+        "grpo.val_at_start=false",
+        "policy.optimizer.kwargs.lr=1e-3",
+    ])
+    assert cfg.policy.model_name == "embedded:small"
+    assert cfg.policy.generation.top_k == 5
+    assert cfg.logger.wandb.name == "new" and cfg.logger.wandb.entity == "me"
+    assert cfg.policy.scheduler == []
+    assert cfg.policy.generation.stop_strings == ["\n", "."]
+    assert cfg.data.operations == ["+", "-"]
+    assert cfg.policy.max_grad_norm is None
+    assert cfg.grpo.val_at_start is False
+    assert cfg.policy.optimizer.kwargs == {"lr": 1e-3}  # a set dict key replaces only what it names
+    assert cfg.policy.tokenizer.name == "embedded:small"
+
+
+def test_add_existing_and_remove_missing_are_errors(tmp_path):
+    path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path, ["+policy.max_grad_norm=1", "~policy.model_name", "justakey"])
+    msg = str(e.value)
+    assert "'policy.max_grad_norm' is already set; use policy.max_grad_norm=... or ++policy.max_grad_norm=..." in msg
+    assert "cannot remove 'policy.model_name'" in msg
+    assert "'justakey' is not of the form key=value" in msg
+
+
+def test_apply_overrides_on_omegaconf():
+    from omegaconf import OmegaConf
+
+    cfg = apply_overrides(OmegaConf.create({"a": {"b": 1}}), ["a.b=2", "+a.c=[1,2]", "~a.b"])
+    assert OmegaConf.to_container(cfg) == {"a": {"c": [1, 2]}}
+
+
+# --------------------------------------------------------------------------- interpolation
+
+
+def test_interpolation_including_schema_defaults(tmp_path):
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          model_name: my/model
+          train_micro_batch_size: 2
+          dynamic_batching:
+            enabled: true
+            # max_total_sequence_length is not set in this file: its schema default (512) is used
+            train_mb_tokens: ${mul:${policy.max_total_sequence_length},${policy.train_micro_batch_size}}
+          generation:
+            max_new_tokens: ${policy.max_total_sequence_length}
+        logger:
+          wandb: {name: "${policy.model_name}-run"}
+    """)
+    cfg = load_config("grpo", path)
+    assert cfg.policy.dynamic_batching.train_mb_tokens == 1024
+    assert cfg.policy.generation.max_new_tokens == 512
+    assert cfg.logger.wandb.name == "my/model-run"
+    # Interpolations resolve after overrides, and an override may be an interpolation itself.
+    cfg = load_config("grpo", path, ["policy.max_total_sequence_length=128",
+                                     "grpo.max_num_steps=${policy.train_micro_batch_size}"])
+    assert cfg.policy.dynamic_batching.train_mb_tokens == 256
+    assert cfg.grpo.max_num_steps == 2
+    # Inside lists, with spaces (as NeMo RL writes `${mul:a, b}`), and a list entry that fails.
+    cfg = load_config("grpo", path, ["policy.generation.stop_strings=['${policy.model_name}', x]",
+                                     "policy.logprob_chunk_size=${mul: 2, ${policy.train_micro_batch_size}}"])
+    assert cfg.policy.generation.stop_strings == ["my/model", "x"]
+    assert cfg.policy.logprob_chunk_size == 4
+    with pytest.raises(ConfigError, match=r"policy.scheduler\[0\].name: cannot resolve the interpolation"):
+        load_config("grpo", path, ["policy.scheduler=[{name: '${nope}'}]"])
+
+
+def test_interpolation_errors_name_key_and_place(tmp_path):
+    path = _write(tmp_path / "c.yaml", "grpo:\n  max_num_steps: ${policy.nope}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path)
+    msg = str(e.value)
+    assert "grpo.max_num_steps: cannot resolve the interpolation" in msg and "c.yaml:2" in msg
+    assert msg.count("grpo.max_num_steps") == 1  # not reported again as a type error
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_typo_names_key_place_and_suggestion(tmp_path):
+    path = _write(tmp_path / "c.yaml", "policy:\n  model_name: x\n  max_grad_nrom: 1.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path)
+    msg = str(e.value)
+    assert "unknown key 'policy.max_grad_nrom' (did you mean policy.max_grad_norm?)" in msg
+    assert f"{path.resolve()}:3" in msg
+
+
+def test_wrong_type_names_key_value_and_expected():
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.train_micro_batch_size=abc", "logger.wandb.mode=sometimes"])
+    msg = str(e.value)
+    assert "policy.train_micro_batch_size: got 'abc', expected a valid integer" in msg
+    assert "logger.wandb.mode: got 'sometimes', expected 'online', 'offline' or 'disabled'" in msg
+    assert "command line (policy.train_micro_batch_size=abc)" in msg
+
+
+def test_all_errors_reported_at_once(tmp_path):
+    path = _write(tmp_path / "c.yaml", "grpo:\n  max_grad_norm: 1\npolicy:\n  precision: fp8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path, ["polcy.max_grad_norm=1", "+grpo.max_grad_norm=2", "data.num_digits=-1"])
+    lines = [l for l in str(e.value).splitlines() if l.startswith("  - ")]
+    text = "\n".join(lines)
+    assert len(lines) == 5, text
+    assert "'grpo.max_grad_norm' is already set" in text
+    assert "unknown key 'grpo.max_grad_norm' (did you mean policy.max_grad_norm?)" in text
+    assert "policy.precision: got 'fp8'" in text
+    assert "data.num_digits: got -1, expected greater than or equal to 1" in text
+    assert "unknown key 'polcy' (did you mean policy?)" in text
+
+
+def test_union_and_cross_field_errors():
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.lora.target_modules=3"])
+    assert "policy.lora.target_modules: got 3, expected a valid list or a valid string" in str(e.value)
+    # Cross-field checks of a section run once its fields are valid.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.train_global_batch_size=6", "policy.train_micro_batch_size=4"])
+    msg = str(e.value)
+    assert "policy: policy.train_global_batch_size (6) must be a multiple of policy.train_micro_batch_size (4)" in msg
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+        load_config("grpo", "/nowhere.yaml")
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = _write(tmp_path / "bad.yaml", "policy:\n  model_name: x\n  max_grad_norm: [1, 2\ngrpo: {}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path)
+    assert f"YAML syntax error at {path}:4" in str(e.value)
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    path = _write(tmp_path / "dup.yaml", "policy:\n  max_grad_norm: 1\n  max_grad_norm: 2\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml:3: duplicate key 'policy.max_grad_norm' \(first set at line 2\)"):
+        load_config("grpo", path)
+
+
+def test_unknown_algorithm_and_top_level_must_be_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="unknown algorithm 'ppo'; valid: grpo, sft"):
+        load_config("ppo")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config("grpo", _write(tmp_path / "l.yaml", "- 1\n"))
+
+
+@pytest.mark.parametrize("bad,expected", [
+    ("policy.max_grad_nrom", "policy.max_grad_norm"),
+    ("grpo.max_grad_norm", "policy.max_grad_norm"),  # right name, wrong section
+    ("polcy.max_grad_norm", "policy.max_grad_norm"),
+    ("policy.generaton.temprature", "policy.generation.temperature"),
+    ("policy.scheduler[0].kwargz", "policy.scheduler.kwargs"),
+    ("checkpointing.keep_topk", "checkpointing.keep_top_k"),
+    ("zzzzzz", None),
+])
+def test_suggest_key(bad, expected):
+    assert suggest_key(bad, schema_keys(GRPOMasterConfig)) == expected
+
+
+# --------------------------------------------------------------------------- output
+
+
+def test_to_yaml_roundtrip(tmp_path):
+    cfg = load_config("sft", None, ["policy.model_name=m", "sft.max_num_steps=3",
+                                    "policy.scheduler=[{name: x, kwargs: {a: 1}}, {milestones: [2]}]"])
+    text = to_yaml(cfg)
+    assert yaml.safe_load(text)["sft"]["max_num_steps"] == 3
+    path = _write(tmp_path / "resolved.yaml", text)
+    assert load_config("sft", path) == cfg
+    assert validate(yaml.safe_load(text), SFTMasterConfig) == cfg
+
+
+def test_typo_fails_fast_without_heavy_imports():
+    # The CLI validates before torch/transformers/ray are imported.
+    code = (
+        "import sys\n"
+        "from posttrain.cli import main\n"
+        "try:\n    main(['grpo', 'policy.max_grad_nrom=1'])\n"
+        "except SystemExit as e:\n"
+        "    heavy = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]\n"
+        "    print(e.code, heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "2 []", out.stdout + out.stderr
+    assert "did you mean policy.max_grad_norm?" in out.stderr
+
+
+def test_config_docs_up_to_date():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_exponent_floats_without_dot_are_floats(tmp_path):
+    # PyYAML (YAML 1.1) would read these as strings; dict-typed keys would then reach torch as str.
+    path = _write(tmp_path / "c.yaml", "policy:\n  optimizer:\n    kwargs: {lr: 5e-6, eps: 1.0e8, weight_decay: 0}\n")
+    cfg = load_config("grpo", path, ["++policy.optimizer.kwargs.lr=1e-3"])
+    assert cfg.policy.optimizer.kwargs == {"lr": 1e-3, "eps": 1e8, "weight_decay": 0}
+    assert isinstance(load_config("grpo", path).policy.optimizer.kwargs["lr"], float)

@@ -1,0 +1,338 @@
+"""Environments: answer extraction, each environment's rules, verifier failures scoring 0,
+and the Ray facade (slicing, order, timeouts, crashes and restarts)."""
+
+import time
+
+import pytest
+import torch
+
+from posttrain.environments import (
+    ENVIRONMENTS,
+    EnvironmentGroup,
+    PerSampleEnvironment,
+    StepResult,
+    create_env,
+    make_sliding_puzzle_rows,
+)
+from posttrain.environments.arithmetic import ArithmeticEnvironment
+from posttrain.environments.math import MathEnvironment
+from posttrain.environments.math_answers import extract_boxed, extract_final_answer, gold_answer
+from posttrain.environments.sliding_puzzle import (
+    SlidingPuzzleEnvironment,
+    apply_move,
+    parse_action,
+    render_board,
+    shuffled_board,
+    solved_board,
+)
+from posttrain.environments.timeout import SubprocessRunner
+from posttrain.schemas import EnvWorkerConfig, SlidingPuzzleEnvConfig
+
+
+def convo(answer: str, prompt: str = "q") -> list[dict]:
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+# --------------------------------------------------------------------------- math
+
+
+def test_answer_extraction():
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} and \boxed{x^{2}+1}") == "x^{2}+1"
+    assert extract_boxed(r"\fbox{7}") == "7"
+    assert extract_boxed(r"\boxed{unclosed") is None
+    assert extract_final_answer("first 3, then 1,234.5 apples.") == "1234.5"
+    assert extract_final_answer(r"-4 but \boxed{12} is final") == "12"
+    assert extract_final_answer("it is -7.") == "-7"
+    assert extract_final_answer("no digits") is None
+    assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
+    assert gold_answer("#### 1,000") == "1000"
+    assert gold_answer(r" \frac{14}{3} ") == r"\frac{14}{3}"
+
+
+@pytest.fixture(scope="module")
+def math_env():
+    env = MathEnvironment(EnvWorkerConfig(timeout_s=2.0))
+    yield env
+    env.close()
+
+
+def test_math_rewards(math_env):
+    cases = [
+        (r"The answer is \boxed{\frac{1}{2}}", "0.5", 1.0),  # equivalent, checked by math-verify
+        ("So she sold 1,000 clips.", "She sold ... #### 1000", 1.0),  # GSM8K gold, last number
+        ("72", "#### 72", 1.0),
+        ("It is 73", "#### 72", 0.0),
+        ("I do not know", "3", 0.0),  # no answer: 0, not an error
+        (r"\boxed{x^{2}}", "x^2", 1.0),
+    ]
+    ret = math_env.step([convo(a) for a, _, _ in cases], [{"answer": g} for _, g, _ in cases])
+    assert ret.rewards.tolist() == [r for _, _, r in cases]
+    assert ret.terminateds.all() and ret.num_errors == 0
+    assert ret.answers[:3] == [r"\frac{1}{2}", "1000", "72"] and ret.answers[4] is None
+
+
+def test_math_verification_that_hangs_scores_zero_and_the_next_one_works(math_env):
+    # sympy evaluates 9^(9^(9^9)) in C: only killing the child process stops it
+    start = time.monotonic()
+    ret = math_env.step(
+        [convo(r"\boxed{9^{9^{9^{9}}}}"), convo(r"\boxed{\frac{6}{4}}")], [{"answer": "1"}, {"answer": "1.5"}]
+    )
+    assert time.monotonic() - start < 60
+    assert ret.rewards.tolist() == [0.0, 1.0]
+    assert "time limit" in ret.metadata[0]["env_error"] and "env_error" not in ret.metadata[1]
+    assert ret.num_errors == 1
+
+
+def test_math_missing_gold_is_an_error_not_a_crash(math_env):
+    ret = math_env.step([convo("5"), convo("5")], [{}, {"answer": "5"}])
+    assert ret.rewards.tolist() == [0.0, 1.0]
+    assert "answer" in ret.metadata[0]["env_error"]
+
+
+def test_math_on_real_gsm8k_and_math500_answers(math_env, shared_data):
+    import json
+    import os
+
+    def read(rel, n):
+        with open(os.path.join(shared_data, rel)) as f:
+            return [json.loads(line) for _, line in zip(range(n), f)]
+
+    # GSM8K reference solutions end with "#### N": as responses their last number is N
+    gsm = read("gsm8k/test.jsonl", 200)
+    ret = math_env.step([convo(r["answer"]) for r in gsm], [{"answer": r["answer"]} for r in gsm])
+    assert ret.rewards.mean().item() == 1.0 and ret.num_errors == 0
+    off_by_one = [convo(f"The answer is {int(gold_answer(r['answer'])) + 1}.") for r in gsm[:20]]
+    assert math_env.step(off_by_one, [{"answer": r["answer"]} for r in gsm[:20]]).rewards.sum().item() == 0.0
+    # MATH-500 fractions written as \dfrac: equal only under math-verify
+    rows = [r for r in read("math500/test.jsonl", 500) if "\\frac" in r["answer"]][:25]
+    responses = [convo("So \\boxed{" + r["answer"].replace("\\frac", "\\dfrac") + "}.") for r in rows]
+    ret = math_env.step(responses, [{"answer": r["answer"]} for r in rows])
+    assert len(rows) == 25 and ret.rewards.mean().item() == 1.0 and ret.num_errors == 0
+
+
+def test_subprocess_runner_recovers_after_a_timeout():
+    runner = SubprocessRunner()
+    try:
+        with pytest.raises(TimeoutError, match="0.5 s"):
+            runner.run(time.sleep, (30,), 0.5)
+        assert runner.run(sorted, ([3, 1, 2],), 30) == [1, 2, 3]
+        with pytest.raises(ZeroDivisionError):
+            runner.run(divmod, (1, 0), 30)
+    finally:
+        runner.close()
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_arithmetic_exact_match():
+    env = ArithmeticEnvironment(EnvWorkerConfig())
+    responses = ["46", " 46\n", "046", "46.", "4 6", ""]
+    ret = env.step([convo(r, "12+34=") for r in responses], [{"answer": "46"}] * len(responses))
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    strict = ArithmeticEnvironment(EnvWorkerConfig(cfg={"strip_response": False}))
+    assert strict.step([convo("46 "), convo("46")], [{"answer": "46"}] * 2).rewards.tolist() == [0.0, 1.0]
+    ret = env.step([convo("-4")], [{"answer": "-4", "operation": "-"}])
+    assert ret.rewards.tolist() == [1.0] and ret.metadata[0]["operation"] == "-"
+
+
+def test_a_raising_verifier_scores_zero_for_that_sample_only():
+    class Flaky(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            if messages[-1]["content"] == "boom":
+                raise RuntimeError("verifier exploded")
+            return StepResult("ok", 1.0, True, metadata)
+
+    ret = Flaky().step(
+        [convo("fine"), convo("boom"), [{"role": "user", "content": "no answer yet"}], convo("fine")],
+        [{"i": 0}, {"i": 1, "env_error": "stale error from an earlier turn"}, {"i": 2}, {"i": 3}],
+    )
+    assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert ret.metadata[1]["env_error"] == "RuntimeError: verifier exploded" and ret.metadata[1]["i"] == 1
+    assert ret.terminateds.tolist() == [True] * 4 and ret.num_errors == 1
+
+
+# --------------------------------------------------------------------------- sliding puzzle
+
+
+def test_board_mechanics():
+    assert solved_board(2) == [[1, 2], [3, 0]]
+    assert render_board(solved_board(3)) == "1 2 3\n4 5 6\n7 8 _"
+    assert apply_move([[1, 2], [3, 0]], "up") == [[1, 0], [3, 2]]
+    assert apply_move([[1, 2], [3, 0]], "left") == [[1, 2], [0, 3]]
+    assert apply_move([[1, 2], [3, 0]], "down") is None and apply_move([[1, 2], [3, 0]], "right") is None
+    assert parse_action("I think <action> Up </action>") == "up"
+    assert parse_action("<action>left</action><action>down</action>") == "down"
+    assert parse_action("<action>jump</action>") is None and parse_action("up") is None
+    assert parse_action("<action>right") == "right"  # stop string dropped by the backend
+    assert parse_action("<action>right and more") is None
+    board = shuffled_board(3, 10, seed=7)
+    assert board == shuffled_board(3, 10, seed=7) and board != solved_board(3)
+    assert sorted(v for row in board for v in row) == list(range(9))
+    assert shuffled_board(2, 1, seed=0) != solved_board(2)
+
+
+def _solution(board):
+    """Moves of the blank that solve a 2x2 board (breadth-first search)."""
+    from collections import deque
+
+    seen, queue = {str(board)}, deque([(board, [])])
+    while queue:
+        b, path = queue.popleft()
+        if b == solved_board(2):
+            return path
+        for a in ("up", "down", "left", "right"):
+            nb = apply_move(b, a)
+            if nb is not None and str(nb) not in seen:
+                seen.add(str(nb))
+                queue.append((nb, path + [a]))
+    raise AssertionError("unsolvable")
+
+
+def test_sliding_puzzle_game_is_won_turn_by_turn():
+    cfg = SlidingPuzzleEnvConfig(size=2, shuffle_moves=4, max_moves=8)
+    env = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg=cfg.model_dump()))
+    (row,) = make_sliding_puzzle_rows(1, cfg, seed=3)
+    assert row["task_name"] == "sliding_puzzle" and row["stop_strings"] == ["</action>"]
+    assert render_board(row["metadata"]["board"]) in row["messages"][0]["content"]
+    moves = _solution(row["metadata"]["board"])
+    messages, meta = list(row["messages"]), dict(row["metadata"])
+    for k, move in enumerate(moves):
+        messages.append({"role": "assistant", "content": f"<action>{move}</action>"})
+        ret = env.step([messages], [meta])
+        meta = ret.metadata[0]
+        last = k == len(moves) - 1
+        assert ret.rewards.tolist() == [1.0 if last else 0.0]
+        assert ret.terminateds.tolist() == [last] and meta["moves"] == k + 1
+        if not last:
+            assert ret.next_stop_strings == [["</action>"]]
+            assert ret.observations[0]["content"] == "Board:\n" + render_board(meta["board"])
+            messages.append(ret.observations[0])
+    assert ret.observations[0]["content"] == "Solved!" and meta["solved"]
+
+
+def test_sliding_puzzle_invalid_moves_and_move_limit():
+    start_meta = {"board": [[1, 0], [3, 2]], "moves": 0}  # one "down" from solved
+    env = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg={"max_moves": 2}))
+    ret = env.step([convo("<action>up</action>"), convo("go down"), convo("<action>down</action>")], [start_meta] * 3)
+    assert ret.rewards.tolist() == [0.0, 0.0, 1.0]
+    assert ret.terminateds.tolist() == [True, True, True]  # off the board / no tag: invalid ends the game
+    assert ret.observations[0]["content"].startswith("Invalid move.")
+    lenient = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg={"max_moves": 2, "terminate_on_invalid": False}))
+    ret = lenient.step([convo("nothing")], [start_meta])
+    assert ret.terminateds.tolist() == [False] and ret.metadata[0]["moves"] == 1
+    assert ret.metadata[0]["board"] == [[1, 0], [3, 2]]
+    ret = lenient.step([convo("<action>left</action>")], [ret.metadata[0]])  # second move: the limit
+    assert ret.terminateds.tolist() == [True] and ret.rewards.tolist() == [0.0]
+    assert ret.observations[0]["content"].startswith("Out of moves.")
+    # a seed alone is enough: the board is rebuilt from it
+    seeded = env.step([convo("<action>up</action>")], [{"seed": 11}])
+    assert seeded.metadata[0]["moves"] == 1 and "board" in seeded.metadata[0]
+    bad = env.step([convo("<action>up</action>")], [{"moves": 0}])
+    assert bad.rewards.tolist() == [0.0] and "seed" in bad.metadata[0]["env_error"]
+
+
+# --------------------------------------------------------------------------- Ray facade
+
+
+def test_builtin_env_settings_fail_at_config_load():
+    from pydantic import ValidationError
+
+    from posttrain.schemas import EnvConfig
+
+    with pytest.raises(ValidationError, match="env.sliding_puzzle.cfg: sizee"):
+        EnvConfig.model_validate({"sliding_puzzle": {"cfg": {"sizee": 3}}})
+    with pytest.raises(ValidationError, match="env.math.cfg: float_rounding"):
+        EnvConfig.model_validate({"math": {"cfg": {"float_rounding": -1}}})
+    env = EnvConfig.model_validate({"custom": {"num_workers": 2, "cfg": {"anything": 1}}})
+    assert env.get_worker_cfg("custom").num_workers == 2
+    assert env.get_worker_cfg("math").timeout_s == 5.0  # not configured: defaults
+
+
+def test_create_env_errors():
+    with pytest.raises(ValueError, match="arithmetic, math, sliding_puzzle"):
+        create_env("chess", {})
+    with pytest.raises(ValueError, match=r"env.sliding_puzzle.cfg[^$]*sizee.*did you mean size"):
+        create_env("sliding_puzzle", {"cfg": {"sizee": 3}})
+    assert set(ENVIRONMENTS) >= {"math", "arithmetic", "sliding_puzzle"}
+
+
+def test_env_group_splits_and_keeps_order(ray_session):
+    group = create_env("arithmetic", {"num_workers": 2})
+    try:
+        answers = ["1", "2", "3", "4", "5"]
+        responses = ["1", "x", "3", "4", "y"]
+        ret = group.step([convo(r) for r in responses], [{"answer": a, "i": i} for i, a in enumerate(answers)])
+        assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
+        assert [m["i"] for m in ret.metadata] == [0, 1, 2, 3, 4] and ret.num_errors == 0
+        assert group.step([convo("7")], [{"answer": "7"}]).rewards.tolist() == [1.0]  # fewer samples than actors
+    finally:
+        group.shutdown()
+
+
+def test_math_env_runs_math_verify_inside_a_ray_actor(ray_session):
+    # the verification child process is spawned from the actor process
+    group = create_env("math", {"timeout_s": 10.0})
+    try:
+        ret = group.step([convo(r"\boxed{\frac{1}{2}}"), convo("it is 3")], [{"answer": "0.5"}, {"answer": "#### 4"}])
+        assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    finally:
+        group.shutdown()
+
+
+def test_env_group_multi_turn_puzzle(ray_session):
+    group = create_env("sliding_puzzle", {"cfg": {"size": 2, "max_moves": 3}})
+    try:
+        meta = [{"board": [[1, 2], [0, 3]], "moves": 0}, {"board": [[1, 0], [3, 2]], "moves": 0}]
+        ret = group.step([convo("<action>up</action>"), convo("<action>down</action>")], meta)
+        assert ret.rewards.tolist() == [0.0, 1.0] and ret.terminateds.tolist() == [False, True]
+        ret = group.step([convo("<action>down</action>")], [ret.metadata[0]])  # undo, board as at start
+        ret = group.step([convo("<action>right</action>")], [ret.metadata[0]])
+        assert ret.rewards.tolist() == [1.0] and ret.metadata[0]["moves"] == 3
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
+def test_stuck_and_crashing_actors_score_zero_and_are_restarted(ray_session):
+    class Troubled(PerSampleEnvironment):
+        def __init__(self, cfg):
+            pass
+
+        def step_one(self, messages, metadata):
+            text = messages[-1]["content"]
+            if text == "hang":
+                time.sleep(600)
+            if text == "crash":
+                import os
+
+                os._exit(1)
+            if text == "boom":
+                raise ValueError("bad verifier")
+            return StepResult("ok", 1.0, True, metadata)
+
+    cfg = EnvWorkerConfig(num_workers=2, step_timeout_s=5.0, max_restarts=2)
+    group = EnvironmentGroup("troubled", Troubled, cfg)
+    try:
+        # slice 0 = samples 0-1 (hangs), slice 1 = samples 2-3 (one verifier error)
+        start = time.monotonic()
+        ret = group.step([convo("ok"), convo("hang"), convo("boom"), convo("ok")], [{}] * 4)
+        assert time.monotonic() - start < 30
+        assert ret.rewards.tolist() == [0.0, 0.0, 0.0, 1.0] and ret.num_errors == 3
+        assert "did not answer within 5 s" in ret.metadata[0]["env_error"]
+        assert "bad verifier" in ret.metadata[2]["env_error"]
+        # the killed actor was restarted: the next step works on both actors
+        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards.tolist() == [1.0, 1.0]
+        ret = group.step([convo("crash"), convo("ok")], [{}] * 2)
+        assert ret.rewards.tolist() == [0.0, 1.0] and "died" in ret.metadata[0]["env_error"]
+        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards.tolist() == [1.0, 1.0]
+        # actor 0 has failed twice (max_restarts=2): a third failure stops the run loudly
+        with pytest.raises(RuntimeError, match="max_restarts=2"):
+            group.step([convo("crash"), convo("ok")], [{}] * 2)
+    finally:
+        group.shutdown()
+
+
+def test_environment_return_tensors():
+    ret = ArithmeticEnvironment(EnvWorkerConfig()).step([convo("1")], [{"answer": "1"}])
+    assert ret.rewards.dtype == torch.float32 and ret.terminateds.dtype == torch.bool

@@ -1,0 +1,96 @@
+"""pass@k and cons@k against hand-computed cases and a brute-force enumeration."""
+
+import itertools
+from math import comb
+
+import pytest
+
+from posttrain.evals import aggregate, cons_at_k, majority_answer, pass_at_k
+
+
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (5, 0, 1, 0.0),
+        (5, 0, 5, 0.0),
+        (5, 5, 3, 1.0),
+        (5, 2, 1, 0.4),  # pass@1 = c / n
+        (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+        (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+        (4, 1, 4, 1.0),  # n - c < k: every draw of 4 contains the correct one
+        (1, 1, 1, 1.0),
+        (1, 0, 1, 0.0),
+    ],
+)
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 7])
+def test_pass_at_k_equals_enumeration_over_subsets(n):
+    """The estimator is the fraction of size-k subsets of the n samples that hold a correct one."""
+    for c in range(n + 1):
+        samples = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(samples, k))
+            frac = sum(any(s) for s in subsets) / len(subsets)
+            assert len(subsets) == comb(n, k)
+            assert pass_at_k(n, c, k) == pytest.approx(frac, abs=1e-12)
+
+
+def test_pass_at_k_large_n_is_stable():
+    # C(1000, 500) overflows a float; the product form does not.
+    v = pass_at_k(1000, 1, 500)
+    assert v == pytest.approx(0.5, abs=1e-12)
+
+
+@pytest.mark.parametrize("n,c,k", [(0, 0, 1), (3, 4, 1), (3, -1, 1), (3, 1, 0), (3, 1, 4)])
+def test_pass_at_k_rejects_bad_arguments(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_cons_at_k_majority_vote_and_ties():
+    answers = ["3", "5", "5", "3", "3"]
+    correct = [True, False, False, True, True]
+    assert cons_at_k(answers, correct, 1) == 1.0  # "3"
+    assert cons_at_k(answers, correct, 2) == 1.0  # tie 3/5 -> first seen, "3"
+    assert cons_at_k(answers, correct, 3) == 0.0  # "5" x2 beats "3" x1
+    assert cons_at_k(answers, correct, 4) == 1.0  # tie 2/2 -> "3"
+    assert cons_at_k(answers, correct, 5) == 1.0  # "3" x3
+
+
+def test_cons_at_k_ignores_missing_answers_and_whitespace():
+    answers = [None, "", " 7", "8", "7 "]
+    correct = [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert cons_at_k(answers, correct, 2) == 0.0  # nobody voted
+    assert cons_at_k(answers, correct, 3) == 1.0
+    assert cons_at_k(answers, correct, 4) == 1.0  # tie 7/8 -> 7 seen first
+    assert majority_answer(answers) == "7"
+    assert majority_answer([None, None]) is None
+
+
+def test_cons_at_k_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="answers"):
+        cons_at_k(["1"], [True, False], 1)
+    with pytest.raises(ValueError, match="k="):
+        cons_at_k(["1"], [True], 2)
+
+
+def test_aggregate_two_prompts():
+    answers = [["4", "5"], ["1", "1"]]
+    correct = [[1.0, 0.0], [0.0, 0.0]]
+    m = aggregate(answers, correct)
+    assert m["pass@1"] == pytest.approx(0.25)
+    assert m["pass@2"] == pytest.approx(0.5)
+    assert m["cons@1"] == pytest.approx(0.5)
+    assert m["cons@2"] == pytest.approx(0.5)  # prompt 1: tie -> "4" (correct); prompt 2: "1" wrong
+    assert m["accuracy"] == pytest.approx(0.25)
+    assert (m["num_prompts"], m["num_samples"]) == (2, 4)
+
+
+def test_aggregate_rejects_ragged_samples():
+    with pytest.raises(ValueError, match="same number"):
+        aggregate([["1"], ["1", "2"]], [[1.0], [1.0, 0.0]])
+    with pytest.raises(ValueError, match="no prompts"):
+        aggregate([], [])

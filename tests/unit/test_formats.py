@@ -1,0 +1,198 @@
+"""Dataset formats and loading: real samples of each format, malformed rows, splits, prompts."""
+
+import json
+import logging
+
+import pytest
+
+from posttrain.data.datasets import load_rows
+from posttrain.data.formats import DataFormatError, detect_format, normalize_row
+from posttrain.schemas import DataConfig
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _cfg(name, **kw):
+    return DataConfig(dataset_name=name, **kw)
+
+
+# --------------------------------------------------------------------------- real samples
+
+
+def test_sharegpt_preference_sample(shared_data):
+    cfg = _cfg(f"{shared_data}/llamafactory_demo/dpo_en_demo.json")
+    train, val = load_rows(cfg, "train"), load_rows(cfg, "val")
+    assert len(train) + len(val) == 300 and len(val) == 15  # 5% held out
+    assert not {json.dumps(r) for r in train} & {json.dumps(r) for r in val}
+    raw = json.load(open(f"{shared_data}/llamafactory_demo/dpo_en_demo.json"))
+    row = train[0]
+    assert set(row) == {"prompt_messages", "chosen", "rejected"}
+    assert row["prompt_messages"][0] == {"role": "user", "content": raw[0]["conversations"][0]["value"]}
+    assert row["chosen"] == [{"role": "assistant", "content": raw[0]["chosen"]["value"]}]
+    assert row["rejected"] == [{"role": "assistant", "content": raw[0]["rejected"]["value"]}]
+    # Multi-turn contexts keep their assistant turns in the prompt.
+    longest = max(train, key=lambda r: len(r["prompt_messages"]))
+    assert [m["role"] for m in longest["prompt_messages"][:2]] == ["user", "assistant"]
+
+
+def test_alpaca_sample(shared_data):
+    rows = load_rows(_cfg("alpaca"), "train")
+    raw = json.load(open(f"{shared_data}/llamafactory_demo/alpaca_en_demo.json"))
+    assert len(rows) == 949
+    with_input = next(r for r in raw if r["input"])
+    expected_user = f"{with_input['instruction']}\n\n{with_input['input']}"
+    all_rows = rows + load_rows(_cfg("alpaca"), "val")
+    match = [r for r in all_rows if r["messages"][0]["content"] == expected_user]
+    assert match and match[0]["messages"][1] == {"role": "assistant", "content": with_input["output"]}
+
+
+def test_sharegpt_toolcall_sample(shared_data):
+    rows = load_rows(_cfg(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json"), "train")
+    roles = {m["role"] for r in rows for m in r["messages"]}
+    assert roles == {"user", "assistant", "tool"}
+    assert all("tools" in r for r in rows if r.get("tools"))
+
+
+def test_messages_sample(shared_data):
+    rows = load_rows(_cfg(f"{shared_data}/llamafactory_demo/kto_en_demo.json"), "train")
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def test_squad_sample(shared_data):
+    rows = load_rows(_cfg("squad"), "train") + load_rows(_cfg("squad"), "val")
+    assert len(rows) == 8
+    first = next(r for r in rows if r["messages"][1]["content"] == "In what country is Normandy located?")
+    assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant"]
+    assert first["messages"][2]["content"] == "France"
+    assert first["messages"][0]["content"].startswith("The Normans")
+
+
+def test_squad_official_nested_layout(tmp_path):
+    nested = {"version": "v2.0", "data": [{"title": "T", "paragraphs": [{"context": "Paris is in France.", "qas": [
+        {"id": "1", "question": "Where is Paris?", "answers": [{"text": "France", "answer_start": 12}]},
+        {"id": "2", "question": "Unanswerable?", "answers": [], "is_impossible": True},
+    ]}]}]}
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps(nested))
+    rows = load_rows(_cfg("local", train_data_path=str(path), val_data_path=str(path)), "train")
+    assert rows == [{"messages": [{"role": "system", "content": "Paris is in France."},
+                                  {"role": "user", "content": "Where is Paris?"},
+                                  {"role": "assistant", "content": "France"}]}]
+
+
+def test_gsm8k_and_math500_rl_rows(shared_data):
+    train = load_rows(_cfg("gsm8k"), "train")
+    val = load_rows(_cfg("gsm8k", max_val_samples=20), "val")
+    assert len(train) == 7473 and len(val) == 20
+    assert train[0]["answer"] == "72" and train[0]["task_name"] == "math"
+    assert train[0]["messages"] == [{"role": "user", "content": train[0]["messages"][0]["content"]}]
+    math = load_rows(_cfg("math500"), "val")
+    assert len(math) == 500 and math[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert math[0]["metadata"]["level"] == 2
+
+
+def test_parquet_file(shared_data):
+    rows = load_rows(_cfg("local", train_data_path=f"{shared_data}/math500/math500_RL.parquet",
+                          val_data_path=f"{shared_data}/math500/math500_RL.parquet"), "val")
+    assert len(rows) == 500 and rows[0]["task_name"] == "math"
+
+
+def test_prompt_completion_and_implicit_prompt_pairs(tmp_path):
+    path = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}] * 4)
+    rows = load_rows(_cfg(path, val_split_fraction=0.25), "train")
+    assert len(rows) == 3 and rows[0]["messages"][1] == {"role": "assistant", "content": "4"}
+    hh = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}],
+          "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]}
+    row = normalize_row(hh, detect_format(hh), "x row 1")
+    assert row["prompt_messages"] == [{"role": "user", "content": "hi"}]
+    assert row["rejected"] == [{"role": "assistant", "content": "go away"}]
+
+
+def test_prompt_and_system_prompt_files(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 1+1?", "completion": "2"}] * 3)
+    (tmp_path / "p.txt").write_text("Answer inside \\boxed{{}}: {}")
+    (tmp_path / "s.txt").write_text("You are terse.\n")
+    rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, prompt_file=str(tmp_path / "p.txt"),
+                          system_prompt_file=str(tmp_path / "s.txt")), "train")
+    assert rows[0]["messages"][:2] == [{"role": "system", "content": "You are terse."},
+                                       {"role": "user", "content": "Answer inside \\boxed{}: What is 1+1?"}]
+
+
+# --------------------------------------------------------------------------- malformed rows
+
+GOOD = {
+    "messages": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    "alpaca": {"instruction": "q", "input": "", "output": "a"},
+    "prompt_completion": {"prompt": "q", "completion": "a"},
+    "squad": {"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}},
+    "preference": {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
+                   "rejected": {"from": "gpt", "value": "b"}},
+    "math": {"question": "1+1?", "answer": "2"},
+}
+BAD = {
+    "messages": ({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}, "unknown role"),
+    "sharegpt": ({"conversations": [{"from": "human", "value": "q"}, {"from": "alien", "value": "a"}]}, "alien"),
+    "alpaca": ({"instruction": "q", "input": "", "output": 7}, "`output` must be a string"),
+    "prompt_completion": ({"prompt": "q", "completion": ""}, "`completion` is empty"),
+    "squad": ({"context": "c", "question": "q", "answers": {"text": [], "answer_start": []}}, "no answer text"),
+    "preference": ({"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
+                    "rejected": None}, "missing `rejected`"),
+    "math": ({"question": "", "answer": "2"}, "`question` is empty"),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(BAD))
+def test_malformed_row_names_file_and_row(tmp_path, fmt):
+    bad, message = BAD[fmt]
+    path = _write_jsonl(tmp_path / f"{fmt}.jsonl", [GOOD[fmt], GOOD[fmt], bad, GOOD[fmt]])
+    with pytest.raises(DataFormatError) as e:
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path, format=fmt), "train")
+    assert f"{path} row 3" in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", sorted(BAD))
+def test_malformed_row_skipped_and_counted(tmp_path, fmt, caplog):
+    bad, _ = BAD[fmt]
+    path = _write_jsonl(tmp_path / f"{fmt}.jsonl", [GOOD[fmt], bad, GOOD[fmt], bad])
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, on_malformed_row="skip"), "train")
+    assert len(rows) == 2
+    assert "skipped 2 malformed" in caplog.text and "row 2" in caplog.text
+
+
+def test_preference_row_missing_rejected_key(tmp_path, shared_data):
+    raw = json.load(open(f"{shared_data}/llamafactory_demo/dpo_en_demo.json"))[:10]
+    del raw[6]["rejected"]
+    path = tmp_path / "dpo.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DataFormatError, match=rf"{path} row 7: preference row is missing `rejected`"):
+        load_rows(_cfg(str(path)), "train")
+
+
+def test_invalid_json_line_names_the_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD["alpaca"]) + "\n" + '{"instruction": "q", "output": \n')
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON"):
+        load_rows(_cfg(str(path)), "train")
+
+
+def test_mixed_types_fall_back_and_name_row(tmp_path):
+    # Arrow cannot give these rows one schema; the row normaliser still names the bad one.
+    rows = [GOOD["alpaca"], {"instruction": ["not", "a", "string"], "output": "a"}]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: `instruction` must be a string"):
+        load_rows(_cfg(path), "train")
+
+
+def test_unknown_dataset_and_undetectable_format(tmp_path):
+    with pytest.raises(ValueError, match="not a registered dataset .*hub"):
+        load_rows(_cfg("no_such_org/no_such_dataset"), "train")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        load_rows(_cfg(str(tmp_path / "missing.jsonl")), "train")
+    path = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}, {"foo": 2}])
+    with pytest.raises(DataFormatError, match=rf"{path} row 1: cannot tell the format"):
+        load_rows(_cfg(path), "train")

@@ -1,0 +1,46 @@
+import pytest
+
+from posttrain.data.loader import RowLoader
+
+ROWS = [{"i": i} for i in range(10)]
+
+
+def ids(batch):
+    return [r["i"] for r in batch]
+
+
+def test_epochs_cover_all_rows_once_and_drop_the_remainder():
+    loader = RowLoader(ROWS, 3, shuffle=True, seed=1)
+    first_epoch = [ids(next(loader)) for _ in range(loader.batches_per_epoch)]
+    seen = sorted(i for b in first_epoch for i in b)
+    assert len(seen) == 9 and len(set(seen)) == 9  # 10 // 3 batches, no repeats
+    assert loader.epoch == 0
+    next(loader)
+    assert loader.epoch == 1
+
+
+def test_same_seed_same_order_other_seed_other_order():
+    a = [ids(next(RowLoader(ROWS, 5, seed=7))) for _ in range(1)]
+    b = [ids(next(RowLoader(ROWS, 5, seed=7))) for _ in range(1)]
+    c = [ids(next(RowLoader(ROWS, 5, seed=8))) for _ in range(1)]
+    assert a == b and a != c
+
+
+def test_resume_continues_at_the_next_row():
+    full = RowLoader(ROWS, 4, seed=3)
+    expected = [ids(next(full)) for _ in range(7)]
+    first = RowLoader(ROWS, 4, seed=3)
+    got = [ids(next(first)) for _ in range(3)]
+    resumed = RowLoader(ROWS, 4, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    got += [ids(next(resumed)) for _ in range(4)]
+    assert got == expected
+
+
+def test_max_epochs_stops_and_errors_are_clear():
+    assert len(list(RowLoader(ROWS, 5, max_epochs=2))) == 4
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        RowLoader(ROWS[:2], 3)
+    loader = RowLoader(ROWS, 2)
+    with pytest.raises(ValueError, match="dataset now has 10"):
+        loader.load_state_dict({"epoch": 0, "index": 0, "num_rows": 12})

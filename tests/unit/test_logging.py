@@ -1,0 +1,201 @@
+"""Each logger backend writes something its own reader reads back; the timer; the plots."""
+
+import json
+import math
+import time
+
+import pytest
+
+from posttrain.logging import Logger, Timer
+from posttrain.logging.console import compact_line
+from posttrain.schemas import LoggerConfig
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cfg(**kw):
+    base = dict(console_enabled=False, jsonl_enabled=False, plots_enabled=False)
+    base.update(kw)
+    return LoggerConfig(**base)
+
+
+def test_timer_nested_phases_accumulate():
+    timer = Timer()
+    with timer.time("logprobs"):
+        with timer.time("reference"):
+            time.sleep(0.02)
+        time.sleep(0.01)
+    with timer.time("logprobs"):  # entered twice in a step: accumulates
+        time.sleep(0.01)
+    m = timer.metrics()
+    assert set(m) == {"timing/logprobs", "timing/logprobs/reference"}
+    assert 0.02 <= m["timing/logprobs/reference"] < m["timing/logprobs"]
+    assert m["timing/logprobs"] >= 0.04
+    assert set(timer.metrics(prefix="t/")) == {"t/logprobs", "t/logprobs/reference"}
+    timer.reset()
+    assert timer.metrics() == {}
+
+
+def test_timer_rejects_reset_inside_phase_and_bad_names():
+    timer = Timer()
+    with pytest.raises(ValueError):
+        with timer.time("a/b"):
+            pass
+    with timer.time("gen"):
+        with pytest.raises(RuntimeError, match="gen"):
+            timer.reset()
+
+
+def test_jsonl_scalars_nonfinite_and_config(tmp_path, caplog):
+    import numpy as np
+    import torch
+
+    logger = Logger(_cfg(jsonl_enabled=True), tmp_path, hparams={"policy": {"model_name": "m"}})
+    logged = logger.log_metrics(
+        {"loss": 0.5, "n": 3, "t": torch.tensor(2.5), "np": np.float32(1.5), "text": "x", "vec": torch.ones(3),
+         "bad": float("nan")},
+        step=1,
+    )
+    with caplog.at_level("WARNING", logger="posttrain"):
+        logger.log_metrics({"bad": float("inf")}, step=2, prefix="validation")
+    logger.close()
+    assert set(logged) == {"loss", "n", "t", "np", "bad"}
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(l["step"], l["prefix"]) for l in lines] == [(1, "train"), (2, "validation")]
+    assert lines[0]["loss"] == 0.5 and lines[0]["t"] == 2.5 and lines[0]["np"] == 1.5
+    assert math.isnan(lines[0]["bad"]) and math.isinf(lines[1]["bad"])
+    assert "text" not in lines[0] and "vec" not in lines[0]
+    assert logger.nonfinite_counts == {"train/bad": 1, "validation/bad": 1}
+    assert "non-finite" in caplog.text
+    assert "model_name: m" in (tmp_path / "config.yaml").read_text()
+
+
+def test_log_samples_capped(tmp_path):
+    with Logger(_cfg(num_samples_to_dump=2), tmp_path) as logger:
+        logger.log_samples([{"prompt": f"{i}+1=", "reward": 1.0} for i in range(5)], step=7)
+    assert logger._closed
+    rows = [json.loads(l) for l in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 7, "prompt": "0+1=", "reward": 1.0}, {"step": 7, "prompt": "1+1=", "reward": 1.0}]
+
+
+def test_tensorboard_event_reader(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = Logger(_cfg(tensorboard_enabled=True), tmp_path, hparams={"a": 1})
+    for step in range(1, 4):
+        logger.log_metrics({"loss": 1.0 / step}, step)
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([1.0, 0.5, 1 / 3])
+
+
+def test_mlflow_client_reads_back(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    logger = Logger(_cfg(mlflow_enabled=True), tmp_path, hparams={"policy": {"max_grad_norm": 1.0}})
+    logger.log_metrics({"loss": 0.25, "timing/generation": 1.5}, step=3)
+    backend = logger._backends[0]
+    logger.close()
+    client = MlflowClient(tracking_uri=backend.tracking_uri)
+    run = client.get_run(backend.run_id)
+    assert run.data.metrics["train/loss"] == 0.25
+    assert run.data.params["policy.max_grad_norm"] == "1.0"
+    assert [(m.step, m.value) for m in client.get_metric_history(backend.run_id, "train/timing/generation")] == [(3, 1.5)]
+    assert run.info.status == "FINISHED"
+    assert (tmp_path / "mlflow" / "mlflow.db").is_file()
+
+
+def test_wandb_offline_run_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")  # logger.wandb.mode must win over the environment
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(wandb_enabled=True, wandb={"mode": "offline", "project": "t"})
+    logger = Logger(cfg, tmp_path, hparams={"lr": 0.1})
+    logger.log_metrics({"reward": 0.75}, step=1)
+    logger.log_metrics({"reward": 0.5}, step=1, prefix="validation")
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    files = list(runs[0].rglob("*.wandb"))
+    assert len(files) == 1
+    # wandb's writer is a separate service process that may still be flushing after finish().
+    deadline = time.time() + 30
+    while b"validation/reward" not in files[0].read_bytes() and time.time() < deadline:
+        time.sleep(0.2)
+    blob = files[0].read_bytes()
+    assert b"train/reward" in blob and b"validation/reward" in blob
+
+
+def test_console_line_and_progress(tmp_path):
+    from rich.console import Console
+
+    line = compact_line({"loss": 0.69314, "reward_mean": 0.25, "foo": 3.0, "timing/gen": 1.0,
+                         "timing/train": 0.5, "timing/gen/x": 0.2}, 3, "train", 10)
+    assert line.startswith("[bold]train[/bold] step 3/10")
+    assert "loss 0.6931" in line and "reward_mean 0.25" in line and "time 1.5s" in line
+    assert "foo" not in line  # key metrics only when some are present
+
+    logger = Logger(_cfg(console_enabled=True, num_val_samples_to_print=1), tmp_path)
+    backend = logger._console
+    backend.console = Console(record=True, width=120, force_terminal=False)
+    logger.start_progress(10, initial_step=4)
+    logger.console("resumed from step 4")
+    logger.log_metrics({"loss": 1.0}, step=5)
+    assert backend._progress.tasks[0].completed == 5
+    logger.update_progress(6, {"reward": 0.5, "text": "skipped"})
+    task = backend._progress.tasks[0]
+    assert task.completed == 6 and task.fields["summary"] == "reward 0.5"
+    logger.update_progress(3)  # the bar never moves back
+    assert backend._progress.tasks[0].completed == 6
+    logger.print_samples([{"prompt": "1+1=", "response": "2"}, {"prompt": "2+2=", "response": "5"}])
+    logger.close()
+    out = backend.console.export_text()
+    assert "resumed from step 4" in out
+    assert "train step 5/10 | loss 1" in out and "1+1=" in out and "2+2=" not in out
+
+
+def test_plots_are_pngs_and_survive_resume(tmp_path):
+    cfg = _cfg(jsonl_enabled=True, plots_enabled=True)
+    logger = Logger(cfg, tmp_path)
+    for step in range(1, 4):
+        logger.log_metrics({"loss": 1.0 / step, "reward": step / 3, "kl_penalty": 0.01,
+                            "timing/generation": 1.0, "timing/training": 0.5, "timing/training/backward": 0.3}, step)
+    logger.log_metrics({"accuracy": 0.5}, step=3, prefix="validation")
+    logger.close()
+    # A resumed run in the same dir plots the earlier steps too.
+    logger = Logger(cfg, tmp_path)
+    logger.log_metrics({"entropy": 2.0}, step=4)
+    paths = logger.plot()
+    logger.close()
+    names = sorted(p.name for p in paths)
+    assert names == ["entropy.png", "kl.png", "loss.png", "reward.png", "timing.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
+    assert not list((tmp_path / "plots").glob("*.tmp.png"))
+
+
+def test_gpu_monitor_reads_nvidia_smi(tmp_path, monkeypatch):
+    # No GPU here: a stand-in nvidia-smi prints what the real one prints for this query.
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho '0, 87, 40960, 81920'\necho '1, [N/A], 1024, 81920'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    logger = Logger(_cfg(jsonl_enabled=True, monitor_gpus=True, gpu_monitoring={"collection_interval": 3600}),
+                    tmp_path / "run")
+    first = logger.log_metrics({"loss": 1.0}, step=1)
+    second = logger.log_metrics({"loss": 1.0}, step=2)  # within the interval: no new reading
+    val = logger.log_metrics({"accuracy": 1.0}, step=2, prefix="val")
+    logger.close()
+    assert first == {"loss": 1.0, "gpu/0/utilization": 87.0, "gpu/0/memory_used_gb": 40.0, "gpu/0/memory_total_gb": 80.0}
+    assert second == {"loss": 1.0} and val == {"accuracy": 1.0}
+
+
+def test_gpu_monitor_without_nvidia_smi_warns(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level("WARNING", logger="posttrain"):
+        logger = Logger(_cfg(monitor_gpus=True), tmp_path)
+    assert logger.log_metrics({"loss": 1.0}, step=1) == {"loss": 1.0}
+    assert "nvidia-smi is not on PATH" in caplog.text

@@ -1,0 +1,108 @@
+"""LoRA: only adapter weights train; merged and adapter-only exports reproduce the trained model."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from posttrain.policy.lora import (
+    adapter_state_dict,
+    maybe_apply_lora,
+    merge_lora_state_dict,
+    save_adapter,
+)
+from posttrain.schemas import LoraConfig
+
+CFG = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def _train(model, steps=3):
+    """A few real AdamW steps of next-token NLL on random tokens."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(8, 60, (2, 12))
+    for _ in range(steps):
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return x
+
+
+def test_disabled_is_identity(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert maybe_apply_lora(model, LoraConfig()) is model
+
+
+def test_only_adapter_parameters_change(tiny_model_path):
+    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj", "down_proj"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(8, 60, (1, 8))
+    base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_path)(x).logits
+    assert torch.equal(model(x).logits, base_logits)  # lora_B starts at zero: the base model exactly
+    _train(model)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {k for k in before if ".lora_A." in k or ".lora_B." in k}
+
+
+def test_merged_export_equals_base_plus_adapter(tiny_model_path, tmp_path):
+    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
+    x = _train(model)
+    model.eval()
+    with torch.no_grad():
+        trained = model(x).logits
+    sd = model.state_dict()
+    merged = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_path))
+    merged.load_state_dict(merge_lora_state_dict(sd, CFG), strict=True)
+    merged.eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(x).logits, trained, atol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        assert not torch.allclose(base(x).logits, trained, atol=1e-3)  # the adapter did change the model
+
+    # The merged weight is exactly W + (alpha / r) * B @ A.
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    expected = sd[f"{key}.base_layer.weight"] + (CFG.alpha / CFG.rank) * (
+        sd[f"{key}.lora_B.default.weight"] @ sd[f"{key}.lora_A.default.weight"]
+    )
+    assert torch.allclose(merge_lora_state_dict(sd, CFG)["model.layers.0.self_attn.q_proj.weight"], expected)
+
+    # Adapter-only export, loaded back by peft onto a fresh base model.
+    from peft import PeftModel
+
+    save_adapter(sd, CFG, tmp_path / "adapter", tiny_model_path, model)
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter")
+    reloaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
+
+
+def test_reward_model_score_head_trains_and_exports(tiny_model_path):
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    model = maybe_apply_lora(base, LoraConfig(enabled=True, rank=2, alpha=4.0))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("score" in n for n in trainable)  # the new head trains with the adapter
+    x = torch.randint(8, 60, (2, 10))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        model(input_ids=x).logits.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=x).logits
+    merged = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_model_path, num_labels=1))
+    merged.load_state_dict(merge_lora_state_dict(model.state_dict(), LoraConfig(rank=2, alpha=4.0)), strict=True)
+    merged.eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=x).logits, trained, atol=1e-5)
+    assert "base_model.model.score.weight" in adapter_state_dict(model.state_dict())
+
+
+def test_merge_without_lora_is_an_error(tiny_model_path):
+    sd = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    with pytest.raises(ValueError, match="no LoRA weights"):
+        merge_lora_state_dict(sd, CFG)

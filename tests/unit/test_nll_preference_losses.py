@@ -1,0 +1,136 @@
+"""NLL, DPO (sigmoid/IPO/SimPO) and Bradley-Terry losses against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.losses import LOSSES, BradleyTerryLoss, DPOLoss, NLLLoss, build_loss, valid_counts
+from posttrain.schemas import DPOConfig
+
+
+def logsig(x):
+    return math.log(1 / (1 + math.exp(-x)))
+
+
+def test_nll_hand_computed_and_global_normalization():
+    curr = torch.tensor([[0.0, -1.0, -2.0, -9.0], [0.0, -3.0, -4.0, -5.0], [0.0, -7.0, -7.0, -7.0]])
+    mb = BatchedDataDict(
+        token_mask=torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.float32),
+        sample_mask=torch.tensor([1.0, 1.0, 0.0]),  # the third row is dropped
+    )
+    toks, seqs = valid_counts(mb)
+    assert toks.item() == 4
+    loss, metrics = NLLLoss()(curr, mb, toks, seqs)
+    assert loss.item() == pytest.approx((1 + 2 + 4 + 5) / 4)
+    assert metrics["num_valid_tokens"] == 4
+    # Micro-batches divided by the GLOBAL count sum to the full-batch loss.
+    parts = [NLLLoss()(curr[i : i + 1], mb.select_indices([i]), toks, seqs)[0] for i in range(3)]
+    assert sum(parts).item() == pytest.approx(loss.item())
+
+
+def _pair_batch(policy_rows, ref_rows, mask_rows, sample_mask=None):
+    """A 2-pair batch: rows (chosen0, rejected0, chosen1, rejected1) of per-token logprobs."""
+    n = len(policy_rows)
+    return (
+        torch.tensor(policy_rows, requires_grad=True),
+        BatchedDataDict(
+            reference_logprobs=torch.tensor(ref_rows),
+            token_mask=torch.tensor(mask_rows, dtype=torch.float32),
+            sample_mask=torch.ones(n) if sample_mask is None else torch.tensor(sample_mask),
+        ),
+    )
+
+
+# Sequence sums: policy c0=-2, r0=-4, c1=-1, r1=-1; reference c0=-3, r0=-3, c1=-2, r1=0.
+POLICY = [[0.0, -1.0, -1.0], [0.0, -2.0, -2.0], [0.0, -1.0, 0.0], [0.0, -0.5, -0.5]]
+REF = [[0.0, -1.5, -1.5], [0.0, -1.0, -2.0], [0.0, -2.0, 0.0], [0.0, 0.0, 0.0]]
+MASK = [[0, 1, 1], [0, 1, 1], [0, 1, 0], [0, 1, 1]]
+
+
+def test_dpo_sigmoid_hand_computed():
+    curr, mb = _pair_batch(POLICY, REF, MASK)
+    beta = 0.5
+    # log-ratios: c0 = 1, r0 = -1, c1 = 1, r1 = -1 -> h = 2 for both pairs.
+    loss, m = DPOLoss(beta=beta)(curr, mb, *valid_counts(mb))
+    assert loss.item() == pytest.approx(-logsig(beta * 2), abs=1e-6)
+    assert m["accuracy"] == 1.0
+    assert m["rewards_chosen_mean"] == pytest.approx(0.5) and m["rewards_rejected_mean"] == pytest.approx(-0.5)
+    assert m["reward_margin"] == pytest.approx(1.0)
+    loss.backward()
+    # d loss / d policy logprob of a chosen token = -beta * sigmoid(-beta h) / n_pairs.
+    g = -beta * (1 / (1 + math.exp(beta * 2))) / 2
+    assert curr.grad[0, 1].item() == pytest.approx(g, abs=1e-6)
+    assert curr.grad[1, 1].item() == pytest.approx(-g, abs=1e-6)
+    assert curr.grad[:, 0].abs().sum().item() == 0  # unmasked positions get no gradient
+
+
+def test_dpo_average_logprobs_sft_term_and_weights():
+    curr, mb = _pair_batch(POLICY, REF, MASK)
+    # Means: policy c0=-1, r0=-2, c1=-1, r1=-0.5; ref c0=-1.5, r0=-1.5, c1=-2, r1=0
+    # log-ratios: c0=.5, r0=-.5 (h=1); c1=1, r1=-.5 (h=1.5)
+    fn = DPOLoss(beta=1.0, average_log_probs=True, sft_loss_weight=0.3, preference_loss_weight=2.0)
+    loss, m = fn(curr, mb, *valid_counts(mb))
+    pref = (-logsig(1.0) - logsig(1.5)) / 2
+    sft = (1.0 + 1.0) / 2  # mean over pairs of -mean chosen logprob
+    assert m["preference_loss"] == pytest.approx(pref, abs=1e-6)
+    assert m["sft_loss"] == pytest.approx(sft, abs=1e-6)
+    assert loss.item() == pytest.approx(2.0 * pref + 0.3 * sft, abs=1e-6)
+    # sft_average_log_probs=False: the SFT term sums the chosen tokens.
+    _, m = DPOLoss(beta=1.0, average_log_probs=True, sft_average_log_probs=False)(curr, mb, *valid_counts(mb))
+    assert m["sft_loss"] == pytest.approx((2.0 + 1.0) / 2, abs=1e-6)
+
+
+def test_ipo_and_simpo_hand_computed():
+    curr, mb = _pair_batch(POLICY, REF, MASK)
+    beta = 0.25
+    loss, _ = DPOLoss(beta=beta, name="ipo")(curr, mb, *valid_counts(mb))
+    assert loss.item() == pytest.approx((2 - 1 / (2 * beta)) ** 2, abs=1e-6)  # h = 2 for both pairs
+    # SimPO: reference-free, length-averaged: c0=-1, r0=-2 (d=1); c1=-1, r1=-0.5 (d=-0.5).
+    mb_no_ref = BatchedDataDict({k: v for k, v in mb.items() if k != "reference_logprobs"})
+    loss, m = DPOLoss(beta=2.0, name="simpo", simpo_gamma=0.5)(curr, mb_no_ref, *valid_counts(mb))
+    assert loss.item() == pytest.approx((-logsig(2.0 * 1 - 0.5) - logsig(2.0 * -0.5 - 0.5)) / 2, abs=1e-6)
+    assert m["accuracy"] == 0.5
+
+
+def test_dpo_micro_batches_sum_and_sample_mask():
+    curr, mb = _pair_batch(POLICY, REF, MASK, sample_mask=[1.0, 1.0, 0.0, 0.0])
+    toks, seqs = valid_counts(mb)
+    fn = DPOLoss(beta=0.1, sft_loss_weight=1.0)
+    loss, m = fn(curr, mb, toks, seqs)
+    only_first, _ = fn(curr[:2], mb.select_indices([0, 1]), toks, seqs)
+    assert loss.item() == pytest.approx(only_first.item()) and m["num_valid_samples"] == 1
+    curr, mb = _pair_batch(POLICY, REF, MASK)
+    toks, seqs = valid_counts(mb)
+    full, _ = fn(curr, mb, toks, seqs)
+    halves = [fn(curr[i : i + 2], mb.select_indices([i, i + 1]), toks, seqs)[0] for i in (0, 2)]
+    assert sum(halves).item() == pytest.approx(full.item())
+
+
+def test_bradley_terry_hand_computed():
+    scores = torch.tensor([2.0, 1.0, 0.0, 3.0], requires_grad=True)
+    mb = BatchedDataDict(sample_mask=torch.ones(4), token_mask=torch.ones(4, 2))
+    loss, m = BradleyTerryLoss()(scores, mb, torch.tensor(8.0), torch.tensor(4.0))
+    assert loss.item() == pytest.approx((-logsig(1.0) - logsig(-3.0)) / 2, abs=1e-6)
+    assert m["accuracy"] == 0.5
+    assert m["rewards_chosen_mean"] == pytest.approx(1.0) and m["rewards_rejected_mean"] == pytest.approx(2.0)
+    loss.backward()
+    assert scores.grad[0].item() == pytest.approx(-(1 - 1 / (1 + math.exp(-1.0))) / 2, abs=1e-6)
+
+
+def test_bad_inputs_and_registry():
+    with pytest.raises(ValueError, match="valid: sigmoid, ipo, simpo"):
+        DPOLoss(name="kto")
+    with pytest.raises(ValueError, match="even number of rows"):
+        BradleyTerryLoss()(torch.zeros(3), BatchedDataDict(sample_mask=torch.ones(3)), torch.tensor(1.0),
+                           torch.tensor(3.0))
+    with pytest.raises(ValueError, match=r"scores \[b\]"):
+        BradleyTerryLoss()(torch.zeros(2, 3), BatchedDataDict(sample_mask=torch.ones(2)), torch.tensor(1.0),
+                           torch.tensor(2.0))
+    dpo = build_loss("dpo", DPOConfig(reference_policy_kl_penalty=0.2, preference_average_log_probs=True))
+    assert (dpo.beta, dpo.average_log_probs, dpo.sft_average_log_probs, dpo.name) == (0.2, True, True, "sigmoid")
+    assert {"nll", "dpo", "bradley_terry"} <= set(LOSSES)
+    for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
+        assert fn.loss_type in ("token", "sequence")
+    assert dpo.needs_pairs and BradleyTerryLoss.needs_pairs and not NLLLoss.needs_pairs

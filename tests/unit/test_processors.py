@@ -1,0 +1,145 @@
+"""Tokenization: assistant-only loss masks, chat-template override, truncation, batches."""
+
+import pytest
+import torch
+
+from posttrain.data.datasets import load_rows
+from posttrain.data.processors import (
+    collate,
+    collate_pairs,
+    load_tokenizer,
+    process_preference_rows,
+    process_sft_rows,
+    tokenize_messages,
+)
+from posttrain.schemas import DataConfig, TokenizerConfig
+
+# NeMo RL's SQuAD SFT template (examples/configs/sft.yaml there): plain text, no header tokens.
+SQUAD_TEMPLATE = (
+    "{% for message in messages %}{%- if message['role'] == 'system' %}{{'Context: ' + message['content'].strip()}}"
+    "{%- elif message['role'] == 'user' %}{{' Question: ' + message['content'].strip() + ' Answer:'}}"
+    "{%- elif message['role'] == 'assistant' %}{{' ' + message['content'].strip()}}{%- endif %}{% endfor %}"
+)
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "1+1?"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    return load_tokenizer(TokenizerConfig(name=tiny_model_path))
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d = f"{shared_data}/tokenizers/gpt2"
+    core = Tokenizer(models.BPE.from_file(f"{d}/vocab.json", f"{d}/merges.txt"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    t = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                pad_token="<|endoftext|>")
+    t.chat_template = SQUAD_TEMPLATE
+    return t
+
+
+def _loss_text(tok, ex):
+    return tok.decode([i for i, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+
+
+def test_assistant_only_mask_embedded_template(tok):
+    ex = tokenize_messages(CONVO, tok)
+    assert tok.decode(ex["input_ids"]) == (
+        "<s><|system|>Be brief.<|end|><|user|>1+1?<|end|><|assistant|>2<|end|><|user|>2+2?<|end|><|assistant|>4<|end|>"
+    )
+    # Content and end-of-turn of both assistant turns, not the <|assistant|> header.
+    assert _loss_text(tok, ex) == "2<|end|>4<|end|>"
+    assert len(ex["input_ids"]) == len(ex["loss_mask"])
+    # The template ends with EOS (<|end|>) already: add_eos adds nothing.
+    assert ex["input_ids"][-2:] != [tok.eos_token_id] * 2
+    # loss_start: only assistant turns from that message on (a preference prompt's turns are context).
+    assert _loss_text(tok, tokenize_messages(CONVO, tok, loss_start=3)) == "4<|end|>"
+    no_bos = tokenize_messages(CONVO, tok, add_bos=False)
+    assert no_bos["input_ids"] == ex["input_ids"][1:]
+
+
+def test_chat_template_override_and_eos(gpt2, shared_data):
+    cfg = DataConfig(dataset_name="squad")
+    examples, stats = process_sft_rows(load_rows(cfg, "train"), gpt2, cfg, max_len=1024)
+    assert stats == {"rows": 7, "kept": 7, "truncated": 0, "dropped": 0, "no_loss": 0}
+    text = gpt2.decode(examples[0]["input_ids"])
+    assert text.startswith("<|endoftext|>Context: The Normans")  # BOS (GPT-2's is <|endoftext|>)
+    loss_texts = {_loss_text(gpt2, ex) for ex in examples}
+    assert " France<|endoftext|>" in loss_texts  # the answer and the appended EOS train
+    assert all(t.endswith("<|endoftext|>") and "Question" not in t for t in loss_texts)
+
+
+def test_load_tokenizer_applies_config_template(tiny_model_path):
+    t = load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}"))
+    assert t.apply_chat_template(CONVO[1:3], tokenize=False) == "1+1?|2|"
+
+
+def test_no_chat_template_is_a_clear_error(gpt2):
+    bare = gpt2.__class__(tokenizer_object=gpt2.backend_tokenizer, eos_token="<|endoftext|>")
+    with pytest.raises(ValueError, match="no chat template: set policy.tokenizer.chat_template"):
+        tokenize_messages(CONVO, bare)
+
+
+def test_truncation_drop_and_truncate_counts(tok):
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "a" * n}]}
+            for q, n in (("q", 5), ("q", 40), ("q", 60), ("q" * 40, 1))]
+    # <s><|user|>q<|end|><|assistant|> = 5 prompt tokens; then the answer and <|end|>.
+    kept, stats = process_sft_rows(rows, tok, DataConfig(truncation="drop"), max_len=30)
+    assert stats == {"rows": 4, "kept": 1, "truncated": 0, "dropped": 3, "no_loss": 0}
+    assert [len(e["input_ids"]) for e in kept] == [11]
+    # Truncate: cut at 30 tokens; the long-prompt row keeps no loss token, so it goes (counted).
+    kept, stats = process_sft_rows(rows, tok, DataConfig(truncation="truncate"), max_len=30)
+    assert stats == {"rows": 4, "kept": 3, "truncated": 2, "dropped": 0, "no_loss": 1}
+    assert [len(e["input_ids"]) for e in kept] == [11, 30, 30]
+    assert [sum(e["loss_mask"]) for e in kept] == [6, 25, 25]
+
+
+def test_no_rows_left_after_truncation_is_an_error(tok):
+    rows = [{"messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]}] * 3
+    with pytest.raises(ValueError, match=r"no rows left after applying data.truncation='drop' at 20 tokens .*'dropped': 3"):
+        process_sft_rows(rows, tok, DataConfig(truncation="drop"), max_len=20)
+    with pytest.raises(ValueError, match=r"no rows left .*'no_loss': 3"):
+        process_sft_rows(rows, tok, DataConfig(truncation="truncate"), max_len=20)
+    pairs = [{"prompt_messages": [{"role": "user", "content": "q" * 50}], "chosen": [{"role": "assistant", "content": "a"}],
+              "rejected": [{"role": "assistant", "content": "b"}]}]
+    with pytest.raises(ValueError, match="no preference pairs left"):
+        process_preference_rows(pairs, tok, DataConfig(), max_len=20)
+
+
+def test_preference_pairs_mask_responses_only(tok, shared_data):
+    cfg = DataConfig(dataset_name=f"{shared_data}/llamafactory_demo/dpo_en_demo.json", truncation="truncate")
+    rows = load_rows(cfg, "train")
+    multi = next(r for r in rows if len(r["prompt_messages"]) >= 3)
+    (chosen, rejected), = process_preference_rows([multi], tok, cfg, max_len=100_000)[0]
+    # (compared through the tokenizer: the char vocabulary maps non-ASCII characters to <unk>)
+    for ex, side in ((chosen, "chosen"), (rejected, "rejected")):
+        expected = tok.encode(multi[side][0]["content"] + "<|end|>", add_special_tokens=False)
+        assert [i for i, m in zip(ex["input_ids"], ex["loss_mask"]) if m] == expected
+    pairs, stats = process_preference_rows(rows[:20], tok, cfg, max_len=512)
+    assert stats["rows"] == 20 and stats["truncated"] + stats["no_loss"] > 0
+    assert stats["kept"] == len(pairs) == 20 - stats["no_loss"]
+    assert all(len(ex["input_ids"]) <= 512 for pair in pairs for ex in pair)
+
+
+def test_collate_contract(tok):
+    a = tokenize_messages(CONVO[1:3], tok)
+    b = tokenize_messages(CONVO, tok)
+    batch = collate([a, b], pad_id=tok.pad_token_id)
+    assert batch["input_ids"].shape == (2, len(b["input_ids"]))
+    assert batch["input_lengths"].tolist() == [len(a["input_ids"]), len(b["input_ids"])]
+    assert batch["input_ids"][0, len(a["input_ids"]):].eq(tok.pad_token_id).all()
+    assert batch["token_mask"][0].tolist() == a["loss_mask"] + [0] * (len(b["input_ids"]) - len(a["input_ids"]))
+    assert batch["token_mask"][:, 0].eq(0).all() and batch["sample_mask"].tolist() == [1.0, 1.0]
+    pairs = collate_pairs([(a, b), (b, a)], pad_id=tok.pad_token_id)
+    assert torch.equal(pairs["input_ids"][1], batch["input_ids"][1]) and pairs.size == 4

@@ -1,0 +1,106 @@
+"""Sampling: the distribution is right (chi-square against the model), top-k/top-p never emit an
+excluded token, the kept sets are the documented ones, and stop detection is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.generation import build_generation, load_model_and_tokenizer
+from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, sampling_logprobs
+from posttrain.schemas import GenerationConfig
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value, pooling the categories expected fewer than 5 times into one bin."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(stats.chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_path):
+    """The tiny model with larger weights, so its next-token distribution is far from uniform."""
+    model, tok = load_model_and_tokenizer(tiny_model_path)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return model, tok
+
+
+def _next_token_counts(model, tok, temperature: float, n: int = 3000):
+    prompt = tok.encode("2+2=", add_special_tokens=False)
+    batch = BatchedDataDict(input_ids=torch.tensor([prompt] * n), input_lengths=torch.full((n,), len(prompt)))
+    cfg = GenerationConfig(max_new_tokens=1, temperature=temperature, seed=1234, ignore_eos=True)
+    out = build_generation("torch", model=model, tokenizer=tok, cfg=cfg, max_total_sequence_length=64).generate(batch)
+    tokens = out["output_ids"][:, len(prompt)]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    return torch.bincount(tokens, minlength=probs.numel()).float(), probs
+
+
+def test_temperature_one_frequencies_match_model(sharp_model):
+    counts, probs = _next_token_counts(*sharp_model, temperature=1.0)
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    assert float(probs.max()) > 3 / probs.numel()  # a non-uniform target, so the test has teeth
+
+
+def test_chi_square_detects_the_wrong_distribution(sharp_model):
+    """Negative control: samples at temperature 0.5 are rejected as draws from the T=1 distribution."""
+    counts, probs = _next_token_counts(*sharp_model, temperature=0.5)
+    assert _chi2_pvalue(counts, probs) < 1e-6
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (None, 0.5), (10, 0.8)])
+def test_top_k_top_p_never_emit_excluded_tokens(top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 50, generator=g) * 2
+    s = SamplingSettings(temperature=0.9, top_p=top_p, top_k=top_k)
+    lp = sampling_logprobs(logits, s)
+    allowed = torch.isfinite(lp)
+    for _ in range(50):
+        tokens, tok_lp = sample(logits, s, g)
+        assert bool(allowed.gather(1, tokens[:, None]).all())
+        torch.testing.assert_close(tok_lp, lp.gather(1, tokens[:, None]).squeeze(1))
+    scaled = logits / 0.9
+    order = scaled.argsort(dim=-1, descending=True)
+    if top_k is not None:
+        # Exactly the k largest are kept when top-p does not cut further.
+        kept_by_k = torch.zeros_like(allowed).scatter(1, order[:, :top_k], True)
+        assert bool((allowed <= kept_by_k).all())
+    if top_p < 1.0:
+        # Nucleus: the kept set is the shortest sorted prefix whose mass reaches top_p.
+        base = scaled if top_k is None else scaled.masked_fill(~kept_by_k, float("-inf"))
+        p_sorted = torch.softmax(base, dim=-1).gather(1, order)
+        need = (torch.cumsum(p_sorted, dim=-1) < top_p).sum(dim=-1) + 1
+        assert allowed.sum(dim=-1).tolist() == need.tolist()
+    torch.testing.assert_close(lp.exp().sum(dim=-1), torch.ones(64))
+
+
+def test_greedy_reports_temperature_one_logprob():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    tokens, lp = sample(logits, SamplingSettings(temperature=0.3, greedy=True), None)
+    assert tokens.tolist() == [1]
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[:, 1])
+
+
+def test_stop_checker_matches_only_in_the_last_token():
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    sc = StopChecker(tok, [tok.eos_token_id])
+    ids = tok.encode("ab<>cd", add_special_tokens=False)
+    assert sc.ends_with_stop_string(ids[:4], ["<>"])
+    assert not sc.ends_with_stop_string(ids[:5], ["<>"])  # completed one token earlier
+    assert not sc.ends_with_stop_string(ids[:3], ["<>"])
+    cand = sc.candidates({"<>"})
+    assert bool(cand[tok.convert_tokens_to_ids(">")]) and not bool(cand[tok.convert_tokens_to_ids("<")])
