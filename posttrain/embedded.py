@@ -39,7 +39,8 @@ CHAT_TEMPLATE = (
 # name -> (hidden, layers, heads, kv_heads, intermediate, max_positions)
 MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 176, 256),  # ~0.1M params: unit tests
-    "small": (128, 4, 4, 2, 352, 256),  # ~0.6M params: the quickstart
+    "small": (128, 4, 4, 2, 352, 256),  # ~0.75M params: the quickstart
+    "medium": (256, 4, 8, 4, 688, 256),  # ~2.7M params
     "1m": (160, 4, 4, 4, 448, 512),  # ~1.2M params: benchmarks
     "30m": (512, 9, 8, 8, 1536, 512),  # ~31M params: benchmarks
 }

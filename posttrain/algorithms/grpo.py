@@ -1,8 +1,11 @@
 """GRPO and its variants (DAPO, GSPO, Dr.GRPO, RLOO, REINFORCE++), single- and multi-turn.
 
 `run(cfg)` = `setup(cfg)` + `grpo_train(setup)`. The loop in `grpo_train` reads top to
-bottom, one phase per block, each timed: data, generation (rollouts with rewards),
+bottom, one phase per block, each timed: data, generation (rollouts and rewards),
 advantages, logprobs (prev and reference), training, refit, validation, checkpoint, logging.
+Variants are config choices of the same loop: the loss (`loss_fn.*`, posttrain.losses),
+the advantage estimator (`grpo.adv_estimator`), reward shaping/scaling, overlong filtering
+and dynamic sampling (`grpo.*`).
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ class GRPOSetup:
     cfg: GRPOMasterConfig
     run_dir: Path
     tokenizer: Any
-    cluster: RayVirtualCluster
-    gen_cluster: RayVirtualCluster | None
+    clusters: list[RayVirtualCluster]
     policy: Policy
     generation: Any  # GenerationInterface: the policy itself when colocated
     envs: dict[str, Any]
@@ -54,10 +56,19 @@ class GRPOSetup:
     logger: Logger
     checkpointer: CheckpointManager
     start_step: int
-    best_metric: float | None
+
+    def shutdown(self) -> None:
+        for env in self.envs.values():
+            env.shutdown()
+        if self.generation is not self.policy:
+            self.generation.shutdown()
+        self.policy.shutdown()
+        for cluster in self.clusters:
+            cluster.shutdown()
+        self.logger.close()
 
 
-def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str) -> tuple[list[dict], int]:
+def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str) -> tuple[list[dict], int]:
     """Drop (and count) or reject rows whose prompt leaves no room to answer, per `data.truncation`."""
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
@@ -69,280 +80,278 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, sp
             dropped += 1
         else:
             raise ValueError(
-                f"{split} row {i}: the prompt is {n} tokens, longer than policy.max_total_sequence_length - 1 "
-                f"({limit}); set data.truncation=drop to drop such rows"
+                f"{split} row {i}: the prompt is {n} tokens, more than policy.max_total_sequence_length - 1 "
+                f"({limit}) leaves room for; set data.truncation=drop to drop such rows (they are counted)"
             )
     if not kept:
-        raise ValueError(f"no {split} rows left: all {len(rows)} prompts exceed policy.max_total_sequence_length")
+        raise ValueError(
+            f"no {split} rows left: all {len(rows)} prompts exceed policy.max_total_sequence_length="
+            f"{cfg.policy.max_total_sequence_length}"
+        )
     return kept, dropped
 
 
-def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
-    run_dir = Path(cfg.logger.log_dir)
-    torch.manual_seed(cfg.grpo.seed)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer)
-    train_rows, train_dropped = _check_prompt_lengths(load_rows(cfg.data, "train"), tokenizer, cfg, "train")
-    val_rows, _ = _check_prompt_lengths(load_rows(cfg.data, "validation"), tokenizer, cfg, "validation")
-    val_rows = val_rows[: cfg.grpo.max_val_samples]
-    loader = RowLoader(
-        train_rows, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed,
-        max_epochs=cfg.grpo.max_num_epochs,
-    )
-
-    checkpointer = CheckpointManager(
-        cfg.checkpointing, signature={"algorithm": "grpo", "model_name": cfg.policy.model_name}
-    )
-    latest = checkpointer.latest() if cfg.checkpointing.enabled else None
-
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
-    if train_dropped:
-        logger.log_metrics({"data/prompts_dropped_overlong": train_dropped}, step=0)
-
-    cluster = RayVirtualCluster(cfg.cluster)
-    policy = Policy(cluster, cfg.policy, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
-    gen_cluster = None
+def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, RayVirtualCluster | None]:
+    """The policy itself when colocated; else generation workers on their own bundles."""
     if cfg.policy.generation.colocated.enabled:
-        generation = policy
-    else:
-        from posttrain.generation.workers import GenerationWorkerGroup
+        return policy, None
+    from posttrain.generation.workers import GenerationWorkerGroup
 
-        # Separate placement: generation workers on their own bundles, refit after every step.
-        res = cfg.policy.generation.colocated.resources
-        gen_cluster = RayVirtualCluster(
-            cfg.cluster.model_copy(update={
-                "num_nodes": res.num_nodes or 1,
-                "gpus_per_node": cfg.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node,
-                "workers_per_node": 1,
-            }),
-            name="generation",
-        )
-        generation = GenerationWorkerGroup(
-            gen_cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
-            cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,
-            precision=cfg.policy.generation.torch_cfg.precision or cfg.policy.precision,
-        )
+    res = cfg.policy.generation.colocated.resources
+    cluster = RayVirtualCluster(
+        cfg.cluster.model_copy(update={
+            "num_nodes": res.num_nodes or 1,
+            "gpus_per_node": cfg.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node,
+            "workers_per_node": 1,
+        }),
+        name="generation",
+    )
+    generation = GenerationWorkerGroup(
+        cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
+        cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,
+        precision=cfg.policy.precision,
+    )
+    return generation, cluster
 
-    task_names = {r.get("task_name", "math") for r in train_rows + val_rows}
-    envs = {name: create_env(name, cfg.env.get_worker_cfg(name)) for name in sorted(task_names)}
 
-    start_step, best_metric = 0, None
+def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
+    g = cfg.grpo
+    torch.manual_seed(g.seed)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    train_rows, dropped = _fit_prompts(load_rows(cfg.data, "train"), tokenizer, cfg, "train")
+    val_rows, _ = _fit_prompts(load_rows(cfg.data, "validation"), tokenizer, cfg, "validation")
+    loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
+                       seed=g.seed, max_epochs=g.max_num_epochs)
+    checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
+    latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
+
+    run_dir = Path(cfg.logger.log_dir)
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
+    if dropped:
+        logger.console(f"dropped {dropped} training prompts longer than the context (data.truncation=drop)")
+        logger.log_metrics({"prompts_dropped_overlong": dropped}, step=0, prefix="data")
+    clusters = [RayVirtualCluster(cfg.cluster)]
+    policy = Policy(clusters[0], cfg.policy, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+    generation, gen_cluster = _generation_backend(cfg, policy)
+    clusters += [gen_cluster] if gen_cluster is not None else []
+    task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
+    envs = {name: create_env(name, cfg.env.get_worker_cfg(name)) for name in task_names}
+
+    start_step = 0
     if latest is not None:
         info = checkpointer.load_info(latest)
         policy.load_checkpoint(latest / "policy")
         loader.load_state_dict(info["dataloader"])
         restore_rng_state(checkpointer.load_rng_state(latest))
-        start_step, best_metric = info["step"], info.get("best_metric")
-        logger.console(f"resumed from {latest} at step {start_step}")
-    elif cfg.grpo.warmup_sft_steps:
+        start_step = info["step"]
+        logger.console(f"resumed from {latest} (step {start_step})")
+    elif g.warmup_sft_steps:
         _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
-
     return GRPOSetup(
-        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, cluster=cluster, gen_cluster=gen_cluster, policy=policy, generation=generation,
-        envs=envs, loader=loader, val_rows=val_rows, loss_fn=ClippedPGLoss(cfg.loss_fn), logger=logger,
-        checkpointer=checkpointer, start_step=start_step, best_metric=best_metric,
+        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, clusters=clusters, policy=policy, generation=generation,
+        envs=envs, loader=loader, val_rows=val_rows[: g.max_val_samples], loss_fn=ClippedPGLoss(cfg.loss_fn),
+        logger=logger, checkpointer=checkpointer, start_step=start_step,
     )
 
 
 def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
-    """A short SFT on the task's reference answers, so that reward is not zero at GRPO step 0.
-
-    Uses the same optimizer as GRPO; the rows' `answer` is the assistant turn.
-    """
-    bs = cfg.policy.train_global_batch_size
-    loader = RowLoader(rows, bs, shuffle=True, seed=cfg.grpo.seed + 1)
+    """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
+    if any("answer" not in r for r in rows):
+        raise ValueError("grpo.warmup_sft_steps > 0 needs an `answer` in every training row to imitate")
+    loader = RowLoader(rows, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1)
     nll = NLLLoss()
-    for step in range(cfg.grpo.warmup_sft_steps):
-        sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": r["answer"]}]} for r in next(loader)]
-        batch = tokenize_sft_rows(sft_rows, tokenizer, cfg.policy.max_total_sequence_length)
+    started = time.monotonic()
+    logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
+    for step in range(1, cfg.grpo.warmup_sft_steps + 1):
+        sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r["answer"])}]}
+                    for r in next(loader)]
+        batch = tokenize_sft_rows(sft_rows, tokenizer, cfg.policy.max_total_sequence_length, cfg.data)
         metrics = policy.train(batch, nll)
         logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
-    logger.console(f"warm-up SFT: {cfg.grpo.warmup_sft_steps} steps, final loss {metrics['loss']:.3f}")
+        logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})
+    logger.console(f"warm-up SFT: {cfg.grpo.warmup_sft_steps} steps in {time.monotonic() - started:.0f} s, "
+                   f"final loss {metrics['loss']:.3f}")
 
 
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
-    """Accuracy (mean reward) on the held-out rows; pass@k when several samples per prompt."""
-    cfg = s.cfg.grpo
-    n = cfg.num_val_generations_per_prompt
+    """Accuracy (share of samples with positive reward) on the held-out rows; pass@k with several samples."""
+    g = s.cfg.grpo
+    n = g.num_val_generations_per_prompt
     rows = [r for r in s.val_rows for _ in range(n)]
-    results, convs = [], []
-    for i in range(0, len(rows), cfg.val_batch_size):
-        out = run_rollouts(
-            s.generation, rows[i : i + cfg.val_batch_size], s.envs, s.tokenizer,
-            max_turns=cfg.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
-            greedy=cfg.val_greedy,
-        )
-        results.append(out.batch["rewards"])
+    rewards, convs = [], []
+    s.policy.prepare_for_generation()
+    for i in range(0, len(rows), g.val_batch_size):
+        out = run_rollouts(s.generation, rows[i : i + g.val_batch_size], s.envs, s.tokenizer,
+                           max_turns=g.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
+                           greedy=g.val_greedy)
+        rewards.append(out.batch["rewards"])
         convs += out.conversations
-    rewards = torch.cat(results)
-    correct = (rewards > 0).view(-1, n)
-    metrics = {"accuracy": float(correct.float().mean()), "reward": float(rewards.mean())}
+    s.policy.finish_generation()
+    r = torch.cat(rewards)
+    correct = (r > 0).view(-1, n)
+    metrics = {"accuracy": float(correct.float().mean()), "reward": float(r.mean())}
     if n > 1:
-        c = correct.sum(dim=1).tolist()
+        counts = correct.sum(dim=1).tolist()
         for k in sorted({1, n}):
-            metrics[f"pass@{k}"] = sum(pass_at_k(n, ci, k) for ci in c) / len(c)
-    s.logger.print_samples(
-        [{"prompt": cv.messages[0]["content"], "response": cv.messages[-1]["content"], "reward": cv.reward}
-         for cv in convs[: s.cfg.logger.num_val_samples_to_print]]
-    )
+            metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+    s.logger.print_samples([
+        {"prompt": c.messages[0]["content"], "response": c.messages[-1]["content"], "reward": c.reward}
+        for c in convs[: s.cfg.logger.num_val_samples_to_print]
+    ], title=f"validation samples (step {step})")
     return metrics
 
 
+def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
+    """Shaping, scaling, overlong filtering and advantages, written into `batch` in place."""
+    rewards = batch["rewards"]
+    if g.reward_shaping.enabled:
+        rs = g.reward_shaping
+        rewards = apply_overlong_reward_shaping(rewards, batch["response_lengths"], rs.max_response_length
+                                                or max_new_tokens, rs.overlong_buffer_length,
+                                                rs.overlong_buffer_penalty)
+    if g.reward_scaling.enabled:
+        rc = g.reward_scaling
+        rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
+    # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
+    batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
+    adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],
+                             leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
+    batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
+
+
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
-    cfg, policy, logger = s.cfg, s.policy, s.logger
-    g = cfg.grpo
+    cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
-    last: dict[str, float] = {}
+    train_metrics: dict[str, float] = {}
     if g.val_at_start and s.start_step == 0:
-        policy.prepare_for_generation()
         val_metrics = validate(s, 0)
         logger.log_metrics(val_metrics, step=0, prefix="val")
     logger.start_progress(g.max_num_steps, s.start_step)
-    started = time.monotonic()
+    gbs = cfg.policy.train_global_batch_size
+    pad_id = s.tokenizer.pad_token_id
     step = s.start_step
     while step < g.max_num_steps:
         timer.reset()
         step_start = time.monotonic()
-        # ---- data and generation (with dynamic sampling: regenerate until the batch is full)
-        kept: list[BatchedDataDict] = []
+        # ---- data, generation, rewards, advantages (dynamic sampling: more rounds until the batch is full)
+        parts: list[BatchedDataDict] = []
         rollout_metrics: dict[str, float] = {}
-        for gen_round in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
+        target = g.num_prompts_per_step * g.num_generations_per_prompt
+        for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
             with timer.time("data"):
-                try:
-                    prompts = next(s.loader)
-                except StopIteration:
+                prompts = next(s.loader, None)
+                if prompts is None:
                     break
                 rows = [r for r in prompts for _ in range(g.num_generations_per_prompt)]
             with timer.time("generation"):
-                policy.prepare_for_generation()
-                rollout = run_rollouts(
-                    s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
-                    max_seq_len=cfg.policy.max_total_sequence_length,
-                )
+                refit = policy.prepare_for_generation() if s.generation is policy else {}
+                rollout = run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
+                                       max_seq_len=cfg.policy.max_total_sequence_length)
                 policy.finish_generation()
+            for k, v in {**rollout.metrics, **refit}.items():
+                rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
             batch = rollout.batch
             batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(g.num_generations_per_prompt)
-            rollout_metrics = {k: rollout_metrics.get(k, 0.0) + v for k, v in rollout.metrics.items()} if gen_round else rollout.metrics
-            # ---- rewards -> advantages
             with timer.time("advantages"):
-                rewards = batch["rewards"]
-                if g.reward_shaping.enabled:
-                    rewards = apply_overlong_reward_shaping(
-                        rewards, batch["response_lengths"],
-                        g.reward_shaping.max_response_length or cfg.policy.generation.max_new_tokens,
-                        g.reward_shaping.overlong_buffer_length, g.reward_shaping.overlong_buffer_penalty,
-                    )
-                if g.reward_scaling.enabled:
-                    rc = g.reward_scaling
-                    rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
-                batch["shaped_rewards"] = rewards
-                batch["sample_mask"] = (
-                    overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
-                )
-                # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
-                adv = compute_advantages(
-                    g.adv_estimator, rewards, batch["group_ids"],
-                    leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards,
-                )
-                batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]
+                _rewards_to_advantages(g, batch, cfg.policy.generation.max_new_tokens)
                 if g.use_dynamic_sampling:
-                    keep, ds_metrics = dynamic_sampling_keep(rewards, batch["group_ids"])
+                    keep, ds_metrics = dynamic_sampling_keep(batch["rewards"], batch["group_ids"])
                     rollout_metrics.update(ds_metrics)
                     batch = batch.select_indices(keep)
-            kept.append(batch)
-            if not g.use_dynamic_sampling or sum(b.size for b in kept) >= len(rows):
+            parts.append(batch)
+            if sum(b.size for b in parts) >= target:
                 break
-        if not kept or sum(b.size for b in kept) == 0:
-            logger.console(f"step {step}: no prompts left or no group with reward variance; stopping")
+        usable = sum(b.size for b in parts) // gbs * gbs
+        if usable == 0:
+            logger.console(f"step {step}: no data left, or no group with reward variance in "
+                           f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
             break
-        batch = BatchedDataDict.from_batches(kept, pad_value_dict={"input_ids": s.tokenizer.pad_token_id or 0})
-        if g.use_dynamic_sampling:
-            batch = batch.slice(0, min(batch.size, len(rows)))
-        batch.pop("group_ids")
+        batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id}).slice(0, min(usable, target))
+        del batch["group_ids"]
 
-        # ---- logprobs under the policy before the update, and under the reference
+        # ---- logprobs before the update (the PPO ratio's denominator) and under the reference
         with timer.time("logprobs"):
             with timer.time("prev"):
                 batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
             if cfg.loss_fn.reference_policy_kl_penalty > 0:
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
-            else:
-                batch["reference_logprobs"] = batch["prev_logprobs"]
 
         # ---- policy update
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
 
-        # ---- refit of separate generation workers (colocated refits inside prepare_for_generation)
+        # ---- refit separate generation workers (colocated ones refit in prepare_for_generation)
         if s.generation is not policy:
             with timer.time("refit"):
                 s.generation.update_weights(policy.full_state_dict_ref(), version=step + 1)
-
         step += 1
+
         # ---- validation
-        if g.val_period and step % g.val_period == 0 or (g.val_at_end and step == g.max_num_steps):
+        if (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps):
             with timer.time("validation"):
-                policy.prepare_for_generation()
                 val_metrics = validate(s, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
 
+        # ---- checkpoint (on schedule, at the end, or when the job's time is up)
+        must_stop = s.checkpointer.must_save_and_stop()
+        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
+                                          or step == g.max_num_steps or must_stop):
+            with timer.time("checkpoint"):
+                _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
+                                **{f"val:{k}": v for k, v in val_metrics.items()}})
+
         # ---- metrics
         step_time = time.monotonic() - step_start
-        gen_time = timer.metrics(prefix="").get("generation", float("nan"))
-        last = {
+        timing = timer.metrics(prefix="")
+        metrics = {
             **rollout_metrics,
             **train_metrics,
             "accuracy": float((batch["rewards"] > 0).float().mean()),
-            "tokens_per_s_generation": rollout_metrics["generated_tokens"] / gen_time if gen_time else float("nan"),
-            "tokens_per_s_total": float(batch["input_lengths"].sum()) / step_time,
+            "generation_tokens_per_s": rollout_metrics["generated_tokens"] / timing["generation"],
+            "total_tokens_per_s": float(batch["input_lengths"].sum()) / step_time,
             "step_time_s": step_time,
         }
-        logger.log_metrics({**last, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
-        logger.log_samples(
-            [{"step": step, "text": s.tokenizer.decode(batch["input_ids"][i][: int(batch["input_lengths"][i])]),
-              "reward": float(batch["rewards"][i])} for i in range(min(batch.size, cfg.logger.num_samples_to_dump))],
-            step=step,
-        )
-        logger.update_progress(step, {"reward": last["reward"], "loss": last["loss"], **{
-            f"val_{k}": v for k, v in val_metrics.items() if k == "accuracy"}})
-        if not math.isfinite(last["loss"]):
-            raise FloatingPointError(
-                f"step {step}: the loss is {last['loss']}; stopping before a bad update is saved "
-                "(the last complete checkpoint is kept)"
-            )
-
-        # ---- checkpoint
-        out_of_time = g.max_wall_time_s is not None and time.monotonic() - started > g.max_wall_time_s
-        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == g.max_num_steps or out_of_time):
-            with timer.time("checkpoint"):
-                _save(s, step, {**{f"train:{k}": v for k, v in last.items()}, **{f"val:{k}": v for k, v in val_metrics.items()}})
-        if out_of_time:
-            logger.console(f"grpo.max_wall_time_s reached at step {step}: stopping after the checkpoint")
+        logger.log_metrics({**metrics, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
+        logger.log_samples([
+            {"step": step, "prompt": c.messages[0]["content"], "response": c.messages[-1]["content"],
+             "reward": c.reward, "truncated": c.truncated}
+            for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
+        ], step=step)
+        logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],
+                                      **({"val_acc": val_metrics["accuracy"]} if "accuracy" in val_metrics else {})})
+        train_metrics = metrics
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping (the last complete "
+                                     f"checkpoint in {cfg.checkpointing.checkpoint_dir} is kept)")
+        if must_stop:
+            logger.console(f"checkpointing.checkpoint_must_save_by reached at step {step}: saved and stopping")
             break
 
     logger.plot()
-    final = {**{f"train/{k}": v for k, v in last.items()}, **{f"val/{k}": v for k, v in val_metrics.items()}}
-    return final
+    return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()}}
 
 
 def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:
     name = s.cfg.checkpointing.metric_name
-    value = metrics.get(name) if name else None
-    if name and value is None:
-        raise KeyError(
-            f"checkpointing.metric_name={name!r} is not among this step's metrics: {sorted(metrics)}"
-        )
+    if name and name not in metrics:
+        # E.g. a val: metric before the first validation: saved, but ranked below any measured one.
+        s.logger.console(f"checkpoint {step}: checkpointing.metric_name={name!r} not measured yet "
+                         f"(available: {', '.join(sorted(metrics))})")
     tmp = s.checkpointer.begin_save(step)
-    s.policy.save_checkpoint(tmp / "policy")
+    try:
+        s.policy.save_checkpoint(tmp / "policy")
+    except BaseException:
+        s.checkpointer.abort_save(tmp)
+        raise
+    g = s.cfg.grpo
     info = {
-        "step": step,
         "epoch": s.loader.epoch,
-        "consumed_samples": step * s.cfg.grpo.num_prompts_per_step * s.cfg.grpo.num_generations_per_prompt,
+        "consumed_samples": step * g.num_prompts_per_step * g.num_generations_per_prompt,
         "dataloader": s.loader.state_dict(),
-        "best_metric": value,
     }
-    s.checkpointer.finish_save(tmp, step, info, to_yaml(s.cfg), value)
+    s.checkpointer.finish_save(tmp, step, info, to_yaml(s.cfg), metrics.get(name) if name else None)
     s.logger.plot()
 
 
@@ -352,12 +361,7 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
         final = grpo_train(s)
         if cfg.checkpointing.export_hf_at_end:
             s.policy.export_hf(s.run_dir / "hf")
+            s.logger.console(f"exported the final policy to {s.run_dir / 'hf'}")
         return final
     finally:
-        s.logger.close()
-        if s.generation is not s.policy:
-            s.generation.shutdown()
-        s.policy.shutdown()
-        for c in (s.gen_cluster, s.cluster):
-            if c is not None:
-                c.shutdown()
+        s.shutdown()

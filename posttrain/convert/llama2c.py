@@ -211,8 +211,8 @@ def _check_tokenizer(tok, tokenizer_model_path: Path, vocab_size: int) -> None:
 def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert llama2.c `bin_path` + sentencepiece `tokenizer_model_path` into an HF folder.
 
-    Writes `model.safetensors`, `config.json` and `generation_config.json` (eos = [EOS, BOS]),
-    the tokenizer files into `out_dir` atomically (a temp folder renamed into place; an
+    Writes `model.safetensors`, `config.json` and `generation_config.json` (eos = [EOS, BOS])
+    and the tokenizer files into `out_dir` atomically (a temp folder renamed into place; an
     existing `out_dir` is replaced). Returns the folder path.
     """
     import torch
@@ -240,7 +240,7 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
             bos_token_id=BOS_ID,
             eos_token_id=[EOS_ID, BOS_ID],
             pad_token_id=PAD_ID,
-            torch_dtype="float32",
+            dtype="float32",
         )
         with torch.device("meta"):
             model = LlamaForCausalLM(config)

@@ -18,7 +18,9 @@ A row is `{"messages": [{"role": "user", "content": "12+34="}], "answer": "46",
 "task_name": "arithmetic", "metadata": {"operation": "+", "num_digits": 2}}`. The prompt is
 kept this terse on purpose: the embedded models read one character per token, and a short
 prompt leaves their tiny context to the answer. Subtraction may give a negative answer
-(`"3-7="` -> `"-4"`).
+(`"3-7="` -> `"-4"`). With `zero_pad`, operands and answers have a fixed width: the
+operands `num_digits`, the answer the widest result of its operation, after any sign
+(2 digits: `"07+38="` -> `"045"`, `"03-17="` -> `"-14"`, `"12*11="` -> `"0132"`).
 """
 
 from __future__ import annotations
@@ -35,17 +37,30 @@ OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 VAL_FRACTION_CAP = 0.2
 
 
-def _row(a: int, op: str, b: int, num_digits: int) -> dict[str, Any]:
+def _width(op: str, num_digits: int) -> int:
+    """Digits of the widest result of `op` on `num_digits`-digit operands (sign not counted)."""
+    return {"+": num_digits + 1, "-": num_digits, "*": 2 * num_digits}[op]
+
+
+def _row(a: int, op: str, b: int, num_digits: int, zero_pad: bool) -> dict[str, Any]:
+    result = OPERATIONS[op](a, b)
+    if zero_pad:
+        # Fixed width: every digit of every problem sits at the same position, which a
+        # one-character-per-token model learns far faster (sign before the padded digits).
+        prompt = f"{a:0{num_digits}d}{op}{b:0{num_digits}d}="
+        answer = ("-" if result < 0 else "") + f"{abs(result):0{_width(op, num_digits)}d}"
+    else:
+        prompt, answer = f"{a}{op}{b}=", str(result)
     return {
-        "messages": [{"role": "user", "content": f"{a}{op}{b}="}],
-        "answer": str(OPERATIONS[op](a, b)),
+        "messages": [{"role": "user", "content": prompt}],
+        "answer": answer,
         "task_name": TASK_NAME,
         "metadata": {"operation": op, "num_digits": num_digits},
     }
 
 
 def make_arithmetic_rows(
-    num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int
+    num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int, zero_pad: bool = False
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`(train_rows, val_rows)` of arithmetic problems (see the module docstring for how)."""
     if num_digits < 1:
@@ -65,7 +80,7 @@ def make_arithmetic_rows(
 
     def decode(i: int) -> dict[str, Any]:
         a, b = divmod(i // len(ops), base)
-        return _row(a, ops[i % len(ops)], b, num_digits)
+        return _row(a, ops[i % len(ops)], b, num_digits, zero_pad)
 
     rng = random.Random(seed)
     val_ids: list[int] = []

@@ -216,7 +216,8 @@ def _shared(relative: str) -> Path:
 def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     from posttrain.data.arithmetic import make_arithmetic_rows
 
-    train, val = make_arithmetic_rows(cfg.num_digits, cfg.operations, cfg.num_train, cfg.num_val, cfg.seed)
+    train, val = make_arithmetic_rows(cfg.num_digits, cfg.operations, cfg.num_train, cfg.num_val, cfg.seed,
+                                      cfg.zero_pad)
     return train if split == "train" else val
 
 
@@ -230,7 +231,27 @@ REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
     "squad": lambda cfg, split: _files(_shared("squad/sample_v2_transformers_fixture.json"), None)(cfg, split),
     "alpaca": lambda cfg, split: _files(_shared("llamafactory_demo/alpaca_en_demo.json"), None)(cfg, split),
     "local": lambda cfg, split: _files(None, None)(cfg, split),
+    "sliding_puzzle": lambda cfg, split: _sliding_puzzle(cfg, split),
+    "stories": lambda cfg, split: _stories(cfg, split),
 }
+
+
+def _sliding_puzzle(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """Seeded puzzles (`data.dataset_kwargs` = the puzzle settings, as `env.sliding_puzzle.cfg`);
+    validation puzzles come from another seed."""
+    from posttrain.environments.sliding_puzzle import make_sliding_puzzle_rows
+    from posttrain.schemas import SlidingPuzzleEnvConfig
+
+    puzzle = SlidingPuzzleEnvConfig.model_validate(cfg.dataset_kwargs)
+    if split == "train":
+        return make_sliding_puzzle_rows(cfg.num_train, puzzle, cfg.seed)
+    return make_sliding_puzzle_rows(cfg.num_val, puzzle, cfg.seed + 1_000_003)
+
+
+def _stories(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    from posttrain.environments.story import make_story_rows
+
+    return make_story_rows(cfg, split)
 
 
 def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.data.batch import BatchedDataDict
@@ -102,13 +103,16 @@ class RayWorkerGroup:
         threads = max(1, int(cluster.cfg.cpus_per_worker))
         host_cls = ray.remote(_WorkerHost)
         self.log_paths = [os.path.join(self.log_dir, f"rank{r}.log") for r in range(self.world_size)]
+        # Local ranks from where Ray actually put each bundle (SPREAD gives no fixed order).
+        node_of = placement_group_table(pg)["bundles_to_node_id"]
         self.actors = []
         for rank in range(self.world_size):
+            same_node = [b for b in range(self.world_size) if node_of[b] == node_of[rank]]
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(rank % cluster.workers_per_node),
-                "LOCAL_WORLD_SIZE": str(cluster.workers_per_node),
+                "LOCAL_RANK": str(same_node.index(rank)),
+                "LOCAL_WORLD_SIZE": str(len(same_node)),
                 "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": str(threads),
@@ -123,7 +127,11 @@ class RayWorkerGroup:
             self.actors.append(actor)
         self._ref_rank: dict[bytes, int] = {}
         self.worker_info: list[dict[str, Any]] = [{"pid": None, "node": None}] * self.world_size
-        self.worker_info = self.get([a.info.remote() for a in self.actors], _track=False)
+        try:
+            self.worker_info = self.get([a.info.remote() for a in self.actors])
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ------------------------------------------------------------------ dispatch
 
@@ -143,7 +151,7 @@ class RayWorkerGroup:
         self._ref_rank[ref.binary()] = rank
         return ref
 
-    def get(self, refs: list[ray.ObjectRef], _track: bool = True) -> list[Any]:
+    def get(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Results of `refs` in order. Waits on all at once, so one dead worker fails the call at
         once (its peers may be blocked in a collective waiting for it) with a `WorkerError`
         naming the worker and its last log lines; an exception raised inside a worker is

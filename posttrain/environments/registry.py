@@ -7,12 +7,14 @@ from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
+from posttrain.environments.story import StoryEnvironment
 from posttrain.schemas import EnvWorkerConfig
 
 ENVIRONMENTS: dict[str, type[EnvironmentInterface]] = {
     "math": MathEnvironment,
     "arithmetic": ArithmeticEnvironment,
     "sliding_puzzle": SlidingPuzzleEnvironment,
+    "story": StoryEnvironment,
 }
 
 

@@ -10,6 +10,7 @@ token id, first completed stop string, or the row's token limit).
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -35,10 +36,11 @@ class HFGeneration:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.model = model.eval()
         dtype = DTYPES[precision]
-        if next(self.model.parameters()).dtype != dtype:
-            self.model = self.model.to(dtype)
+        if next(model.parameters()).dtype != dtype:
+            # Module.to() is in place: cast a copy, never the caller's (e.g. the policy's) model.
+            model = copy.deepcopy(model).to(dtype)
+        self.model = model.eval()
         self.context = max_total_sequence_length
         self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, model.config, cfg))
         self.pad_id = pad_token_id(tokenizer)

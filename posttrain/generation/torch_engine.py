@@ -91,12 +91,15 @@ class _Weights:
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[c.hidden_act]
-        # cos/sin for every position, computed once by the model's own rotary module (any rope scaling).
+        # Rotary embedding as one complex multiply: cos + i sin for every position, computed once
+        # by the model's own rotary module (so any rope scaling applies). transformers rotates
+        # dims (j, j + d/2) together; refresh() reorders q/k rows so those pairs are adjacent.
         rot = model.model.rotary_emb
         pos = torch.arange(max_positions, device=rot.inv_freq.device)[None]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=pos.device), pos)
-        self.cos = cos[0].to(device=device, dtype=dtype)  # [P, head_dim]
-        self.sin = sin[0].to(device=device, dtype=dtype)
+        half = self.head_dim // 2
+        self.cis = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float()).to(device)  # [P, d/2]
+        self.pair_order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
         self.refresh()
 
     def _t(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -114,12 +117,13 @@ class _Weights:
             a, mlp = layer.self_attn, layer.mlp
             qkv_bias = None
             if a.q_proj.bias is not None:
-                qkv_bias = self._t(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+                qkv_bias = self._t(torch.cat([self._pairs(a.q_proj.bias), self._pairs(a.k_proj.bias), a.v_proj.bias]))
             self.layers.append(
                 dict(
                     ln1=self._t(layer.input_layernorm.weight),
                     ln2=self._t(layer.post_attention_layernorm.weight),
-                    qkv=self._t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                    qkv=self._t(torch.cat([self._pairs(a.q_proj.weight), self._pairs(a.k_proj.weight),
+                                           a.v_proj.weight])),
                     qkv_bias=qkv_bias,
                     o=self._t(a.o_proj.weight),
                     o_bias=self._t(a.o_proj.bias),
@@ -129,10 +133,19 @@ class _Weights:
                     else self._t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
                     down=self._t(mlp.down_proj.weight),
                     down_bias=self._t(mlp.down_proj.bias),
-                    q_norm=self._t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
-                    k_norm=self._t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
+                    q_norm=self._t(a.q_norm.weight[self.pair_order]) if hasattr(a, "q_norm") else None,
+                    k_norm=self._t(a.k_norm.weight[self.pair_order]) if hasattr(a, "k_norm") else None,
                 )
             )
+
+    def _pairs(self, t: torch.Tensor) -> torch.Tensor:
+        """Reorder q/k projection rows (or bias) per head from (j | j + d/2) halves to adjacent pairs.
+
+        Attention scores only see q.k per head, which is invariant to one permutation applied to
+        both, so the model's outputs are unchanged.
+        """
+        heads = t.shape[0] // self.head_dim
+        return t.reshape(heads, self.head_dim, *t.shape[1:])[:, self.pair_order].reshape(t.shape)
 
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm as transformers' Llama computes it (statistics in float32)."""
@@ -143,21 +156,17 @@ class _Weights:
         return w * xf.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding with transformers' rotate-half convention; x [B, h, S, d], cos/sin [B, 1, S, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class _SlotCache:
     """KV cache `[slots, kv_heads, slot_len, head_dim]` per layer; each slot has its own length."""
 
     def __init__(self, w: _Weights, slots: int, slot_len: int):
         shape = (slots, w.n_kv, slot_len, w.head_dim)
+        # A bfloat16 engine on a CPU keeps a float32 cache: CPU batched matmuls with one query
+        # row were 2-5x slower in bf16 than in fp32 (measured), and decode attention is one.
+        dtype = torch.float32 if (w.dtype == torch.bfloat16 and w.device.type == "cpu") else w.dtype
         # Zeros, not empty: masked positions get weight 0, and 0 * NaN from uninitialised memory is NaN.
-        self.k = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(w.n_layers)]
-        self.v = [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in range(w.n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=w.device) for _ in range(w.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=w.device) for _ in range(w.n_layers)]
 
     def keep(self, idx: torch.Tensor) -> None:
         # Indexing copies, so the kept cache stays contiguous (decode writes through .view).
@@ -165,18 +174,19 @@ class _SlotCache:
         self.v = [v[idx] for v in self.v]
 
 
-def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cos, sin):
-    """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d] with rotary applied."""
+def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cis: torch.Tensor):
+    """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d], rotary applied; cis [B, S, 1, d/2] complex."""
     b, s, _ = h.shape
+    nh, nkv, d = w.n_heads, w.n_kv, w.head_dim
     qkv = F.linear(w.rms(h, p["ln1"]), p["qkv"], p["qkv_bias"])
-    nq, nk = w.n_heads * w.head_dim, w.n_kv * w.head_dim
-    q = qkv[..., :nq].view(b, s, w.n_heads, w.head_dim)
-    k = qkv[..., nq : nq + nk].view(b, s, w.n_kv, w.head_dim)
-    v = qkv[..., nq + nk :].view(b, s, w.n_kv, w.head_dim).transpose(1, 2)
+    qk = qkv[..., : (nh + nkv) * d].view(b, s, nh + nkv, d)
     if p["q_norm"] is not None:
-        q, k = w.rms(q, p["q_norm"]), w.rms(k, p["k_norm"])
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v
+        qk = torch.cat([w.rms(qk[:, :, :nh], p["q_norm"]), w.rms(qk[:, :, nh:], p["k_norm"])], dim=2)
+    # q and k rotated together in one complex multiply (complex math needs float32).
+    qk = torch.view_as_real(torch.view_as_complex(qk.float().view(b, s, nh + nkv, d // 2, 2)) * cis)
+    qk = qk.view(b, s, nh + nkv, d).to(w.dtype)
+    v = qkv[..., (nh + nkv) * d :].view(b, s, nkv, d).transpose(1, 2)
+    return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), v
 
 
 def _layer_out(w: _Weights, p: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -200,12 +210,12 @@ def prefill(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, lengths: torch
     """
     b, s = tokens.shape
     x = w.embed[tokens]
-    cos, sin = w.cos[:s][None, None], w.sin[:s][None, None]
+    cis = w.cis[:s][None, :, None]
     gqa = w.n_heads != w.n_kv
     for li, p in enumerate(w.layers):
-        q, k, v = _layer_qkv(w, p, x, cos, sin)
-        cache.k[li][slots, :, :s] = k
-        cache.v[li][slots, :, :s] = v
+        q, k, v = _layer_qkv(w, p, x, cis)
+        cache.k[li][slots, :, :s] = k.to(cache.k[li].dtype)
+        cache.v[li][slots, :, :s] = v.to(cache.v[li].dtype)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         x = _layer_out(w, p, x, attn)
     last = x[torch.arange(b, device=x.device), lengths - 1]
@@ -220,21 +230,29 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     """
     n = tokens.shape[0]
     x = w.embed[tokens][:, None]  # [N, 1, H]
-    cos, sin = w.cos[positions][:, None, None], w.sin[positions][:, None, None]
+    cis = w.cis[positions][:, None, None]
     slot_len = cache.k[0].shape[2]
     # Row of (slot, kv head) at its position in the cache viewed as [N * n_kv * slot_len, d]:
     # one index_copy_ per tensor is several times cheaper than advanced-index assignment.
     flat = ((torch.arange(n, device=tokens.device) * w.n_kv)[:, None] + torch.arange(w.n_kv, device=tokens.device))
     flat = (flat * slot_len + positions[:, None]).reshape(-1)
-    mask = (torch.arange(span, device=tokens.device)[None] <= positions[:, None])[:, None, None]  # [N,1,1,span]
-    gqa = w.n_heads != w.n_kv
+    # Attention as two batched matmuls over (slot, kv head), the query heads of a group stacked
+    # as rows: fewer, larger kernels than SDPA's CPU path for one query, and GQA needs no repeat.
+    nkv, group, d = w.n_kv, w.n_heads // w.n_kv, w.head_dim
+    visible = torch.arange(span, device=tokens.device)[None] <= positions[:, None]  # [N, span]
+    cdt = cache.k[0].dtype
+    bias = torch.zeros(n, span, dtype=cdt, device=tokens.device).masked_fill_(~visible, float("-inf"))
+    bias = bias.repeat_interleave(nkv, dim=0)[:, None]  # [N * nkv, 1, span]
+    scale = d**-0.5
     for li, p in enumerate(w.layers):
-        q, k, v = _layer_qkv(w, p, x, cos, sin)
+        q, k, v = _layer_qkv(w, p, x, cis)
         kc, vc = cache.k[li], cache.v[li]
-        kc.view(-1, w.head_dim).index_copy_(0, flat, k.reshape(-1, w.head_dim))
-        vc.view(-1, w.head_dim).index_copy_(0, flat, v.reshape(-1, w.head_dim))
-        attn = F.scaled_dot_product_attention(q, kc[:, :, :span], vc[:, :, :span], attn_mask=mask, enable_gqa=gqa)
-        x = _layer_out(w, p, x, attn)
+        kc.view(-1, d).index_copy_(0, flat, k.reshape(-1, d).to(cdt))
+        vc.view(-1, d).index_copy_(0, flat, v.reshape(-1, d).to(cdt))
+        keys = kc.view(n * nkv, -1, d)[:, :span]
+        scores = torch.baddbmm(bias, q.reshape(n * nkv, group, d).to(cdt), keys.transpose(1, 2), alpha=scale)
+        attn = torch.bmm(torch.softmax(scores, dim=-1), vc.view(n * nkv, -1, d)[:, :span])
+        x = _layer_out(w, p, x, attn.view(n, w.n_heads, 1, d).to(w.dtype))
     return _logits(w, x[:, 0])
 
 

@@ -88,6 +88,7 @@ class FSDPPolicyWorker:
         self.gen_engine = None
         self.weights_version = 0  # bumped by every optimizer step; generation refits when it lags
         self.gen_version = -1
+        self.last_refit_s = 0.0
 
     # ------------------------------------------------------------------ setup
 
@@ -127,13 +128,20 @@ class FSDPPolicyWorker:
 
         cfg = self.cfg
         kwargs = {"num_labels": 1} if self.model_kind == "sequence_classification" else {}
+        # Weights that are not in the checkpoint (a reward model's score head, LoRA's A) are
+        # initialised randomly: the same seed on every rank gives every rank the same model.
+        torch.manual_seed(0)
         model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
         if self.model_kind == "sequence_classification" and model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
         if train:
             model = maybe_apply_lora(model, cfg.lora)
             if cfg.dtensor_cfg.activation_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                # Non-reentrant checkpointing is the variant that composes with FSDP2.
+                if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                    model.activation_checkpointing_enable({"use_reentrant": False})
+                else:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.requires_grad_(False)
         model.config.use_cache = False
@@ -143,7 +151,9 @@ class FSDPPolicyWorker:
             "mesh": mesh,
             # float32 master weights; bf16/fp16 compute, fp32 gradient reduction.
             "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32),
-            "offload_policy": CPUOffloadPolicy() if cfg.dtensor_cfg.cpu_offload else OffloadPolicy(),
+            # Pinned host memory needs an accelerator; on a CPU-only machine offload is a no-op anyway.
+            "offload_policy": (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                               if cfg.dtensor_cfg.cpu_offload else OffloadPolicy()),
         }
         for layer in _decoder_layers(model):
             fully_shard(layer, **shard_kwargs)
@@ -182,12 +192,9 @@ class FSDPPolicyWorker:
         return [list(range(s, min(s + size, len(lengths)))) for s in range(0, len(lengths), size)], None
 
     def _max_over_ranks(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.long, device=self._comm_device())
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
-
-    def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
 
     def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, rows: list[int] | None) -> torch.Tensor:
         """Token-aligned logprobs `[b, S]` (causal LM) or scores `[b]` (sequence classification);
@@ -196,31 +203,28 @@ class FSDPPolicyWorker:
         lengths = mb["input_lengths"]
         seq_len = ids.shape[1]
         if self.model_kind == "sequence_classification":
-            length = self._padded_length(int(lengths.max()), seq_len, self.cfg.make_sequence_length_divisible_by)
-            return model(input_ids=self._fit(ids, length), use_cache=False).logits[:, 0].float()
+            return model(input_ids=self._fit(ids, lengths), use_cache=False).logits[:, 0].float()
         if rows is not None:
             packed = pack_rows(ids, lengths, rows, self.pad_id, self.cfg.sequence_packing.sequence_length_round)
             # No attention mask + restarting position_ids = packed sequences in transformers.
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
             lp = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size)
             return unpack_token_values(lp, packed, seq_len)
-        length = self._padded_length(int(lengths.max()), seq_len, self.cfg.make_sequence_length_divisible_by)
-        fitted = self._fit(ids, length)
+        fitted = self._fit(ids, lengths)
         # Right padding + causal attention: valid tokens never see the padding, so no mask is
         # needed and attention takes the fast causal path.
         logits = model(input_ids=fitted, use_cache=False).logits
-        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size)[:, : min(length, seq_len)]
+        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size)[:, :seq_len]
         valid = torch.arange(lp.shape[1], device=lp.device) < lengths.to(lp.device).unsqueeze(1)
         lp = lp * valid
         if lp.shape[1] < seq_len:
             lp = torch.nn.functional.pad(lp, (0, seq_len - lp.shape[1]))
         return lp
 
-    @staticmethod
-    def _padded_length(longest: int, seq_len: int, multiple: int) -> int:
-        return -(-longest // multiple) * multiple
-
-    def _fit(self, ids: torch.Tensor, length: int) -> torch.Tensor:
+    def _fit(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`ids` cut (or padded) to the longest row, rounded up to make_sequence_length_divisible_by."""
+        multiple = self.cfg.make_sequence_length_divisible_by
+        length = -(-int(lengths.max()) // multiple) * multiple
         if length <= ids.shape[1]:
             return ids[:, :length]
         return torch.nn.functional.pad(ids, (0, length - ids.shape[1]), value=self.pad_id)
@@ -239,7 +243,6 @@ class FSDPPolicyWorker:
 
     def _train_step(self, batch: BatchedDataDict, loss_fn: Callable) -> dict[str, float]:
         t0 = time.perf_counter()
-        dev = self._comm_device()
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
         n = batch.size
         sample_mask = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(n)
@@ -247,9 +250,9 @@ class FSDPPolicyWorker:
             valid_toks = (batch["token_mask"].float() * sample_mask.unsqueeze(-1)).sum()
         else:
             valid_toks = (batch["input_lengths"].float() * sample_mask).sum()
-        counts = torch.stack([valid_toks, sample_mask.sum()]).to(dev)
+        counts = torch.stack([valid_toks, sample_mask.sum()]).to(self.device)
         dist.all_reduce(counts)
-        global_toks, global_seqs = counts[0].to(self.device), counts[1].to(self.device)
+        global_toks, global_seqs = counts[0], counts[1]
 
         mbs, packed = self._microbatches(batch, train=True, group=group)
         # Every rank must run the same number of forward/backward passes (FSDP collectives):
@@ -280,7 +283,7 @@ class FSDPPolicyWorker:
         out: dict[str, float] = {}
         for g in gathered:
             _accumulate(out, g)
-        tok = torch.tensor([tokens], dtype=torch.long, device=dev)
+        tok = torch.tensor([tokens], dtype=torch.long, device=self.device)
         dist.all_reduce(tok)
         out.update(grad_norm=grad_norm, lr=lr, num_tokens=float(tok.item()),
                    global_valid_toks=float(global_toks), global_valid_seqs=float(global_seqs),
@@ -405,6 +408,7 @@ class FSDPPolicyWorker:
         extra = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.weights_version = extra["weights_version"]
+        self.gen_version = -1  # the generation copy holds other weights now
         dist.barrier()
 
     # ------------------------------------------------------------------ colocated generation
@@ -414,7 +418,7 @@ class FSDPPolicyWorker:
 
         After each optimizer step the copy is refit in process from the gathered full state
         dict (a collective, so every rank takes part even with an empty shard)."""
-        self.prepare_for_generation()
+        self.last_refit_s = self.prepare_for_generation()["refit_s"]
         if shard.size == 0:
             return BatchedDataDict()
         return self.gen_engine.generate(shard.to("cpu") if self.device.type == "cpu" else shard, greedy=greedy)
@@ -449,7 +453,10 @@ class FSDPPolicyWorker:
             self.gen_engine.finish_generation()
 
     def generation_metrics(self) -> dict[str, float]:
-        return dict(self.gen_engine.last_metrics) if self.gen_engine is not None else {}
+        """The engine's metrics of the last `generate`, plus the refit seconds before it."""
+        if self.gen_engine is None:
+            return {}
+        return {**self.gen_engine.last_metrics, "generation/refit_s": self.last_refit_s}
 
 
 def resolve_tokenizer_path(cfg: PolicyConfig) -> str:

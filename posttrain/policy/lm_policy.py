@@ -32,9 +32,14 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
                                      f"of one micro-batch, e.g. {cfg.max_total_sequence_length * cfg.train_micro_batch_size})")
     if cfg.sequence_packing.enabled and cfg.dynamic_batching.enabled:
         raise ValueError("policy.sequence_packing and policy.dynamic_batching are alternatives: enable one")
-    if cfg.dtensor_cfg.tensor_parallel_size != 1 or cfg.dtensor_cfg.context_parallel_size != 1:
-        raise ValueError("policy.dtensor_cfg.tensor_parallel_size/context_parallel_size > 1 are not supported yet: "
-                         "the policy is data-parallel FSDP2 over all workers")
+    d = cfg.dtensor_cfg
+    if not d.enabled:
+        raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
+    if d.tensor_parallel_size != 1 or d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
+        raise ValueError("policy.dtensor_cfg: tensor/context/sequence parallelism and custom_parallel_plan are "
+                         "not supported yet; the policy is data-parallel FSDP2 over all workers (keep "
+                         "tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=false, "
+                         "custom_parallel_plan=null)")
 
 
 class Policy:

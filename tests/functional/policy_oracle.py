@@ -36,8 +36,9 @@ def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
     return out
 
 
-def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float):
-    """NLL over all masked tokens / their count, one plain SGD step: (loss, grad_norm, new state dict)."""
+def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float, max_grad_norm: float | None = None):
+    """NLL over all masked tokens / their count, one plain SGD step with optional grad-norm
+    clipping (coefficient min(1, max / (norm + 1e-6)), as torch): (loss, grad_norm, new state dict)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     curr = reference_logprobs(model, batch)
@@ -46,7 +47,8 @@ def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float):
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coef = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (float(grad_norm) + 1e-6))
     with torch.no_grad():
         for p in model.parameters():
-            p -= lr * p.grad
+            p -= lr * coef * p.grad
     return loss.item(), grad_norm.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -24,7 +24,7 @@ class EchoWorker:
         print(f"{tag} ready on rank {os.environ['RANK']}", flush=True)
 
     def env(self):
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         return {k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
 
     def all_reduce(self, x: float) -> float:
@@ -53,6 +53,7 @@ def group(ray_session):
 def test_ranks_env_and_collective(group):
     envs = group.get(group.run_all("env"))
     assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"] and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and envs[0]["threads"] == 1
     assert group.get(group.run_all("all_reduce", 1.5)) == [3.0, 3.0]
     assert len({i["pid"] for i in group.worker_info} | {os.getpid()}) == 3  # own processes

@@ -7,8 +7,14 @@ import copy
 
 import pytest
 import torch
-from test_generation_helpers import forward_logprobs, generated_mask, make_batch, perturb_, perturbed_tiny, \
-    token_mult_prob_error
+from test_generation_helpers import (
+    forward_logprobs,
+    generated_mask,
+    make_batch,
+    perturb_,
+    perturbed_tiny,
+    token_mult_prob_error,
+)
 
 from posttrain.distributed.weight_sync import put_state_dict
 from posttrain.generation import build_generation

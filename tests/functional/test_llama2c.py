@@ -91,19 +91,21 @@ def test_generation_stops_at_the_story_ending_bos(converted):
 def _read_bin(path):
     raw = np.fromfile(path, dtype=np.int32, count=7)
     dim, hidden, layers, heads, kv_heads, vocab, seq_len = (int(x) for x in raw)
+    shared, vocab = vocab > 0, abs(vocab)
     w = np.fromfile(path, dtype=np.float32, offset=28)
     hd = dim // heads
     names = [("emb", (vocab, dim)), ("rms_att", (layers, dim)), ("wq", (layers, dim, dim)),
              ("wk", (layers, kv_heads * hd, dim)), ("wv", (layers, kv_heads * hd, dim)),
              ("wo", (layers, dim, dim)), ("rms_ffn", (layers, dim)), ("w1", (layers, hidden, dim)),
              ("w2", (layers, dim, hidden)), ("w3", (layers, hidden, dim)), ("rms_final", (dim,)),
-             ("fcr", (seq_len, hd // 2)), ("fci", (seq_len, hd // 2))]
+             ("fcr", (seq_len, hd // 2)), ("fci", (seq_len, hd // 2))] + ([] if shared else [("wcls", (vocab, dim))])
     p, out = 0, {}
     for name, shape in names:
         n = int(np.prod(shape))
         out[name] = w[p:p + n].reshape(shape).astype(np.float64)
         p += n
     assert p == w.size
+    out.setdefault("wcls", out["emb"])
     return (layers, heads, kv_heads, hd), out
 
 
@@ -140,7 +142,7 @@ def _llama2c_forward(path, tokens):
         h = rmsnorm(x, W["rms_ffn"][l])
         a, b = h @ W["w1"][l].T, h @ W["w3"][l].T
         x = x + ((a / (1 + np.exp(-a))) * b) @ W["w2"][l].T
-    return rmsnorm(x, W["rms_final"]) @ W["emb"].T
+    return rmsnorm(x, W["rms_final"]) @ W["wcls"].T
 
 
 def test_logits_match_independent_llama2c_forward(stories, converted):
@@ -164,3 +166,39 @@ def test_converter_rejects_a_truncated_file(tmp_path, stories):
     with pytest.raises(ValueError, match="bad.bin.*fp32 values"):
         convert(bad, os.path.join(stories, "tok512.model"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _write_random_llama2c(path, dim=16, hidden=40, layers=2, heads=4, kv_heads=2, vocab=512, seq_len=32):
+    """A random llama2.c file with a separate classifier (negative vocab_size in the header)."""
+    rng = np.random.default_rng(0)
+    hd = dim // heads
+    shapes = [(vocab, dim), (layers, dim), (layers, dim, dim), (layers, kv_heads * hd, dim),
+              (layers, kv_heads * hd, dim), (layers, dim, dim), (layers, dim), (layers, hidden, dim),
+              (layers, dim, hidden), (layers, hidden, dim), (dim,)]
+    tensors = [rng.normal(0, 0.3, s).astype(np.float32) for s in shapes]
+    freqs = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
+    angles = np.outer(np.arange(seq_len), freqs)
+    tensors += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+    tensors.append(rng.normal(0, 0.3, (vocab, dim)).astype(np.float32))  # wcls
+    with open(path, "wb") as f:
+        f.write(np.array([dim, hidden, layers, heads, kv_heads, -vocab, seq_len], dtype=np.int32).tobytes())
+        for t in tensors:
+            f.write(t.tobytes())
+
+
+def test_untied_classifier_and_other_shapes_match_reference(stories, tmp_path):
+    """Separate classifier (vocab_size < 0 in the header) and another head layout."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.convert.llama2c import convert
+
+    bin_path = tmp_path / "random.bin"
+    _write_random_llama2c(bin_path)
+    out = convert(bin_path, os.path.join(stories, "tok512.model"), tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not model.config.tie_word_embeddings
+    tokens = [1, 5, 300, 42, 7, 511, 2, 99]
+    ref = _llama2c_forward(bin_path, tokens)
+    with torch.no_grad():
+        got = model(torch.tensor([tokens])).logits[0].double().numpy()
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from policy_oracle import make_batch, reference_logprobs, sgd_step_reference
-from posttrain.convert.dcp_to_hf import convert
+from posttrain.cli import main as cli_main
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.losses.nll import NLLLoss
@@ -25,7 +25,7 @@ LR = 0.5
 
 
 def _cfg(**kw) -> PolicyConfig:
-    base = dict(model_name="embedded:tiny", train_global_batch_size=4, train_micro_batch_size=1,
+    base = dict(model_name="embedded:tiny", precision="float32", train_global_batch_size=4, train_micro_batch_size=1,
                 logprob_batch_size=3, max_total_sequence_length=32, max_grad_norm=None,
                 optimizer={"name": "sgd", "kwargs": {"lr": LR, "momentum": 0.9}},
                 generation={"max_new_tokens": 6})
@@ -113,9 +113,12 @@ def test_dcp_checkpoint_restores_weights_and_optimizer(policies, tmp_path):
 def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     policy = policies[1]
     policy.export_hf(tmp_path / "hf")
-    # The offline converter of a saved checkpoint writes the same weights.
+    # `posttrain convert dcp-to-hf` of a saved checkpoint writes the same weights.
     policy.save_checkpoint(tmp_path / "step_1" / "policy")
-    convert(tmp_path / "step_1", tmp_path / "converted")
+    with pytest.raises(SystemExit) as done:
+        cli_main(["convert", "dcp-to-hf", "--checkpoint", str(tmp_path / "step_1"),
+                  "--output", str(tmp_path / "converted")])
+    assert done.value.code == 0
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
     for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict().items():
         assert torch.equal(converted[k], v), k
@@ -151,6 +154,9 @@ def test_colocated_generation_follows_training(policies):
     policy.train(make_batch(seed=6), NLLLoss())  # weights change: the next generate must refit
     second = policy.generate(prompts, greedy=True)
     assert torch.equal(second["output_ids"], expected(_state(policy)))
+    assert policy.last_generation_metrics["generation/refit_s"] > 0
+    policy.generate(prompts, greedy=True)
+    assert policy.last_generation_metrics["generation/refit_s"] == 0  # same weights: no refit
 
 
 def policy_path(policy) -> str:

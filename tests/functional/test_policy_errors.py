@@ -8,7 +8,7 @@ from posttrain.policy.lm_policy import Policy, validate_policy_config
 from posttrain.schemas import ClusterConfig, PolicyConfig
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster(ray_session):
     c = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name="errors")
     yield c
@@ -31,7 +31,9 @@ def test_model_too_large_fails_before_loading(cluster, tmp_path):
         Policy(cluster, PolicyConfig(model_name=str(tmp_path)))
 
 
-def test_incomplete_packing_config_fails_before_workers_start():
+def test_unsupported_or_incomplete_config_fails_before_workers_start():
     cfg = PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
         validate_policy_config(cfg)
+    with pytest.raises(ValueError, match="tensor/context/sequence parallelism"):
+        validate_policy_config(PolicyConfig(dtensor_cfg={"tensor_parallel_size": 2}))

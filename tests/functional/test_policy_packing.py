@@ -21,9 +21,13 @@ MODES = {
     # per training micro-batch, one per logprob micro-batch);
     # packed rows are padded to multiples of 8 to exercise the padding segment too.
     "packing": {"sequence_packing": {"enabled": True, "train_mb_tokens": 32, "logprob_mb_tokens": 20,
-                                     "sequence_length_round": 8}},
+                                     "sequence_length_round": 8},
+                # Neither changes the numbers; checked here on the way.
+                "dtensor_cfg": {"cpu_offload": True}},
     "dynamic": {"dynamic_batching": {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 30,
-                                     "sequence_length_round": 4}},
+                                     "sequence_length_round": 4},
+                "dtensor_cfg": {"activation_checkpointing": True},
+                "max_grad_norm": 0.5},  # below the first step's grad norm (~2.8): clipping applies
 }
 
 
@@ -31,9 +35,9 @@ MODES = {
 def policies(ray_session):
     def build(name: str):
         cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name=name)
-        cfg = PolicyConfig(model_name="embedded:tiny", train_global_batch_size=4, train_micro_batch_size=1,
-                           max_total_sequence_length=32, max_grad_norm=None,
-                           optimizer={"name": "sgd", "kwargs": {"lr": LR}}, **MODES[name])
+        cfg = PolicyConfig(**{"model_name": "embedded:tiny", "precision": "float32", "train_global_batch_size": 4,
+                              "train_micro_batch_size": 1, "max_total_sequence_length": 32, "max_grad_norm": None,
+                              "optimizer": {"name": "sgd", "kwargs": {"lr": LR}}, **MODES[name]})
         return cluster, Policy(cluster, cfg, init_reference=False, name_prefix=name)
 
     with ThreadPoolExecutor(len(MODES)) as pool:  # start up concurrently
@@ -51,7 +55,8 @@ def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path)
     batch = make_batch()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
                                atol=2e-5, rtol=0)
-    loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR)
+    loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, policy.cfg.max_grad_norm)
+    assert policy.cfg.max_grad_norm is None or policy.cfg.max_grad_norm < grad_norm
     m = policy.train(batch, NLLLoss())
     assert m["num_microbatches"] > 1
     assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)

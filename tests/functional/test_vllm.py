@@ -11,8 +11,14 @@ import copy
 
 import pytest
 import torch
-from test_generation_helpers import forward_logprobs, generated_mask, make_batch, perturb_, perturbed_tiny, \
-    token_mult_prob_error
+from test_generation_helpers import (
+    forward_logprobs,
+    generated_mask,
+    make_batch,
+    perturb_,
+    perturbed_tiny,
+    token_mult_prob_error,
+)
 
 from posttrain.generation.vllm_backend import vllm_available
 

@@ -62,3 +62,20 @@ def test_bad_arguments(kw):
     args = dict(num_digits=1, operations=["+"], num_train=1, num_val=1, seed=0) | kw
     with pytest.raises(ValueError, match="data."):
         make_arithmetic_rows(**args)
+
+
+def test_zero_pad_gives_fixed_width_prompts_and_answers():
+    train, val = make_arithmetic_rows(2, ["+", "-", "*"], 300, 50, seed=0, zero_pad=True)
+    widths = {"+": 3, "-": 2, "*": 4}
+    for row in train + val:
+        prompt = row["messages"][0]["content"]
+        op = row["metadata"]["operation"]
+        a, b = prompt[:-1].split(op)
+        assert len(a) == len(b) == 2 and prompt.endswith("=")
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert int(row["answer"]) == expected
+        assert len(row["answer"].lstrip("-")) == widths[op]
+    # The same problem space and draws as without padding: only the rendering differs.
+    plain, _ = make_arithmetic_rows(2, ["+"], 20, 5, seed=4)
+    padded, _ = make_arithmetic_rows(2, ["+"], 20, 5, seed=4, zero_pad=True)
+    assert [int(r["answer"]) for r in plain] == [int(r["answer"]) for r in padded]

@@ -1,0 +1,99 @@
+"""Policy variants: LoRA on a causal LM, a reward model (sequence classification) trained with
+a pair loss on 2 workers, and the default bfloat16 compute. Tolerances: fp32 logprobs/scores
+2e-5 absolute; bf16 logprobs 0.1 absolute (bf16 has 8 mantissa bits)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from policy_oracle import make_batch, reference_logprobs
+from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.losses.nll import NLLLoss
+from posttrain.losses.preference import BradleyTerryLoss
+from posttrain.policy.lm_policy import Policy
+from posttrain.schemas import ClusterConfig, PolicyConfig
+
+BASE = dict(model_name="embedded:tiny", precision="float32", train_global_batch_size=4, train_micro_batch_size=2,
+            max_total_sequence_length=32, optimizer={"name": "adamw", "kwargs": {"lr": 1e-2}})
+
+
+@pytest.fixture(scope="module")
+def policies(ray_session):
+    def build(kind: str):
+        workers = 2 if kind == "rm" else 1
+        cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=kind)
+        if kind == "bf16":
+            cfg = PolicyConfig(**{**BASE, "precision": "bfloat16"})
+            return cluster, Policy(cluster, cfg, init_reference=True, name_prefix="bf16")
+        if kind == "lora":
+            cfg = PolicyConfig(**BASE, lora={"enabled": True, "rank": 4, "alpha": 8})
+            return cluster, Policy(cluster, cfg, init_reference=False, name_prefix="lora")
+        cfg = PolicyConfig(**BASE)
+        return cluster, Policy(cluster, cfg, init_reference=False, model_kind="sequence_classification",
+                               name_prefix="rm")
+
+    kinds = ("lora", "rm", "bf16")
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        made = dict(zip(kinds, pool.map(build, kinds)))
+    yield {k: v[1] for k, v in made.items()}
+    for cluster, policy in made.values():
+        policy.shutdown()
+        cluster.shutdown()
+
+
+def test_lora_trains_adapters_and_exports_merged(policies, tiny_model_path, tmp_path):
+    policy = policies["lora"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    batch = make_batch()
+    # lora_B starts at zero: the wrapped model computes exactly the base model.
+    torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(base, batch),
+                               atol=2e-5, rtol=0)
+    before = base.state_dict()
+    policy.train(batch, NLLLoss())
+    merged = ray.get(policy.full_state_dict_ref())
+    assert set(merged) == set(before)  # base-model keys: adapters merged in
+    assert torch.equal(merged["model.embed_tokens.weight"], before["model.embed_tokens.weight"])  # frozen
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           before["model.layers.0.self_attn.q_proj.weight"])
+    policy.export_hf(tmp_path / "merged")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(reloaded, batch),
+                               atol=2e-5, rtol=0)
+
+
+def test_reward_model_scores_and_pair_training(policies, tiny_model_path):
+    policy = policies["rm"]
+    batch = make_batch()
+    # The untrained score head is seeded identically in the workers and here.
+    torch.manual_seed(0)
+    oracle = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).eval()
+    with torch.no_grad():
+        expected = torch.stack([oracle(input_ids=batch["input_ids"][r : r + 1, : int(n)]).logits[0, 0]
+                                for r, n in enumerate(batch["input_lengths"])])
+    scores = policy.get_scores(batch)["scores"]
+    torch.testing.assert_close(scores, expected, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="sequence_classification"):
+        Policy.get_scores(type("P", (), {"model_kind": "causal_lm"})(), batch)
+    # Rows (0,1) and (2,3) are chosen/rejected pairs, one pair per worker.
+    losses = [policy.train(batch, BradleyTerryLoss())["loss"] for _ in range(3)]
+    assert losses[0] == pytest.approx(
+        float(-torch.nn.functional.logsigmoid(expected[0::2] - expected[1::2]).mean()), rel=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def test_bfloat16_compute_trains(policies, tiny_model_path):
+    policy = policies["bf16"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    batch = make_batch()
+    expected = reference_logprobs(hf, batch)
+    for got in (policy.get_logprobs(batch)["logprobs"], policy.get_reference_logprobs(batch)["reference_logprobs"]):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=0.1, rtol=0)
+    losses = [policy.train(batch, NLLLoss())["loss"] for _ in range(4)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.1
+    # The master weights stay float32 and move in small steps: the reference is untouched.
+    torch.testing.assert_close(policy.get_reference_logprobs(batch)["reference_logprobs"], expected, atol=0.1, rtol=0)
+    assert all(v.dtype == torch.float32 for v in ray.get(policy.full_state_dict_ref()).values())

@@ -1,0 +1,26 @@
+"""Token-aligned logprobs from logits, and how loss metrics combine over micro-batches."""
+
+import torch
+
+from posttrain.policy.fsdp_worker import _accumulate, token_logprobs
+
+
+def test_token_logprobs_alignment_and_chunking():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g, dtype=torch.bfloat16)
+    ids = torch.randint(0, 11, (2, 7), generator=g)
+    full = token_logprobs(logits, ids)
+    assert full.dtype == torch.float32 and full.shape == (2, 7)
+    assert (full[:, 0] == 0).all()
+    # position t holds log p(token_t | <t), from the logits at t-1, computed in float32
+    expected = torch.log_softmax(logits[0, 3].float(), -1)[ids[0, 4]]
+    assert torch.allclose(full[0, 4], expected, atol=1e-6)
+    for chunk in (1, 2, 4, 6, 100):
+        assert torch.allclose(token_logprobs(logits, ids, chunk_size=chunk), full, atol=1e-6)
+
+
+def test_metrics_sum_except_max_min():
+    out: dict[str, float] = {}
+    _accumulate(out, {"loss": torch.tensor(0.25), "ratio_max": 1.5, "ratio_min": 0.5})
+    _accumulate(out, {"loss": 0.5, "ratio_max": 1.2, "ratio_min": 0.1})
+    assert out == {"loss": 0.75, "ratio_max": 1.5, "ratio_min": 0.1}
