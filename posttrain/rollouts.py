@@ -17,6 +17,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from posttrain.data.batch import BatchedDataDict
+from posttrain.data.processors import with_bos
 
 
 class _EnvGroup(Protocol):
@@ -50,10 +51,12 @@ class RolloutResult:
     metrics: dict[str, float]
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` rendered by the chat template, ending in the generation prompt."""
+def render_prompt(tokenizer, messages: list[dict[str, str]], add_bos: bool = True) -> list[int]:
+    """Token ids of `messages` rendered by the chat template, ending in the generation prompt,
+    with BOS in front when `add_bos` (`data.add_bos`) by the same rule as training rows."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return with_bos(ids, tokenizer) if add_bos else ids
 
 
 def _observation_tokens(tokenizer, before: list[dict[str, str]], observation: dict[str, str]) -> list[int]:
@@ -73,11 +76,11 @@ def _observation_tokens(tokenizer, before: list[dict[str, str]], observation: di
     return tokenizer(delta, add_special_tokens=False)["input_ids"]
 
 
-def start_conversations(tokenizer, rows: Sequence[dict[str, Any]]) -> list[Conversation]:
+def start_conversations(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True) -> list[Conversation]:
     convs = []
     for row in rows:
         messages = [dict(m) for m in row["messages"]]
-        tokens = render_prompt(tokenizer, messages)
+        tokens = render_prompt(tokenizer, messages, add_bos)
         metadata = dict(row.get("metadata") or {})
         if "answer" in row:
             metadata.setdefault("answer", row["answer"])
@@ -113,6 +116,7 @@ def run_rollouts(
     max_turns: int,
     max_seq_len: int,
     greedy: bool = False,
+    add_bos: bool = True,
 ) -> RolloutResult:
     """Roll out every row to termination (or `max_turns` / `max_seq_len`) and score it.
 
@@ -120,11 +124,12 @@ def run_rollouts(
     to environment groups. Returns the training-ready batch (right padded with the pad id):
     `input_ids [B, S]`, `input_lengths [B]`, `token_mask [B, S]` (1 on generated tokens),
     `generation_logprobs [B, S]`, `rewards [B]`, `truncated [B]`, `response_lengths [B]`.
+    `add_bos` must be what the model was trained with (`data.add_bos`).
     """
     missing = sorted({r.get("task_name", "math") for r in rows} - set(envs))
     if missing:
         raise ValueError(f"rows name task(s) {missing} but only environments {sorted(envs)} are configured (env section)")
-    convs = start_conversations(tokenizer, rows)
+    convs = start_conversations(tokenizer, rows, add_bos)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generated_tokens = 0
     for turn in range(max_turns):

@@ -548,6 +548,9 @@ class GRPOConfig(Section):
     # the policy's own optimizer, so that a model that has never seen the task starts with a
     # reward above zero (the embedded quickstart). Skipped when resuming.
     warmup_sft_steps: int = Field(0, ge=0)
+    # Learning rate of the warm-up SFT steps (they do not advance policy.scheduler); null: the
+    # optimizer's own. Imitation tolerates a far larger rate than RL, which diverges at it.
+    warmup_sft_lr: float | None = Field(None, gt=0)
 
 
 class SFTConfig(Section):
@@ -630,6 +633,16 @@ class GRPOMasterConfig(_MasterBase):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+
+    @model_validator(mode="after")
+    def _warmup_without_reference(self) -> "GRPOMasterConfig":
+        if self.grpo.warmup_sft_steps and self.loss_fn.reference_policy_kl_penalty > 0:
+            raise ValueError(
+                "grpo.warmup_sft_steps > 0 with loss_fn.reference_policy_kl_penalty > 0: the KL reference is the "
+                "model before the warm-up; warm-start with a separate `posttrain sft` run instead, or set the "
+                "penalty to 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "GRPOMasterConfig":

@@ -101,7 +101,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
     if cfg.policy.generation.overlong_prompt == "truncate":
         return
     limit = cfg.policy.max_total_sequence_length
-    lengths = [len(render_prompt(tokenizer, row["messages"])) for row in rows]
+    lengths = [len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos)) for row in rows]
     overlong = [i for i, n in enumerate(lengths) if n >= limit]
     if overlong:
         i = overlong[0]
@@ -184,7 +184,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         out = run_rollouts(
             s.generation, [row for _, _, row in chunk], s.envs, s.tokenizer,
             max_turns=cfg.eval.max_rollout_turns, max_seq_len=cfg.policy.max_total_sequence_length,
-            greedy=s.greedy,
+            greedy=s.greedy, add_bos=cfg.data.add_bos,
         )
         generated_tokens += out.metrics["generated_tokens"]
         records += [_sample_record(p, j, row, conv) for (p, j, row), conv in zip(chunk, out.conversations)]

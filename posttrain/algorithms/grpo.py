@@ -73,7 +73,7 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
     for i, row in enumerate(rows):
-        n = len(render_prompt(tokenizer, row["messages"]))
+        n = len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos))
         if n <= limit:
             kept.append(row)
         elif cfg.data.truncation == "drop":
@@ -166,8 +166,9 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
         sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r["answer"])}]}
                     for r in next(loader)]
         batch = tokenize_sft_rows(sft_rows, tokenizer, cfg.policy.max_total_sequence_length, cfg.data)
-        metrics = policy.train(batch, nll)
-        logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
+        metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr)
+        if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
+            logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
         logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})
     logger.console(f"warm-up SFT: {cfg.grpo.warmup_sft_steps} steps in {time.monotonic() - started:.0f} s, "
                    f"final loss {metrics['loss']:.3f}")
@@ -183,7 +184,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     for i in range(0, len(rows), g.val_batch_size):
         out = run_rollouts(s.generation, rows[i : i + g.val_batch_size], s.envs, s.tokenizer,
                            max_turns=g.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
-                           greedy=g.val_greedy)
+                           greedy=g.val_greedy, add_bos=s.cfg.data.add_bos)
         rewards.append(out.batch["rewards"])
         convs += out.conversations
     s.policy.finish_generation()
@@ -247,7 +248,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             with timer.time("generation"):
                 refit = policy.prepare_for_generation() if s.generation is policy else {}
                 rollout = run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
-                                       max_seq_len=cfg.policy.max_total_sequence_length)
+                                       max_seq_len=cfg.policy.max_total_sequence_length,
+                                       add_bos=cfg.data.add_bos)
                 policy.finish_generation()
             for k, v in {**rollout.metrics, **refit}.items():
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v

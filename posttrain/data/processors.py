@@ -91,14 +91,27 @@ def tokenize_messages(
             )
         _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
         rendered = full
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if add_bos and bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-        mask.insert(0, 0)
+    eos = tokenizer.eos_token_id
+    if add_bos:
+        prefixed = with_bos(ids, tokenizer)
+        mask = [0] * (len(prefixed) - len(ids)) + mask
+        ids = prefixed
     if add_eos and eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)
         mask.append(mask[-1] if mask else 0)
     return {"input_ids": ids, "loss_mask": mask}
+
+
+def with_bos(ids: list[int], tokenizer) -> list[int]:
+    """`ids` with the tokenizer's BOS in front unless it is already there (or there is no BOS).
+
+    The one BOS rule of training rows and of generation prompts (`data.add_bos`): a model must
+    see a prompt exactly as it saw it in training, or every position shifts by one.
+    """
+    bos = tokenizer.bos_token_id
+    if bos is None or (ids and ids[0] == bos):
+        return ids
+    return [bos, *ids]
 
 
 def _extend(ids: list[int], mask: list[int], tokenizer, text: str, value: int) -> None:

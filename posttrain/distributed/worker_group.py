@@ -35,8 +35,8 @@ def _node_ip_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def _tee_output(log_path: str) -> None:
-    """Send fd 1 and 2 through a pipe to both the original stdout and `log_path`."""
+def _tee_output(log_path: str):
+    """Send fd 1 and 2 through a pipe to both the original stdout and `log_path`; returns the log file."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     logfile = open(log_path, "ab", buffering=0)
     original = os.dup(1)
@@ -55,13 +55,14 @@ def _tee_output(log_path: str) -> None:
     threading.Thread(target=pump, daemon=True, name="log-tee").start()
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    return logfile
 
 
 class _WorkerHost:
     """The Ray actor: sets up the process, then builds and serves one `worker_cls` instance."""
 
     def __init__(self, env: dict[str, str], log_path: str, threads: int, worker_cls, args, kwargs):
-        _tee_output(log_path)
+        self._log = _tee_output(log_path)
         os.environ.update(env)
         import torch
 
@@ -72,8 +73,9 @@ class _WorkerHost:
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
 
     def call(self, method: str, *args, **kwargs):
-        # One line per call, so the tail of a dead worker's log says what it was doing.
-        print(f"{time.strftime('%H:%M:%S')} rank {os.environ['RANK']}: {method}", flush=True)
+        # One line per call in the log file only (not the console), so the tail of a dead
+        # worker's log says what it was doing.
+        self._log.write(f"{time.strftime('%H:%M:%S')} rank {os.environ['RANK']}: {method}\n".encode())
         return getattr(self.worker, method)(*args, **kwargs)
 
 

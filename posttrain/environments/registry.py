@@ -6,6 +6,7 @@ from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
+from posttrain.environments.reward_model import RewardModelEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
 from posttrain.environments.story import StoryEnvironment
 from posttrain.schemas import EnvWorkerConfig
@@ -15,6 +16,7 @@ ENVIRONMENTS: dict[str, type[EnvironmentInterface]] = {
     "arithmetic": ArithmeticEnvironment,
     "sliding_puzzle": SlidingPuzzleEnvironment,
     "story": StoryEnvironment,
+    "reward_model": RewardModelEnvironment,
 }
 
 

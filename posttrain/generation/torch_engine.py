@@ -1,8 +1,8 @@
 """The built-in `torch` generation engine: continuous batching with a slot KV cache.
 
-Why it is fast on a CPU: HF `generate` pays, every step, for mask construction, cache
-bookkeeping, logits processors and stopping criteria written for generality; on a small
-model that overhead dominates. This engine runs its own decode step over the model's
+Why it is faster than HF `generate`: HF pays, every step, for mask construction, a cache
+that grows by concatenation, logits processors and stopping criteria written for generality.
+This engine runs its own decode step over the model's
 weights (fused QKV and gate/up projections, one pre-allocated KV cache, a handful of kernels
 per layer), keeps all bookkeeping vectorized, and decodes prompts of any length together:
 each slot of the batch has its own position, so prompts need no left padding and a finished
@@ -280,8 +280,7 @@ class TorchGeneration:
         self.context = max_total_sequence_length
         self.device = torch.device(device)
         dtype = DTYPES[cfg.torch_cfg.precision or precision]
-        positions = max(max_total_sequence_length, 1)
-        self.weights = _Weights(self.model, dtype, self.device, positions)
+        self.weights = _Weights(self.model, dtype, self.device, max_total_sequence_length)
         self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, model.config, cfg))
         self.pad_id = pad_token_id(tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed)

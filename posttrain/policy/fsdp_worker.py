@@ -28,6 +28,7 @@ from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import dynamic_microbatches, pack_rows, packed_microbatches, unpack_token_values
 from posttrain.distributed.weight_sync import load_state_dict_inplace
+from posttrain.losses.utils import valid_counts
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler
@@ -45,13 +46,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0
+) -> torch.Tensor:
     """Token-aligned log-probabilities, computed in float32.
 
-        out[b, 0] = 0,   out[b, t] = log softmax(logits[b, t-1])[input_ids[b, t]]  (t >= 1)
+        out[b, 0] = 0,   out[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]  (t >= 1)
 
     logits `[b, L, V]`, input_ids `[b, L]` -> `[b, L]`. With `chunk_size`, the float32
     log-softmax is done `chunk_size` positions at a time to bound memory (vocab x positions).
+    `temperature` is the sampling temperature of the rollouts, so that the policy's logprobs
+    are of the distribution the tokens were drawn from (as NeMo RL does).
     """
     b, length, _ = logits.shape
     targets = input_ids[:, 1:]
@@ -60,6 +65,8 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: in
     for s in range(0, length - 1, step):
         e = min(s + step, length - 1)
         chunk = logits[:, s:e].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
         picked = chunk.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1)
         parts.append(picked - torch.logsumexp(chunk, dim=-1))
     zero = torch.zeros(b, 1, dtype=torch.float32, device=logits.device)
@@ -89,6 +96,8 @@ class FSDPPolicyWorker:
         self.weights_version = 0  # bumped by every optimizer step; generation refits when it lags
         self.gen_version = -1
         self.last_refit_s = 0.0
+        # Logprobs are of logits / the rollouts' sampling temperature (greedy = 0 -> unscaled).
+        self._temperature = cfg.generation.temperature or 1.0
 
     # ------------------------------------------------------------------ setup
 
@@ -208,13 +217,13 @@ class FSDPPolicyWorker:
             packed = pack_rows(ids, lengths, rows, self.pad_id, self.cfg.sequence_packing.sequence_length_round)
             # No attention mask + restarting position_ids = packed sequences in transformers.
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
-            lp = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size)
+            lp = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature)
             return unpack_token_values(lp, packed, seq_len)
         fitted = self._fit(ids, lengths)
         # Right padding + causal attention: valid tokens never see the padding, so no mask is
         # needed and attention takes the fast causal path.
         logits = model(input_ids=fitted, use_cache=False).logits
-        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size)[:, :seq_len]
+        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size, self._temperature)[:, :seq_len]
         valid = torch.arange(lp.shape[1], device=lp.device) < lengths.to(lp.device).unsqueeze(1)
         lp = lp * valid
         if lp.shape[1] < seq_len:
@@ -231,23 +240,27 @@ class FSDPPolicyWorker:
 
     # ------------------------------------------------------------------ train
 
-    def train(self, shard: BatchedDataDict, loss_fn: Callable, local_batch_size: int) -> dict[str, Any]:
-        """Optimizer steps over consecutive local global-batch chunks of `local_batch_size` rows."""
+    def train(self, shard: BatchedDataDict, loss_fn: Callable, local_batch_size: int,
+              lr: float | None = None) -> dict[str, Any]:
+        """Optimizer steps over consecutive local global-batch chunks of `local_batch_size` rows.
+
+        `lr` overrides the learning rate for these steps only, without stepping the scheduler
+        (a separate phase such as GRPO's warm-up SFT, which must not use up the schedule)."""
         self.model.train()
-        steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn)
+        steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
         out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = len(steps)
         return out
 
-    def _train_step(self, batch: BatchedDataDict, loss_fn: Callable) -> dict[str, float]:
+    def _train_step(self, batch: BatchedDataDict, loss_fn: Callable, lr_override: float | None) -> dict[str, float]:
         t0 = time.perf_counter()
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
         n = batch.size
         sample_mask = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(n)
         if "token_mask" in batch:
-            valid_toks = (batch["token_mask"].float() * sample_mask.unsqueeze(-1)).sum()
+            valid_toks, _ = valid_counts({"token_mask": batch["token_mask"], "sample_mask": sample_mask})
         else:
             valid_toks = (batch["input_lengths"].float() * sample_mask).sum()
         counts = torch.stack([valid_toks, sample_mask.sum()]).to(self.device)
@@ -273,9 +286,17 @@ class FSDPPolicyWorker:
                 tokens += int(mb["input_lengths"].sum())
                 _accumulate(metrics, mb_metrics)
         grad_norm = self._clip_grads()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if lr_override is None:
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            scheduled = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr = lr_override
+            self.optimizer.step()
+            for g, value in zip(self.optimizer.param_groups, scheduled):
+                g["lr"] = value
         self.weights_version += 1
         local = {"loss": loss_sum, **metrics}
         gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]

@@ -43,16 +43,22 @@ def model_class(model_kind: str):
     return kinds[model_kind]
 
 
+def _for_kind(config, model_kind: str):
+    """`config` for `model_kind`: a reward model has one label. transformers 5's `from_config`
+    takes no config kwargs (num_labels=1 there is a TypeError), so the label goes on a copy."""
+    if model_kind != "sequence_classification":
+        return config
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    return config
+
+
 def count_parameters(config, model_kind: str) -> int:
     """Parameter count of the model `config` describes, built on the meta device (no memory)."""
     from accelerate import init_empty_weights
 
-    if model_kind == "sequence_classification":
-        # transformers 5's from_config takes no config kwargs: set the one label on a copy.
-        config = copy.deepcopy(config)
-        config.num_labels = 1
     with init_empty_weights():
-        model = model_class(model_kind).from_config(config)
+        model = model_class(model_kind).from_config(_for_kind(config, model_kind))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -101,9 +107,9 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    kwargs = {"num_labels": 1} if model_kind == "sequence_classification" else {}
     with torch.device("meta"):
-        model = model_class(model_kind).from_config(config, dtype=next(iter(state_dict.values())).dtype, **kwargs)
+        model = model_class(model_kind).from_config(_for_kind(config, model_kind),
+                                                    dtype=next(iter(state_dict.values())).dtype)
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]

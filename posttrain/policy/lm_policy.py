@@ -94,9 +94,10 @@ class Policy:
 
     # ------------------------------------------------------------------ train and inference
 
-    def train(self, batch: BatchedDataDict, loss_fn: Callable) -> dict[str, float]:
+    def train(self, batch: BatchedDataDict, loss_fn: Callable, lr: float | None = None) -> dict[str, float]:
         """One optimizer step per `policy.train_global_batch_size` rows of `batch`; returns loss,
-        grad_norm, lr (of the last step), and the loss function's metrics (means over the steps)."""
+        grad_norm, lr (of the last step), and the loss function's metrics (means over the steps).
+        `lr` overrides the learning rate for these steps without advancing the scheduler."""
         self._check_batch(batch, "train")
         gbs = self.cfg.train_global_batch_size
         if batch.size == 0 or batch.size % gbs:
@@ -109,7 +110,7 @@ class Policy:
             raise ValueError(f"train: {type(loss_fn).__name__} needs chosen/rejected pairs, but each of the "
                              f"{self.dp} workers would get {local} rows (odd); make "
                              "policy.train_global_batch_size / workers even")
-        refs = self.workers.run_sharded("train", batch, loss_fn, local, batch_size=gbs)
+        refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs)
         return self.workers.get(refs)[0]
 
     def get_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:

@@ -12,6 +12,7 @@ from test_generation_helpers import (
     forward_logprobs,
     generated_mask,
     make_batch,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
     perturb_,
     perturbed_tiny,
     token_mult_prob_error,
@@ -214,6 +215,35 @@ def test_context_caps_generation(model_tok):
     out = engine("torch", model, tok, max_new_tokens=20, ignore_eos=True).generate(batch, greedy=True)
     assert out["generation_lengths"].tolist() == [3]
     assert out["truncated"].tolist() == [True]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_other_llama_family_models_match_hf(arch):
+    """Biased QKV (Qwen2), per-head q/k norms (Qwen3), GQA with 4 query heads per kv head."""
+    import transformers
+
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    kinds = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+             "mistral": ("MistralConfig", "MistralForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, n) for n in kinds[arch])
+    config = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=CTX,
+                        sliding_window=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    perturb_(model, std=0.3, seed=4)
+    if arch == "qwen2":  # biases start at 0: make them matter (and permuted with q/k rows)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    batch = make_batch(tok)
+    ref = engine("hf", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    out = engine("torch", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
 
 
 def test_unsupported_architecture_points_to_hf():

@@ -3,9 +3,20 @@ prompt batches, and the train-side logprobs of generated sequences by a plain fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from posttrain.data.batch import BatchedDataDict
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on a busy machine every op of a
+    2-thread pool waits for the other thread to be scheduled (a 2x64 matmul took 5 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 PROMPTS = ["hello", "1+2=", "The cat sat on", "x", "abc def ghi jkl mno", "Q: what is 7*8? A:"]
 

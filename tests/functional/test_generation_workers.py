@@ -11,6 +11,7 @@ from test_generation_helpers import (
     forward_logprobs,
     generated_mask,
     make_batch,
+    one_torch_thread,  # noqa: F401  (autouse fixture)
     perturb_,
     perturbed_tiny,
     token_mult_prob_error,

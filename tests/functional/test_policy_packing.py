@@ -1,5 +1,6 @@
-"""Sequence packing and dynamic batching give the same logprobs and the same train step as a
-plain transformers model (fp32; logprobs 2e-5 absolute, loss/grad norm 1e-5 relative,
+"""Sequence packing and dynamic batching give the same logprobs and the same train step (with
+grad-norm clipping, CPU offload and activation checkpointing on the way) as a plain
+transformers model (fp32; logprobs 2e-5 absolute, loss/grad norm 1e-5 relative,
 parameters after one SGD step 2e-6 absolute)."""
 
 from concurrent.futures import ThreadPoolExecutor

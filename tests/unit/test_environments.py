@@ -250,7 +250,7 @@ def test_builtin_env_settings_fail_at_config_load():
 
 
 def test_create_env_errors():
-    with pytest.raises(ValueError, match="arithmetic, math, sliding_puzzle"):
+    with pytest.raises(ValueError, match="arithmetic, math, reward_model, sliding_puzzle, story"):
         create_env("chess", {})
     with pytest.raises(ValueError, match=r"env.sliding_puzzle.cfg[^$]*sizee.*did you mean size"):
         create_env("sliding_puzzle", {"cfg": {"sizee": 3}})

@@ -24,3 +24,13 @@ def test_metrics_sum_except_max_min():
     _accumulate(out, {"loss": torch.tensor(0.25), "ratio_max": 1.5, "ratio_min": 0.5})
     _accumulate(out, {"loss": 0.5, "ratio_max": 1.2, "ratio_min": 0.1})
     assert out == {"loss": 0.75, "ratio_max": 1.5, "ratio_min": 0.1}
+
+
+def test_token_logprobs_temperature_scales_the_logits():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    got = token_logprobs(logits, ids, temperature=0.5)
+    expected = torch.log_softmax(logits[:, :-1] * 2.0, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(got[:, 1:], expected, atol=1e-6)
+    assert torch.equal(got[:, 0], torch.zeros(2))

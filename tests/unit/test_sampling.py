@@ -13,6 +13,15 @@ from posttrain.generation.sampling import SamplingSettings, StopChecker, sample,
 from posttrain.schemas import GenerationConfig
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """A second thread only adds scheduling waits for these tiny ops on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson chi-square p-value, pooling the categories expected fewer than 5 times into one bin."""
     n = counts.sum()

@@ -1,0 +1,99 @@
+"""`reward_model`: score GRPO rollouts with a trained reward model (`posttrain rm`).
+
+The reward of a conversation is the RM's score of the whole conversation (prompt and the
+model's last answer), tokenized exactly as the RM was trained
+(`posttrain.data.processors.tokenize_messages`, same chat template, BOS/EOS). Scores are
+unbounded Bradley-Terry logits; GRPO's group normalisation makes their scale irrelevant.
+Conversations are scored in batches of `batch_size`; a conversation that cannot be scored
+(no assistant message, longer than `max_length`) scores 0 and records the error.
+
+Config (`env.reward_model.cfg`): `model_name` (an exported RM folder, e.g.
+`<log_dir>/hf` from `checkpointing.export_hf_at_end`), `chat_template` (the one the RM was
+trained with, when it is not saved with its tokenizer), `batch_size`, `max_length`,
+`add_bos`, `add_eos`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn, last_assistant_text
+from posttrain.schemas import EnvWorkerConfig, Section, TokenizerConfig
+
+
+class RewardModelEnvConfig(Section):
+    """`reward_model`: a trained Bradley-Terry RM scores each conversation."""
+
+    model_name: str  # folder of the exported reward model (with its tokenizer)
+    chat_template: str | None = None  # the RM's training template, if its tokenizer lacks it
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
+    add_bos: bool = True  # as data.add_bos of the RM's training run
+    add_eos: bool = True  # as data.add_eos of the RM's training run
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    config_class = RewardModelEnvConfig
+
+    def __init__(self, cfg: EnvWorkerConfig):
+        from transformers import AutoModelForSequenceClassification
+
+        from posttrain.data.processors import load_tokenizer
+        from posttrain.embedded import resolve_model_path
+
+        self.cfg = RewardModelEnvConfig.model_validate(cfg.cfg)
+        path = resolve_model_path(self.cfg.model_name)
+        self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template))
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.eval()
+
+    def _tokenize(self, messages: list[dict[str, str]]) -> list[int]:
+        from posttrain.data.processors import tokenize_messages
+
+        last_assistant_text(messages)  # raises when there is nothing to score
+        ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos)["input_ids"]
+        if len(ids) > self.cfg.max_length:
+            raise ValueError(f"the conversation has {len(ids)} tokens, more than max_length={self.cfg.max_length}")
+        return ids
+
+    @torch.no_grad()
+    def score(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """RM scores `[n]` of tokenized conversations (right padded in batches of `batch_size`)."""
+        from posttrain.data.processors import collate
+
+        scores = []
+        for s in range(0, len(token_ids), self.cfg.batch_size):
+            examples = [{"input_ids": ids, "loss_mask": [0] * len(ids)} for ids in token_ids[s : s + self.cfg.batch_size]]
+            batch = collate(examples, self.tokenizer.pad_token_id)
+            scores.append(self.model(input_ids=batch["input_ids"]).logits[:, 0].float())
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        if len(message_logs) != len(metadata):
+            raise ValueError(f"step: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
+        metadata = [{k: v for k, v in (m or {}).items() if k != ENV_ERROR_KEY} for m in metadata]
+        ok, ids = [], []
+        for i, messages in enumerate(message_logs):
+            try:
+                ids.append(self._tokenize(messages))
+                ok.append(i)
+            except Exception as e:  # noqa: BLE001 - an unscorable sample scores 0 and is recorded
+                metadata[i][ENV_ERROR_KEY] = f"{type(e).__name__}: {e}"
+        rewards = torch.zeros(len(message_logs))
+        rewards[ok] = self.score(ids)
+        answers = []
+        for messages, meta in zip(message_logs, metadata):
+            answers.append(None if meta.get(ENV_ERROR_KEY) else last_assistant_text(messages))
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": f"Reward model score: {float(r):.3f}"} for r in rewards],
+            metadata=metadata,
+            next_stop_strings=[None] * len(message_logs),
+            rewards=rewards,
+            terminateds=torch.ones(len(message_logs), dtype=torch.bool),
+            answers=answers,
+        )
