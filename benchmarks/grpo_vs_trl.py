@@ -83,11 +83,9 @@ class Settings:
     clip_high: float
     temperature: float
     val_period: int  # 0: no validation
-    num_digits: int
-    operations: list[str]
-    num_train: int
     num_val: int
-    data_seed: int
+    # posttrain's `data` section (DataConfig fields): both sides load rows through posttrain.data
+    data: dict[str, Any]
     seed: int
     threads: int
     # posttrain-only extras from the quickstart (its own tuning: placement, batch splits)
@@ -100,6 +98,7 @@ class Settings:
 
 def speed_settings(quick: bool, steps: int) -> Settings:
     from posttrain.embedded import resolve_model_path
+    from posttrain.schemas import DataConfig
 
     return Settings(
         name="speed",
@@ -110,8 +109,9 @@ def speed_settings(quick: bool, steps: int) -> Settings:
         max_total_sequence_length=128,
         lr=1e-5, betas=[0.9, 0.999], weight_decay=0.0, max_grad_norm=1.0,
         clip_low=0.2, clip_high=0.2, temperature=1.0, val_period=0,
-        num_digits=2, operations=["+"], num_train=20000, num_val=200, data_seed=42, seed=42,
-        threads=2,
+        num_val=200, seed=42, threads=2,
+        data=DataConfig(dataset_name="arithmetic", num_digits=2, operations=["+"], num_train=20000, num_val=200,
+                        seed=42).model_dump(mode="json"),
     )
 
 
@@ -147,8 +147,7 @@ def accuracy_settings(quick: bool, steps: int | None) -> tuple[Settings, Any]:
         weight_decay=float(kw.get("weight_decay", 0.0)), max_grad_norm=p.max_grad_norm or 0.0,
         clip_low=cfg.loss_fn.ratio_clip_min, clip_high=cfg.loss_fn.ratio_clip_max,
         temperature=p.generation.temperature, val_period=2 if quick else g.val_period,
-        num_digits=d.num_digits, operations=list(d.operations), num_train=d.num_train,
-        num_val=min(d.num_val, g.max_val_samples), data_seed=d.seed, seed=g.seed,
+        num_val=min(d.num_val, g.max_val_samples), data=d.model_dump(mode="json"), seed=g.seed,
         threads=max(1, int(cfg.cluster.cpus_per_worker)),
         posttrain_config=str(QUICKSTART), notes=notes,
     )
@@ -198,12 +197,6 @@ def posttrain_command(s: Settings, log_dir: Path) -> list[str]:
         "policy.generation.temperature": s.temperature,
         "policy.generation.top_p": 1.0,
         "policy.generation.top_k": "null",
-        "data.dataset_name": "arithmetic",
-        "data.num_digits": s.num_digits,
-        "data.operations": json.dumps(s.operations),
-        "data.num_train": s.num_train,
-        "data.num_val": s.num_val,
-        "data.seed": s.data_seed,
         "cluster.num_nodes": 1,
         "cluster.workers_per_node": 1,
         "cluster.cpus_per_worker": s.threads,
@@ -214,6 +207,7 @@ def posttrain_command(s: Settings, log_dir: Path) -> list[str]:
     }
     from posttrain.schemas import GRPOConfig
 
+    ov.update({f"data.{k}": "null" if v is None else json.dumps(v) for k, v in s.data.items()})
     if "max_wall_time_s" in GRPOConfig.model_fields:
         ov["grpo.max_wall_time_s"] = "null"  # the same step count on both sides, whatever the time
     cmd = [str(Path(sys.executable).with_name("posttrain")), "grpo"]
@@ -256,26 +250,28 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain.data.arithmetic import make_arithmetic_rows
+    from posttrain.data.datasets import load_rows
     from posttrain.rollouts import render_prompt
+    from posttrain.schemas import DataConfig
 
     tok = AutoTokenizer.from_pretrained(s.model_path)
-    train_rows, val_rows = make_arithmetic_rows(s.num_digits, s.operations, s.num_train, s.num_val, s.data_seed)
+    data_cfg = DataConfig(**s.data)
+    train_rows, val_rows = load_rows(data_cfg, "train"), load_rows(data_cfg, "validation")[: s.num_val]
 
-    def prompt_text(row: dict) -> str:
-        return tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    def prompt_ids(row: dict) -> list[int]:
+        return render_prompt(tok, row["messages"], add_bos=data_cfg.add_bos)
 
-    train_ds = Dataset.from_list([{"prompt": prompt_text(r), "answer": r["answer"]} for r in train_rows])
-    # TRL tokenizes string prompts with tokenizer(text); they must be posttrain's prompt ids.
-    for r in train_rows[:4] + val_rows[:4]:
-        if tok(prompt_text(r))["input_ids"] != render_prompt(tok, r["messages"]):
+    # posttrain's prompt ids (chat template, BOS rule) as text; TRL tokenizes it back with tokenizer(text).
+    train_ds = Dataset.from_list([{"prompt": tok.decode(prompt_ids(r)), "answer": r["answer"]} for r in train_rows])
+    for r, text in zip(train_rows[:8], train_ds["prompt"][:8]):
+        if tok(text)["input_ids"] != prompt_ids(r):
             raise RuntimeError(f"TRL and posttrain tokenize the prompt of {r['messages']} differently")
 
     def reward(completions: list[str], answer: list[str], **_: Any) -> list[float]:
         return [exact_match(c, a) for c, a in zip(completions, answer)]
 
     log = open(out_dir / "trl_metrics.jsonl", "w", buffering=1)
-    val_prompts = [render_prompt(tok, r["messages"]) for r in val_rows]
+    val_prompts = [prompt_ids(r) for r in val_rows]
 
     @torch.no_grad()
     def evaluate(model) -> float:
@@ -376,7 +372,7 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str] | None = None
     load_before = load_average()
     t0 = time.monotonic()
     with open(log_path, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, check=False).returncode
     wall = time.monotonic() - t0
     if rc != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
@@ -509,8 +505,10 @@ def versions() -> str:
 def settings_table(s: dict[str, Any]) -> list[str]:
     keys = ["model_path", "steps", "num_prompts", "num_generations", "max_new_tokens", "ignore_eos",
             "max_total_sequence_length", "lr", "betas", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
-            "temperature", "val_period", "num_digits", "operations", "num_train", "num_val", "seed", "threads"]
-    return ["| setting | value |", "|---|---|"] + [f"| {k} | `{s[k]}` |" for k in keys]
+            "temperature", "val_period", "num_val", "seed", "threads"]
+    data = {k: v for k, v in s["data"].items() if k in ("dataset_name", "num_digits", "operations", "num_train",
+                                                         "seed", "add_bos", "zero_pad")}
+    return ["| setting | value |", "|---|---|"] + [f"| {k} | `{s[k]}` |" for k in keys] + [f"| data | `{data}` |"]
 
 
 def report(results: dict[str, Any], quick: bool) -> dict[str, str]:

@@ -26,6 +26,9 @@ def init_ray(cfg: ClusterConfig) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts workers at nice 15; ours are the job itself, not background helpers, and at that
+    # priority any other load on the machine starves them (measured: minutes per step).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if address:
         ray.init(address=address, include_dashboard=False)
     else:

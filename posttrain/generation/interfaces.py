@@ -98,6 +98,20 @@ def prompt_limits(
     return keep, overlong
 
 
+def prepare_prompts(batch: BatchedDataDict, cfg, context: int) -> tuple[list[torch.Tensor], list[list[str]], torch.Tensor]:
+    """What every backend does first: validate the batch, apply `cfg.overlong_prompt`, and cut
+    the unpadded prompts. Returns (prompts (1-D token tensors), per-row stop strings,
+    `prompt_truncated [B]`)."""
+    ids, lengths = validate_prompts(batch)
+    keep, prompt_truncated = prompt_limits(
+        lengths, max_total_sequence_length=context, max_new_tokens=cfg.max_new_tokens,
+        overlong_prompt=cfg.overlong_prompt,
+    )
+    n = ids.shape[0]
+    prompts = [ids[i, int(lengths[i] - keep[i]) : int(lengths[i])] for i in range(n)]
+    return prompts, combine_stop_strings(cfg.stop_strings, batch, n), prompt_truncated
+
+
 def pad_token_id(tokenizer) -> int:
     """The id that pads outputs: the tokenizer's pad token, else its EOS, else 0."""
     for t in (tokenizer.pad_token_id, tokenizer.eos_token_id):

@@ -28,11 +28,9 @@ import torch.nn.functional as F
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
+    prepare_prompts,
     assemble_output,
-    combine_stop_strings,
     pad_token_id,
-    prompt_limits,
-    validate_prompts,
 )
 from posttrain.generation.sampling import SamplingSettings, StopChecker, sample
 
@@ -308,14 +306,7 @@ class TorchGeneration:
     @torch.inference_mode()
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         cfg = self.cfg
-        ids, lengths = validate_prompts(batch)
-        keep, prompt_truncated = prompt_limits(
-            lengths, max_total_sequence_length=self.context, max_new_tokens=cfg.max_new_tokens,
-            overlong_prompt=cfg.overlong_prompt,
-        )
-        n = ids.shape[0]
-        prompts = [ids[i, int(lengths[i] - keep[i]) : int(lengths[i])] for i in range(n)]
-        stops = combine_stop_strings(cfg.stop_strings, batch, n)
+        prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
         settings = SamplingSettings.from_config(cfg, greedy)
         t0 = time.perf_counter()
         generated, gen_lp, truncated = self._run(prompts, stops, settings)

@@ -37,6 +37,7 @@ def _cfg(tmp_path, model, shared_data, *overrides):
     cfg = load_config("dpo", None, [
         f"policy.model_name={model}", f"data.dataset_name={shared_data}/llamafactory_demo/dpo_en_demo.json",
         "data.val_split_fraction=0.2", "data.truncation=truncate", "policy.max_total_sequence_length=512",
+        "policy.precision=float32",  # exact comparisons need float32 compute (the default is bfloat16)
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
         "policy.optimizer.kwargs={lr: 1.0e-3, weight_decay: 0.0}", "dpo.reference_policy_kl_penalty=0.1",
         "dpo.val_global_batch_size=64", f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false",

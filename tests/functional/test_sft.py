@@ -39,6 +39,7 @@ def stories260k(shared_data, tmp_path_factory):
 def _cfg(tmp_path, model, *overrides):
     cfg = load_config("sft", None, [
         f"policy.model_name={model}", "data.dataset_name=alpaca", "policy.max_total_sequence_length=256",
+        "policy.precision=float32",  # exact comparisons need float32 compute (the default is bfloat16)
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
         "policy.optimizer.kwargs={lr: 2.0e-3, weight_decay: 0.0}", "sft.val_global_batch_size=32",
         "sft.val_batches=2", f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false",
@@ -78,7 +79,8 @@ def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session,
     with torch.no_grad():
         expected = model(input_ids=batch["input_ids"], labels=labels).loss.item()
     assert result["train/loss"] == pytest.approx(expected, abs=1e-4)
-    assert result["train/num_microbatches"] < cfg.policy.train_global_batch_size / 2  # packed rows
+    # Packed: a 512-token budget holds two or more of these sequences per micro-batch.
+    assert result["train/num_microbatches"] <= cfg.policy.train_global_batch_size / 2
 
 
 def test_checkpoint_and_resume(ray_session, tiny_model_path, tmp_path):
