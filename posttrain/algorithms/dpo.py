@@ -14,22 +14,25 @@ from typing import Any
 
 from posttrain.algorithms.offline import (
     OfflineRun,
-    check_finite,
     chunks,
     evaluate,
     log_data_stats,
     max_sequence_length,
+    offline_train,
     pair_policy_config,
     resume,
-    save,
+    run_and_export,
     start_run,
     total_steps,
 )
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import collate_pairs, load_tokenizer, process_preference_rows
-from posttrain.logging import Timer
+from posttrain.data.processors import (
+    collate_pairs,
+    load_tokenizer,
+    process_preference_rows,
+)
 from posttrain.losses import DPOLoss
 from posttrain.schemas import DPOMasterConfig
 
@@ -83,57 +86,15 @@ def validate(s: DPOSetup) -> dict[str, float]:
 
 
 def dpo_train(s: DPOSetup) -> dict[str, float]:
-    cfg, policy, logger = s.cfg, s.run.policy, s.run.logger
-    dpo = cfg.dpo
-    timer = Timer()
-    val_metrics: dict[str, float] = {}
-    last: dict[str, float] = {}
-    if dpo.val_at_start and s.start_step == 0:
-        val_metrics = validate(s)
-        logger.log_metrics(val_metrics, step=0, prefix="val")
-    logger.start_progress(s.total_steps, s.start_step)
-    step = s.start_step
-    while step < s.total_steps:
-        timer.reset()
-        # ---- data: rows 2i / 2i+1 are the chosen / rejected sides of pair i
-        with timer.time("data"):
-            batch = collate_pairs(next(s.loader), s.tokenizer.pad_token_id)
-        # ---- reference logprobs (frozen initial policy)
-        if s.loss_fn.needs_reference:
-            with timer.time("reference_logprobs"):
-                batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
-        # ---- policy update
-        with timer.time("training"):
-            train_metrics = policy.train(batch, s.loss_fn)
-        step += 1
-        check_finite(step, train_metrics["loss"])
-        # ---- validation
-        if dpo.val_period and (step % dpo.val_period == 0 or step == s.total_steps):
-            with timer.time("validation"):
-                val_metrics = validate(s)
-            logger.log_metrics(val_metrics, step=step, prefix="val")
-        # ---- checkpoint
-        last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
-                "epoch": s.loader.epoch}
-        if s.run.checkpointer.should_save(step) or (cfg.checkpointing.enabled and step == s.total_steps):
-            with timer.time("checkpoint"):
-                save(s.run, cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                   **{f"val:{k}": v for k, v in val_metrics.items()}})
-        # ---- logging
-        logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
-        logger.update_progress(step, {"loss": last["loss"], "accuracy": last["accuracy"],
-                                      **{f"val_{k}": v for k, v in val_metrics.items() if k == "accuracy"}})
-    logger.plot()
-    return {"step": step, **{f"train/{k}": v for k, v in last.items()},
-            **{f"val/{k}": v for k, v in val_metrics.items()}}
+    policy = s.run.policy
 
+    def reference(batch: BatchedDataDict) -> None:  # the frozen initial policy
+        batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
+
+    # Rows 2i / 2i+1 of a batch are the chosen / rejected sides of pair i.
+    return offline_train(s, s.cfg.dpo, lambda rows: collate_pairs(rows, s.tokenizer.pad_token_id),
+                         lambda: validate(s), show="accuracy",
+                         prepare=reference if s.loss_fn.needs_reference else None)
 
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
-    s = setup(cfg)
-    try:
-        result = dpo_train(s)
-        if cfg.checkpointing.export_hf_at_end:
-            s.run.policy.export_hf(s.run.run_dir / "hf")
-        return result
-    finally:
-        s.run.shutdown()
+    return run_and_export(setup(cfg), dpo_train)

@@ -1,6 +1,7 @@
 """What SFT, DPO and reward-model training share: they train on a fixed dataset, so their
-runs start, validate, checkpoint and resume the same way. Each algorithm module keeps its
-own loop (`sft_train`, `dpo_train`, `rm_train`) and uses these pieces.
+runs start, validate, checkpoint and resume the same way, and one loop (`offline_train`)
+serves all three; each algorithm module supplies its batches, its validation and the metric
+it shows beside the progress bar.
 
 Pair algorithms (DPO, RM) count their batch sizes in PAIRS, as NeMo RL does:
 `policy.train_global_batch_size: 32` trains on 32 chosen/rejected pairs (64 rows) per
@@ -21,7 +22,7 @@ from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.loader import RowLoader
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.logging import Logger
+from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.lm_policy import Policy
 from posttrain.schemas import PolicyConfig
@@ -160,3 +161,72 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
                 f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
                 f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
             )
+
+
+def offline_train(
+    s: Any,
+    algo: Any,
+    make_batch: Callable[[list[Any]], BatchedDataDict],
+    validate: Callable[[], dict[str, float]],
+    show: str,
+    prepare: Callable[[BatchedDataDict], None] | None = None,
+) -> dict[str, float]:
+    """The training loop of SFT, DPO and RM, phase by phase.
+
+    `s`: the algorithm's setup (cfg, run, loader, loss_fn, start_step, total_steps); `algo`:
+    its config section (val_period, val_at_start); `make_batch(rows)`: the training batch;
+    `prepare(batch)`: optional extra inputs computed before the update (DPO's reference
+    logprobs), timed as "reference_logprobs"; `show`: the metric shown beside the progress bar.
+    """
+    policy, logger = s.run.policy, s.run.logger
+    timer = Timer()
+    val_metrics: dict[str, float] = {}
+    last: dict[str, float] = {}
+    if algo.val_at_start and s.start_step == 0:
+        val_metrics = validate()
+        logger.log_metrics(val_metrics, step=0, prefix="val")
+    logger.start_progress(s.total_steps, s.start_step)
+    step = s.start_step
+    while step < s.total_steps:
+        timer.reset()
+        # ---- data
+        with timer.time("data"):
+            batch = make_batch(next(s.loader))
+        if prepare is not None:
+            with timer.time("reference_logprobs"):
+                prepare(batch)
+        # ---- policy update (one optimizer step on the global batch)
+        with timer.time("training"):
+            train_metrics = policy.train(batch, s.loss_fn)
+        step += 1
+        check_finite(step, train_metrics["loss"])
+        # ---- validation
+        if algo.val_period and (step % algo.val_period == 0 or step == s.total_steps):
+            with timer.time("validation"):
+                val_metrics = validate()
+            logger.log_metrics(val_metrics, step=step, prefix="val")
+        # ---- checkpoint
+        last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
+                "epoch": s.loader.epoch}
+        if s.run.checkpointer.should_save(step) or (s.cfg.checkpointing.enabled and step == s.total_steps):
+            with timer.time("checkpoint"):
+                save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
+                                                     **{f"val:{k}": v for k, v in val_metrics.items()}})
+        # ---- logging
+        logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
+        logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
+                                                           if show in val_metrics else {})})
+    logger.plot()
+    return {"step": step, **{f"train/{k}": v for k, v in last.items()},
+            **{f"val/{k}": v for k, v in val_metrics.items()}}
+
+
+def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+    """`train(s)`, then the HF export when `checkpointing.export_hf_at_end`; always shuts down."""
+    try:
+        result = train(s)
+        if s.cfg.checkpointing.export_hf_at_end:
+            s.run.policy.export_hf(s.run.run_dir / "hf")
+        return result
+    finally:
+        s.run.shutdown()

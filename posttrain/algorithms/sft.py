@@ -13,13 +13,13 @@ from typing import Any
 
 from posttrain.algorithms.offline import (
     OfflineRun,
-    check_finite,
     chunks,
     evaluate,
     log_data_stats,
     max_sequence_length,
+    offline_train,
     resume,
-    save,
+    run_and_export,
     start_run,
     total_steps,
 )
@@ -27,7 +27,6 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_tokenizer, process_sft_rows
-from posttrain.logging import Timer
 from posttrain.losses import NLLLoss
 from posttrain.schemas import SFTMasterConfig
 
@@ -75,53 +74,8 @@ def validate(s: SFTSetup) -> dict[str, float]:
 
 
 def sft_train(s: SFTSetup) -> dict[str, float]:
-    cfg, policy, logger = s.cfg, s.run.policy, s.run.logger
-    sft = cfg.sft
-    timer = Timer()
-    val_metrics: dict[str, float] = {}
-    last: dict[str, float] = {}
-    if sft.val_at_start and s.start_step == 0:
-        val_metrics = validate(s)
-        logger.log_metrics(val_metrics, step=0, prefix="val")
-    logger.start_progress(s.total_steps, s.start_step)
-    step = s.start_step
-    while step < s.total_steps:
-        timer.reset()
-        # ---- data
-        with timer.time("data"):
-            batch = collate(next(s.loader), s.tokenizer.pad_token_id)
-        # ---- policy update (one optimizer step on the global batch)
-        with timer.time("training"):
-            train_metrics = policy.train(batch, s.loss_fn)
-        step += 1
-        check_finite(step, train_metrics["loss"])
-        # ---- validation
-        if sft.val_period and (step % sft.val_period == 0 or step == s.total_steps):
-            with timer.time("validation"):
-                val_metrics = validate(s)
-            logger.log_metrics(val_metrics, step=step, prefix="val")
-        # ---- checkpoint
-        last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
-                "epoch": s.loader.epoch}
-        if s.run.checkpointer.should_save(step) or (cfg.checkpointing.enabled and step == s.total_steps):
-            with timer.time("checkpoint"):
-                save(s.run, cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                   **{f"val:{k}": v for k, v in val_metrics.items()}})
-        # ---- logging
-        logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
-        logger.update_progress(step, {"loss": last["loss"], **{f"val_{k}": v for k, v in val_metrics.items()
-                                                               if k == "loss"}})
-    logger.plot()
-    return {"step": step, **{f"train/{k}": v for k, v in last.items()},
-            **{f"val/{k}": v for k, v in val_metrics.items()}}
-
+    return offline_train(s, s.cfg.sft, lambda rows: collate(rows, s.tokenizer.pad_token_id),
+                         lambda: validate(s), show="loss")
 
 def run(cfg: SFTMasterConfig) -> dict[str, float]:
-    s = setup(cfg)
-    try:
-        result = sft_train(s)
-        if cfg.checkpointing.export_hf_at_end:
-            s.run.policy.export_hf(s.run.run_dir / "hf")
-        return result
-    finally:
-        s.run.shutdown()
+    return run_and_export(setup(cfg), sft_train)

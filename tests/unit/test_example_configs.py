@@ -1,6 +1,6 @@
 """Every YAML under examples/configs validates through the schema of its algorithm.
 
-The algorithm comes from the file name: grpo_*, sft*, dpo*, rm*, distillation*, and
+The algorithm comes from the file name: grpo_*, sft*, dpo*, rm*, and
 anything under evals/ is an eval config. A file that matches none of these fails, so a new
 exemplar cannot be left unchecked.
 """
@@ -12,7 +12,7 @@ import pytest
 from posttrain.config import load_config, to_yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
-PREFIXES = [("grpo_", "grpo"), ("sft", "sft"), ("dpo", "dpo"), ("rm", "rm"), ("distillation", "distillation")]
+PREFIXES = [("grpo_", "grpo"), ("sft", "sft"), ("dpo", "dpo"), ("rm", "rm")]
 
 
 def algorithm_of(path: Path) -> str:
