@@ -12,17 +12,11 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_st
 
 
 @pytest.mark.slow
-def test_grpo_stories260k_reward_rises(ray_session, shared_data, tmp_path, monkeypatch):
+def test_grpo_stories260k_reward_rises(ray_session, shared_data, tmp_path):
     from posttrain.algorithms.grpo import run
     from posttrain.convert.llama2c import convert
-    from posttrain.data import datasets
-    from posttrain.environments import ENVIRONMENTS
-    from posttrain.environments.story import StoryEnvironment, make_story_rows
     from posttrain.logging.jsonl import read_metrics
 
-    # The story task by name (a no-op once posttrain registers "story" and "stories" itself).
-    monkeypatch.setitem(ENVIRONMENTS, "story", StoryEnvironment)
-    monkeypatch.setitem(datasets.REGISTRY, "stories", make_story_rows)
     src = os.path.join(shared_data, "models", "stories260K")
     model = convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"), tmp_path / "hf")
     cfg = load_config("grpo", CONFIG, [
