@@ -22,7 +22,7 @@ pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${POSTTRAIN_TORCH:-torch==2.13.0}"
-  "${pip[@]}" install "${POSTTRAIN_TORCH:-torch==2.13.0}"
+  "${pip[@]}" install "${POSTTRAIN_TORCH:-torch==2.13.0}" numpy 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
 echo "torch==${torch_version}" > .venv/torch-constraint.txt
