@@ -89,3 +89,46 @@ def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
     for p in (pid, pid2):
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
+
+
+def test_joins_a_running_ray_cluster_by_address():
+    """`RAY_ADDRESS` makes RayVirtualCluster join a running cluster instead of starting one."""
+    import shutil
+    import subprocess
+    import tempfile
+    import textwrap
+
+    # A short temp dir: Ray's unix socket paths must stay under ~107 characters.
+    ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys, ray
+            ray.init(num_cpus=3, include_dashboard=False)
+            print(ray.get_runtime_context().gcs_address, flush=True)
+            sys.stdin.read()  # hold the cluster until the test closes stdin
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the head process did not start Ray"
+        joined = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent("""
+                import ray
+                from posttrain.distributed.cluster import RayVirtualCluster
+                from posttrain.schemas import ClusterConfig
+                cluster = RayVirtualCluster(ClusterConfig(cpus_per_worker=2))
+                print(ray.get_runtime_context().gcs_address, ray.cluster_resources()["CPU"])
+                cluster.shutdown()
+            """)],
+            capture_output=True, text=True, timeout=120, env={**env, "RAY_ADDRESS": address},
+        )
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        gcs, cpus = joined.stdout.split()[-2:]
+        assert gcs == address and float(cpus) == 3.0  # the head's cluster, not a new local one
+    finally:
+        head.stdin.close()
+        head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
