@@ -83,7 +83,7 @@ def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session,
     assert result["train/num_microbatches"] <= cfg.policy.train_global_batch_size / 2
 
 
-def test_checkpoint_and_resume(ray_session, tiny_model_path, tmp_path):
+def test_checkpoint_and_resume(ray_session, shared_data, tmp_path):  # trains on the shared alpaca demo rows
     overrides = ["checkpointing.enabled=true", "checkpointing.save_period=2", "sft.val_period=0",
                  "sft.val_at_start=false", "policy.max_total_sequence_length=256"]
     first = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
