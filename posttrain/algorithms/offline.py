@@ -20,7 +20,9 @@ import torch
 from posttrain.checkpoint import CheckpointManager, restore_rng_state
 from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
+from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
+from posttrain.data.processors import load_tokenizer
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
@@ -161,6 +163,56 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
                 f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
                 f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
             )
+
+
+@dataclass
+class OfflineSetup:
+    """What the loop of an offline algorithm works with (the same for SFT, DPO and RM)."""
+
+    cfg: Any
+    run: OfflineRun
+    tokenizer: Any
+    loader: RowLoader  # yields lists of tokenized examples (of (chosen, rejected) pairs for DPO/RM)
+    val_batches: list[BatchedDataDict]
+    loss_fn: Any
+    start_step: int
+    total_steps: int
+
+
+def offline_setup(
+    cfg: Any,
+    algorithm: str,
+    algo: Any,
+    process_rows: Callable,
+    collate_fn: Callable,
+    loss_fn: Any,
+    policy_cfg: PolicyConfig,
+    **policy_kwargs: Any,
+) -> OfflineSetup:
+    """Data first (a bad file fails before any worker starts), then logger, workers, resume.
+
+    `algo`: the algorithm's config section; `process_rows(rows, tokenizer, data_cfg, max_len)`
+    tokenizes and counts; `collate_fn(examples, pad_id)` makes a batch; `policy_kwargs` go to
+    `start_run` (model_kind, init_reference).
+    """
+    torch.manual_seed(algo.seed)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    max_len = max_sequence_length(cfg)
+    train, train_stats = process_rows(load_rows(cfg.data, "train"), tokenizer, cfg.data, max_len)
+    val, val_stats = process_rows(load_rows(cfg.data, "val"), tokenizer, cfg.data, max_len)
+    val_batches = [collate_fn(c, tokenizer.pad_token_id) for c in chunks(val, algo.val_global_batch_size)]
+    loader = RowLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=algo.seed,
+                       max_epochs=algo.max_num_epochs)
+    run, latest = start_run(cfg, algorithm, policy_cfg, **policy_kwargs)
+    log_data_stats(run.logger, {"train": train_stats, "val": val_stats})
+    try:
+        start_step = resume(run, latest, loader)
+    except BaseException:
+        run.shutdown()
+        raise
+    return OfflineSetup(cfg=cfg, run=run, tokenizer=tokenizer, loader=loader, val_batches=val_batches[: algo.val_batches],
+                        loss_fn=loss_fn, start_step=start_step,
+                        total_steps=total_steps(algo.max_num_steps, algo.max_num_epochs, loader))
 
 
 def offline_train(
