@@ -34,22 +34,6 @@ class EnvironmentActor:
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
         return self.env.step(message_logs, metadata)
 
-    def _await_restart(self, i: int, timeout_s: float = 120.0) -> None:
-        """Block until Ray has restarted actor `i` (calls to a restarting actor fail instead of waiting)."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, GetTimeoutError
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ray.get(self._actors[i].ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
-                self._restarting.discard(i)
-                return
-            except (ActorUnavailableError, GetTimeoutError) as e:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(f"environment {self.name!r} actor {i} did not restart within {timeout_s:g} s") from e
-                time.sleep(0.2)
-
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         return self.env.global_post_process_and_metrics(batch)
 
