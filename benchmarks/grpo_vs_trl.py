@@ -31,10 +31,14 @@ Matched settings (GRPO, both sides): group-mean baseline (posttrain
 `grpo.use_leave_one_out_baseline=false`, as TRL has no leave-one-out) and per-group std
 normalisation; token-level loss averaged over all valid tokens of the batch (posttrain
 `loss_fn.token_level_loss=true`, TRL `loss_type="dapo"`); ratio clipped to
-[1 - eps_low, 1 + eps_high]; no KL (beta 0, no reference model); one optimizer step per
-batch (TRL: `per_device_train_batch_size` = 128 completions, no gradient accumulation,
-`num_iterations=1`); AdamW with the same lr/betas/weight decay, constant LR, grad-norm clip;
-temperature 1, top-p 1, no top-k; float32. Reward: exact match of the stripped completion
+[1 - eps_low, 1 + eps_high]; no KL (beta 0, no reference model); the same rows per optimizer
+step (speed part: one step per batch; accuracy part: the quickstart's
+`policy.train_global_batch_size`; TRL `per_device_train_batch_size` = those rows,
+`steps_per_generation` = rollouts / rows, no gradient accumulation, `num_iterations=1`; with
+several steps per batch both sides compute the pre-update log-probs in an extra pass); AdamW
+with the same lr/betas/weight decay, constant LR, grad-norm clip; temperature 1, top-p 1, no
+top-k; the same precision (`--precision`, float32 by default; the accuracy part takes the
+quickstart's; TRL `bf16=True` for bfloat16). Reward: exact match of the stripped completion
 against the row's answer (posttrain's arithmetic environment; TRL: a reward function doing
 the same). Prompts: posttrain's arithmetic rows rendered by the tokenizer's chat template
 (identical token ids on both sides; checked at TRL start-up).
@@ -88,6 +92,11 @@ class Settings:
     data: dict[str, Any]
     seed: int
     threads: int
+    # Rows per optimizer step (posttrain policy.train_global_batch_size, TRL
+    # per_device_train_batch_size with steps_per_generation = rollouts / this); null: all rollouts.
+    train_batch: int | None = None
+    # float32, or bfloat16 (posttrain policy.precision; TRL bf16=True autocast, both the defaults).
+    precision: str = "float32"
     # posttrain-only extras from the quickstart (its own tuning: placement, batch splits)
     posttrain_config: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -96,7 +105,7 @@ class Settings:
 # ----------------------------------------------------------------------------- settings
 
 
-def speed_settings(quick: bool, steps: int) -> Settings:
+def speed_settings(quick: bool, steps: int, precision: str) -> Settings:
     from posttrain.embedded import resolve_model_path
     from posttrain.schemas import DataConfig
 
@@ -109,7 +118,7 @@ def speed_settings(quick: bool, steps: int) -> Settings:
         max_total_sequence_length=128,
         lr=1e-5, betas=[0.9, 0.999], weight_decay=0.0, max_grad_norm=1.0,
         clip_low=0.2, clip_high=0.2, temperature=1.0, val_period=0,
-        num_val=200, seed=42, threads=2,
+        num_val=200, seed=42, threads=2, precision=precision,
         data=DataConfig(dataset_name="arithmetic", num_digits=2, operations=["+"], num_train=20000, num_val=200,
                         seed=42).model_dump(mode="json"),
     )
@@ -148,8 +157,8 @@ def accuracy_settings(quick: bool, steps: int | None) -> tuple[Settings, Any]:
         clip_low=cfg.loss_fn.ratio_clip_min, clip_high=cfg.loss_fn.ratio_clip_max,
         temperature=p.generation.temperature, val_period=2 if quick else g.val_period,
         num_val=min(d.num_val, g.max_val_samples), data=d.model_dump(mode="json"), seed=g.seed,
-        threads=max(1, int(cfg.cluster.cpus_per_worker)),
-        posttrain_config=str(QUICKSTART), notes=notes,
+        threads=max(1, int(cfg.cluster.cpus_per_worker)), train_batch=p.train_global_batch_size,
+        precision=p.precision, posttrain_config=str(QUICKSTART), notes=notes,
     )
     return s, cfg
 
@@ -183,11 +192,11 @@ def posttrain_command(s: Settings, log_dir: Path) -> list[str]:
         "loss_fn.ratio_clip_min": s.clip_low,
         "loss_fn.ratio_clip_max": s.clip_high,
         "loss_fn.token_level_loss": "true",
-        "policy.train_global_batch_size": s.num_prompts * s.num_generations,
-        "policy.train_micro_batch_size": s.num_prompts * s.num_generations,
+        "policy.train_global_batch_size": s.train_batch or s.num_prompts * s.num_generations,
+        "policy.train_micro_batch_size": s.train_batch or s.num_prompts * s.num_generations,
         "policy.logprob_batch_size": s.num_prompts * s.num_generations,
         "policy.max_total_sequence_length": s.max_total_sequence_length,
-        "policy.precision": "float32",
+        "policy.precision": s.precision,
         "policy.max_grad_norm": s.max_grad_norm,
         "policy.optimizer.name": "torch.optim.AdamW",
         "policy.optimizer.kwargs": json.dumps({"lr": s.lr, "weight_decay": s.weight_decay, "betas": s.betas}),
@@ -201,15 +210,12 @@ def posttrain_command(s: Settings, log_dir: Path) -> list[str]:
         "cluster.workers_per_node": 1,
         "cluster.cpus_per_worker": s.threads,
         "checkpointing.enabled": "false",
+        "checkpointing.checkpoint_must_save_by": "null",  # the same step count on both sides, whatever the time
         "logger.log_dir": str(log_dir),
         "logger.tensorboard_enabled": "false",
         "logger.num_val_samples_to_print": 0,
     }
-    from posttrain.schemas import GRPOConfig
-
     ov.update({f"data.{k}": "null" if v is None else json.dumps(v) for k, v in s.data.items()})
-    if "max_wall_time_s" in GRPOConfig.model_fields:
-        ov["grpo.max_wall_time_s"] = "null"  # the same step count on both sides, whatever the time
     cmd = [str(Path(sys.executable).with_name("posttrain")), "grpo"]
     if s.posttrain_config:
         cmd += ["--config", s.posttrain_config]
@@ -292,8 +298,13 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
         model.train(was_training)
         return sum(exact_match(t, r["answer"]) for t, r in zip(texts, val_rows)) / len(val_rows)
 
+    n = s.num_prompts * s.num_generations
+    per_step = s.train_batch or n
+    k = n // per_step  # TRL counts optimizer steps; a GRPO step (one batch of rollouts) is k of them
+
     class Timing(TrainerCallback):
-        """Per-step wall time between step ends, with this callback's evaluation time taken out."""
+        """Per-GRPO-step wall time between the ends of every k-th optimizer step, with this
+        callback's evaluation time taken out."""
 
         def __init__(self) -> None:
             self.last = 0.0
@@ -311,19 +322,22 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
             self.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step % k:
+                return
+            step = state.global_step // k
             now = time.perf_counter()
-            log.write(json.dumps({"kind": "train", "step": state.global_step, "train_time_s": now - self.last}) + "\n")
-            if s.val_period and state.global_step % s.val_period == 0:
-                self._eval(state.global_step, model)
+            log.write(json.dumps({"kind": "train", "step": step, "train_time_s": now - self.last}) + "\n")
+            if s.val_period and step % s.val_period == 0:
+                self._eval(step, model)
             self.last = time.perf_counter()
 
-    n = s.num_prompts * s.num_generations
     gen_kwargs = {"min_new_tokens": s.max_new_tokens} if s.ignore_eos else None
     args = GRPOConfig(
         output_dir=str(out_dir / "trl_out"),
-        max_steps=s.steps,
-        per_device_train_batch_size=n,
+        max_steps=s.steps * k,
+        per_device_train_batch_size=per_step,
         gradient_accumulation_steps=1,
+        steps_per_generation=k,  # optimizer steps per batch of rollouts
         num_generations=s.num_generations,
         num_iterations=1,
         max_completion_length=s.max_new_tokens,
@@ -333,7 +347,7 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
         optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=s.max_grad_norm,
         beta=0.0, epsilon=s.clip_low, epsilon_high=s.clip_high,
         loss_type="dapo", scale_rewards="group",
-        use_cpu=True, bf16=False, fp16=False, seed=s.seed, data_seed=s.seed,
+        use_cpu=True, bf16=s.precision == "bfloat16", fp16=False, seed=s.seed, data_seed=s.seed,
         report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, log_completions=False,
     )
@@ -505,9 +519,9 @@ def versions() -> str:
 def settings_table(s: dict[str, Any]) -> list[str]:
     keys = ["model_path", "steps", "num_prompts", "num_generations", "max_new_tokens", "ignore_eos",
             "max_total_sequence_length", "lr", "betas", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
-            "temperature", "val_period", "num_val", "seed", "threads"]
+            "temperature", "val_period", "num_val", "seed", "threads", "train_batch", "precision"]
     data = {k: v for k, v in s["data"].items() if k in ("dataset_name", "num_digits", "operations", "num_train",
-                                                         "seed", "add_bos", "zero_pad")}
+                                                         "seed", "add_bos", "zero_pad", "demo_carry_error_rate")}
     return ["| setting | value |", "|---|---|"] + [f"| {k} | `{s[k]}` |" for k in keys] + [f"| data | `{data}` |"]
 
 
@@ -613,6 +627,8 @@ def main() -> None:
     ap.add_argument("--speed-steps", type=int, default=5, help="GRPO steps per side in the speed part (first excluded)")
     ap.add_argument("--accuracy-steps", type=int, default=None,
                     help="GRPO steps of the accuracy part (default: the quickstart's grpo.max_num_steps)")
+    ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                    help="speed part: both sides' compute dtype (the accuracy part takes the quickstart's)")
     ap.add_argument("--work-dir", default="/tmp/grpo_vs_trl", help="run folders and logs")
     ap.add_argument("--results-dir", default=None,
                     help=f"markdown and PNG (default: {RESULTS.relative_to(REPO)}; with --quick: <work-dir>/results)")
@@ -623,7 +639,8 @@ def main() -> None:
     print(f"load average at start: {load_average()}", flush=True)
     results: dict[str, Any] = {}
     if args.part in ("speed", "all"):
-        results["speed"] = run_pair(speed_settings(args.quick, args.speed_steps), work / "speed")
+        results["speed"] = run_pair(speed_settings(args.quick, args.speed_steps, args.precision),
+                                     work / "speed")
         print(f"speed: posttrain {median_step(results['speed']['posttrain']):.2f} s/step, "
               f"TRL {median_step(results['speed']['trl']):.2f} s/step", flush=True)
     if args.part in ("accuracy", "all"):

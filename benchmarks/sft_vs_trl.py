@@ -27,6 +27,8 @@ TEMPLATE = (
 
 
 def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, packing: bool, work: Path) -> float:
+    import torch
+
     from posttrain.algorithms import sft
     from posttrain.config import load_config
 
@@ -35,7 +37,9 @@ def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, pac
             f"policy.sequence_packing.logprob_mb_tokens={max_len * 4}"]
     cfg = load_config("sft", None, [
         f"policy.model_name={model}", "data.dataset_name=alpaca", f"policy.max_total_sequence_length={max_len}",
-        f"policy.train_global_batch_size={batch}", f"policy.train_micro_batch_size={min(batch, 4)}",
+        f"policy.train_global_batch_size={batch}", f"policy.train_micro_batch_size={batch}",
+        # TRL runs in this process with torch's default threads (one per core): the worker gets as many.
+        f"cluster.cpus_per_worker={torch.get_num_threads()}",
         f"sft.max_num_steps={steps}", "sft.max_num_epochs=100", "sft.val_period=0", "sft.val_at_start=false",
         "checkpointing.enabled=false", f"logger.log_dir={work}/posttrain-{packing}", "logger.console_enabled=false",
         "logger.plots_enabled=false", "policy.optimizer.kwargs={lr: 1.0e-4}", *pack,

@@ -410,6 +410,10 @@ def _format_errors(
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
             # A cross-field check of a whole section: its message already names the keys.
             msg = f"{key or '<root>'}: " + first["msg"].removeprefix("Value error, ")
+        elif first["type"] == "value_error":
+            # A check of one key (a field validator): its message says what is wrong with the value.
+            text = first["msg"].removeprefix("Value error, ")
+            msg = text if text.startswith(f"{key}=") else f"{key}: {text}"
         else:
             # A union reports one error per member: say all that would have been accepted.
             expected = " or ".join(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in errs))

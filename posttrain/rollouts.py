@@ -6,6 +6,10 @@ batch, the environments score them (grouped by each row's `task_name`), and the
 observations of conversations that go on are appended as chat messages, tokenized with the
 tokenizer's chat template. Loss masks cover generated tokens only; a conversation that
 reaches `max_seq_len` stops and is counted as truncated.
+
+Prompts follow the rules of training rows (`posttrain.data.processors`): BOS by
+`data.add_bos` (`with_bos`), the chat template's generation prompt by
+`data.add_generation_prompt` (`render_chat`), so a model is prompted as it was trained.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import with_bos
+from posttrain.data.processors import render_chat, with_bos
 
 
 class _EnvGroup(Protocol):
@@ -51,16 +55,22 @@ class RolloutResult:
     metrics: dict[str, float]
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]], add_bos: bool = True) -> list[int]:
-    """Token ids of `messages` rendered by the chat template, ending in the generation prompt,
-    with BOS in front when `add_bos` (`data.add_bos`) by the same rule as training rows."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def render_prompt(
+    tokenizer, messages: list[dict[str, str]], add_bos: bool = True, *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of `messages` rendered by the chat template as a generation prompt: ending in
+    the template's generation prompt when `add_generation_prompt` (`data.add_generation_prompt`),
+    with BOS in front when `add_bos` (`data.add_bos`), by the same rules as training rows."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return with_bos(ids, tokenizer) if add_bos else ids
 
 
-def _observation_tokens(tokenizer, before: list[dict[str, str]], observation: dict[str, str]) -> list[int]:
-    """Tokens the chat template adds for `observation` plus the next generation prompt.
+def _observation_tokens(
+    tokenizer, before: list[dict[str, str]], observation: dict[str, str], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Tokens the chat template adds for `observation`, plus the next generation prompt when
+    `add_generation_prompt` (`data.add_generation_prompt`).
 
     Rendered as the difference between the template over the conversation with and without
     the observation, so templates that inject text between turns stay exact. Chat templates
@@ -68,19 +78,21 @@ def _observation_tokens(tokenizer, before: list[dict[str, str]], observation: di
     """
     role = observation.get("role", "user")
     message = {"role": "user" if role == "environment" else role, "content": observation["content"]}
-    prev = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(before + [message], tokenize=False, add_generation_prompt=True)
-    delta = full[len(prev):] if full.startswith(prev) else tokenizer.apply_chat_template(
-        [message], tokenize=False, add_generation_prompt=True
+    prev = render_chat(tokenizer, before, add_generation_prompt=False)
+    full = render_chat(tokenizer, before + [message], add_generation_prompt=add_generation_prompt)
+    delta = full[len(prev):] if full.startswith(prev) else render_chat(
+        tokenizer, [message], add_generation_prompt=add_generation_prompt
     )
     return tokenizer(delta, add_special_tokens=False)["input_ids"]
 
 
-def start_conversations(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True) -> list[Conversation]:
+def start_conversations(
+    tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True, *, add_generation_prompt: bool = True
+) -> list[Conversation]:
     convs = []
     for row in rows:
         messages = [dict(m) for m in row["messages"]]
-        tokens = render_prompt(tokenizer, messages, add_bos)
+        tokens = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt)
         metadata = dict(row.get("metadata") or {})
         if "answer" in row:
             metadata.setdefault("answer", row["answer"])
@@ -117,6 +129,7 @@ def run_rollouts(
     max_seq_len: int,
     greedy: bool = False,
     add_bos: bool = True,
+    add_generation_prompt: bool = True,
 ) -> RolloutResult:
     """Roll out every row to termination (or `max_turns` / `max_seq_len`) and score it.
 
@@ -124,12 +137,13 @@ def run_rollouts(
     to environment groups. Returns the training-ready batch (right padded with the pad id):
     `input_ids [B, S]`, `input_lengths [B]`, `token_mask [B, S]` (1 on generated tokens),
     `generation_logprobs [B, S]`, `rewards [B]`, `truncated [B]`, `response_lengths [B]`.
-    `add_bos` must be what the model was trained with (`data.add_bos`).
+    `add_bos` and `add_generation_prompt` must be what the model was trained with
+    (`data.add_bos`, `data.add_generation_prompt`).
     """
     missing = sorted({r.get("task_name", "math") for r in rows} - set(envs))
     if missing:
         raise ValueError(f"rows name task(s) {missing} but only environments {sorted(envs)} are configured (env section)")
-    convs = start_conversations(tokenizer, rows, add_bos)
+    convs = start_conversations(tokenizer, rows, add_bos, add_generation_prompt=add_generation_prompt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generated_tokens = 0
     for turn in range(max_turns):
@@ -169,7 +183,8 @@ def run_rollouts(
                 if bool(ret.terminateds[k]) or last_turn or c.truncated:
                     c.done = True
                     continue
-                obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k])
+                obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k],
+                                                 add_generation_prompt=add_generation_prompt)
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue

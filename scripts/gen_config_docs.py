@@ -3,15 +3,20 @@
     python scripts/gen_config_docs.py          # rewrite docs/config.md
     python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is out of date
 
-Every key's type and default come from the pydantic models; its meaning from the comment
-written beside it or on the lines just above it in schemas.py (the one home of defaults),
-so the reference cannot drift from the code: tests/unit/test_config.py runs `--check`.
+Every key's type and default come from the pydantic models; its meaning from its own comment
+in schemas.py (the one home of defaults): the comment lines directly above the field and/or
+the comment at the end of its line. A comment documents only the field right below it, never
+a run of fields. A section with no comment of its own falls back to its class docstring.
+Every key must have a description: the script fails, naming the keys without one, and
+tests/unit/test_config.py runs `--check` and `missing_descriptions()`, so the reference
+cannot drift from the code.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import json
 import sys
@@ -60,8 +65,12 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
 """
 
 
+@functools.cache
 def _field_comments(model: type[BaseModel]) -> dict[str, str]:
-    """`{field: comment}` from the comment on the field's line or the comment lines just above it."""
+    """`{field: comment}`: the comment lines directly above each field and its trailing comment.
+
+    A field without either gets no entry: a comment above one field never documents the next.
+    """
     out: dict[str, str] = {}
     for cls in reversed(model.__mro__):  # inherited fields keep their comments
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls.__module__ != schemas.__name__:
@@ -70,7 +79,6 @@ def _field_comments(model: type[BaseModel]) -> dict[str, str]:
         src_lines = source.splitlines()
         cls_node = ast.parse(source).body[0]
         assert isinstance(cls_node, ast.ClassDef)
-        group_comment, prev_end = "", -1
         for node in cls_node.body:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
@@ -81,15 +89,24 @@ def _field_comments(model: type[BaseModel]) -> dict[str, str]:
                 i -= 1
             end = src_lines[(node.end_lineno or node.lineno) - 1]
             trailing = end.split("  # ", 1)[1].strip() if "  # " in end else ""
-            if above:
-                group_comment = " ".join(above)
-            elif node.lineno - 1 != prev_end:
-                group_comment = ""
-            # A comment above a run of fields (no blank line between them) documents each of them.
             own = " ".join(above + ([trailing] if trailing else []))
-            out[node.target.id] = own or group_comment
-            prev_end = node.end_lineno or node.lineno
+            if own:
+                out[node.target.id] = own
     return out
+
+
+def _section_doc(sub: type[BaseModel] | None) -> str:
+    """The first paragraph of a section class's docstring ("" for none or the base's)."""
+    if sub is None or not sub.__doc__ or sub.__doc__ == schemas.Section.__doc__:
+        return ""
+    return inspect.cleandoc(sub.__doc__).split("\n\n")[0].replace("\n", " ")
+
+
+def _description(model: type[BaseModel], name: str) -> str:
+    """A key's meaning: its own comment, else (a section) its class docstring, else Field(description=)."""
+    field = model.model_fields[name]
+    return (_field_comments(model).get(name, "") or _section_doc(_submodel(field.annotation))
+            or (field.description or ""))
 
 
 def _type_text(field: Any) -> str:
@@ -123,33 +140,26 @@ def _default_text(field: Any) -> str:
     return "`" + json.dumps(value) + "`"
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[str]:
-    rows: list[str] = []
-    comments = _field_comments(model)
+def _entries(model: type[BaseModel], prefix: str) -> list[tuple[str, Any, str]]:
+    """`(dotted key, field, description)` of every key of `model`, nested sections after their own row."""
+    out: list[tuple[str, Any, str]] = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub = _submodel(field.annotation)
-        meaning = comments.get(name, "") or (field.description or "")
-        if sub is not None and sub.__doc__ and sub.__doc__ != schemas.Section.__doc__:
-            meaning = inspect.cleandoc(sub.__doc__).split("\n\n")[0].replace("\n", " ")
-        meaning = meaning.replace("<", "&lt;").replace(">", "&gt;")  # `<log_dir>` is not an HTML tag
-        cells = [f"`{key}`", f"`{_type_text(field)}`", _default_text(field), meaning]
-        # GitHub tables split cells at every unescaped `|`, even inside code spans.
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        out.append((key, field, _description(model, name)))
         if sub is not None:
             is_list = "list[" in _annotation_text(field.annotation)
-            rows += _rows(sub, f"{key}[]." if is_list else f"{key}.")
+            out += _entries(sub, f"{key}[]." if is_list else f"{key}.")
             if sub in NAMED_ENTRIES:
                 entry_name, entry_model = NAMED_ENTRIES[sub]
-                rows += _rows(entry_model, f"{key}.{entry_name}.")
-    return rows
+                out += _entries(entry_model, f"{key}.{entry_name}.")
+    return out
 
 
-def render() -> str:
-    parts = [INTRO, "## Sections of each algorithm\n", "| command | sections |", "|---|---|"]
-    for algo, master in MASTER_CONFIGS.items():
-        parts.append(f"| `posttrain {algo}` | {', '.join(f'`{s}`' for s in master.model_fields)} |")
-    parts.append("")
+def _sections() -> list[tuple[str, Any, str, list[tuple[str, Any, str]] | str | None]]:
+    """Each top-level key once: `(name, field, description, body)`; body is the section's
+    entries, the name of the earlier section with the same keys, or None (a plain key)."""
+    out: list[tuple[str, Any, str, list[tuple[str, Any, str]] | str | None]] = []
     seen: set[str] = set()
     first_section_of: dict[type[BaseModel], str] = {}
     for master in MASTER_CONFIGS.values():
@@ -157,27 +167,68 @@ def render() -> str:
             if name in seen:
                 continue
             seen.add(name)
-            parts.append(f"## `{name}`\n")
             sub = _submodel(field.annotation)
+            meaning = _description(master, name)
             if sub is None:
-                comment = _field_comments(master).get(name, "")
-                parts.append(f"`{_type_text(field)}`, default {_default_text(field)}. {comment}\n")
-                continue
-            if sub in first_section_of:
-                parts.append(f"Same keys as [`{first_section_of[sub]}`](#{first_section_of[sub]}), under `{name}.`.\n")
-                continue
-            first_section_of[sub] = name
-            parts += ["| key | type | default | meaning |", "|---|---|---|---|"]
-            if sub in NAMED_ENTRIES:
-                entry_name, entry_model = NAMED_ENTRIES[sub]
-                parts[-2:-2] = [
-                    f"Entries named by the user (`{name}.{entry_name}`), each with the keys below; "
-                    "a dataset row's `task_name` picks its entry.\n"
-                ]
-                parts += _rows(entry_model, f"{name}.{entry_name}.")
+                out.append((name, field, meaning, None))
+            elif sub in first_section_of:
+                out.append((name, field, meaning, first_section_of[sub]))
             else:
-                parts += _rows(sub, f"{name}.")
-            parts.append("")
+                first_section_of[sub] = name
+                if sub in NAMED_ENTRIES:
+                    entry_name, entry_model = NAMED_ENTRIES[sub]
+                    out.append((name, field, meaning, _entries(entry_model, f"{name}.{entry_name}.")))
+                else:
+                    out.append((name, field, meaning, _entries(sub, f"{name}.")))
+    return out
+
+
+def descriptions() -> dict[str, str]:
+    """`{dotted key: description}` of every key docs/config.md documents (sections included)."""
+    out: dict[str, str] = {}
+    for name, _, meaning, body in _sections():
+        out[name] = meaning
+        if isinstance(body, list):
+            out.update({key: text for key, _, text in body})
+    return out
+
+
+def missing_descriptions() -> list[str]:
+    """The documented keys without a description (no comment in schemas.py), in document order."""
+    return [key for key, text in descriptions().items() if not text.strip()]
+
+
+def _md(text: str) -> str:
+    return text.replace("<", "&lt;").replace(">", "&gt;")  # `<log_dir>` is not an HTML tag
+
+
+def _row(key: str, field: Any, meaning: str) -> str:
+    cells = [f"`{key}`", f"`{_type_text(field)}`", _default_text(field), _md(meaning)]
+    # GitHub tables split cells at every unescaped `|`, even inside code spans.
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def render() -> str:
+    parts = [INTRO, "## Sections of each algorithm\n", "| command | sections |", "|---|---|"]
+    for algo, master in MASTER_CONFIGS.items():
+        parts.append(f"| `posttrain {algo}` | {', '.join(f'`{s}`' for s in master.model_fields)} |")
+    parts.append("")
+    for name, field, meaning, body in _sections():
+        parts.append(f"## `{name}`\n")
+        if body is None:
+            parts.append(f"`{_type_text(field)}`, default {_default_text(field)}. {_md(meaning)}\n")
+            continue
+        parts.append(f"{_md(meaning)}\n")
+        if isinstance(body, str):
+            parts.append(f"Same keys as [`{body}`](#{body}), under `{name}.`.\n")
+            continue
+        sub = _submodel(field.annotation)
+        if sub in NAMED_ENTRIES:
+            parts.append(f"Entries named by the user (`{name}.{NAMED_ENTRIES[sub][0]}`), each with the keys "
+                         "below; a dataset row's `task_name` picks its entry.\n")
+        parts += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        parts += [_row(key, f, text) for key, f, text in body]
+        parts.append("")
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -186,12 +237,16 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if docs/config.md is out of date")
     parser.add_argument("--missing", action="store_true", help="list the keys whose schema has no comment")
     args = parser.parse_args()
-    text = render()
+    missing = missing_descriptions()
     if args.missing:
-        for line in text.splitlines():
-            if line.startswith("| `") and line.endswith("|  |") and "(section)" not in line:
-                print(line.split("`")[1])
+        for key in missing:
+            print(key)
         return 0
+    if missing:
+        print(f"{len(missing)} config keys have no description; write a comment on or just above each "
+              "field in posttrain/schemas.py:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 1
+    text = render()
     if args.check:
         if not OUT.is_file() or OUT.read_text() != text:
             print(f"{OUT} is out of date: run python scripts/gen_config_docs.py", file=sys.stderr)

@@ -101,7 +101,8 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
     if cfg.policy.generation.overlong_prompt == "truncate":
         return
     limit = cfg.policy.max_total_sequence_length
-    lengths = [len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos)) for row in rows]
+    lengths = [len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
+                                 add_generation_prompt=cfg.data.add_generation_prompt)) for row in rows]
     overlong = [i for i, n in enumerate(lengths) if n >= limit]
     if overlong:
         i = overlong[0]
@@ -184,7 +185,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         out = run_rollouts(
             s.generation, [row for _, _, row in chunk], s.envs, s.tokenizer,
             max_turns=cfg.eval.max_rollout_turns, max_seq_len=cfg.policy.max_total_sequence_length,
-            greedy=s.greedy, add_bos=cfg.data.add_bos,
+            greedy=s.greedy, add_bos=cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt,
         )
         generated_tokens += out.metrics["generated_tokens"]
         records += [_sample_record(p, j, row, conv) for (p, j, row), conv in zip(chunk, out.conversations)]

@@ -73,7 +73,8 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
     for i, row in enumerate(rows):
-        n = len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos))
+        n = len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
+                              add_generation_prompt=cfg.data.add_generation_prompt))
         if n <= limit:
             kept.append(row)
         elif cfg.data.truncation == "drop":
@@ -147,6 +148,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
         logger.console(f"resumed from {latest} (step {start_step})")
     elif g.warmup_sft_steps:
         _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
+    if generation is not policy and (latest is not None or g.warmup_sft_steps):
+        # Separate generation workers loaded the weights on disk; the first rollout must use
+        # the resumed or warmed-up ones.
+        generation.update_weights(policy.full_state_dict_ref(), version=start_step)
     return GRPOSetup(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, clusters=clusters, policy=policy, generation=generation,
         envs=envs, loader=loader, val_rows=val_rows[: g.max_val_samples], loss_fn=ClippedPGLoss(cfg.loss_fn),
@@ -163,13 +168,16 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
     started = time.monotonic()
     logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
-        sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r["answer"])}]}
+        sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r.get("demonstration", r["answer"]))}]}
                     for r in next(loader)]
         batch = tokenize_sft_rows(sft_rows, tokenizer, cfg.policy.max_total_sequence_length, cfg.data)
         metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr)
         if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
             logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
         logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})
+    # RL starts with fresh Adam moments, as it would from an SFT checkpoint: the warm-up's are
+    # scaled for dense imitation gradients and make a useful RL rate unstable.
+    policy.reset_optimizer()
     logger.console(f"warm-up SFT: {cfg.grpo.warmup_sft_steps} steps in {time.monotonic() - started:.0f} s, "
                    f"final loss {metrics['loss']:.3f}")
 
@@ -184,7 +192,8 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     for i in range(0, len(rows), g.val_batch_size):
         out = run_rollouts(s.generation, rows[i : i + g.val_batch_size], s.envs, s.tokenizer,
                            max_turns=g.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
-                           greedy=g.val_greedy, add_bos=s.cfg.data.add_bos)
+                           greedy=g.val_greedy, add_bos=s.cfg.data.add_bos,
+                           add_generation_prompt=s.cfg.data.add_generation_prompt)
         rewards.append(out.batch["rewards"])
         convs += out.conversations
     s.policy.finish_generation()
@@ -249,7 +258,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                 refit = policy.prepare_for_generation() if s.generation is policy else {}
                 rollout = run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
                                        max_seq_len=cfg.policy.max_total_sequence_length,
-                                       add_bos=cfg.data.add_bos)
+                                       add_bos=cfg.data.add_bos,
+                                       add_generation_prompt=cfg.data.add_generation_prompt)
                 policy.finish_generation()
             for k, v in {**rollout.metrics, **refit}.items():
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
@@ -274,8 +284,12 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
 
         # ---- logprobs before the update (the PPO ratio's denominator) and under the reference
         with timer.time("logprobs"):
-            with timer.time("prev"):
-                batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
+            # With one optimizer step per batch the pre-update policy is the one the training
+            # forward runs, so the loss takes prev = its own logprobs detached (the same loss and
+            # gradient up to rounding) and this forward pass over the whole batch is skipped.
+            if batch.size > gbs:
+                with timer.time("prev"):
+                    batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
             if cfg.loss_fn.reference_policy_kl_penalty > 0:
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]

@@ -226,7 +226,7 @@ def offline_train(
     """The training loop of SFT, DPO and RM, phase by phase.
 
     `s`: the algorithm's setup (cfg, run, loader, loss_fn, start_step, total_steps); `algo`:
-    its config section (val_period, val_at_start); `make_batch(rows)`: the training batch;
+    its config section (val_period, val_at_start, val_at_end); `make_batch(rows)`: the training batch;
     `prepare(batch)`: optional extra inputs computed before the update (DPO's reference
     logprobs), timed as "reference_logprobs"; `show`: the metric shown beside the progress bar.
     """
@@ -253,7 +253,7 @@ def offline_train(
         step += 1
         check_finite(step, train_metrics["loss"])
         # ---- validation
-        if algo.val_period and (step % algo.val_period == 0 or step == s.total_steps):
+        if (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps):
             with timer.time("validation"):
                 val_metrics = validate()
             logger.log_metrics(val_metrics, step=step, prefix="val")

@@ -3,7 +3,9 @@
 
 `run(cfg)` = `setup(cfg)` + `rm_train(setup)`. Batch sizes count pairs, as in DPO. The
 score of a sequence is the head's output at its last token; metrics are the pairwise
-accuracy and the mean chosen/rejected rewards. A trained RM (exported with
+accuracy and the mean chosen/rejected rewards. `policy.reward_model_cfg.enabled` is true
+here (the schema sets it, and rejects false), and `policy.reward_model_cfg.reward_model_type`
+picks the model kind and the loss from `REWARD_MODEL_TYPES`. A trained RM (exported with
 `checkpointing.export_hf_at_end`) scores GRPO rollouts through the `reward_model`
 environment (`posttrain.environments.reward_model`).
 """
@@ -23,12 +25,27 @@ from posttrain.data.processors import (
     process_preference_rows,
 )
 from posttrain.losses import BradleyTerryLoss
-from posttrain.schemas import RMMasterConfig
+from posttrain.schemas import PolicyConfig, RMMasterConfig
+
+# What each `policy.reward_model_cfg.reward_model_type` trains: the policy's model kind
+# (`Policy(model_kind=...)`) and the pairwise loss. Keys are the schema's Literal values.
+REWARD_MODEL_TYPES: dict[str, tuple[str, type]] = {
+    "bradley_terry": ("sequence_classification", BradleyTerryLoss),
+}
+
+
+def reward_model_kind(policy: PolicyConfig) -> tuple[str, type]:
+    """(model kind, loss class) of the reward model `policy.reward_model_cfg` describes."""
+    rm_cfg = policy.reward_model_cfg
+    if not rm_cfg.enabled:
+        raise ValueError("posttrain rm needs policy.reward_model_cfg.enabled=true (the policy is the reward model)")
+    return REWARD_MODEL_TYPES[rm_cfg.reward_model_type]
 
 
 def setup(cfg: RMMasterConfig) -> OfflineSetup:
-    return offline_setup(cfg, "rm", cfg.rm, process_preference_rows, collate_pairs, BradleyTerryLoss(),
-                         pair_policy_config(cfg.policy), model_kind="sequence_classification")
+    model_kind, loss_class = reward_model_kind(cfg.policy)
+    return offline_setup(cfg, "rm", cfg.rm, process_preference_rows, collate_pairs, loss_class(),
+                         pair_policy_config(cfg.policy), model_kind=model_kind)
 
 
 def validate(s: OfflineSetup) -> dict[str, float]:

@@ -3,7 +3,8 @@ global valid-token count (`posttrain.losses.NLLLoss`).
 
 `run(cfg)` = `setup(cfg)` + `sft_train(setup)`. Sequence packing and dynamic batching are the
 policy's (`policy.sequence_packing`, `policy.dynamic_batching`). Validation loss (mean NLL per
-assistant token of the held-out rows) every `sft.val_period` steps and after the last step.
+assistant token of the held-out rows) every `sft.val_period` steps and after the last step
+(`sft.val_at_end`).
 """
 
 from __future__ import annotations

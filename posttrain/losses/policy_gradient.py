@@ -43,7 +43,7 @@ from posttrain.losses.kl import calculate_kl
 from posttrain.losses.utils import masked_max, masked_mean, masked_min
 from posttrain.schemas import ClippedPGLossConfig
 
-_REQUIRED = ("prev_logprobs", "generation_logprobs", "advantages", "token_mask", "sample_mask")
+_REQUIRED = ("generation_logprobs", "advantages", "token_mask", "sample_mask")
 
 
 class ClippedPGLoss:
@@ -53,9 +53,11 @@ class ClippedPGLoss:
 
     Args of `__call__`:
         curr_logprobs: `[B, S]` log pi_theta(token_t | tokens_<t) at position t (position 0 unused), with grad.
-        batch: "prev_logprobs", "generation_logprobs", "advantages", "token_mask" (all `[B, S]`),
-            "sample_mask" `[B]`, and "reference_logprobs" `[B, S]` (needed when the KL penalty
-            is on; when present it is also used for the `kl_penalty` metric).
+        batch: "generation_logprobs", "advantages", "token_mask" (all `[B, S]`), "sample_mask" `[B]`;
+            "prev_logprobs" `[B, S]` (the policy before this update; absent means the batch is
+            trained in a single optimizer step, where it equals `curr_logprobs` detached); and
+            "reference_logprobs" `[B, S]` (needed when the KL penalty is on; when present it is
+            also used for the `kl_penalty` metric).
         global_valid_toks: number of valid tokens (token_mask[:, 1:] * sample_mask) in the global batch.
         global_valid_seqs: number of valid sequences (sample_mask) in the global batch.
 
@@ -93,7 +95,7 @@ class ClippedPGLoss:
 
         curr = field(curr_logprobs)
         adv = field(batch["advantages"])
-        prev = field(batch["prev_logprobs"])
+        prev = field(batch["prev_logprobs"]) if "prev_logprobs" in batch else curr.detach()
         gen = field(batch["generation_logprobs"])
         toks = torch.as_tensor(global_valid_toks, dtype=torch.float32, device=dev)
         seqs = torch.as_tensor(global_valid_seqs, dtype=torch.float32, device=dev)

@@ -254,6 +254,10 @@ class FSDPPolicyWorker:
         out["num_optimizer_steps"] = len(steps)
         return out
 
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's moments and step counts (the parameters stay)."""
+        self.optimizer.state.clear()
+
     def _train_step(self, batch: BatchedDataDict, loss_fn: Callable, lr_override: float | None) -> dict[str, float]:
         t0 = time.perf_counter()
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1

@@ -113,6 +113,11 @@ class Policy:
         refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs)
         return self.workers.get(refs)[0]
 
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh: a new training stage (RL after SFT) should not inherit the
+        previous objective's Adam moments, which are scaled for different gradients."""
+        self.workers.get(self.workers.run_all("reset_optimizer"))
+
     def get_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:
         """`logprobs [B, S]`: position t = log p(token_t | <t) under the current policy; 0 at t=0 and padding."""
         self._check_batch(batch, "get_logprobs")

@@ -71,7 +71,7 @@ def _seq_logprobs(model, batch):
 def test_step0_loss_matches_independent_computation(ray_session, stories260k, shared_data, tmp_path):
     beta, w_pref, w_sft = 0.1, 0.7, 0.3
     cfg = _cfg(tmp_path, stories260k, shared_data, "dpo.max_num_steps=1", "dpo.val_at_start=false",
-               "dpo.val_period=0", "dpo.preference_average_log_probs=true", f"dpo.preference_loss_weight={w_pref}",
+               "dpo.val_period=0", "dpo.val_at_end=false", "dpo.preference_average_log_probs=true", f"dpo.preference_loss_weight={w_pref}",
                f"dpo.sft_loss_weight={w_sft}")
     s = dpo.setup(cfg)
     try:

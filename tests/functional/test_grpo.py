@@ -140,3 +140,31 @@ def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     for r in _records(tmp_path / "logs", "train"):
         assert r["token_mult_prob_error"] < 1.01
         assert math.isfinite(r["loss"])
+
+
+def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_session, tmp_path):
+    # Separate generation workers load the weights from disk; after the warm-up SFT they must be
+    # refit before the first rollout, or step 1 samples from the untrained model.
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "policy.generation.colocated.enabled=false", "grpo.warmup_sft_steps=10",
+        "grpo.warmup_sft_lr=5e-2", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "checkpointing.enabled=false",
+    ))
+    run(cfg)
+    (first,) = _records(tmp_path / "logs", "train")
+    assert first["token_mult_prob_error"] < 1.01
+    assert first["gen_kl_error"] < 1e-4
+
+
+def test_one_optimizer_step_per_batch_skips_the_prev_logprob_pass(ray_session, tmp_path):
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "policy.train_global_batch_size=16", "grpo.warmup_sft_steps=0", "grpo.max_num_steps=2",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+    ))
+    run(cfg)
+    for r in _records(tmp_path / "logs", "train"):
+        assert r["num_optimizer_steps"] == 1
+        assert "timing/logprobs/prev" not in r
+        # prev = the training forward's own logprobs: the ratio is exactly 1 and nothing clips.
+        assert r["probs_ratio_min"] == r["probs_ratio_max"] == 1.0 and r["clip_fraction"] == 0.0
+        assert r["token_mult_prob_error"] < 1.01 and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])

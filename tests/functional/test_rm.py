@@ -27,6 +27,21 @@ def _write(path, rows):
     return str(path)
 
 
+def test_reward_model_type_picks_model_kind_and_loss():
+    from typing import get_args
+
+    from posttrain.losses import BradleyTerryLoss
+    from posttrain.schemas import RewardModelCfg
+
+    # Every type the schema accepts has an implementation, and `posttrain rm` reads the keys.
+    assert set(rm.REWARD_MODEL_TYPES) == set(get_args(RewardModelCfg.model_fields["reward_model_type"].annotation))
+    cfg = load_config("rm", None, ["policy.reward_model_cfg.reward_model_type=bradley_terry"])
+    assert rm.reward_model_kind(cfg.policy) == ("sequence_classification", BradleyTerryLoss)
+    # A policy config that is not a reward model's (e.g. built by hand) is refused.
+    with pytest.raises(ValueError, match="policy.reward_model_cfg.enabled=true"):
+        rm.reward_model_kind(load_config("sft").policy)
+
+
 @pytest.mark.slow
 def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_path):
     train = _write(tmp_path / "train.jsonl", _pairs(4800, seed=0))

@@ -66,7 +66,7 @@ def test_sft_stories260k_lowers_heldout_loss(ray_session, stories260k, tmp_path)
 
 def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session, stories260k, tmp_path):
     cfg = _cfg(tmp_path, stories260k, "sft.max_num_steps=1", "sft.val_at_start=false", "sft.val_period=0",
-               "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=512",
+               "sft.val_at_end=false", "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=512",
                "policy.sequence_packing.logprob_mb_tokens=512")
     s = sft.setup(cfg)
     try:
@@ -85,7 +85,7 @@ def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session,
 
 def test_checkpoint_and_resume(ray_session, shared_data, tmp_path):  # trains on the shared alpaca demo rows
     overrides = ["checkpointing.enabled=true", "checkpointing.save_period=2", "sft.val_period=0",
-                 "sft.val_at_start=false", "policy.max_total_sequence_length=256"]
+                 "sft.val_at_start=false", "sft.val_at_end=false", "policy.max_total_sequence_length=256"]
     first = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
     assert first["step"] == 2 and (tmp_path / "ckpt" / "step_2" / "COMPLETE").is_file()
     second = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=3", *overrides))
@@ -95,3 +95,16 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path):  # trains on
     assert steps == [1, 2, 3]  # the second run started at step 3, not 1
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["index"] == 3 * 8
+
+
+@pytest.mark.parametrize("val_at_end", [True, False])
+def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_path, val_at_end):
+    # val_period=0: no periodic validation; sft.val_at_end alone decides whether the run ends
+    # with one (as grpo.val_at_end does for GRPO).
+    cfg = _cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=1", "sft.val_period=0", "sft.val_at_start=false",
+               f"sft.val_at_end={str(val_at_end).lower()}", "sft.val_batches=1", "sft.val_global_batch_size=8")
+    result = sft.run(cfg)
+    val_steps = [r["step"] for r in map(json.loads, open(tmp_path / "logs" / "metrics.jsonl")) if r["prefix"] == "val"]
+    assert result["step"] == 1
+    assert val_steps == ([1] if val_at_end else [])
+    assert ("val/loss" in result) is val_at_end

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from posttrain.data.arithmetic import make_arithmetic_rows, reference_completion
+from posttrain.data.arithmetic import carry_free_sum, make_arithmetic_rows
 
 
 def _prompts(rows):
@@ -21,7 +21,7 @@ def test_row_format_and_answers_are_correct():
         assert m, row
         a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
         assert int(row["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op]
-        assert reference_completion(row) == row["answer"]
+        assert "demonstration" not in row  # only with demo_carry_error_rate
     assert any(r["answer"].startswith("-") for r in train)  # negative results occur
     assert {r["messages"][0]["content"][-1] for r in train} == {"="}
     assert {re.search(r"[+\-*]", p[1:]).group(0) for p in _prompts(train)} == {"+", "-", "*"}
@@ -79,3 +79,28 @@ def test_zero_pad_gives_fixed_width_prompts_and_answers():
     plain, _ = make_arithmetic_rows(2, ["+"], 20, 5, seed=4)
     padded, _ = make_arithmetic_rows(2, ["+"], 20, 5, seed=4, zero_pad=True)
     assert [int(r["answer"]) for r in plain] == [int(r["answer"]) for r in padded]
+
+
+def test_carry_free_sum():
+    assert carry_free_sum(7, 38) == 35
+    assert carry_free_sum(96, 23) == 19
+    assert carry_free_sum(99, 99) == 88
+    assert carry_free_sum(12, 34) == 46  # no carry: the true sum
+    assert carry_free_sum(0, 0) == 0
+
+
+def test_sloppy_teacher_demonstrations():
+    clean, clean_val = make_arithmetic_rows(2, ["+", "-"], 4000, 100, seed=3, zero_pad=True)
+    train, val = make_arithmetic_rows(2, ["+", "-"], 4000, 100, seed=3, zero_pad=True, demo_carry_error_rate=0.6)
+    # The problems, answers and validation rows do not depend on the rate.
+    assert [r["answer"] for r in train] == [r["answer"] for r in clean] and val == clean_val
+    assert not any("demonstration" in r for r in val)
+    wrong = [r for r in train if "demonstration" in r]
+    with_carry = [r for r in train if r["metadata"]["operation"] == "+"
+                  and carry_free_sum(*r["metadata"]["operands"]) != sum(r["metadata"]["operands"])]
+    # Only "+" rows with a carry, about 60% of them, get the carry-free answer at the answer's width.
+    assert all(r["metadata"]["operation"] == "+" for r in wrong)
+    assert 0.55 < len(wrong) / len(with_carry) < 0.65
+    for r in wrong:
+        a, b = r["metadata"]["operands"]
+        assert r["demonstration"] == f"{carry_free_sum(a, b):03d}" != r["answer"]

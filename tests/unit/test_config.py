@@ -210,6 +210,22 @@ def test_union_and_cross_field_errors():
     assert "policy: policy.train_global_batch_size (6) must be a multiple of policy.train_micro_batch_size (4)" in msg
 
 
+def test_vllm_python_is_checked_at_load(tmp_path):
+    notexec = _write(tmp_path / "notexec", "")
+    for bad, why in ((tmp_path / "nope", "does not exist"), (tmp_path, "not a file"), (notexec, "not executable")):
+        with pytest.raises(ConfigError) as e:
+            load_config("grpo", None, [f"policy.generation.vllm_cfg.python={bad}"])
+        assert f"policy.generation.vllm_cfg.python='{bad}': {why}" in str(e.value)
+    # The vllm venv hosts separate generation workers only: colocated generation runs in the policy workers.
+    vllm = ["policy.generation.backend=vllm", f"policy.generation.vllm_cfg.python={sys.executable}"]
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, vllm)
+    assert f"policy.generation.vllm_cfg.python='{sys.executable}' runs separate generation workers" in str(e.value)
+    assert "set policy.generation.colocated.enabled=false" in str(e.value)
+    cfg = load_config("grpo", None, vllm + ["policy.generation.colocated.enabled=false"])
+    assert cfg.policy.generation.vllm_cfg.python == sys.executable
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
         load_config("grpo", "/nowhere.yaml")
@@ -288,3 +304,70 @@ def test_exponent_floats_without_dot_are_floats(tmp_path):
     cfg = load_config("grpo", path, ["++policy.optimizer.kwargs.lr=1e-3"])
     assert cfg.policy.optimizer.kwargs == {"lr": 1e-3, "eps": 1e8, "weight_decay": 0}
     assert isinstance(load_config("grpo", path).policy.optimizer.kwargs["lr"], float)
+
+
+def test_every_config_key_has_its_own_description():
+    # Each key's meaning in docs/config.md is its own comment in posttrain/schemas.py (a comment
+    # never documents the fields after it), so a field added without one must fail here.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    described = gen.descriptions()
+    assert "policy.max_grad_norm" in described and "env.<name>.timeout_s" in described
+    missing = gen.missing_descriptions()
+    assert not missing, (
+        f"{len(missing)} config keys have no description; write a comment on or just above each field "
+        "in posttrain/schemas.py: " + ", ".join(missing)
+    )
+    # The comment above one field is not the description of the next (the old group rule).
+    assert len({described[k] for k in ("grpo.use_dynamic_sampling", "grpo.dynamic_sampling_max_gen_batches",
+                                        "grpo.batch_multiplier", "grpo.seed")}) == 4
+
+
+# --------------------------------------------------------------------------- cross-key checks
+
+
+def test_reward_model_cfg_enabled_follows_the_command():
+    # Unset, the command decides: only `posttrain rm` trains a reward model.
+    for algo in ("grpo", "sft", "dpo", "eval"):
+        assert load_config(algo).policy.reward_model_cfg.enabled is False
+    assert load_config("rm").policy.reward_model_cfg.enabled is True
+    assert load_config("rm", None, ["policy.reward_model_cfg.enabled=null"]).policy.reward_model_cfg.enabled is True
+    assert load_config("sft", None, ["policy.reward_model_cfg.enabled=null"]).policy.reward_model_cfg.enabled is False
+    # An explicit value the command contradicts fails, naming the key.
+    with pytest.raises(ConfigError) as e:
+        load_config("rm", None, ["policy.reward_model_cfg.enabled=false"])
+    assert "policy.reward_model_cfg.enabled=false, but `posttrain rm` trains a reward model" in str(e.value)
+    for algo in ("grpo", "sft", "dpo"):
+        with pytest.raises(ConfigError) as e:
+            load_config(algo, None, ["policy.reward_model_cfg.enabled=true"])
+        assert f"policy.reward_model_cfg.enabled=true, but `posttrain {algo}` trains a causal LM" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("rm", None, ["policy.reward_model_cfg.reward_model_type=regression"])
+    assert "policy.reward_model_cfg.reward_model_type: got 'regression', expected 'bradley_terry'" in str(e.value)
+
+
+def test_greedy_validation_with_several_samples_per_prompt_is_rejected():
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["grpo.num_val_generations_per_prompt=4"])  # val_greedy defaults to true
+    msg = str(e.value)
+    assert "grpo.val_greedy=true with grpo.num_val_generations_per_prompt=4" in msg
+    assert "set grpo.val_greedy=false" in msg
+    cfg = load_config("grpo", None, ["grpo.num_val_generations_per_prompt=4", "grpo.val_greedy=false"])
+    assert cfg.grpo.num_val_generations_per_prompt == 4
+    assert load_config("grpo", None, ["grpo.val_greedy=true"]).grpo.num_val_generations_per_prompt == 1
+
+
+def test_add_generation_prompt_defaults_true():
+    for algo in ("grpo", "sft", "dpo", "rm", "eval"):
+        assert load_config(algo).data.add_generation_prompt is True
+    for algo in ("sft", "grpo"):
+        assert load_config(algo, None, ["data.add_generation_prompt=false"]).data.add_generation_prompt is False
+
+
+def test_offline_algorithms_have_val_at_end():
+    for algo in ("sft", "dpo", "rm"):
+        assert getattr(load_config(algo), algo).val_at_end is True
+        assert getattr(load_config(algo, None, [f"{algo}.val_at_end=false"]), algo).val_at_end is False

@@ -339,3 +339,29 @@ def test_non_finite_padding_does_not_leak():
     assert torch.isfinite(curr.grad).all() and (curr.grad[pad] == 0).all()
     for k, v in metrics.items():
         assert v == pytest.approx(clean_metrics[k], rel=1e-6), k
+
+
+@pytest.mark.parametrize("cfg", [{}, {"reference_policy_kl_penalty": 0.05, "use_importance_sampling_correction": True},
+                                 {"token_level_loss": False, "sequence_level_importance_ratios": True}])
+def test_missing_prev_logprobs_means_on_policy(cfg):
+    """Without prev_logprobs (one optimizer step per batch) the loss, gradient and metrics are
+    those of prev = the current logprobs: ratio 1, no clipping."""
+    curr, batch = _random_batch()
+    toks, seqs = valid_counts(batch)
+    loss_fn = ClippedPGLoss(cfg)
+    results = []
+    for with_prev in (True, False):
+        b = dict(batch)
+        if with_prev:
+            b["prev_logprobs"] = curr.clone()
+        else:
+            del b["prev_logprobs"]
+        x = curr.clone().requires_grad_()
+        loss, metrics = loss_fn(x, b, toks, seqs)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics))
+    (l1, g1, m1), (l2, g2, m2) = results
+    assert torch.equal(l1, l2) and torch.equal(g1, g2)
+    assert m1 == m2
+    assert m2["probs_ratio"] == pytest.approx(1.0) and m2["clip_fraction"] == 0.0
+    assert g2.abs().sum() > 0

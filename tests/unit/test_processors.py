@@ -69,6 +69,22 @@ def test_assistant_only_mask_embedded_template(tok):
     assert no_bos["input_ids"] == ex["input_ids"][1:]
 
 
+def test_add_generation_prompt_false_trains_the_assistant_header(tok):
+    # data.add_generation_prompt=false (NeMo RL's SFT meaning): the prompt ends without the
+    # template's generation prompt, so the <|assistant|> header is trained with the turn.
+    rows = [{"messages": CONVO}]
+    (on,), _ = process_sft_rows(rows, tok, DataConfig(), max_len=100)
+    (off,), _ = process_sft_rows(rows, tok, DataConfig(add_generation_prompt=False), max_len=100)
+    assert on["input_ids"] == off["input_ids"]  # the same tokens, another loss mask
+    assert _loss_text(tok, on) == "2<|end|>4<|end|>"
+    assert _loss_text(tok, off) == "<|assistant|>2<|end|><|assistant|>4<|end|>"
+    # Preference rows follow the same key (only the responses' turns train).
+    pair = [{"prompt_messages": CONVO[:2], "chosen": [{"role": "assistant", "content": "2"}],
+             "rejected": [{"role": "assistant", "content": "3"}]}]
+    ((chosen, rejected),), _ = process_preference_rows(pair, tok, DataConfig(add_generation_prompt=False), 100)
+    assert (_loss_text(tok, chosen), _loss_text(tok, rejected)) == ("<|assistant|>2<|end|>", "<|assistant|>3<|end|>")
+
+
 def test_chat_template_override_and_eos(gpt2, shared_data):
     cfg = DataConfig(dataset_name="squad")
     examples, stats = process_sft_rows(load_rows(cfg, "train"), gpt2, cfg, max_len=1024)

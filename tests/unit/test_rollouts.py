@@ -4,7 +4,7 @@ import pytest
 
 from posttrain.data.processors import tokenize_messages
 from posttrain.embedded import build_tokenizer
-from posttrain.rollouts import _observation_tokens, render_prompt
+from posttrain.rollouts import _observation_tokens, render_prompt, run_rollouts
 
 
 @pytest.fixture(scope="module")
@@ -12,15 +12,21 @@ def tok():
     return build_tokenizer()
 
 
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("add_bos", [True, False])
-def test_generation_prompt_is_the_prefix_of_the_training_row(tok, add_bos):
+def test_generation_prompt_is_the_prefix_of_the_training_row(tok, add_bos, add_generation_prompt):
     prompt = [{"role": "user", "content": "07+38="}]
-    row = tokenize_messages(prompt + [{"role": "assistant", "content": "045"}], tok, add_bos=add_bos, add_eos=True)
-    ids = render_prompt(tok, prompt, add_bos)
+    row = tokenize_messages(prompt + [{"role": "assistant", "content": "045"}], tok, add_bos=add_bos, add_eos=True,
+                            add_generation_prompt=add_generation_prompt)
+    ids = render_prompt(tok, prompt, add_bos, add_generation_prompt=add_generation_prompt)
     # The model is asked exactly what it was trained on; the loss starts right after it.
     assert row["input_ids"][: len(ids)] == ids
     assert row["loss_mask"][: len(ids)] == [0] * len(ids)
-    assert tok.decode(row["input_ids"][len(ids):]) == "045<|end|>"
+    assert row["loss_mask"][len(ids):] == [1] * (len(row["input_ids"]) - len(ids))
+    # data.add_generation_prompt: the prompt ends with the <|assistant|> header, or the model writes it.
+    header = "<|assistant|>" if not add_generation_prompt else ""
+    assert tok.decode(row["input_ids"][len(ids):]) == header + "045<|end|>"
+    assert tok.decode(ids).endswith("<|assistant|>") is add_generation_prompt
     assert (ids[0] == tok.bos_token_id) is add_bos
 
 
@@ -29,3 +35,62 @@ def test_observation_tokens_continue_the_conversation(tok):
     obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"})
     # An environment message is shown as a user turn, followed by the next generation prompt.
     assert tok.decode(obs) == "<|user|>Board<|end|><|assistant|>"
+    # data.add_generation_prompt=false: without it (the model writes its header itself).
+    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, add_generation_prompt=False)
+    assert tok.decode(obs) == "<|user|>Board<|end|>"
+
+
+class _EchoGeneration:
+    """Generates "1" then <|end|> for every prompt, and records the prompts it was given."""
+
+    def __init__(self, tok):
+        self.tok, self.prompts = tok, []
+
+    def generate(self, batch, greedy=False):
+        import torch
+
+        from posttrain.data.batch import BatchedDataDict
+
+        new = self.tok.encode("1", add_special_tokens=False) + [self.tok.eos_token_id]
+        rows = []
+        for i in range(batch["input_ids"].shape[0]):
+            prompt = batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist()
+            self.prompts.append(prompt)
+            rows.append(prompt + new)
+        width = max(map(len, rows))
+        return BatchedDataDict(
+            output_ids=torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+            logprobs=torch.zeros(len(rows), width),
+            generation_lengths=torch.full((len(rows),), len(new)),
+            truncated=torch.zeros(len(rows), dtype=torch.bool),
+        )
+
+
+class _OneMoreTurnEnv:
+    """Asks once more after the first answer, then ends the conversation."""
+
+    def step(self, message_logs, metadata):
+        import torch
+
+        from posttrain.environments.interfaces import EnvironmentReturn
+
+        done = [sum(m["role"] == "assistant" for m in log) >= 2 for log in message_logs]
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": "again"} for _ in message_logs],
+            metadata=[{} for _ in message_logs], next_stop_strings=[None for _ in message_logs],
+            rewards=torch.zeros(len(message_logs)), terminateds=torch.tensor(done),
+            answers=[None for _ in message_logs],
+        )
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_run_rollouts_renders_every_prompt_by_add_generation_prompt(tok, add_generation_prompt):
+    gen = _EchoGeneration(tok)
+    rows = [{"messages": [{"role": "user", "content": "1+0="}], "task_name": "t"}]
+    run_rollouts(gen, rows, {"t": _OneMoreTurnEnv()}, tok, max_turns=2, max_seq_len=100,
+                 add_generation_prompt=add_generation_prompt)
+    first, second = (tok.decode(p) for p in gen.prompts)
+    header = "<|assistant|>" if add_generation_prompt else ""
+    # The first prompt and the one after the environment's observation follow the key alike.
+    assert first == f"<s><|user|>1+0=<|end|>{header}"
+    assert second == f"{first}1<|end|><|user|>again<|end|>{header}"
