@@ -74,11 +74,11 @@ class GenerationWorkerGroup:
                  max_total_sequence_length: int, precision: str = "float32", name_prefix: str = "generation"):
         from posttrain.embedded import resolve_model_path
 
-        self.python = cfg.vllm_cfg.python if backend == "vllm" else None
+        python = cfg.vllm_cfg.python if backend == "vllm" else None
         runtime_env = None
-        if self.python is not None:
-            check_python_executable(self.python, what="policy.generation.vllm_cfg.python")
-            runtime_env = {"py_executable": shlex.quote(self.python)}  # Ray runs it through bash
+        if python is not None:
+            check_python_executable(python, what="policy.generation.vllm_cfg.python")
+            runtime_env = {"py_executable": shlex.quote(python)}  # Ray runs it through bash
         self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path), cfg,
                                       max_total_sequence_length, precision, name_prefix=name_prefix,
                                       runtime_env=runtime_env)
