@@ -42,6 +42,17 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def stories260k(shared_data, tmp_path_factory):
+    """stories260K from the shared data, converted once per session by posttrain's llama2.c
+    converter into an HF folder (tests only read it)."""
+    from posttrain.convert.llama2c import convert
+
+    src = os.path.join(shared_data, "models", "stories260K")
+    return str(convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"),
+                       tmp_path_factory.mktemp("stories260K") / "hf"))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path():
     from posttrain.embedded import resolve_model_path
 

@@ -8,6 +8,7 @@
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,19 +19,9 @@ from posttrain.algorithms import dpo
 from posttrain.config import load_config
 from posttrain.data.processors import collate_pairs
 
-ALPACA_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n### Response:\n"
-    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
-)
-
-
-@pytest.fixture(scope="module")
-def stories260k(shared_data, tmp_path_factory):
-    from posttrain.convert.llama2c import convert
-
-    m = f"{shared_data}/models/stories260K"
-    return str(convert(f"{m}/stories260K.bin", f"{m}/tok512.model", tmp_path_factory.mktemp("stories260K") / "hf"))
+# The Alpaca-style plain-text template of the example config (stories260K has no chat template).
+SFT_ALPACA = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_alpaca.yaml"
+ALPACA_TEMPLATE = load_config("sft", SFT_ALPACA).policy.tokenizer.chat_template
 
 
 def _cfg(tmp_path, model, shared_data, *overrides):

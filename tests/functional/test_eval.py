@@ -15,15 +15,6 @@ from posttrain.evals import pass_at_k
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs" / "evals"
 
 
-@pytest.fixture(scope="module")
-def stories_hf(shared_data, tmp_path_factory):
-    from posttrain.convert.llama2c import convert
-
-    src = os.path.join(shared_data, "models", "stories260K")
-    return str(convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"),
-                       tmp_path_factory.mktemp("s260") / "hf"))
-
-
 def _read(save_dir: Path):
     results = json.loads((save_dir / "results.json").read_text())
     samples = [json.loads(line) for line in (save_dir / "samples.jsonl").read_text().splitlines()]
@@ -49,12 +40,12 @@ def _check_consistent(results, samples, num_prompts, n):
     assert results["generated_tokens"] == sum(s["response_tokens"] for s in samples) > 0
 
 
-def test_eval_gsm8k_20_problems_with_stories260k(ray_session, shared_data, stories_hf, tmp_path):
+def test_eval_gsm8k_20_problems_with_stories260k(ray_session, shared_data, stories260k, tmp_path):
     from posttrain.algorithms.eval import run
 
     save = tmp_path / "gsm8k"
     cfg = load_config("eval", CONFIGS / "gsm8k.yaml", [
-        f"policy.model_name={stories_hf}", "policy.generation.backend=torch", "policy.precision=float32",
+        f"policy.model_name={stories260k}", "policy.generation.backend=torch", "policy.precision=float32",
         "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=24",
         "policy.generation_batch_size=16", "cluster.gpus_per_node=0", "env.math.num_workers=1",
         "env.math.timeout_s=30",  # a loaded CI machine must not turn a slow check into an env error
@@ -74,7 +65,7 @@ def test_eval_gsm8k_20_problems_with_stories260k(ray_session, shared_data, stori
     assert "\\boxed{}" in samples[0]["prompt"][0]["content"]  # the prompt file was applied
     assert all(0 < s["response_tokens"] <= 24 for s in samples)
     assert results["accuracy"] <= 0.1  # a 260K-parameter story model does not solve GSM8K
-    assert results["config"]["policy"]["model_name"] == stories_hf
+    assert results["config"]["policy"]["model_name"] == stories260k
 
 
 def test_eval_arithmetic_config(ray_session, tmp_path):
@@ -99,7 +90,7 @@ def test_eval_rejects_k_above_n():
         load_config("eval", CONFIGS / "arithmetic.yaml", ["eval.k_value=5"])
 
 
-def test_eval_story_task_scores_above_zero(ray_session, stories_hf, tmp_path, monkeypatch):
+def test_eval_story_task_scores_above_zero(ray_session, stories260k, tmp_path, monkeypatch):
     """A task stories260K can do: its stories mention the prompt's animal (`story` env), so the
     scores are non-zero and pass@k grows with k."""
     from posttrain.algorithms.eval import run
@@ -111,7 +102,7 @@ def test_eval_story_task_scores_above_zero(ray_session, stories_hf, tmp_path, mo
     monkeypatch.setitem(datasets.REGISTRY, "stories", make_story_rows)
     save = tmp_path / "story"
     cfg = load_config("eval", None, [
-        f"policy.model_name={stories_hf}", "policy.device=cpu", "policy.max_total_sequence_length=128",
+        f"policy.model_name={stories260k}", "policy.device=cpu", "policy.max_total_sequence_length=128",
         "policy.generation.max_new_tokens=32", "policy.generation_batch_size=32", "data.dataset_name=stories",
         "data.num_val=8", "eval.num_tests_per_prompt=4", "eval.k_value=4", f"eval.save_path={save}",
         f"logger.log_dir={save}", "cluster.gpus_per_node=0",
@@ -124,11 +115,11 @@ def test_eval_story_task_scores_above_zero(ray_session, stories_hf, tmp_path, mo
     assert all(s["extracted_answer"].isdigit() for s in samples)  # the mention count
 
 
-def test_eval_rejects_overlong_prompts_at_setup(stories_hf, tmp_path):
+def test_eval_rejects_overlong_prompts_at_setup(stories260k, tmp_path):
     from posttrain.algorithms.eval import setup
 
     cfg = load_config("eval", CONFIGS / "gsm8k.yaml", [
-        f"policy.model_name={stories_hf}", "policy.generation.backend=torch", "policy.precision=float32",
+        f"policy.model_name={stories260k}", "policy.generation.backend=torch", "policy.precision=float32",
         "policy.max_total_sequence_length=64", "eval.max_samples=5", f"eval.save_path={tmp_path}",
         "cluster.gpus_per_node=0",
     ])
@@ -136,7 +127,7 @@ def test_eval_rejects_overlong_prompts_at_setup(stories_hf, tmp_path):
         setup(cfg)
 
 
-def test_eval_local_file_is_evaluated_whole(ray_session, stories_hf, tmp_path):
+def test_eval_local_file_is_evaluated_whole(ray_session, stories260k, tmp_path):
     """A file named by data.dataset_name: every row is scored (no validation split held out)."""
     from posttrain.algorithms.eval import run
 
@@ -145,7 +136,7 @@ def test_eval_local_file_is_evaluated_whole(ray_session, stories_hf, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     save = tmp_path / "out"
     run(load_config("eval", None, [
-        f"policy.model_name={stories_hf}", "policy.device=cpu", "policy.max_total_sequence_length=64",
+        f"policy.model_name={stories260k}", "policy.device=cpu", "policy.max_total_sequence_length=64",
         "policy.generation.max_new_tokens=8", f"data.dataset_name={path}", f"eval.save_path={save}",
         f"logger.log_dir={save}", "cluster.gpus_per_node=0",
     ]))

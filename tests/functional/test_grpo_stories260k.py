@@ -1,7 +1,6 @@
 """The stories260K GRPO demo (examples/configs/grpo_stories260k.yaml): the real entrypoint on
 the converted real model with the `story` reward; held-out reward rises within a few steps."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,15 +11,12 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_st
 
 
 @pytest.mark.slow
-def test_grpo_stories260k_reward_rises(ray_session, shared_data, tmp_path):
+def test_grpo_stories260k_reward_rises(ray_session, stories260k, tmp_path):
     from posttrain.algorithms.grpo import run
-    from posttrain.convert.llama2c import convert
     from posttrain.logging.jsonl import read_metrics
 
-    src = os.path.join(shared_data, "models", "stories260K")
-    model = convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"), tmp_path / "hf")
     cfg = load_config("grpo", CONFIG, [
-        f"policy.model_name={model}", "grpo.max_num_steps=6", "grpo.val_period=6",
+        f"policy.model_name={stories260k}", "grpo.max_num_steps=6", "grpo.val_period=6",
         f"logger.log_dir={tmp_path / 'logs'}", "logger.num_val_samples_to_print=0", "checkpointing.enabled=false",
         "checkpointing.export_hf_at_end=false",
     ])
