@@ -90,9 +90,13 @@ def start_conversations(
     tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True, *, add_generation_prompt: bool = True
 ) -> list[Conversation]:
     convs = []
+    rendered: dict[str, list[int]] = {}  # a GRPO step holds each prompt n times: render it once
     for row in rows:
         messages = [dict(m) for m in row["messages"]]
-        tokens = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt)
+        key = repr(messages)
+        if key not in rendered:
+            rendered[key] = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt)
+        tokens = list(rendered[key])
         metadata = dict(row.get("metadata") or {})
         if "answer" in row:
             metadata.setdefault("answer", row["answer"])
@@ -112,10 +116,10 @@ def start_conversations(
 
 
 def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
-    width = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), width), value, dtype=dtype)
-    for i, s in enumerate(seqs):
-        out[i, : len(s)] = torch.tensor(s, dtype=dtype)
+    lengths = torch.tensor([len(s) for s in seqs])
+    out = torch.full((len(seqs), int(lengths.max())), value, dtype=dtype)
+    # One tensor from the concatenated rows, scattered under a mask: one conversion, not one per row.
+    out[torch.arange(out.shape[1]) < lengths[:, None]] = torch.tensor([x for s in seqs for x in s], dtype=dtype)
     return out
 
 

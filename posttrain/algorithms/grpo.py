@@ -239,6 +239,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         logger.log_metrics(val_metrics, step=0, prefix="val")
     logger.start_progress(g.max_num_steps, s.start_step)
     gbs = cfg.policy.train_global_batch_size
+    reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id
     step = s.start_step
     while step < g.max_num_steps:
@@ -287,9 +288,14 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             # With one optimizer step per batch the pre-update policy is the one the training
             # forward runs, so the loss takes prev = its own logprobs detached (the same loss and
             # gradient up to rounding) and this forward pass over the whole batch is skipped.
-            if batch.size > gbs:
+            # grpo.prev_logprobs_from_generation: None = not verified yet in this run.
+            if batch.size > gbs and reuse_generation_logprobs:
+                batch["prev_logprobs"] = batch["generation_logprobs"]
+            elif batch.size > gbs:
                 with timer.time("prev"):
                     batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
+                if reuse_generation_logprobs is None:
+                    reuse_generation_logprobs = _generation_logprobs_match(batch, logger)
             if cfg.loss_fn.reference_policy_kl_penalty > 0:
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
@@ -347,6 +353,19 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
 
     logger.plot()
     return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()}}
+
+
+def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, tolerance: float = 1.001) -> bool:
+    """Whether the rollouts' generation logprobs are the policy's own (grpo.prev_logprobs_from_generation):
+    mean exp(|generation - policy|) over the generated tokens within `tolerance`."""
+    mask = batch["token_mask"] * batch["sample_mask"][:, None] if "sample_mask" in batch else batch["token_mask"]
+    err = float((torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()) * mask).sum()
+                / mask.sum().clamp(min=1))
+    if err > tolerance:
+        logger.console(f"grpo.prev_logprobs_from_generation: the generation logprobs differ from the policy's "
+                       f"(mean exp|diff| = {err:.4f} > {tolerance}); recomputing prev_logprobs every step instead")
+        return False
+    return True
 
 
 def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:

@@ -190,3 +190,97 @@ def unpack_token_values(values: torch.Tensor, packed: PackedRows, seq_len: int) 
     for i, (r, s, n) in enumerate(zip(packed.row, packed.start, packed.length)):
         out[i, 1:n] = values[r, s + 1 : s + n]
     return out
+
+
+@dataclass
+class SharedPrefixRows:
+    """Sequences that start with the same prompt, packed as one prefix followed by their suffixes.
+
+    A GRPO group is n completions of one prompt. Packed as `[prompt, suffix_1, ..., suffix_n]`,
+    with every suffix attending to the prompt and to itself only and its positions continuing
+    after the prompt, each token sees exactly the context it has in its own row, so logits and
+    gradients are those of the unshared rows while the prompt is computed once per packed row
+    instead of n times (the idea of Prefix Grouper, Liu et al. 2025).
+    """
+
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    segments: torch.Tensor  # [R, L]: 0 = the shared prefix, k >= 1 = the k-th suffix, -1 = padding
+    row: torch.Tensor  # [b]: packed row of each source row
+    index: torch.Tensor  # [b, S]: packed position of each source token (0 past the row's length)
+
+    def attention_mask(self, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`[R, 1, L, L]`: True where query i may attend to key j (a float 0 / -inf-like mask with
+        `additive_dtype`, the form eager attention adds to its scores)."""
+        seg = self.segments
+        length = seg.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
+        same = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])
+        allowed = causal & same & (seg[:, :, None] >= 0) & (seg[:, None, :] >= 0)
+        # Padding queries see themselves: a row with no allowed key would turn into NaN, and a
+        # NaN value poisons later layers even where its attention weight is 0.
+        allowed |= torch.eye(length, dtype=torch.bool, device=seg.device)
+        allowed = allowed[:, None]
+        if additive_dtype is None:
+            return allowed
+        mask = torch.zeros(allowed.shape, dtype=additive_dtype, device=seg.device)
+        return mask.masked_fill_(~allowed, torch.finfo(additive_dtype).min)
+
+
+def share_prefixes(input_ids: torch.Tensor, input_lengths: torch.Tensor, prefix_lengths: torch.Tensor,
+                   pad_id: int, max_row_tokens: int, round_to: int = 1,
+                   score_cost: float = 0.0) -> SharedPrefixRows | None:
+    """Pack rows whose first `prefix_lengths[r]` tokens are identical as one prefix plus suffixes.
+
+    Rows are grouped by their exact prefix tokens; a group's suffixes fill packed rows of at
+    most `max_row_tokens` tokens (a new packed row repeats the prefix). Returns None when no
+    two rows share a prefix or when packing would not be cheaper (the caller then runs the
+    rows as they are). Cost = tokens + `score_cost` x attention scores: a packed row of length
+    L computes L^2 scores under its dense mask, a plain row n^2 / 2 with causal attention;
+    `score_cost` is one score's cost in units of one token through the rest of the model.
+    """
+    b, seq_len = input_ids.shape
+    lengths = [int(x) for x in input_lengths.tolist()]
+    prefixes = [min(int(p), n) for p, n in zip(prefix_lengths.tolist(), lengths)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(b):
+        groups.setdefault(tuple(input_ids[r, : prefixes[r]].tolist()), []).append(r)
+    if all(len(g) == 1 for g in groups.values()):
+        return None
+    packed: list[tuple[int, list[int]]] = []  # (prefix length, rows) per packed row
+    for rows in groups.values():
+        p = prefixes[rows[0]]
+        current, size = [], p
+        for r in rows:
+            suffix = lengths[r] - p
+            if current and size + suffix > max_row_tokens:
+                packed.append((p, current))
+                current, size = [], p
+            current.append(r)
+            size += suffix
+        packed.append((p, current))
+    width = _round_up(max(p + sum(lengths[r] - p for r in rows) for p, rows in packed), round_to)
+    plain = _round_up(max(lengths), round_to)
+    if len(packed) * width * (1 + score_cost * width) >= b * plain * (1 + score_cost * plain / 2):
+        return None
+    dev = input_ids.device
+    ids = torch.full((len(packed), width), pad_id, dtype=input_ids.dtype, device=dev)
+    pos = torch.zeros((len(packed), width), dtype=torch.long, device=dev)
+    seg = torch.full((len(packed), width), -1, dtype=torch.long, device=dev)
+    row = torch.zeros(b, dtype=torch.long)
+    index = torch.zeros((b, seq_len), dtype=torch.long)
+    for i, (p, rows) in enumerate(packed):
+        ids[i, :p] = input_ids[rows[0], :p]
+        pos[i, :p] = torch.arange(p)
+        seg[i, :p] = 0
+        offset = p
+        for k, r in enumerate(rows, start=1):
+            n = lengths[r] - p
+            ids[i, offset : offset + n] = input_ids[r, p : lengths[r]]
+            pos[i, offset : offset + n] = torch.arange(p, lengths[r])
+            seg[i, offset : offset + n] = k
+            row[r] = i
+            index[r, :p] = torch.arange(p)
+            index[r, p : lengths[r]] = torch.arange(offset, offset + n)
+            offset += n
+    return SharedPrefixRows(input_ids=ids, position_ids=pos, segments=seg, row=row.to(dev), index=index.to(dev))

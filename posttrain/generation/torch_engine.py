@@ -413,30 +413,48 @@ class TorchGeneration:
 
     def _refill(self, cache, prompts, reqs, slots, plen, max_new, stops, settings, req, active, seq_len, n_gen,
                 limit, last, has_stop_str, record):
-        """Prefill waiting prompts `reqs` into free `slots` and sample their first token."""
+        """Prefill waiting prompts `reqs` into free `slots` and sample their first token.
+
+        Identical prompts (the n samples of one GRPO prompt) are prefilled once: the other
+        slots get a copy of its KV cache and its next-token logits, then sample on their own."""
         dev = self.device
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(prompts[r].tolist()), j) for j, r in enumerate(reqs)]
+        unique = sorted(set(source))
+        logits_of: dict[int, torch.Tensor] = {}
         start = 0
-        while start < len(reqs):
+        while start < len(unique):
             # Grow the chunk while its padded size stays under the prefill budget.
             end, longest = start, 0
-            while end < len(reqs):
-                longest_next = max(longest, int(plen[reqs[end]]))
+            while end < len(unique):
+                longest_next = max(longest, int(plen[reqs[unique[end]]]))
                 if end > start and longest_next * (end - start + 1) > _PREFILL_CHUNK_TOKENS:
                     break
                 longest, end = longest_next, end + 1
-            rs, ss = reqs[start:end], torch.tensor(slots[start:end], dtype=torch.long, device=dev)
-            tokens = torch.full((len(rs), longest), self.pad_id, dtype=torch.long, device=dev)
-            for j, r in enumerate(rs):
-                tokens[j, : len(prompts[r])] = prompts[r].to(dev)
-            lens = plen[rs].to(dev)
-            logits = prefill(self.weights, cache, tokens, lens, ss)
-            tok, lp = sample(logits, settings, self.generator)
-            req[ss.cpu()] = torch.tensor(rs, dtype=torch.long)
-            active[ss] = True
-            seq_len[ss] = lens
-            n_gen[ss] = 0
-            limit[ss] = max_new[rs].to(dev)
-            last[ss] = tok
-            has_stop_str[ss] = torch.tensor([bool(stops[r]) for r in rs], device=dev)
-            record(tok, lp, ss)
+            js = unique[start:end]
+            tokens = torch.full((len(js), longest), self.pad_id, dtype=torch.long, device=dev)
+            for i, j in enumerate(js):
+                tokens[i, : len(prompts[reqs[j]])] = prompts[reqs[j]].to(dev)
+            ss = torch.tensor([slots[j] for j in js], dtype=torch.long, device=dev)
+            logits = prefill(self.weights, cache, tokens, plen[[reqs[j] for j in js]].to(dev), ss)
+            logits_of.update(zip(js, logits))
             start = end
+        copies = [j for j, src in enumerate(source) if src != j]
+        if copies:
+            dst = torch.tensor([slots[j] for j in copies], dtype=torch.long, device=dev)
+            src = torch.tensor([slots[source[j]] for j in copies], dtype=torch.long, device=dev)
+            width = int(plen[[reqs[j] for j in copies]].max())
+            for kc, vc in zip(cache.k, cache.v):
+                kc[dst, :, :width] = kc[src, :, :width]
+                vc[dst, :, :width] = vc[src, :, :width]
+        ss = torch.tensor(slots, dtype=torch.long, device=dev)
+        lens = plen[reqs].to(dev)
+        tok, lp = sample(torch.stack([logits_of[src] for src in source]), settings, self.generator)
+        req[ss.cpu()] = torch.tensor(reqs, dtype=torch.long)
+        active[ss] = True
+        seq_len[ss] = lens
+        n_gen[ss] = 0
+        limit[ss] = max_new[reqs].to(dev)
+        last[ss] = tok
+        has_stop_str[ss] = torch.tensor([bool(stops[r]) for r in reqs], device=dev)
+        record(tok, lp, ss)

@@ -81,6 +81,28 @@ def test_continuous_batching_equals_one_batch(model_tok):
     assert budget.generate(batch, greedy=True)["output_ids"].tolist() == full["output_ids"].tolist()
 
 
+def test_identical_prompts_are_prefilled_once(model_tok, monkeypatch):
+    """The n samples of a GRPO prompt: one prefill per distinct prompt, the KV cache copied to the
+    other slots; greedy rows equal the single prompt's, sampled rows are drawn independently."""
+    import posttrain.generation.torch_engine as te
+
+    model, tok = model_tok
+    prefilled = []
+    real_prefill = te.prefill
+    monkeypatch.setattr(te, "prefill", lambda w, cache, tokens, *a: prefilled.append(len(tokens))
+                        or real_prefill(w, cache, tokens, *a))
+    once = make_batch(tok)
+    single = engine("torch", model, tok, max_new_tokens=12).generate(once, greedy=True)
+    prefilled.clear()
+    repeated = engine("torch", model, tok, max_new_tokens=12).generate(make_batch(tok, repeat=3), greedy=True)
+    assert sum(prefilled) == once.size
+    assert repeated["output_ids"].tolist() == single["output_ids"].tolist() * 3
+    sampled = engine("torch", model, tok, max_new_tokens=12, temperature=1.0).generate(make_batch(tok, repeat=3))
+    n = once.size
+    rows = sampled["output_ids"].tolist()
+    assert any(rows[i] != rows[i + n] for i in range(n))
+
+
 def test_token_budget_smaller_than_a_sequence_fails(model_tok):
     model, tok = model_tok
     e = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_tokens_in_flight": 10})

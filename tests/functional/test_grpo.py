@@ -32,6 +32,9 @@ def _tiny(tmp_path, *extra):
         "policy.optimizer.kwargs.lr=1e-3",
         "logger.tensorboard_enabled=false",
         "logger.num_val_samples_to_print=0",
+        # Every step's token_mult_prob_error measured against a policy forward (the quickstart reuses
+        # the generation logprobs after step 1; tested on its own below).
+        "grpo.prev_logprobs_from_generation=false",
         f"logger.log_dir={tmp_path / 'logs'}",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         "checkpointing.save_period=2",
@@ -168,3 +171,28 @@ def test_one_optimizer_step_per_batch_skips_the_prev_logprob_pass(ray_session, t
         # prev = the training forward's own logprobs: the ratio is exactly 1 and nothing clips.
         assert r["probs_ratio_min"] == r["probs_ratio_max"] == 1.0 and r["clip_fraction"] == 0.0
         assert r["token_mult_prob_error"] < 1.01 and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+
+
+@pytest.mark.parametrize("sampling, reused", [("policy.generation.top_k=null", True),
+                                               ("policy.generation.top_k=5", False)])
+def test_prev_logprobs_from_generation_after_checking_they_match(ray_session, tmp_path, sampling, reused):
+    # Step 1 computes prev_logprobs and compares them with the generation logprobs; later steps reuse
+    # the generation logprobs only if they matched: yes for the fp32 engine sampling from the full
+    # distribution, no with top-k (the sampler's logprobs are renormalised over 5 tokens).
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.prev_logprobs_from_generation=true", "grpo.warmup_sft_steps=0", "grpo.max_num_steps=3",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+        "policy.precision=float32", sampling,
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    assert [r["num_optimizer_steps"] for r in train] == [2, 2, 2]
+    assert "timing/logprobs/prev" in train[0]
+    assert (train[0]["token_mult_prob_error"] < 1.001) == reused
+    for r in train[1:]:
+        assert ("timing/logprobs/prev" not in r) == reused
+        if reused:  # prev is the generation logprobs themselves
+            assert r["token_mult_prob_error"] == pytest.approx(1.0, abs=1e-6) and r["gen_kl_error"] == 0.0
+        else:
+            assert r["token_mult_prob_error"] > 1.001
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])

@@ -1,4 +1,4 @@
-"""Sequence packing and dynamic batching give the same logprobs and the same train step (with
+"""Sequence packing, dynamic batching and prefix sharing give the same logprobs and the same train step (with
 grad-norm clipping, CPU offload and activation checkpointing on the way) as a plain
 transformers model (fp32; logprobs 2e-5 absolute, loss/grad norm 1e-5 relative,
 parameters after one SGD step 2e-6 absolute)."""
@@ -29,6 +29,8 @@ MODES = {
                                      "sequence_length_round": 4},
                 "dtensor_cfg": {"activation_checkpointing": True},
                 "max_grad_norm": 0.5},  # below the first step's grad norm (~2.8): clipping applies
+    # policy.prefix_sharing is on by default; these rows share an 8-token prompt (shared_prefix_batch).
+    "shared_prefix": {"train_micro_batch_size": 4, "logprob_batch_size": 4},
 }
 
 
@@ -49,17 +51,28 @@ def policies(ray_session):
         cluster.shutdown()
 
 
+def shared_prefix_batch():
+    """Four rows (lengths 16, 12, 14, 10) with the same first 8 tokens and the loss after them."""
+    batch = make_batch(lengths=[16, 12, 14, 10])
+    batch["input_ids"][1:, :8] = batch["input_ids"][0, :8]
+    batch["token_mask"][:, :8] = 0
+    return batch
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path):
     policy = policies[mode]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    batch = make_batch()
+    batch = shared_prefix_batch() if mode == "shared_prefix" else make_batch()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
                                atol=2e-5, rtol=0)
     loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, policy.cfg.max_grad_norm)
     assert policy.cfg.max_grad_norm is None or policy.cfg.max_grad_norm < grad_norm
     m = policy.train(batch, NLLLoss())
-    assert m["num_microbatches"] > 1
+    if mode == "shared_prefix":  # one packed row: the prompt once, then the four continuations
+        assert m["model_tokens"] == 8 + 8 + 4 + 6 + 2 < m["num_tokens"] == 52
+    else:
+        assert m["num_microbatches"] > 1
     assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     state = ray.get(policy.full_state_dict_ref())
     for k, v in expected.items():

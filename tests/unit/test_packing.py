@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from posttrain.data.packing import (PACKING_ALGORITHMS, dynamic_microbatches, pack_bins, pack_rows,
-                                    packed_microbatches, unpack_token_values)
+                                    packed_microbatches, share_prefixes, unpack_token_values)
+from posttrain.embedded import build_model
+from posttrain.policy.fsdp_worker import logprobs_at, token_logprobs
 
 
 @pytest.mark.parametrize("algorithm", PACKING_ALGORITHMS)
@@ -68,3 +70,63 @@ def test_pack_and_unpack_roundtrip():
     assert out.tolist() == [[0, 1, 2, 0], [0, 4, 0, 0], [0, 9, 10, 11]]
     with pytest.raises(ValueError, match="do not cover"):
         pack_rows(ids, torch.tensor([3, 2, 4]), rows=[2], pad_id=0)
+
+
+def _grouped_rows():
+    # Rows 0, 1, 3 share the prompt [5, 6, 7]; row 2 has its own; lengths 5, 6, 4, 3.
+    ids = torch.tensor([[5, 6, 7, 10, 11, 0], [5, 6, 7, 12, 13, 14], [9, 6, 7, 15, 0, 0], [5, 6, 7, 0, 0, 0]])
+    return ids, torch.tensor([5, 6, 4, 3]), torch.tensor([3, 3, 3, 3])
+
+
+def test_share_prefixes_layout():
+    ids, lengths, prefix = _grouped_rows()
+    s = share_prefixes(ids, lengths, prefix, pad_id=0, max_row_tokens=100)
+    # Packed row 0: prompt, then the suffixes of rows 0, 1 and 3 (empty); packed row 1: row 2 as it is.
+    assert s.input_ids.tolist() == [[5, 6, 7, 10, 11, 12, 13, 14], [9, 6, 7, 15, 0, 0, 0, 0]]
+    assert s.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 3, 0, 0, 0, 0]]
+    assert s.segments.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 1, -1, -1, -1, -1]]
+    assert s.row.tolist() == [0, 0, 1, 0]
+    assert s.index[1].tolist() == [0, 1, 2, 5, 6, 7]
+    assert s.index[0, :5].tolist() == [0, 1, 2, 3, 4] and s.index[3, :3].tolist() == [0, 1, 2]
+    allowed = s.attention_mask()[0, 0]
+    assert allowed[6].tolist() == [True, True, True, False, False, True, True, False]  # row 1's 2nd token
+    assert allowed[4].tolist() == [True] * 5 + [False] * 3  # row 0's 2nd token: prompt + itself
+    assert s.attention_mask()[1, 0, 5].tolist() == [False] * 5 + [True, False, False]  # padding: itself only
+    additive = s.attention_mask(torch.float32)
+    assert additive[0, 0, 6, 3] == torch.finfo(torch.float32).min and additive[0, 0, 6, 5] == 0
+
+
+def test_share_prefixes_splits_long_groups_and_declines_when_it_does_not_pay():
+    ids, lengths, prefix = _grouped_rows()
+    s = share_prefixes(ids, lengths, prefix, pad_id=0, max_row_tokens=6)
+    # Suffixes of 2 and 3 tokens after a 3-token prompt exceed 6: row 1 starts a second packed row.
+    assert s.row.tolist() == [0, 1, 2, 1] and s.input_ids[1, :6].tolist() == [5, 6, 7, 12, 13, 14]
+    assert share_prefixes(ids[[0, 2]], lengths[[0, 2]], prefix[:2], 0, 100) is None  # nothing shared
+    # Attention dominating the cost: one 8-token row costs more than four plain rows of <= 6.
+    assert share_prefixes(ids, lengths, prefix, 0, 100, score_cost=10.0) is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prefix_logprobs_and_gradients_equal_the_plain_rows(attn):
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    model.config._attn_implementation = attn
+    b, seq = 10, 14
+    ids = torch.randint(8, 60, (b, seq))
+    ids[1:4, :6] = ids[0, :6]  # rows 0-3 share 6 tokens, rows 4-6 share 5, rows 7-9 are alone
+    ids[5:7, :5] = ids[4, :5]
+    lengths = torch.tensor([14, 9, 12, 7, 10, 13, 6, 14, 8, 11])
+    prefix = torch.tensor([6, 6, 6, 6, 5, 5, 5, 4, 4, 4])
+    s = share_prefixes(ids, lengths, prefix, pad_id=0, max_row_tokens=64)
+    assert s.input_ids.numel() < b * seq
+    mask = s.attention_mask(None if attn == "sdpa" else torch.float32)
+    shared = logprobs_at(model(input_ids=s.input_ids, position_ids=s.position_ids, attention_mask=mask).logits,
+                         s.row, s.index[:, :-1], ids[:, 1:], chunk_size=5)
+    plain = token_logprobs(model(input_ids=ids).logits, ids)[:, 1:]
+    valid = torch.arange(1, seq)[None] < lengths[:, None]
+    torch.testing.assert_close(shared * valid, plain * valid, atol=2e-6, rtol=0)
+    params = list(model.parameters())
+    g_shared = torch.autograd.grad((shared * valid).sum(), params)
+    g_plain = torch.autograd.grad((plain * valid).sum(), params)
+    for a, c in zip(g_shared, g_plain):
+        torch.testing.assert_close(a, c, atol=5e-5, rtol=1e-4)
