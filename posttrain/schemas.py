@@ -55,7 +55,8 @@ class TokenizerConfig(Section):
 
 class DTensorConfig(Section):
     # FSDP2 (fully_shard per decoder layer and at the root) over the policy workers; must be
-    # true (the only training backend).
+    # true (the only training backend). A single float32 worker without cpu_offload keeps the
+    # plain module, where FSDP2 would neither shard nor cast.
     enabled: bool = True
     # Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False

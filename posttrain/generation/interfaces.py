@@ -108,7 +108,7 @@ def prepare_prompts(batch: BatchedDataDict, cfg, context: int) -> tuple[list[tor
         overlong_prompt=cfg.overlong_prompt,
     )
     n = ids.shape[0]
-    prompts = [ids[i, int(lengths[i] - keep[i]) : int(lengths[i])] for i in range(n)]
+    prompts = [ids[i, e - k : e] for i, (e, k) in enumerate(zip(lengths.tolist(), keep.tolist()))]
     return prompts, combine_stop_strings(cfg.stop_strings, batch, n), prompt_truncated
 
 
@@ -149,11 +149,14 @@ def assemble_output(
     width = int((lens_in + lens_gen).max())
     output_ids = torch.full((n, width), pad_id, dtype=torch.long)
     logprobs = torch.zeros((n, width), dtype=torch.float32)
-    for i in range(n):
-        a, g = int(lens_in[i]), int(lens_gen[i])
-        output_ids[i, :a] = prompts[i]
-        output_ids[i, a : a + g] = generated[i]
-        logprobs[i, a : a + g] = gen_logprobs[i].float()
+    # Boolean-mask assignment fills row by row, position by position: the order of the
+    # concatenated rows, so one copy per tensor replaces one per row.
+    pos = torch.arange(width)[None]
+    in_gen = (pos >= lens_in[:, None]) & (pos < (lens_in + lens_gen)[:, None])
+    output_ids[pos < lens_in[:, None]] = torch.cat([p.long() for p in prompts])
+    if int(lens_gen.sum()):
+        output_ids[in_gen] = torch.cat([g.long() for g in generated])
+        logprobs[in_gen] = torch.cat([g.float() for g in gen_logprobs])
     return BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,

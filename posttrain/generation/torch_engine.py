@@ -377,15 +377,16 @@ class TorchGeneration:
                     if self.stop.ends_with_stop_string(gen_buf[s, : int(n_gen[s])].tolist(), stops[r]):
                         done[j] = True
                         hit_id[j] = True
-            for j in done.nonzero().flatten().tolist():
-                s = int(rows[j])
-                r = int(req[s])
-                g = int(n_gen[s])
-                generated[r] = gen_buf[s, :g].cpu().clone()
-                gen_lp[r] = lp_buf[s, :g].cpu().clone()
-                truncated[r] = not bool(hit_id[j])
-                req[s] = -1
-                active[s] = False
+            done_at = done.nonzero().flatten()
+            if len(done_at):
+                # One copy of the finished rows, then views into it (not a copy per row).
+                slots = rows[done_at]
+                toks, lps = gen_buf[slots].cpu(), lp_buf[slots].cpu()
+                for k, (r, g, hit) in enumerate(zip(req[slots.cpu()].tolist(), n_gen[slots].tolist(),
+                                                    hit_id[done_at].tolist())):
+                    generated[r], gen_lp[r], truncated[r] = toks[k, :g], lps[k, :g], not hit
+                req[slots.cpu()] = -1
+                active[slots] = False
 
         while waiting or bool(active.any()):
             free = (req < 0).nonzero().flatten()

@@ -1,7 +1,8 @@
 """`FSDPPolicyWorker`: one rank of the policy, hosted by a `RayWorkerGroup` actor.
 
 Every rank loads the model, shards it with FSDP2 (`fully_shard` per decoder layer, then the
-root) over a 1-D data-parallel mesh of WORLD_SIZE ranks (gloo on CPU, nccl on CUDA), and
+root) over a 1-D data-parallel mesh of WORLD_SIZE ranks (gloo on CPU, nccl on CUDA; a single
+float32 rank keeps the plain module, where FSDP2 has nothing to shard or cast), and
 serves train / logprob / checkpoint / export / colocated-generation calls. All methods are
 collective: the driver calls them on every rank at once (`Policy` does).
 
@@ -188,6 +189,14 @@ class FSDPPolicyWorker:
             model.requires_grad_(False)
         model.config.use_cache = False
         compute = DTYPES[cfg.precision]
+        if self.world_size == 1 and compute == torch.float32 and not cfg.dtensor_cfg.cpu_offload:
+            # One rank in float32: FSDP2 would neither shard nor cast, only add a copy and a
+            # collective per layer and DTensor dispatch to every optimizer op (measured: over a
+            # third of the quickstart's training step). The plain module goes through the same
+            # worker code: the DCP state-dict helpers and checkpoints work on both.
+            model.to(self.device)
+            model.train(train)
+            return model
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         shard_kwargs = {
             "mesh": mesh,
