@@ -60,7 +60,6 @@ class Policy:
             raise
         self.num_parameters = info[0]["num_parameters"]
         self.pad_id = info[0]["pad_id"]
-        self.last_generation_metrics: dict[str, float] = {}
         log.info("policy %s: %d workers, %.2fM parameters, loaded in %.1f s", cfg.model_name, self.dp,
                  self.num_parameters / 1e6, info[0]["load_s"])
 
@@ -140,10 +139,13 @@ class Policy:
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """Colocated generation: each worker generates its shard with the torch engine on its own
         unsharded copy of the current weights (refit in process after each train step)."""
-        out = self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id})
-        metrics = self.workers.get(self.workers.run_all("generation_metrics"))
-        self.last_generation_metrics = metrics[0]
-        return out
+        return self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id})
+
+    @property
+    def last_generation_metrics(self) -> dict[str, float]:
+        """Rank 0's engine metrics of the last `generate` and the refit before it (fetched on
+        access, so that generate itself is one round trip)."""
+        return self.workers.get(self.workers.run_all("generation_metrics"))[0]
 
     def prepare_for_generation(self) -> dict[str, float]:
         """Refit the generation copies to the current weights; returns {"refit_s": seconds (rank 0)}."""
