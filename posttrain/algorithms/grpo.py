@@ -35,7 +35,7 @@ from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
-from posttrain.losses import ClippedPGLoss, NLLLoss
+from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.lm_policy import Policy
 from posttrain.rollouts import render_prompt, run_rollouts
 from posttrain.schemas import GRPOMasterConfig
@@ -359,8 +359,7 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, tolerance
     """Whether the rollouts' generation logprobs are the policy's own (grpo.prev_logprobs_from_generation):
     mean exp(|generation - policy|) over the generated tokens within `tolerance`."""
     mask = batch["token_mask"] * batch["sample_mask"][:, None] if "sample_mask" in batch else batch["token_mask"]
-    err = float((torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()) * mask).sum()
-                / mask.sum().clamp(min=1))
+    err = float(masked_mean(torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()), mask))
     if err > tolerance:
         logger.console(f"grpo.prev_logprobs_from_generation: the generation logprobs differ from the policy's "
                        f"(mean exp|diff| = {err:.4f} > {tolerance}); recomputing prev_logprobs every step instead")

@@ -421,7 +421,7 @@ class TorchGeneration:
         dev = self.device
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(prompts[r].tolist()), j) for j, r in enumerate(reqs)]
-        unique = sorted(set(source))
+        unique = list(first.values())  # first occurrences, in order
         logits_of: dict[int, torch.Tensor] = {}
         start = 0
         while start < len(unique):

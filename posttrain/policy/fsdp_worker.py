@@ -142,6 +142,8 @@ class FSDPPolicyWorker:
                                     rank=self.rank, world_size=self.world_size)
         path, hf_config = load_hf_config(cfg.model_name)
         self.model_path, self.hf_config = path, hf_config
+        if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
+            self._score_cost = _attention_score_cost(hf_config)  # prefix sharing's cost model, once
         n_params = check_fits_in_memory(
             cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
             world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -290,7 +292,7 @@ class FSDPPolicyWorker:
         trained = token_mask.to(ids.device) > 0
         first = torch.where(trained.any(1), trained.int().argmax(1), lengths.to(ids.device))
         layout = share_prefixes(ids, lengths, first, self.pad_id, self.cfg.prefix_sharing.max_row_tokens,
-                                self.cfg.make_sequence_length_divisible_by, _attention_score_cost(self.hf_config))
+                                self.cfg.make_sequence_length_divisible_by, self._score_cost)
         if layout is None:
             return None
         mask = layout.attention_mask(None if attn == "sdpa" else DTYPES[self.cfg.precision])
