@@ -31,6 +31,18 @@ def perturbed_tiny(model_path: str, std: float = 0.3, seed: int = 1, dtype=torch
     return model.to(dtype).eval(), AutoTokenizer.from_pretrained(model_path)
 
 
+def vllm_ready_model(folder) -> tuple:
+    """embedded:small perturbed (std 0.2) and saved with its tokenizer to `folder`: the vLLM
+    tests' model (vLLM's CPU attention needs head_dim in {32, 64, 80, ...}; tiny has 16).
+    Returns (model, tokenizer, folder)."""
+    from posttrain.embedded import resolve_model_path
+
+    model, tok = perturbed_tiny(resolve_model_path("embedded:small"), std=0.2)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model, tok, folder
+
+
 @torch.no_grad()
 def perturb_(model, std: float, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)

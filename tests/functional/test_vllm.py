@@ -17,8 +17,8 @@ from test_generation_helpers import (
     make_batch,
     one_torch_thread,  # noqa: F401  (autouse fixture)
     perturb_,
-    perturbed_tiny,
     token_mult_prob_error,
+    vllm_ready_model,
 )
 
 from posttrain.generation.vllm_backend import vllm_available
@@ -31,15 +31,10 @@ CTX = 128
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from posttrain.embedded import resolve_model_path
     from posttrain.generation import build_generation
     from posttrain.schemas import GenerationConfig
 
-    # embedded:small: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}; tiny has 16.
-    model, tok = perturbed_tiny(resolve_model_path("embedded:small"), std=0.2)
-    path = tmp_path_factory.mktemp("vllm_model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model, tok, path = vllm_ready_model(tmp_path_factory.mktemp("vllm_model"))
     cfg = GenerationConfig(max_new_tokens=16)
     cfg.vllm_cfg.gpu_memory_utilization = 0.2
     cfg.vllm_cfg.kv_cache_memory_gib = 0.25

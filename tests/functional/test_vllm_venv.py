@@ -22,8 +22,8 @@ from test_generation_helpers import (
     make_batch,
     one_torch_thread,  # noqa: F401  (autouse fixture)
     perturb_,
-    perturbed_tiny,
     token_mult_prob_error,
+    vllm_ready_model,
 )
 
 from posttrain.distributed.weight_sync import put_state_dict
@@ -45,14 +45,9 @@ CTX = 128
 @pytest.fixture(scope="module")
 def setup(ray_session, tmp_path_factory):
     from posttrain.distributed.cluster import RayVirtualCluster
-    from posttrain.embedded import resolve_model_path
     from posttrain.generation.workers import GenerationWorkerGroup
 
-    # embedded:small: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}; tiny has 16.
-    model, tok = perturbed_tiny(resolve_model_path("embedded:small"), std=0.2)
-    path = tmp_path_factory.mktemp("vllm_venv_model")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model, tok, path = vllm_ready_model(tmp_path_factory.mktemp("vllm_venv_model"))
     cfg = GenerationConfig(backend="vllm", max_new_tokens=16, colocated={"enabled": False},
                            vllm_cfg={"python": VLLM_PYTHON, "gpu_memory_utilization": 0.2,
                                      "kv_cache_memory_gib": 0.25, "enforce_eager": True})
