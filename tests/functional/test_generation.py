@@ -103,6 +103,36 @@ def test_identical_prompts_are_prefilled_once(model_tok, monkeypatch):
     assert any(rows[i] != rows[i + n] for i in range(n))
 
 
+def test_cache_grows_in_place_and_output_equals_hf(model_tok, monkeypatch):
+    """The KV cache starts just past the longest prompt and grows (rows re-laid out in place)
+    as sequences lengthen; outputs and logprobs stay those of HF greedy."""
+    import posttrain.generation.torch_engine as te
+
+    model, tok = model_tok
+    lengths = []
+    real_decode = te.decode
+    monkeypatch.setattr(te, "decode", lambda w, cache, *a: lengths.append(cache.length) or real_decode(w, cache, *a))
+    batch = make_batch(tok, repeat=2)
+    kw = dict(max_new_tokens=60, ignore_eos=True)
+    ref = engine("hf", model, tok, **kw).generate(batch, greedy=True)
+    out = engine("torch", model, tok, torch_cfg={"max_batch_size": 5}, **kw).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    longest = int(batch["input_lengths"].max())
+    assert lengths[0] < longest + 60 and len(set(lengths)) >= 3
+    assert lengths == sorted(lengths) and max(lengths) <= longest + 60
+
+
+@pytest.mark.parametrize("rows,old,new", [(2048, 80 * 64, 100 * 64), (7, 3, 4), (1, 5, 9), (100, 10, 11), (5, 4, 40)])
+def test_spread_rows_moves_every_row_in_place(rows, old, new):
+    from posttrain.generation.torch_engine import _spread_rows
+
+    flat = torch.arange(rows * new, dtype=torch.float32)
+    before = flat[: rows * old].clone().view(rows, old)
+    _spread_rows(flat, rows, old, new)
+    assert torch.equal(flat.view(rows, new)[:, :old], before)
+
+
 def test_token_budget_smaller_than_a_sequence_fails(model_tok):
     model, tok = model_tok
     e = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_tokens_in_flight": 10})
