@@ -109,48 +109,49 @@ def main() -> None:
           f"threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
     print("| model | batch | new tokens | backend | precision | tokens/s | vs hf |")
     print("|---|---|---|---|---|---|---|")
-    root = tempfile.mkdtemp(prefix="gen-bench-")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with tempfile.TemporaryDirectory(prefix="gen-bench-") as root:  # the model folders, removed at exit
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for size in args.models.split(","):
-        path = build_model_folder(size, root)
-        tok = AutoTokenizer.from_pretrained(path)
-        engines = {}
-        for n_new in map(int, args.new_tokens.split(",")):
-            cfg = GenerationConfig(max_new_tokens=n_new, temperature=1.0, ignore_eos=True)
-            cfg.torch_cfg.max_batch_size = 256
-            cfg.vllm_cfg.gpu_memory_utilization = 0.2
-            cfg.vllm_cfg.kv_cache_memory_gib = 1.0
-            runs = []
-            for b in sorted(backends, key=lambda b: b != "hf"):  # hf first: the others are compared to it
-                if b == "torch":
-                    runs += [("torch", p) for p in args.torch_precisions.split(",")]
-                else:
-                    runs.append((b, args.precision))
-            for batch_size in map(int, args.batches.split(",")):
-                batch = make_prompts(tok, batch_size)
-                hf_tps = None
-                for backend, precision in runs:
-                    if backend == "hf" and batch_size * n_new > args.hf_max_tokens:
-                        print(f"| {size} | {batch_size} | {n_new} | hf | {precision} | skipped (> --hf-max-tokens) | |")
-                        continue
-                    key = (backend, precision)
-                    if backend == "vllm":
-                        if key not in engines:
-                            engines[key] = build_generation("vllm", model_path=path, tokenizer=tok, cfg=cfg,
-                                                            max_total_sequence_length=CONTEXT, precision=precision)
-                        engine = engines[key]
-                        engine.cfg = cfg
+        for size in args.models.split(","):
+            path = build_model_folder(size, root)
+            tok = AutoTokenizer.from_pretrained(path)
+            engines = {}
+            for n_new in map(int, args.new_tokens.split(",")):
+                cfg = GenerationConfig(max_new_tokens=n_new, temperature=1.0, ignore_eos=True)
+                cfg.torch_cfg.max_batch_size = 256
+                cfg.vllm_cfg.gpu_memory_utilization = 0.2
+                cfg.vllm_cfg.kv_cache_memory_gib = 1.0
+                runs = []
+                for b in sorted(backends, key=lambda b: b != "hf"):  # hf first: the others are compared to it
+                    if b == "torch":
+                        runs += [("torch", p) for p in args.torch_precisions.split(",")]
                     else:
-                        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-                        engine = build_generation(backend, model=model, tokenizer=tok, cfg=cfg,
-                                                  max_total_sequence_length=CONTEXT, precision=precision)
-                    tps, _ = time_backend(engine, batch, args.hf_reps if backend == "hf" else args.reps)
-                    if backend == "hf":
-                        hf_tps = tps
-                    ratio = f"{tps / hf_tps:.1f}x" if hf_tps and backend != "hf" else ""
-                    print(f"| {size} | {batch_size} | {n_new} | {backend} | {precision} | {tps:,.0f} | {ratio} |",
-                          flush=True)
+                        runs.append((b, args.precision))
+                for batch_size in map(int, args.batches.split(",")):
+                    batch = make_prompts(tok, batch_size)
+                    hf_tps = None
+                    for backend, precision in runs:
+                        if backend == "hf" and batch_size * n_new > args.hf_max_tokens:
+                            print(f"| {size} | {batch_size} | {n_new} | hf | {precision} "
+                                  "| skipped (> --hf-max-tokens) | |")
+                            continue
+                        key = (backend, precision)
+                        if backend == "vllm":
+                            if key not in engines:
+                                engines[key] = build_generation("vllm", model_path=path, tokenizer=tok, cfg=cfg,
+                                                                max_total_sequence_length=CONTEXT, precision=precision)
+                            engine = engines[key]
+                            engine.cfg = cfg
+                        else:
+                            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                            engine = build_generation(backend, model=model, tokenizer=tok, cfg=cfg,
+                                                      max_total_sequence_length=CONTEXT, precision=precision)
+                        tps, _ = time_backend(engine, batch, args.hf_reps if backend == "hf" else args.reps)
+                        if backend == "hf":
+                            hf_tps = tps
+                        ratio = f"{tps / hf_tps:.1f}x" if hf_tps and backend != "hf" else ""
+                        print(f"| {size} | {batch_size} | {n_new} | {backend} | {precision} | {tps:,.0f} | {ratio} |",
+                              flush=True)
 
 
 if __name__ == "__main__":
