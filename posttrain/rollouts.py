@@ -160,16 +160,22 @@ def run_rollouts(
             stop_strings=[c.stop_strings for c in active],
         )
         out = generation.generate(gen_in, greedy=greedy)
+        # Whole tensors to lists and one batch_decode: per-row tensor slicing and decoding cost
+        # more than the generation itself for hundreds of short completions.
+        ids, lps = out["output_ids"].tolist(), out["logprobs"].tolist()
+        lengths, truncated = out["generation_lengths"].tolist(), out["truncated"].tolist()
+        spans = [(len(c.tokens), len(c.tokens) + n) for c, n in zip(active, lengths)]
+        news = [ids[j][a:b] for j, (a, b) in enumerate(spans)]
+        texts = tokenizer.batch_decode(news, skip_special_tokens=True)
         for j, c in enumerate(active):
-            start, n = len(c.tokens), int(out["generation_lengths"][j])
-            new = out["output_ids"][j, start : start + n].tolist()
-            c.tokens += new
+            (a, b), n = spans[j], lengths[j]
+            c.tokens += news[j]
             c.generated_mask += [1] * n
-            c.generation_logprobs += out["logprobs"][j, start : start + n].tolist()
+            c.generation_logprobs += lps[j][a:b]
             c.response_tokens += n
             c.turns += 1
-            c.messages.append({"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)})
-            if bool(out["truncated"][j]):
+            c.messages.append({"role": "assistant", "content": texts[j]})
+            if truncated[j]:
                 c.truncated = True
             generated_tokens += n
 

@@ -764,6 +764,14 @@ class GRPOConfig(Section):
     # logprobs (the torch backend in float32). Verified on the first step of a run: when
     # mean exp(|generation - policy|) exceeds 1.001 the run warns and recomputes them from then on.
     prev_logprobs_from_generation: bool = False
+    # With several optimizer steps per step (more rollouts than policy.train_global_batch_size),
+    # shuffle the rollouts first so that each optimizer step mixes samples of all the step's
+    # prompts (as PPO and TRL do) instead of taking whole prompt groups in order (NeMo RL).
+    # Seeded by grpo.seed and the step, so a resumed run repeats it. Off by default: it learns
+    # more per step, but each optimizer step then holds more distinct prompts, which prefix
+    # sharing computes once each (quickstart: val accuracy 0.875 vs 0.80 at step 10, 0.98 vs
+    # 0.94 at step 20, but 0.39 vs 0.26 s per step, so later in wall time).
+    shuffle_minibatches: bool = False
 
     @model_validator(mode="after")
     def _sampled_validation_for_pass_at_k(self) -> "GRPOConfig":

@@ -211,6 +211,13 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     return metrics
 
 
+def minibatch_permutation(n: int, seed: int, step: int) -> torch.Tensor:
+    """The order in which step `step`'s `n` rollouts are cut into optimizer steps
+    (`grpo.shuffle_minibatches`): a permutation seeded by the run's seed and the step only, so a
+    resumed run repeats it."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
+
+
 def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
     """Shaping, scaling, overlong filtering and advantages, written into `batch` in place."""
     rewards = batch["rewards"]
@@ -302,6 +309,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
 
         # ---- policy update
         with timer.time("training"):
+            if g.shuffle_minibatches and batch.size > gbs:
+                batch = batch.select_indices(minibatch_permutation(batch.size, g.seed, step))
             train_metrics = policy.train(batch, s.loss_fn)
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation)

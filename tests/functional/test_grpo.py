@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from posttrain.algorithms.grpo import run
 from posttrain.config import load_config
@@ -56,10 +57,23 @@ def arithmetic_run(ray_session, tmp_path_factory):
     val = tmp / "val.jsonl"
     val.write_text("\n".join(json.dumps(r) for r in rows[1:16:2]))
     overrides = _tiny(tmp, "grpo.max_num_steps=3", f"data.train_data_path={train}", f"data.val_data_path={val}",
-                      "data.dataset_name=local", "grpo.warmup_sft_steps=0")
+                      "data.dataset_name=local", "grpo.warmup_sft_steps=0",
+                      "grpo.shuffle_minibatches=true")  # two optimizer steps per step: the shuffled path
     cfg = load_config("grpo", QUICKSTART, overrides)
     result = run(cfg)
     return tmp, result
+
+
+def test_minibatch_permutation_is_seeded_by_run_and_step():
+    from posttrain.algorithms.grpo import minibatch_permutation
+
+    p = minibatch_permutation(512, 42, 3)
+    assert sorted(p.tolist()) == list(range(512))
+    assert torch.equal(p, minibatch_permutation(512, 42, 3))  # a resumed run repeats its step's order
+    assert not torch.equal(p, minibatch_permutation(512, 42, 4))
+    assert not torch.equal(p, minibatch_permutation(512, 7, 3))
+    # The first optimizer step of 128 rows holds samples of most of the 32 prompts (16 each).
+    assert len(set((p[:128] // 16).tolist())) > 24
 
 
 def test_three_steps_have_sane_metrics(arithmetic_run):
