@@ -766,7 +766,7 @@ class GRPOConfig(Section):
     prev_logprobs_from_generation: bool = False
     # With several optimizer steps per step (more rollouts than policy.train_global_batch_size),
     # shuffle the rollouts first so that each optimizer step mixes samples of all the step's
-    # prompts (as PPO and TRL do) instead of taking whole prompt groups in order (NeMo RL).
+    # prompts (as PPO and TRL do) instead of taking whole prompt groups in order.
     # Seeded by grpo.seed and the step, so a resumed run repeats it. Off by default: it learns
     # more per step, but each optimizer step then holds more distinct prompts, which prefix
     # sharing computes once each (quickstart: val accuracy 0.875 vs 0.80 at step 10, 0.98 vs
