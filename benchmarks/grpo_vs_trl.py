@@ -4,6 +4,7 @@ against wall time, on the same model, data, batch shape and loss settings.
     python benchmarks/grpo_vs_trl.py                  # both parts (~25 min on 2 idle cores)
     python benchmarks/grpo_vs_trl.py --part speed     # embedded:30m, 16 x 8 x 64 tokens
     python benchmarks/grpo_vs_trl.py --part accuracy  # the quickstart's model and settings
+    python benchmarks/grpo_vs_trl.py --part accuracy --seeds 42,1,2,3,4 --val-period 2   # 5 seed pairs
     python benchmarks/grpo_vs_trl.py --quick          # smoke run: tiny model, a few steps
 
 Each side runs in its own fresh process, one after the other (never concurrently):
@@ -58,7 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -440,8 +441,12 @@ def warm_start_worker(out: Path, overrides: list[str]) -> None:
         s.shutdown()
 
 
-def run_accuracy(quick: bool, steps: int | None, work: Path) -> dict[str, Any]:
+def run_accuracy(quick: bool, steps: int | None, work: Path, seeds: list[int] | None = None,
+                 val_period: int | None = None) -> dict[str, Any]:
+    """One warm start, then a posttrain/TRL pair per seed (`grpo.seed`; TRL `seed` and `data_seed`)."""
     s, cfg = accuracy_settings(quick, steps)
+    if val_period:
+        s.val_period = val_period
     warm = work / "warm_start_hf"
     warm_steps = 20 if quick else cfg.grpo.warmup_sft_steps
     overrides = [
@@ -454,9 +459,9 @@ def run_accuracy(quick: bool, steps: int | None, work: Path) -> dict[str, Any]:
     ws = run_logged([sys.executable, str(Path(__file__).resolve()), "_warm_start", str(warm), *overrides],
                     work / "warm_start.log", env)
     s.model_path = str(warm)
-    res = run_pair(s, work)
-    res["warm_start"] = {"model": cfg.policy.model_name, "sft_steps": warm_steps, "overrides": overrides, **ws}
-    return res
+    runs = [run_pair(replace(s, seed=seed), work / f"seed_{seed}") for seed in (seeds or [s.seed])]
+    return {"warm_start": {"model": cfg.policy.model_name, "sft_steps": warm_steps, "overrides": overrides, **ws},
+            "runs": runs}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -487,11 +492,16 @@ def plot(acc: dict[str, Any], path: Path, threshold: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for side, style in (("posttrain", "o-"), ("trl", "s--")):
-        pts = curve(acc[side])
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], style, label=f"{side} ({median_step(acc[side]):.2f} s/step)")
+    runs = acc["runs"]
+    for side, style, color in (("posttrain", "o-", "tab:blue"), ("trl", "s--", "tab:orange")):
+        for i, run in enumerate(runs):
+            pts = curve(run[side])
+            label = (f"{side} ({statistics.median(median_step(r[side]) for r in runs):.2f} s/step"
+                     f"{f', {len(runs)} seeds' if len(runs) > 1 else ''})") if i == 0 else None
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], style, color=color, ms=3, lw=1,
+                    alpha=1.0 if len(runs) == 1 else 0.6, label=label)
     ax.axhline(threshold, color="grey", lw=0.8, ls=":", label=f"quickstart target {threshold:.2f}")
-    s = acc["settings"]
+    s = runs[0]["settings"]
     ax.set_xlabel("training wall time, s (validation excluded)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.set_title(f"GRPO from the SFT warm start of {acc['warm_start']['model']}, {s['num_prompts']}x{s['num_generations']}, "
@@ -553,46 +563,50 @@ def report(results: dict[str, Any], quick: bool) -> dict[str, str]:
         blocks["speed"] = "\n".join(lines)
     if "accuracy" in results:
         ac = results["accuracy"]
-        s = ac["settings"]
+        runs = ac["runs"]
+        s = runs[0]["settings"]
         thr = ACC_TARGET
+        seeds = [r["settings"]["seed"] for r in runs]
         lines = ["### Accuracy against wall time", "", stamp, "",
-                  f"Quickstart settings ({Path(s['posttrain_config']).name}), from the same warm start "
-                  f"({ac['warm_start']['model']} + {ac['warm_start']['sft_steps']} SFT steps by posttrain, "
-                  f"{ac['warm_start']['process_wall_s']:.0f} s, counted for neither side). Validation: greedy, "
-                  f"{s['num_val']} held-out rows, every {s['val_period']} steps; validation time excluded for both.",
-                  "", f"![accuracy vs wall time]({PLOT_NAME})", "",
-                  f"| | median s/step | steps | training time (s) | process wall (s) | start acc | final acc | "
-                  f"best acc | time to acc >= {thr} | load avg before / after |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        reach = {}
-        for name, key in (("posttrain", "posttrain"), ("TRL", "trl")):
-            side = ac[key]
-            pts = curve(side)
-            reach[key] = time_to(pts, thr)
-            r = reach[key]
-            lines.append(
-                f"| {name} | {median_step(side):.3f} | {len(side['steps'])} | {sum(x['train_time_s'] for x in side['steps']):.0f} | "
-                f"{side['process_wall_s']:.0f} | {pts[0][2]:.3f} | {pts[-1][2]:.3f} | {max(p[2] for p in pts):.3f} | "
-                f"{f'{r[0]:.0f} s (step {r[1]})' if r else 'not reached'} | {side['load_before']} / {side['load_after']} |")
-        if reach["posttrain"] and reach["trl"]:
-            lines += ["", f"**posttrain reached {thr} in {reach['posttrain'][0] / reach['trl'][0]:.2f} of TRL's "
-                          f"training time** (target <= 0.33)."]
-        # The best accuracy both sides reach (first the higher of the start accuracies is beaten):
-        # a like-for-like time-to-accuracy even when the quickstart target is not reached.
-        pts = {k: curve(ac[k]) for k in ("posttrain", "trl")}
-        common = min(max(p[2] for p in v) for v in pts.values())
-        if common > max(v[0][2] for v in pts.values()):
-            tp, tt = time_to(pts["posttrain"], common), time_to(pts["trl"], common)
-            lines += ["", f"Best accuracy both reach: {common:.3f}; first reached by posttrain after {tp[0]:.0f} s "
-                          f"(step {tp[1]}), by TRL after {tt[0]:.0f} s (step {tt[1]}): "
-                          f"**posttrain / TRL time = {tp[0] / tt[0]:.2f}**."]
+                  f"Quickstart settings ({Path(s['posttrain_config']).name}, {s['precision']}), from the same warm "
+                  f"start ({ac['warm_start']['model']} + {ac['warm_start']['sft_steps']} SFT steps by posttrain, "
+                  f"{ac['warm_start']['process_wall_s']:.0f} s, counted for neither side), {len(runs)} seed(s) "
+                  f"({', '.join(map(str, seeds))}: posttrain `grpo.seed`, TRL `seed` and `data_seed`). Validation: "
+                  f"greedy, {s['num_val']} held-out rows, every {s['val_period']} steps; validation time excluded "
+                  "for both.", "", f"![accuracy vs wall time]({PLOT_NAME})", "",
+                  f"| seed | side | median s/step | steps | training time (s) | process wall (s) | start acc | "
+                  f"final acc | best acc | time to acc >= {thr} | load avg before / after |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        ratios, step_ratios = [], []
+        for run in runs:
+            reach = {}
+            for name, key in (("posttrain", "posttrain"), ("TRL", "trl")):
+                side = run[key]
+                pts = curve(side)
+                reach[key] = r = time_to(pts, thr)
+                lines.append(
+                    f"| {run['settings']['seed']} | {name} | {median_step(side):.3f} | {len(side['steps'])} | "
+                    f"{sum(x['train_time_s'] for x in side['steps']):.0f} | {side['process_wall_s']:.0f} | "
+                    f"{pts[0][2]:.3f} | {pts[-1][2]:.3f} | {max(p[2] for p in pts):.3f} | "
+                    f"{f'{r[0]:.1f} s (step {r[1]})' if r else 'not reached'} | "
+                    f"{side['load_before']} / {side['load_after']} |")
+            step_ratios.append(median_step(run["posttrain"]) / median_step(run["trl"]))
+            if reach["posttrain"] and reach["trl"]:
+                ratios.append(reach["posttrain"][0] / reach["trl"][0])
+        lines += ["", f"posttrain / TRL median s/step: {', '.join(f'{x:.2f}' for x in step_ratios)} (per seed)."]
+        if ratios:
+            lines += ["", f"posttrain / TRL time to {thr}: {', '.join(f'{x:.2f}' for x in ratios)} (per seed where "
+                          f"both reach it); **median {statistics.median(ratios):.2f}**, {sum(x <= 1 / 3 for x in ratios)} "
+                          f"of {len(runs)} seeds <= 1/3 (target <= 0.33)."]
         lines += ["", "Validation points (training seconds, step, accuracy):", ""]
-        for key in ("posttrain", "trl"):
-            lines.append(f"- {key}: " + ", ".join(f"({t:.0f}, {st}, {a:.2f})" for t, st, a in curve(ac[key])))
+        for run in runs:
+            for key in ("posttrain", "trl"):
+                lines.append(f"- seed {run['settings']['seed']}, {key}: " + ", ".join(
+                    f"({t:.1f}, {st}, {a:.2f})" for t, st, a in curve(run[key])))
         if s["notes"]:
             lines += ["", "Differences from the quickstart file: " + "; ".join(s["notes"]) + "."]
-        lines += ["", "<details><summary>settings and commands</summary>", "", *settings_table(s), "",
-                  "```", ac["posttrain"]["command"], ac["trl"]["command"], "```", "</details>"]
+        lines += ["", "<details><summary>settings and commands (first seed)</summary>", "", *settings_table(s), "",
+                  "```", runs[0]["posttrain"]["command"], runs[0]["trl"]["command"], "```", "</details>"]
         blocks["accuracy"] = "\n".join(lines)
     return blocks
 
@@ -629,6 +643,12 @@ def main() -> None:
                     help="GRPO steps of the accuracy part (default: the quickstart's grpo.max_num_steps)")
     ap.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
                     help="speed part: both sides' compute dtype (the accuracy part takes the quickstart's)")
+    ap.add_argument("--seeds", default=None,
+                    help="accuracy part: comma-separated seeds, one posttrain/TRL pair each from the same warm "
+                         "start (default: the quickstart's grpo.seed)")
+    ap.add_argument("--val-period", type=int, default=None,
+                    help="accuracy part: validate every N steps (default: the quickstart's grpo.val_period); "
+                         "validation time is excluded from both sides' wall time")
     ap.add_argument("--work-dir", default="/tmp/grpo_vs_trl", help="run folders and logs")
     ap.add_argument("--results-dir", default=None,
                     help=f"markdown and PNG (default: {RESULTS.relative_to(REPO)}; with --quick: <work-dir>/results)")
@@ -644,7 +664,8 @@ def main() -> None:
         print(f"speed: posttrain {median_step(results['speed']['posttrain']):.2f} s/step, "
               f"TRL {median_step(results['speed']['trl']):.2f} s/step", flush=True)
     if args.part in ("accuracy", "all"):
-        results["accuracy"] = run_accuracy(args.quick, args.accuracy_steps, work / "accuracy")
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
+        results["accuracy"] = run_accuracy(args.quick, args.accuracy_steps, work / "accuracy", seeds, args.val_period)
         plot(results["accuracy"], out / PLOT_NAME, ACC_TARGET)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     blocks = report(results, args.quick)

@@ -761,8 +761,9 @@ class GRPOConfig(Section):
     # Take the PPO ratio's denominator (prev_logprobs) from the rollouts' generation logprobs
     # instead of a forward pass over the batch before the update (only needed when a step has
     # several optimizer steps). Exact when the generation engine computes the policy's own
-    # logprobs (the torch backend in float32). Verified on the first step of a run: when
-    # mean exp(|generation - policy|) exceeds 1.001 the run warns and recomputes them from then on.
+    # logprobs (the torch backend in float32; in bf16 within bf16's rounding). Verified on the
+    # first step of a run: when mean exp(|generation - policy|) exceeds 1.001 (float32) or 1.005
+    # (bf16/fp16) the run warns and recomputes them from then on.
     prev_logprobs_from_generation: bool = False
     # With several optimizer steps per step (more rollouts than policy.train_global_batch_size),
     # shuffle the rollouts first so that each optimizer step mixes samples of all the step's

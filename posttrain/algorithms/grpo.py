@@ -38,6 +38,7 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.lm_policy import Policy
 from posttrain.rollouts import render_prompt, run_rollouts
+from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
 
 
@@ -137,6 +138,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     clusters += [gen_cluster] if gen_cluster is not None else []
     task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
     envs = {name: create_env(name, cfg.env.get_worker_cfg(name)) for name in task_names}
+    freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
 
     start_step = 0
     if latest is not None:
@@ -302,7 +304,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                 with timer.time("prev"):
                     batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
                 if reuse_generation_logprobs is None:
-                    reuse_generation_logprobs = _generation_logprobs_match(batch, logger)
+                    reuse_generation_logprobs = _generation_logprobs_match(batch, logger,
+                                                                           cfg.policy.precision)
             if cfg.loss_fn.reference_policy_kl_penalty > 0:
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
@@ -364,9 +367,17 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()}}
 
 
-def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, tolerance: float = 1.001) -> bool:
+# grpo.prev_logprobs_from_generation: how far mean exp(|generation - policy|) may be from 1 for
+# the generation logprobs to count as the policy's own. 16-bit: the bf16 forward alone rounds
+# logprobs by ~1e-3 (8 mantissa bits); 5x float32's, as the engine's agreement bounds are
+# (token_mult_prob_error < 1.05 in bf16, < 1.01 in float32; docs/generation.md).
+_OWN_LOGPROBS_TOLERANCE = {"float32": 1.001, "bfloat16": 1.005, "float16": 1.005}
+
+
+def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision: str) -> bool:
     """Whether the rollouts' generation logprobs are the policy's own (grpo.prev_logprobs_from_generation):
-    mean exp(|generation - policy|) over the generated tokens within `tolerance`."""
+    mean exp(|generation - policy|) over the generated tokens within the precision's tolerance."""
+    tolerance = _OWN_LOGPROBS_TOLERANCE[precision]
     mask = batch["token_mask"] * batch["sample_mask"][:, None] if "sample_mask" in batch else batch["token_mask"]
     err = float(masked_mean(torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()), mask))
     if err > tolerance:

@@ -27,6 +27,7 @@ from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.lm_policy import Policy
+from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
 
 
@@ -275,6 +276,7 @@ def offline_train(
 
 def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:
     """`train(s)`, then the HF export when `checkpointing.export_hf_at_end`; always shuts down."""
+    freeze_setup_objects()
     try:
         result = train(s)
         if s.cfg.checkpointing.export_hf_at_end:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from posttrain.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
 log = logging.getLogger("posttrain.environments")
@@ -27,6 +28,7 @@ class EnvironmentActor:
 
     def __init__(self, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
         self.env = env_cls(cfg)
+        freeze_setup_objects()
 
     def ready(self) -> bool:
         return True

@@ -28,6 +28,7 @@ import torch
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup, check_python_executable
+from posttrain.runtime import freeze_setup_objects
 
 
 class WeightVersionError(RuntimeError):
@@ -45,6 +46,7 @@ class GenerationWorker:
         self.engine = build_generation(backend, model_path=model_path, cfg=cfg,
                                        max_total_sequence_length=max_total_sequence_length, precision=precision)
         self.version = 0
+        freeze_setup_objects()
 
     def generate(self, batch: BatchedDataDict, greedy: bool, expected_version: int) -> BatchedDataDict:
         if self.version != expected_version:

@@ -2,8 +2,8 @@
 
 Every rank loads the model, shards it with FSDP2 (`fully_shard` per decoder layer, then the
 root) over a 1-D data-parallel mesh of WORLD_SIZE ranks (gloo on CPU, nccl on CUDA; a single
-float32 rank keeps the plain module, where FSDP2 has nothing to shard or cast), and
-serves train / logprob / checkpoint / export / colocated-generation calls. All methods are
+rank keeps the plain module, where FSDP2 has nothing to shard, and does FSDP2's mixed-precision
+cast itself with a `LowPrecisionTwin`), and serves train / logprob / checkpoint / export / colocated-generation calls. All methods are
 collective: the driver calls them on every rank at once (`Policy` does).
 
 Loss normalization: the driver's loss function divides each micro-batch loss by the GLOBAL
@@ -15,6 +15,7 @@ size or the number of workers.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -35,9 +36,49 @@ from posttrain.losses.utils import valid_counts
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
 
 log = logging.getLogger(__name__)
+
+
+class LowPrecisionTwin:
+    """FSDP2's mixed precision (`MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`)
+    on one rank, without FSDP2: a copy of the float32 master module whose parameters are cast to
+    `dtype` runs every forward and backward; after each backward its gradients are added to the
+    master's in float32 (FSDP2 accumulates its reduced gradients in float32 too), and the
+    optimizer steps the master. Buffers (rotary frequencies) stay float32, as under FSDP2.
+
+    Why not FSDP2 with one rank: it has nothing to shard, yet its DTensor dispatch on every
+    op and optimizer update cost more than the bf16 matmuls saved (quickstart, bf16: 141 ms per
+    4 optimizer steps under FSDP2, 103 ms for the same module without it; float32: 151 ms)."""
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
+        self.module = copy.deepcopy(master)
+        for p in self.module.parameters():
+            p.data = p.data.to(dtype)
+        self._pairs = list(zip(master.parameters(), self.module.parameters()))
+        self.version: int | None = None  # master weights version the copy holds
+
+    def sync(self, version: int) -> torch.nn.Module:
+        """The low-precision module, holding the master's weights of `version`."""
+        if self.version != version:
+            with torch.no_grad():
+                for master, low in self._pairs:
+                    low.copy_(master)
+            self.version = version
+        return self.module
+
+    def accumulate_grads(self) -> None:
+        """Move the low-precision gradients of the last backward into the master's (float32)."""
+        for master, low in self._pairs:
+            if low.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = low.grad.to(master.dtype)
+            else:
+                master.grad.add_(low.grad)
+            low.grad = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,6 +172,7 @@ class FSDPPolicyWorker:
         # Logprobs are of logits / the rollouts' sampling temperature (greedy = 0 -> unscaled).
         self._temperature = cfg.generation.temperature or 1.0
         self._model_tokens = 0  # positions through the model in the current train step
+        self._twin: LowPrecisionTwin | None = None  # one rank in bf16/fp16 (see LowPrecisionTwin)
 
     # ------------------------------------------------------------------ setup
 
@@ -159,9 +201,12 @@ class FSDPPolicyWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         t0 = time.perf_counter()
         self.model = self._load_and_shard(path, train=True)
+        if self._single_rank_plain() and DTYPES[cfg.precision] != torch.float32:
+            self._twin = LowPrecisionTwin(self.model, DTYPES[cfg.precision])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(path, train=False) if self.init_reference else None
+        freeze_setup_objects()
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
                 "pad_id": self.pad_id}
 
@@ -192,12 +237,16 @@ class FSDPPolicyWorker:
             model.requires_grad_(False)
         model.config.use_cache = False
         compute = DTYPES[cfg.precision]
-        if self.world_size == 1 and compute == torch.float32 and not cfg.dtensor_cfg.cpu_offload:
-            # One rank in float32: FSDP2 would neither shard nor cast, only add a copy and a
-            # collective per layer and DTensor dispatch to every optimizer op (measured: over a
-            # third of the quickstart's training step). The plain module goes through the same
-            # worker code: the DCP state-dict helpers and checkpoints work on both.
+        if self._single_rank_plain():
+            # One rank: FSDP2 would not shard, only add a copy and a collective per layer and
+            # DTensor dispatch to every optimizer op (measured: over a third of the
+            # quickstart's float32 training step). The plain module goes through the same
+            # worker code: the DCP state-dict helpers and checkpoints work on both. A bf16/fp16
+            # policy computes in its LowPrecisionTwin; a frozen reference model is simply cast.
             model.to(self.device)
+            if not train and compute != torch.float32:
+                for p in model.parameters():
+                    p.data = p.data.to(compute)
             model.train(train)
             return model
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
@@ -223,6 +272,14 @@ class FSDPPolicyWorker:
                 module.set_force_sum_reduction_for_comms(True)
         model.train(train)
         return model
+
+    def _single_rank_plain(self) -> bool:
+        """One rank without CPU offload keeps the plain module instead of FSDP2."""
+        return self.world_size == 1 and not self.cfg.dtensor_cfg.cpu_offload
+
+    def _compute_model(self) -> torch.nn.Module:
+        """The module the policy's forward and backward run on (the master, or its twin)."""
+        return self._twin.sync(self.weights_version) if self._twin is not None else self.model
 
     # ------------------------------------------------------------------ micro-batches
 
@@ -321,7 +378,7 @@ class FSDPPolicyWorker:
 
         `lr` overrides the learning rate for these steps only, without stepping the scheduler
         (a separate phase such as GRPO's warm-up SFT, which must not use up the schedule)."""
-        self.model.train()
+        self._compute_model().train()
         steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
         out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
@@ -351,6 +408,7 @@ class FSDPPolicyWorker:
         # ranks with fewer micro-batches repeat their first one with the loss scaled by 0.
         n_mb = self._max_over_ranks(len(mbs))
         self.optimizer.zero_grad(set_to_none=True)
+        model = self._compute_model()
         self._model_tokens = 0
         loss_sum = 0.0
         metrics: dict[str, float] = {}
@@ -358,9 +416,11 @@ class FSDPPolicyWorker:
         for i in range(n_mb):
             real = i < len(mbs)
             mb = batch.select_indices(mbs[i] if real else mbs[0]).to(self.device)
-            curr = self._forward(self.model, mb, packed[i if real else 0] if packed else None)
+            curr = self._forward(model, mb, packed[i if real else 0] if packed else None)
             loss, mb_metrics = loss_fn(curr, mb, global_toks, global_seqs)
             (loss if real else loss * 0.0).backward()
+            if self._twin is not None:
+                self._twin.accumulate_grads()
             if real:
                 loss_sum += float(loss.detach())
                 tokens += int(mb["input_lengths"].sum())
@@ -412,7 +472,7 @@ class FSDPPolicyWorker:
     @torch.no_grad()
     def get_logprobs(self, shard: BatchedDataDict, reference: bool = False) -> BatchedDataDict:
         """`logprobs` (or `reference_logprobs`) `[b, S]` of the rows of `shard`."""
-        model = self.reference if reference else self.model
+        model = self.reference if reference else self._compute_model()
         if model is None:
             raise RuntimeError("get_reference_logprobs: this Policy was built with init_reference=False")
         key = "reference_logprobs" if reference else "logprobs"
@@ -423,7 +483,7 @@ class FSDPPolicyWorker:
     def get_scores(self, shard: BatchedDataDict) -> BatchedDataDict:
         """`scores` `[b]` of a sequence-classification (reward) model."""
         out = torch.zeros(shard.size, dtype=torch.float32)
-        return BatchedDataDict(scores=self._inference(self.model, shard, out))
+        return BatchedDataDict(scores=self._inference(self._compute_model(), shard, out))
 
     def _inference(self, model: torch.nn.Module, shard: BatchedDataDict, out: torch.Tensor) -> torch.Tensor:
         was_training = model.training
@@ -520,6 +580,8 @@ class FSDPPolicyWorker:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.weights_version = extra["weights_version"]
         self.gen_version = -1  # the generation copy holds other weights now
+        if self._twin is not None:
+            self._twin.version = None
         dist.barrier()
 
     # ------------------------------------------------------------------ colocated generation

@@ -1,7 +1,13 @@
-"""Plain single-process transformers references for the policy tests (no Ray, no FSDP)."""
+"""Plain single-process transformers references for the policy tests (no Ray, no FSDP), and
+the pair of 1- and 2-worker policies those tests compare with them."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import ray
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -52,3 +58,31 @@ def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float, max_g
         for p in model.parameters():
             p -= lr * coef * p.grad
     return loss.item(), grad_norm.item(), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@contextmanager
+def one_and_two_workers(make_cfg: Callable, name: str, **policy_kw) -> Iterator[tuple]:
+    """(1-worker Policy, 2-worker Policy) from `make_cfg(workers)`, started concurrently; shut
+    down on exit. Callable values of `policy_kw` are called with the worker count."""
+    from posttrain.distributed.cluster import RayVirtualCluster
+    from posttrain.policy.lm_policy import Policy
+    from posttrain.schemas import ClusterConfig
+
+    def build(workers: int):
+        cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=f"{name}{workers}")
+        kw = {k: v(workers) if callable(v) else v for k, v in policy_kw.items()}
+        return cluster, Policy(cluster, make_cfg(workers), name_prefix=f"{name}{workers}", **kw)
+
+    with ThreadPoolExecutor(2) as pool:  # the two start up concurrently
+        made = list(pool.map(build, (1, 2)))
+    try:
+        yield made[0][1], made[1][1]
+    finally:
+        for cluster, policy in made:
+            policy.shutdown()
+            cluster.shutdown()
+
+
+def full_state(policy) -> dict[str, torch.Tensor]:
+    """The policy's full float32 state dict, fetched from Ray's object store."""
+    return ray.get(policy.full_state_dict_ref())

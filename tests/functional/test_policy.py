@@ -6,20 +6,16 @@ parameters after one SGD step (lr 0.5) 2e-6 absolute (reduction-order noise only
 """
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from policy_oracle import make_batch, reference_logprobs, sgd_step_reference
+from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
-from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.losses.nll import NLLLoss
-from posttrain.policy.lm_policy import Policy
-from posttrain.schemas import ClusterConfig, PolicyConfig
+from posttrain.schemas import PolicyConfig
 
 LR = 0.5
 
@@ -41,20 +37,10 @@ def hf_model(tiny_model_path):
 @pytest.fixture(scope="module")
 def policies(ray_session):
     """A 1-worker policy with micro-batches of 1 and a 2-worker policy with micro-batches of 2."""
-    def build(workers: int, mb: int):
-        cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=f"t{workers}")
-        return cluster, Policy(cluster, _cfg(train_micro_batch_size=mb), name_prefix=f"policy{workers}")
-
-    with ThreadPoolExecutor(2) as pool:  # the two start up concurrently
-        made = list(pool.map(build, (1, 2), (1, 2)))
-    yield made[0][1], made[1][1]
-    for cluster, policy in made:
-        policy.shutdown()
-        cluster.shutdown()
+    with one_and_two_workers(lambda workers: _cfg(train_micro_batch_size=workers), "policy") as pair:
+        yield pair
 
 
-def _state(policy) -> dict[str, torch.Tensor]:
-    return ray.get(policy.full_state_dict_ref())
 
 
 def test_logprobs_match_plain_forward(policies, hf_model):
@@ -80,7 +66,7 @@ def test_train_step_same_for_1_and_2_workers_and_microbatch_sizes(policies, tiny
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
         assert m["lr"] == LR and m["global_valid_toks"] == float(batch["token_mask"].sum())
         assert m["num_valid_tokens"] == m["global_valid_toks"]  # loss metrics summed over mbs and workers
-        state = _state(policy)
+        state = full_state(policy)
         for k, v in expected_state.items():
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
@@ -97,16 +83,16 @@ def test_dcp_checkpoint_restores_weights_and_optimizer(policies, tmp_path):
     policy = policies[1]
     batch = make_batch(seed=3)
     policy.save_checkpoint(tmp_path / "ckpt")
-    saved = _state(policy)
+    saved = full_state(policy)
     policy.train(batch, NLLLoss())
-    after_one_more = _state(policy)
+    after_one_more = full_state(policy)
     policy.load_checkpoint(tmp_path / "ckpt")
-    restored = _state(policy)
+    restored = full_state(policy)
     for k in saved:
         assert torch.equal(restored[k], saved[k]), k
     # Same step again: identical only if the momentum buffers were restored as well.
     policy.train(batch, NLLLoss())
-    for k, v in _state(policy).items():
+    for k, v in full_state(policy).items():
         assert torch.equal(v, after_one_more[k]), k
 
 
@@ -127,7 +113,7 @@ def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     batch = make_batch(seed=4)
     ids = batch["input_ids"][:, :9]  # rows 0, 2 and the prefix of 1 are all valid tokens
     live = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    live.load_state_dict(_state(policy))
+    live.load_state_dict(full_state(policy))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, live(ids).logits)
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(reloaded, batch),
@@ -150,10 +136,10 @@ def test_colocated_generation_follows_training(policies):
 
     first = policy.generate(prompts, greedy=True)
     assert first["output_ids"].shape[0] == 3 and (first["generation_lengths"] > 0).all()
-    assert torch.equal(first["output_ids"], expected(_state(policy)))
+    assert torch.equal(first["output_ids"], expected(full_state(policy)))
     policy.train(make_batch(seed=6), NLLLoss())  # weights change: the next generate must refit
     second = policy.generate(prompts, greedy=True)
-    assert torch.equal(second["output_ids"], expected(_state(policy)))
+    assert torch.equal(second["output_ids"], expected(full_state(policy)))
     assert policy.last_generation_metrics["generation/refit_s"] > 0
     policy.generate(prompts, greedy=True)
     assert policy.last_generation_metrics["generation/refit_s"] == 0  # same weights: no refit
