@@ -22,7 +22,8 @@ import torch
 PACKING_ALGORITHMS = ("modified_first_fit_decreasing", "first_fit_decreasing", "first_fit")
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
+    """`x` rounded up to a multiple of `multiple`."""
     return -(-x // multiple) * multiple
 
 
@@ -127,7 +128,7 @@ def dynamic_microbatches(lengths: list[int], token_budget: int, round_to: int = 
     current: list[int] = []
     current_max = 0
     for u in order:
-        padded = _round_up(max(current_max, unit_len[u]), round_to)
+        padded = round_up(max(current_max, unit_len[u]), round_to)
         if current and padded * (len(current) + group) > token_budget:
             batches.append(current)
             current, current_max = [], 0
@@ -171,7 +172,7 @@ def pack_rows(input_ids: torch.Tensor, input_lengths: torch.Tensor, rows: list[i
             src += 1
         ids_rows.append(torch.cat(pieces))
         pos_rows.append(torch.cat(positions))
-    width = _round_up(max(len(x) for x in ids_rows), round_to)
+    width = round_up(max(len(x) for x in ids_rows), round_to)
     ids = torch.full((len(rows), width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
     pos = torch.zeros((len(rows), width), dtype=torch.long, device=input_ids.device)
     for r, (x, p) in enumerate(zip(ids_rows, pos_rows)):
@@ -259,8 +260,8 @@ def share_prefixes(input_ids: torch.Tensor, input_lengths: torch.Tensor, prefix_
             current.append(r)
             size += suffix
         packed.append((p, current))
-    width = _round_up(max(p + sum(lengths[r] - p for r in rows) for p, rows in packed), round_to)
-    plain = _round_up(max(lengths), round_to)
+    width = round_up(max(p + sum(lengths[r] - p for r in rows) for p, rows in packed), round_to)
+    plain = round_up(max(lengths), round_to)
     if len(packed) * width * (1 + score_cost * width) >= b * plain * (1 + score_cost * plain / 2):
         return None
     dev = input_ids.device

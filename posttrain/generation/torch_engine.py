@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.data.batch import BatchedDataDict
+from posttrain.data.packing import round_up
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
     prepare_prompts,
@@ -45,8 +46,10 @@ _PREFILL_CHUNK_TOKENS = 2048
 # a prefill forward costs about as much as a decode step, so refilling one slot at a time
 # would double the forwards in a long tail of short sequences.
 _REFILL_FRACTION = 0.125
-# The KV cache grows by this factor when the longest sequence reaches its end (see _SlotCache).
+# The KV cache grows by this factor when the longest sequence reaches its end (see _SlotCache),
+# its length kept a multiple of _CACHE_ROUND positions.
 _CACHE_GROWTH = 1.25
+_CACHE_ROUND = 16
 # When no prompt is waiting and at most this fraction of slots is still running, the cache
 # is compacted to the running slots so the tail does not pay for finished ones.
 _COMPACT_FRACTION = 0.5
@@ -193,7 +196,7 @@ class _SlotCache:
         """Grow so that positions `[0, span)` fit; the cached rows keep their contents."""
         if span <= self.length:
             return
-        new = min(self.max_length, max(span, _round_up(int(self.length * _CACHE_GROWTH))))
+        new = min(self.max_length, max(span, round_up(int(self.length * _CACHE_GROWTH), _CACHE_ROUND)))
         for b in self._k + self._v:
             _spread_rows(b, self.slots * self.n_kv, self.length * self.head_dim, new * self.head_dim)
         self.length = new
@@ -224,10 +227,6 @@ def _spread_rows(flat: torch.Tensor, rows: int, old: int, new: int) -> None:
         else:
             flat[a * new : b * new].view(b - a, new)[:, :old] = flat[a * old : b * old].view(b - a, old)
         b = a
-
-
-def _round_up(n: int, multiple: int = 16) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cis: torch.Tensor):
@@ -397,7 +396,7 @@ class TorchGeneration:
         slot_len = int((plen + max_new).max())
         cap = int(max_new.max())
         num = self._num_slots(n, slot_len)
-        cache = _SlotCache(w, num, _round_up(int(plen.max()) + 16), slot_len)
+        cache = _SlotCache(w, num, round_up(int(plen.max()) + 16, _CACHE_ROUND), slot_len)
         stop_ids = self.stop.stop_id_tensor(dev)
         all_stops = {s for row in stops for s in row}
         cand_table = self.stop.candidates(all_stops).to(dev) if all_stops else None

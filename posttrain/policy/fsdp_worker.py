@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, share_prefixes,
-                                    unpack_token_values)
+from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
+                                    share_prefixes, unpack_token_values)
 from posttrain.distributed.weight_sync import load_state_dict_inplace
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
@@ -365,8 +365,7 @@ class FSDPPolicyWorker:
 
     def _fit(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """`ids` cut (or padded) to the longest row, rounded up to make_sequence_length_divisible_by."""
-        multiple = self.cfg.make_sequence_length_divisible_by
-        length = -(-int(lengths.max()) // multiple) * multiple
+        length = round_up(int(lengths.max()), self.cfg.make_sequence_length_divisible_by)
         if length <= ids.shape[1]:
             return ids[:, :length]
         return torch.nn.functional.pad(ids, (0, length - ids.shape[1]), value=self.pad_id)
