@@ -98,6 +98,9 @@ class Settings:
     train_batch: int | None = None
     # float32, or bfloat16 (posttrain policy.precision; TRL bf16=True autocast, both the defaults).
     precision: str = "float32"
+    # TRL's model attention kernel (`attn_implementation`); null: transformers' default (sdpa).
+    # posttrain's default on CPU is eager (policy.attn_implementation=auto), faster for training here.
+    trl_attn: str | None = None
     # posttrain-only extras from the quickstart (its own tuning: placement, batch splits)
     posttrain_config: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -352,7 +355,8 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
         report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, log_completions=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(s.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        s.model_path, dtype=torch.float32, **({"attn_implementation": s.trl_attn} if s.trl_attn else {}))
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=args, train_dataset=train_ds, processing_class=tok,
         callbacks=[Timing()],
@@ -442,9 +446,10 @@ def warm_start_worker(out: Path, overrides: list[str]) -> None:
 
 
 def run_accuracy(quick: bool, steps: int | None, work: Path, seeds: list[int] | None = None,
-                 val_period: int | None = None) -> dict[str, Any]:
+                 val_period: int | None = None, trl_attn: str | None = None) -> dict[str, Any]:
     """One warm start, then a posttrain/TRL pair per seed (`grpo.seed`; TRL `seed` and `data_seed`)."""
     s, cfg = accuracy_settings(quick, steps)
+    s.trl_attn = trl_attn
     if val_period:
         s.val_period = val_period
     warm = work / "warm_start_hf"
@@ -529,7 +534,7 @@ def versions() -> str:
 def settings_table(s: dict[str, Any]) -> list[str]:
     keys = ["model_path", "steps", "num_prompts", "num_generations", "max_new_tokens", "ignore_eos",
             "max_total_sequence_length", "lr", "betas", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
-            "temperature", "val_period", "num_val", "seed", "threads", "train_batch", "precision"]
+            "temperature", "val_period", "num_val", "seed", "threads", "train_batch", "precision", "trl_attn"]
     data = {k: v for k, v in s["data"].items() if k in ("dataset_name", "num_digits", "operations", "num_train",
                                                          "seed", "add_bos", "zero_pad", "demo_carry_error_rate")}
     return ["| setting | value |", "|---|---|"] + [f"| {k} | `{s[k]}` |" for k in keys] + [f"| data | `{data}` |"]
@@ -652,6 +657,9 @@ def main() -> None:
     ap.add_argument("--val-period", type=int, default=None,
                     help="accuracy part: validate every N steps (default: the quickstart's grpo.val_period); "
                          "validation time is excluded from both sides' wall time")
+    ap.add_argument("--trl-attn", choices=["eager", "sdpa"], default=None,
+                    help="TRL's attention kernel (default: transformers' default, sdpa; posttrain's CPU "
+                         "default is eager)")
     ap.add_argument("--work-dir", default="/tmp/grpo_vs_trl", help="run folders and logs")
     ap.add_argument("--results-dir", default=None,
                     help=f"markdown and PNG (default: {RESULTS.relative_to(REPO)}; with --quick: <work-dir>/results)")
@@ -662,13 +670,14 @@ def main() -> None:
     print(f"load average at start: {load_average()}", flush=True)
     results: dict[str, Any] = {}
     if args.part in ("speed", "all"):
-        results["speed"] = run_pair(speed_settings(args.quick, args.speed_steps, args.precision),
-                                     work / "speed")
+        results["speed"] = run_pair(replace(speed_settings(args.quick, args.speed_steps, args.precision),
+                                            trl_attn=args.trl_attn), work / "speed")
         print(f"speed: posttrain {median_step(results['speed']['posttrain']):.2f} s/step, "
               f"TRL {median_step(results['speed']['trl']):.2f} s/step", flush=True)
     if args.part in ("accuracy", "all"):
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else None
-        results["accuracy"] = run_accuracy(args.quick, args.accuracy_steps, work / "accuracy", seeds, args.val_period)
+        results["accuracy"] = run_accuracy(args.quick, args.accuracy_steps, work / "accuracy", seeds, args.val_period,
+                                           args.trl_attn)
         plot(results["accuracy"], out / PLOT_NAME, ACC_TARGET)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     blocks = report(results, args.quick)
