@@ -43,6 +43,13 @@ from posttrain.schemas import PolicyConfig
 log = logging.getLogger(__name__)
 
 
+def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast `module`'s parameters to `dtype` in place; buffers (rotary frequencies) stay float32,
+    as under FSDP2's MixedPrecisionPolicy (`module.to(dtype)` would cast them too)."""
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+
+
 class LowPrecisionTwin:
     """FSDP2's mixed precision (`MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`)
     on one rank, without FSDP2: a copy of the float32 master module whose parameters are cast to
@@ -56,8 +63,7 @@ class LowPrecisionTwin:
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
         self.module = copy.deepcopy(master)
-        for p in self.module.parameters():
-            p.data = p.data.to(dtype)
+        _cast_parameters(self.module, dtype)
         self._pairs = list(zip(master.parameters(), self.module.parameters()))
         self.version: int | None = None  # master weights version the copy holds
 
@@ -246,8 +252,7 @@ class FSDPPolicyWorker:
             # policy computes in its LowPrecisionTwin; a frozen reference model is simply cast.
             model.to(self.device)
             if not train and compute != torch.float32:
-                for p in model.parameters():
-                    p.data = p.data.to(compute)
+                _cast_parameters(model, compute)
             model.train(train)
             return model
         mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))

@@ -41,8 +41,6 @@ def policies(ray_session):
         yield pair
 
 
-
-
 def test_logprobs_match_plain_forward(policies, hf_model):
     batch = make_batch()
     expected = reference_logprobs(hf_model, batch)

@@ -31,8 +31,6 @@ def bf16_policies(ray_session):
         yield pair
 
 
-
-
 def test_one_worker_twin_trains_like_two_fsdp2_workers(bf16_policies, tiny_model_path):
     one, two = bf16_policies
     batch = make_batch()
