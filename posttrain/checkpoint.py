@@ -23,18 +23,27 @@ when no metric is named, and always the latest one (so at most k+1 remain).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import random
 import re
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError
 from posttrain.schemas import CheckpointingConfig
+
+log = logging.getLogger(__name__)
+
+# Key of a run's result dict naming the stop signal that ended it early (see stop_on_signals).
+STOPPED_BY_SIGNAL = "stopped_by_signal"
 
 COMPLETE_MARKER = "COMPLETE"
 INFO_FILE = "training_info.json"
@@ -112,6 +121,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def stop_message(reason: str, step: int, cfg: CheckpointingConfig) -> str:
+    """What a training loop prints when it ends early for `reason` (`CheckpointManager.stop_reason`)."""
+    saved = f"saved step_{step} in {cfg.checkpoint_dir}" if cfg.enabled else "nothing saved (checkpointing.enabled=false)"
+    return f"{reason} at step {step}: {saved}; stopping"
+
+
 class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one run (see the module docstring)."""
 
@@ -124,16 +139,52 @@ class CheckpointManager:
             self.moved_aside = self._move_aside()
         self._started = time.monotonic()
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
+        self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
 
     # ----------------------------------------------------------------- queries
 
     def should_save(self, step: int) -> bool:
         return self.cfg.enabled and step % self.cfg.save_period == 0
 
-    def must_save_and_stop(self) -> bool:
-        """True once `checkpointing.checkpoint_must_save_by` has passed since this manager was made:
-        the training loop then saves a checkpoint and ends the run cleanly."""
-        return self.save_deadline_s is not None and time.monotonic() - self._started >= self.save_deadline_s
+    def stop_reason(self) -> str | None:
+        """Why the run must save a checkpoint and end cleanly after this step, or None: the job's
+        time limit (`checkpointing.checkpoint_must_save_by`, counted from this manager's creation)
+        has passed, or the process got SIGTERM or SIGINT (see `stop_on_signals`)."""
+        if self.stop_signal is not None:
+            return f"{self.stop_signal} received"
+        if self.save_deadline_s is not None and time.monotonic() - self._started >= self.save_deadline_s:
+            return f"checkpointing.checkpoint_must_save_by={self.cfg.checkpoint_must_save_by} reached"
+        return None
+
+    @contextlib.contextmanager
+    def stop_on_signals(self):
+        """Within this block (a training loop) SIGTERM, which schedulers send before they kill a job,
+        and a first Ctrl-C (SIGINT) do not kill the driver mid-step: `stop_reason()` says so and the
+        loop saves a checkpoint after the current step and ends (the run then skips its HF export,
+        and the CLI exits with 128 + the signal number, as the shell reports a killed command). A
+        second signal interrupts at once (KeyboardInterrupt); the checkpoints already saved stay.
+        Only the main thread can take signals, so elsewhere the block changes nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = (signal.SIGTERM, signal.SIGINT)
+        previous = {s: signal.getsignal(s) for s in wanted}
+
+        def handle(signum: int, _frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt(f"second stop signal ({name})")
+            self.stop_signal = name
+            log.warning("%s received: saving a checkpoint after this step and stopping "
+                        "(send it again to stop at once, without saving)", name)
+
+        for s in wanted:
+            signal.signal(s, handle)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest step first; cleans up what interrupted saves left behind."""

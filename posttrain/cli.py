@@ -6,22 +6,24 @@
 
 The config is loaded and validated before torch, transformers or Ray are imported (they
 come with `posttrain.algorithms.<algo>`, imported only after validation), so a typo in a
-key fails in well under a second. A `ConfigError` prints its message, without a traceback,
-and exits with status 2.
+key fails in well under a second. Bad input (`InputError`: a config key or value, a missing
+file or model, a malformed data row, also when a Ray worker finds it) prints its message
+alone, without a traceback, and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any, Sequence
 
-from posttrain.config import ConfigError, load_config, to_yaml
+from posttrain.config import InputError, load_config, to_yaml
 from posttrain.schemas import MASTER_CONFIGS
 
 DOCS = "docs/config.md"
-EXIT_CONFIG_ERROR = 2
+EXIT_INPUT_ERROR = 2
 
 _ALGO_HELP = {
     "grpo": "GRPO-family RL (GRPO, DAPO, GSPO, Dr.GRPO; single and multi-turn)",
@@ -142,7 +144,11 @@ def _run_algorithm(algorithm: str, argv: Sequence[str]) -> int:
     module = importlib.import_module(f"posttrain.algorithms.{algorithm}")
     result: dict[str, Any] = module.run(cfg)
     print(json.dumps({"result": result}, default=str))
-    return 0
+    from posttrain.checkpoint import STOPPED_BY_SIGNAL
+
+    # Ended early by SIGTERM/SIGINT (after saving): the status the shell gives a command it killed.
+    stopped = result.get(STOPPED_BY_SIGNAL)
+    return 128 + signal.Signals[stopped].value if stopped else 0
 
 
 def _run_convert(argv: Sequence[str]) -> int:
@@ -163,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     top = _top_parser()
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
-        sys.exit(0 if argv else EXIT_CONFIG_ERROR)
+        sys.exit(0 if argv else EXIT_INPUT_ERROR)
     command, rest = argv[0], argv[1:]
     try:
         if command in MASTER_CONFIGS:
@@ -172,9 +178,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             code = _run_convert(rest)
         else:
             top.error(f"unknown command {command!r}; choose from {', '.join([*MASTER_CONFIGS, 'convert'])}")
-    except ConfigError as e:
-        print(f"posttrain {command}: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+    except InputError as e:
+        # Raised in a Ray worker, it arrives as Ray's wrapper (an instance of both) whose text
+        # is the worker's traceback: print the worker's own message.
+        print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        sys.exit(EXIT_INPUT_ERROR)
     sys.exit(code)
 
 

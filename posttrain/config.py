@@ -37,8 +37,18 @@ T = TypeVar("T", bound=BaseModel)
 _CMDLINE = "command line"
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Bad user input (a config key or value, a file that is not there, a malformed data row),
+    with a message that names the key, file or row. The CLI prints the message alone, without
+    a traceback: the traceback would point into posttrain, where nothing needs fixing."""
+
+
+class ConfigError(InputError):
     """A config problem, with a message that names the file, line or dotted key."""
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A file or folder the config names does not exist or cannot be read."""
 
 
 # --------------------------------------------------------------------------- resolvers

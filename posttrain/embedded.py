@@ -127,3 +127,18 @@ def resolve_model_path(name: str) -> str:
     if name.startswith(EMBEDDED_PREFIX):
         return str(materialize(name[len(EMBEDDED_PREFIX):]))
     return name
+
+
+def model_load_error(key: str, name: str, path: str, what: str, error: Exception):
+    """The `MissingInputError` for `what` ("a model config", "a tokenizer") that transformers could
+    not load from `path` (config key `key` = `name`): a local path that does not exist says so,
+    rather than transformers' complaint that it is not a valid hub repo id."""
+    from posttrain.config import MissingInputError
+
+    local = os.path.isabs(path) or path.startswith((".", "~"))
+    if local and not os.path.exists(os.path.expanduser(path)):
+        reason = "no such folder"
+    else:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    where = "local folder" if local else "hub id or folder"
+    return MissingInputError(f"{key}={name!r}: cannot load {what} from this {where} ({path}): {reason}")

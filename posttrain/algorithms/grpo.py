@@ -26,7 +26,7 @@ from posttrain.advantages import (
     scale_rewards,
 )
 from posttrain.algorithms.offline import log_data_stats
-from posttrain.checkpoint import CheckpointManager, restore_rng_state
+from posttrain.checkpoint import STOPPED_BY_SIGNAL, CheckpointManager, restore_rng_state, stop_message
 from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -334,10 +334,10 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                 val_metrics = validate(s, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
 
-        # ---- checkpoint (on schedule, at the end, or when the job's time is up)
-        must_stop = s.checkpointer.must_save_and_stop()
+        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
+        stop = s.checkpointer.stop_reason()
         if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
-                                          or step == g.max_num_steps or must_stop):
+                                          or step == g.max_num_steps or stop):
             with timer.time("checkpoint"):
                 _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
                                 **{f"val:{k}": v for k, v in val_metrics.items()}})
@@ -365,8 +365,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping (the last complete "
                                      f"checkpoint in {cfg.checkpointing.checkpoint_dir} is kept)")
-        if must_stop:
-            logger.console(f"checkpointing.checkpoint_must_save_by reached at step {step}: saved and stopping")
+        if stop:
+            logger.console(stop_message(stop, step, cfg.checkpointing))
             break
 
     logger.plot()
@@ -418,7 +418,10 @@ def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     s = setup(cfg)
     try:
-        final = grpo_train(s)
+        with s.checkpointer.stop_on_signals():
+            final = grpo_train(s)
+        if s.checkpointer.stop_signal:
+            return {**final, STOPPED_BY_SIGNAL: s.checkpointer.stop_signal}
         if cfg.checkpointing.export_hf_at_end:
             s.policy.export_hf(s.run_dir / "hf")
             s.logger.console(f"exported the final policy to {s.run_dir / 'hf'}")

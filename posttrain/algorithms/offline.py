@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import CheckpointManager, restore_rng_state
+from posttrain.checkpoint import STOPPED_BY_SIGNAL, CheckpointManager, restore_rng_state, stop_message
 from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -258,10 +258,11 @@ def offline_train(
             with timer.time("validation"):
                 val_metrics = validate()
             logger.log_metrics(val_metrics, step=step, prefix="val")
-        # ---- checkpoint
+        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
                 "epoch": s.loader.epoch}
-        if s.run.checkpointer.should_save(step) or (s.cfg.checkpointing.enabled and step == s.total_steps):
+        stop = s.run.checkpointer.stop_reason()
+        if s.run.checkpointer.should_save(step) or (s.cfg.checkpointing.enabled and (step == s.total_steps or stop)):
             with timer.time("checkpoint"):
                 save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
                                                      **{f"val:{k}": v for k, v in val_metrics.items()}})
@@ -269,6 +270,9 @@ def offline_train(
         logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
         logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
                                                            if show in val_metrics else {})})
+        if stop:
+            logger.console(stop_message(stop, step, s.cfg.checkpointing))
+            break
     logger.plot()
     return {"step": step, **{f"train/{k}": v for k, v in last.items()},
             **{f"val/{k}": v for k, v in val_metrics.items()}}
@@ -278,7 +282,10 @@ def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str
     """`train(s)`, then the HF export when `checkpointing.export_hf_at_end`; always shuts down."""
     freeze_setup_objects()
     try:
-        result = train(s)
+        with s.run.checkpointer.stop_on_signals():
+            result = train(s)
+        if s.run.checkpointer.stop_signal:
+            return {**result, STOPPED_BY_SIGNAL: s.run.checkpointer.stop_signal}
         if s.cfg.checkpointing.export_hf_at_end:
             s.run.policy.export_hf(s.run.run_dir / "hf")
         return result

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.config import MissingInputError
 from posttrain.policy.hf_io import load_hf_config, model_class, save_hf
 from posttrain.schemas import LoraConfig
 
@@ -29,7 +30,7 @@ def _policy_dir(checkpoint: Path) -> Path:
     for cand in (checkpoint / "policy", checkpoint):
         if (cand / ".metadata").is_file():
             return cand
-    raise FileNotFoundError(f"no torch.distributed.checkpoint in {checkpoint} or {checkpoint / 'policy'} "
+    raise MissingInputError(f"no torch.distributed.checkpoint in {checkpoint} or {checkpoint / 'policy'} "
                             "(missing .metadata)")
 
 
@@ -42,7 +43,7 @@ def _model_source(policy_dir: Path, config_path: str | None) -> str:
             import yaml
 
             return yaml.safe_load(c.read_text())["policy"]["model_name"]
-    raise FileNotFoundError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
+    raise MissingInputError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
                             f"(tried {', '.join(map(str, candidates))}); pass --config")
 
 

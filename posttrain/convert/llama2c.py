@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from posttrain.config import InputError, MissingInputError
+
 HEADER_INTS = 7
 # Tokens of a llama2.c sentencepiece vocabulary (`llama2.c/tokenizer.py` trains with these ids).
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -76,14 +78,14 @@ def read_llama2c(bin_path: str | os.PathLike) -> tuple[Llama2cHeader, dict[str, 
     """
     path = Path(bin_path)
     if not path.is_file():
-        raise FileNotFoundError(f"llama2.c checkpoint not found: {path}")
+        raise MissingInputError(f"llama2.c checkpoint not found: {path}")
     raw = path.read_bytes()
     if len(raw) < HEADER_INTS * 4:
-        raise ValueError(f"{path}: {len(raw)} bytes is too short for the 7-int32 llama2.c header")
+        raise InputError(f"{path}: {len(raw)} bytes is too short for the 7-int32 llama2.c header")
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = (int(x) for x in np.frombuffer(raw, np.int32, HEADER_INTS))
     hdr = Llama2cHeader(dim, hidden, n_layers, n_heads, n_kv, abs(vocab), seq_len, shared_classifier=vocab > 0)
     if min(dim, hidden, n_layers, n_heads, n_kv, hdr.vocab_size, seq_len) <= 0 or dim % n_heads or n_heads % n_kv:
-        raise ValueError(
+        raise InputError(
             f"{path}: implausible llama2.c header {hdr} (is this a llama2.c legacy-format .bin? "
             "dim must divide by n_heads and n_heads by n_kv_heads)"
         )
@@ -109,7 +111,7 @@ def read_llama2c(bin_path: str | os.PathLike) -> tuple[Llama2cHeader, dict[str, 
     expected = sum(int(np.prod(s)) for _, s in shapes)
     floats = np.frombuffer(raw, np.float32, offset=HEADER_INTS * 4)
     if floats.size != expected:
-        raise ValueError(
+        raise InputError(
             f"{path}: holds {floats.size} fp32 values after the header, the header {hdr} implies {expected}"
         )
     arrays: dict[str, np.ndarray] = {}
@@ -191,11 +193,11 @@ def _check_tokenizer(tok, tokenizer_model_path: Path, vocab_size: int) -> None:
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model_path))
     if sp.vocab_size() != vocab_size:
-        raise ValueError(
+        raise InputError(
             f"{tokenizer_model_path}: sentencepiece vocab {sp.vocab_size()} != model vocab_size {vocab_size}"
         )
     if (sp.unk_id(), sp.bos_id(), sp.eos_id()) != (UNK_ID, BOS_ID, EOS_ID):
-        raise ValueError(
+        raise InputError(
             f"{tokenizer_model_path}: special ids unk/bos/eos = {sp.unk_id()}/{sp.bos_id()}/{sp.eos_id()}, "
             f"expected {UNK_ID}/{BOS_ID}/{EOS_ID} (llama2.c's sentencepiece recipe)"
         )
@@ -220,7 +222,7 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
 
     tok_path = Path(tokenizer_model_path)
     if not tok_path.is_file():
-        raise FileNotFoundError(f"sentencepiece tokenizer model not found: {tok_path}")
+        raise MissingInputError(f"sentencepiece tokenizer model not found: {tok_path}")
     hdr, arrays = read_llama2c(bin_path)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from posttrain.config import InputError, MissingInputError
 from posttrain.data.formats import DataFormatError, detect_format, normalize_row, where
 from posttrain.embedded import cache_root
 from posttrain.schemas import DataConfig
@@ -62,7 +63,11 @@ def resolve_path(path: str | os.PathLike) -> Path:
 def _existing(path: str | os.PathLike, what: str) -> Path:
     p = resolve_path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{what}: file not found: {path} (looked in {Path.cwd()} and {_PROJECT_ROOT})")
+        hint = ""
+        if p.is_relative_to(shared_data_dir()):
+            hint = (f"; registered datasets read $POSTTRAIN_SHARED_DATA (now {shared_data_dir()}): set it, or "
+                    "name the files with data.train_data_path / data.val_data_path")
+        raise MissingInputError(f"{what}: file not found: {path} (looked in {Path.cwd()} and {_PROJECT_ROOT}){hint}")
     return p
 
 
@@ -80,7 +85,7 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str]:
 
     suffix = path.suffix.lower()
     if suffix not in _FILE_SUFFIXES:
-        raise ValueError(f"{path}: unsupported data file type {suffix!r}; use one of {', '.join(_FILE_SUFFIXES)}")
+        raise InputError(f"{path}: unsupported data file type {suffix!r}; use one of {', '.join(_FILE_SUFFIXES)}")
     kwargs: dict[str, Any] = {}
     if suffix == ".json" and _top_level_is_object_with_data(path):
         kwargs["field"] = "data"
@@ -173,9 +178,9 @@ def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[st
     return rows
 
 
-def load_file(path: str | os.PathLike, cfg: DataConfig) -> list[dict[str, Any]]:
-    """Canonical rows of one local file."""
-    raw, source = read_file(_existing(path, "data file"))
+def load_file(path: str | os.PathLike, cfg: DataConfig, key: str = "data file") -> list[dict[str, Any]]:
+    """Canonical rows of one local file; `key` is the config key that named it (for errors)."""
+    raw, source = read_file(_existing(path, key))
     return normalize_rows(raw, source, cfg)
 
 
@@ -183,7 +188,7 @@ def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: s
     """The `split` side of a seeded train/val split of `rows` (val = `data.val_split_fraction`)."""
     n_val = max(1, math.ceil(len(rows) * cfg.val_split_fraction))
     if n_val >= len(rows):
-        raise ValueError(
+        raise InputError(
             f"{source}: {len(rows)} rows are too few to hold out {n_val} for validation; "
             "set data.val_data_path or lower data.val_split_fraction"
         )
@@ -200,10 +205,11 @@ def _files(train_path: str | os.PathLike | None, val_path: str | os.PathLike | N
         train = cfg.train_data_path or train_path
         val = cfg.val_data_path or val_path
         if train is None and not (split == "val" and val):
-            raise ValueError(f"data.dataset_name={cfg.dataset_name!r} needs data.train_data_path")
+            raise InputError(f"data.dataset_name={cfg.dataset_name!r} needs data.train_data_path")
+        named_by = f"data.dataset_name={cfg.dataset_name!r}"
         if split == "val" and val:
-            return load_file(val, cfg)
-        rows = load_file(train, cfg)
+            return load_file(val, cfg, "data.val_data_path" if cfg.val_data_path else f"{named_by} (validation)")
+        rows = load_file(train, cfg, "data.train_data_path" if cfg.train_data_path else named_by)
         return rows if val else _held_out(rows, split, cfg, str(train))
 
     return load
@@ -268,7 +274,7 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         return normalize_rows(ds.to_list(), f"hub:{cfg.dataset_name}[{hub_split}]", cfg)
     if split == "val":  # a hub set with only a train split: hold out part of it
         return _held_out(_hub(cfg, "train"), "val", cfg, f"hub:{cfg.dataset_name}")
-    raise ValueError(
+    raise InputError(
         f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
         f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: " + "; ".join(errors)
     )
@@ -311,7 +317,7 @@ def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str,
         try:
             template.format("")
         except (IndexError, KeyError, ValueError) as e:
-            raise ValueError(
+            raise InputError(
                 f"data.prompt_file {cfg.prompt_file}: must hold exactly one `{{}}` for the user message "
                 f"(write literal braces as `{{{{` and `}}}}`): {e}"
             ) from None

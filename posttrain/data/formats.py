@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.config import InputError
+
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math")
 
 # ShareGPT speaker names -> roles (LLaMA-Factory's tool-call data uses function_call/observation).
@@ -51,7 +53,7 @@ _SHAREGPT_ROLES = {
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     """A malformed dataset row; the message names the file and the row."""
 
 

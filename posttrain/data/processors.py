@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
 from posttrain.schemas import DataConfig, TokenizerConfig
 
@@ -34,14 +35,30 @@ def load_tokenizer(cfg: TokenizerConfig):
     config's chat template applied and a pad token (EOS when the tokenizer has none)."""
     from transformers import AutoTokenizer
 
-    from posttrain.embedded import resolve_model_path
+    from posttrain.embedded import model_load_error, resolve_model_path
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.name))
+    path = resolve_model_path(cfg.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise model_load_error("policy.tokenizer.name", cfg.name, path, "a tokenizer", e) from None
     if cfg.chat_template is not None:
         tok.chat_template = cfg.chat_template
+    require_chat_template(tok)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def require_chat_template(tokenizer) -> None:
+    """Every prompt and conversation is rendered by the chat template: fail at load, naming the
+    key to set, rather than at the first row (a base model's tokenizer often has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
+            "policy.tokenizer.chat_template (e.g. \"{% for m in messages %}{{ m['content'] }}{% endfor %}\" "
+            "for plain text)"
+        )
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None) -> str:
@@ -78,12 +95,7 @@ def tokenize_messages(
     (assistant header) before a trained turn ends the prompt and gets no loss, as in the
     generation prompts of rollouts; false: it is trained as part of the assistant turn.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
-            "policy.tokenizer.chat_template (e.g. \"{% for m in messages %}{{ m['content'] }}{% endfor %}\" "
-            "for plain text)"
-        )
+    require_chat_template(tokenizer)
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""

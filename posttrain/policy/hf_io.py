@@ -10,7 +10,7 @@ from typing import Mapping
 
 import torch
 
-from posttrain.embedded import resolve_model_path
+from posttrain.embedded import model_load_error, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,11 +27,7 @@ def load_hf_config(model_name: str):
     try:
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        where = "local folder" if os.path.isabs(path) or path.startswith(".") else "hub id or folder"
-        raise FileNotFoundError(
-            f"policy.model_name={model_name!r}: cannot load a model config from this {where} "
-            f"({path}): {str(e).splitlines()[0]}"
-        ) from None
+        raise model_load_error("policy.model_name", model_name, path, "a model config", e) from None
 
 
 def model_class(model_kind: str):

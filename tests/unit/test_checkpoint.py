@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, stop_message
 from posttrain.config import ConfigError
 from posttrain.schemas import CheckpointingConfig
 
@@ -176,9 +176,25 @@ def test_rng_capture_restore_roundtrip():
 
 def test_checkpoint_must_save_by(tmp_path):
     mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:00:00")
-    assert mgr.save_deadline_s == 0 and mgr.must_save_and_stop()
+    assert mgr.save_deadline_s == 0
+    assert mgr.stop_reason() == "checkpointing.checkpoint_must_save_by=00:00:00:00 reached"
     mgr = _mgr(tmp_path, checkpoint_must_save_by="01:02:03:04")
-    assert mgr.save_deadline_s == 93784 and not mgr.must_save_and_stop()
-    assert not _mgr(tmp_path).must_save_and_stop()
+    assert mgr.save_deadline_s == 93784 and mgr.stop_reason() is None
+    assert _mgr(tmp_path).stop_reason() is None
     with pytest.raises(ValueError, match="should match pattern"):
         CheckpointingConfig(checkpoint_must_save_by="3h")
+
+
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signals_end_the_run_after_the_step_and_a_second_one_at_once(tmp_path, first):
+    mgr = _mgr(tmp_path)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with mgr.stop_on_signals():
+        assert mgr.stop_reason() is None and mgr.stop_signal is None
+        os.kill(os.getpid(), first)  # delivered to this (main) thread before kill returns
+        assert mgr.stop_reason() == f"{first.name} received" and mgr.stop_signal == first.name
+        with pytest.raises(KeyboardInterrupt, match="second stop signal"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are put back
+    assert stop_message(mgr.stop_reason(), 7, mgr.cfg) == (
+        f"{first.name} received at step 7: saved step_7 in {mgr.cfg.checkpoint_dir}; stopping")

@@ -50,6 +50,47 @@ def test_config_error_exits_2_without_traceback():
     assert out.returncode == 2 and "config file not found" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    out = _run("sft", f"data.dataset_name={missing}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"posttrain sft: data.dataset_name='{missing}': file not found" in out.stderr
+    out = _run("sft", "data.dataset_name=local", f"data.train_data_path={missing}")
+    assert out.returncode == 2 and f"data.train_data_path: file not found: {missing}" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": 5}\n')
+    out = _run("sft", f"data.dataset_name={bad}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{bad} row 2: `messages` must be a non-empty list of messages" in out.stderr
+    # A local model folder that is not there: said so, not transformers' "not a valid repo id".
+    out = _run("grpo", f"policy.model_name={tmp_path / 'no_model'}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"policy.tokenizer.name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
+
+
+def test_input_error_raised_in_a_ray_worker_prints_the_workers_message(monkeypatch, capsys):
+    from ray.exceptions import RayTaskError
+
+    from posttrain.config import MissingInputError
+
+    def run(cfg):
+        # What RayWorkerGroup.get re-raises: Ray's wrapper, an instance of the worker's error
+        # type whose own text is the remote traceback.
+        try:
+            raise MissingInputError("policy.model_name='/m': cannot load a model config")
+        except MissingInputError as cause:
+            raise RayTaskError("setup", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
+
+    algo = type(sys)("posttrain.algorithms.rm")
+    algo.run = run
+    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rm"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "posttrain rm: policy.model_name='/m': cannot load a model config\n"
+
+
 def test_bad_command_and_option():
     assert _run("ppo").returncode == 2
     out = _run("grpo", "--bogus")

@@ -1,0 +1,98 @@
+"""Ending a run early without losing it: Ctrl-C (SIGINT to the whole process group, as a
+terminal sends it) or SIGTERM makes the real `posttrain` command save a checkpoint after the
+current step and exit, and the job time limit (`checkpointing.checkpoint_must_save_by`) does
+the same in the SFT/DPO/RM loop as in GRPO."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms import sft
+from posttrain.config import load_config
+from posttrain.logging.jsonl import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+EXE = Path(sys.executable).parent / "posttrain"
+
+
+def _train_steps(log_dir: Path) -> list[int]:
+    path = log_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r["step"] for r in read_metrics(path) if r["prefix"] == "train"]
+
+
+def _grpo(tmp_path: Path, steps: int) -> list[str]:
+    return [str(EXE), "grpo", "--config", "examples/configs/grpo_quickstart.yaml",
+            "policy.model_name=embedded:tiny", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+            "grpo.warmup_sft_steps=0", "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
+            "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=16",
+            f"grpo.max_num_steps={steps}", "checkpointing.save_period=1000", "checkpointing.export_hf_at_end=true",
+            "logger.tensorboard_enabled=false", "cluster.cpus_per_worker=1",
+            f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"]
+
+
+@pytest.fixture
+def ray_tmpdir():
+    """A short RAY_TMPDIR for the command's own Ray cluster (its socket paths must fit 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="pt-ray-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, ray_tmpdir, sig):
+    env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}  # console lines unwrapped
+    # Its own session: SIGINT goes to the whole group (driver, Ray's processes, workers) as a
+    # terminal's Ctrl-C would; SIGTERM to the driver alone, as `kill` or `timeout` send it.
+    proc = subprocess.Popen(_grpo(tmp_path, 1000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_train_steps(tmp_path / "logs")) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig.value, out
+    steps = _train_steps(tmp_path / "logs")
+    last = steps[-1]
+    assert f"{sig.name} received at step {last}: saved step_{last} in {tmp_path / 'ckpt'}; stopping" in out
+    assert last < 1000 and steps == list(range(1, last + 1))
+    assert (tmp_path / "ckpt" / f"step_{last}" / "COMPLETE").is_file()
+    assert not (tmp_path / "logs" / "hf").exists()  # a stopped run skips the export at the end
+    assert json.loads(out.strip().splitlines()[-1])["result"]["stopped_by_signal"] == sig.name
+
+    resumed = subprocess.run(_grpo(tmp_path, last + 1), cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _train_steps(tmp_path / "logs") == list(range(1, last + 2))  # only the next step ran
+
+
+def test_sft_honours_the_job_time_limit(ray_session, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{a}="}, {"role": "assistant", "content": str(2 * a)}]}
+            for a in range(40)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config("sft", None, [
+        "policy.model_name=embedded:tiny", f"data.dataset_name={data}", "sft.max_num_steps=50",
+        "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false",
+        "policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4",
+        f"logger.log_dir={tmp_path / 'logs'}", "logger.tensorboard_enabled=false",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", "checkpointing.save_period=1000",
+        "checkpointing.checkpoint_must_save_by=00:00:00:00",  # already up: stop after the first step
+    ])
+    result = sft.run(cfg)
+    assert result["step"] == 1 and "stopped_by_signal" not in result
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
