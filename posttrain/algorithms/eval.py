@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.evals import aggregate
 from posttrain.schemas import EvalMasterConfig
 
@@ -86,7 +87,7 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     rows = rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows
     for i, row in enumerate(rows):
         if "messages" not in row or "answer" not in row:
-            raise ValueError(
+            raise InputError(
                 f"eval: row {i} of {name!r} has keys {sorted(row)}; evaluation needs prompt `messages` and a "
                 "reference `answer` (set data.format, e.g. data.format=math)"
             )
@@ -106,7 +107,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
     overlong = [i for i, n in enumerate(lengths) if n >= limit]
     if overlong:
         i = overlong[0]
-        raise ValueError(
+        raise InputError(
             f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
             f"within policy.max_total_sequence_length={limit} (first: row {i}, {lengths[i]} tokens); raise it or "
             "set policy.generation.overlong_prompt=truncate"
@@ -114,10 +115,8 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 
 
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
-    from transformers import AutoTokenizer
-
+    from posttrain.data.processors import load_tokenizer
     from posttrain.distributed.cluster import init_ray
-    from posttrain.embedded import resolve_model_path
     from posttrain.environments import create_env
     from posttrain.generation import build_generation
     from posttrain.logging import Logger
@@ -127,9 +126,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     torch.manual_seed(cfg.eval.seed)
 
     rows = load_eval_rows(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.policy.tokenizer.name))
-    if cfg.policy.tokenizer.chat_template:
-        tokenizer.chat_template = cfg.policy.tokenizer.chat_template
+    tokenizer = load_tokenizer(cfg.policy.tokenizer)
 
     _check_prompt_lengths(rows, tokenizer, cfg)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})

@@ -27,7 +27,7 @@ from posttrain.advantages import (
 )
 from posttrain.algorithms.offline import log_data_stats
 from posttrain.checkpoint import STOPPED_BY_SIGNAL, CheckpointManager, restore_rng_state, stop_message
-from posttrain.config import to_yaml
+from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
@@ -82,12 +82,12 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
         elif cfg.data.truncation == "drop":
             dropped += 1
         else:
-            raise ValueError(
+            raise InputError(
                 f"{split} row {i}: the prompt is {n} tokens, more than policy.max_total_sequence_length - 1 "
                 f"({limit}) leaves room for; set data.truncation=drop to drop such rows (they are counted)"
             )
     if not kept:
-        raise ValueError(
+        raise InputError(
             f"no {split} rows left: all {len(rows)} prompts exceed policy.max_total_sequence_length="
             f"{cfg.policy.max_total_sequence_length}"
         )
@@ -165,7 +165,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
 def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
     if any("answer" not in r for r in rows):
-        raise ValueError("grpo.warmup_sft_steps > 0 needs an `answer` in every training row to imitate")
+        raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` in every training row to imitate")
     started = time.monotonic()
     # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
     # each batch's chat templates at every step kept the policy worker waiting on the driver:

@@ -20,6 +20,7 @@ from posttrain.algorithms.offline import (
     pair_policy_config,
     run_and_export,
 )
+from posttrain.config import InputError
 from posttrain.data.processors import (
     collate_pairs,
     process_preference_rows,
@@ -38,7 +39,7 @@ def reward_model_kind(policy: PolicyConfig) -> tuple[str, type]:
     """(model kind, loss class) of the reward model `policy.reward_model_cfg` describes."""
     rm_cfg = policy.reward_model_cfg
     if not rm_cfg.enabled:
-        raise ValueError("posttrain rm needs policy.reward_model_cfg.enabled=true (the policy is the reward model)")
+        raise InputError("posttrain rm needs policy.reward_model_cfg.enabled=true (the policy is the reward model)")
     return REWARD_MODEL_TYPES[rm_cfg.reward_model_type]
 
 
