@@ -231,6 +231,26 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- saving
 
+    def save(self, step: int, policy: Any, training_info: dict[str, Any], config_yaml: str,
+             metrics: dict[str, float]) -> Path:
+        """Checkpoint `step` of a run: `policy.save_checkpoint(<tmp>/policy)` (model, optimizer,
+        scheduler), then the metadata (`finish_save`). `metrics` are keyed "train:<name>" /
+        "val:<name>"; `checkpointing.metric_name` picks the one that ranks checkpoints. A metric
+        this step did not measure (a val: metric before the first validation, or a misspelt name)
+        does not fail the run: the checkpoint is saved, ranked below every measured one, and a
+        warning lists the names there are."""
+        name = self.cfg.metric_name
+        if name and name not in metrics:
+            log.warning("checkpoint step_%d: checkpointing.metric_name=%r not measured at this step, so it "
+                        "ranks below measured ones (available: %s)", step, name, ", ".join(sorted(metrics)))
+        tmp = self.begin_save(step)
+        try:
+            policy.save_checkpoint(tmp / "policy")
+        except BaseException:
+            self.abort_save(tmp)
+            raise
+        return self.finish_save(tmp, step, training_info, config_yaml, metrics.get(name) if name else None)
+
     def begin_save(self, step: int) -> Path:
         """A fresh temporary directory for checkpoint `step`; write `policy/` into it, then `finish_save`."""
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -651,8 +651,9 @@ class CheckpointingConfig(Section):
     enabled: bool = True
     # Directory of the step_N checkpoints; a run started again with it resumes.
     checkpoint_dir: str = "results/run"
-    # Metric that ranks checkpoints for keep_top_k (e.g. "val:accuracy"); null: newest win.
-    metric_name: str | None = None
+    # Metric that ranks checkpoints for keep_top_k, "train:<name>" or "val:<name>" of a step's
+    # metrics (e.g. "val:accuracy"); null: newest win.
+    metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True
     # How many best checkpoints to keep (the latest is always kept too); null: keep all.

@@ -394,24 +394,13 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision
 
 
 def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:
-    name = s.cfg.checkpointing.metric_name
-    if name and name not in metrics:
-        # E.g. a val: metric before the first validation: saved, but ranked below any measured one.
-        s.logger.console(f"checkpoint {step}: checkpointing.metric_name={name!r} not measured yet "
-                         f"(available: {', '.join(sorted(metrics))})")
-    tmp = s.checkpointer.begin_save(step)
-    try:
-        s.policy.save_checkpoint(tmp / "policy")
-    except BaseException:
-        s.checkpointer.abort_save(tmp)
-        raise
     g = s.cfg.grpo
     info = {
         "epoch": s.loader.epoch,
         "consumed_samples": step * g.num_prompts_per_step * g.num_generations_per_prompt,
         "dataloader": s.loader.state_dict(),
     }
-    s.checkpointer.finish_save(tmp, step, info, to_yaml(s.cfg), metrics.get(name) if name else None)
+    s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
     s.logger.plot()
 
 

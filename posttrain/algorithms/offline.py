@@ -109,22 +109,9 @@ def resume(run: OfflineRun, latest: Path | None, loader: RowLoader) -> int:
 
 
 def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
-    """Checkpoint `step`: policy (model, optimizer, scheduler), data position, RNGs, config.
-
-    `metrics` are keyed "train:<name>" / "val:<name>"; `checkpointing.metric_name` picks the
-    one that ranks checkpoints for keep_top_k.
-    """
-    name = cfg.checkpointing.metric_name
-    if name and name not in metrics:
-        raise KeyError(f"checkpointing.metric_name={name!r} is not among this step's metrics: {sorted(metrics)}")
-    tmp = run.checkpointer.begin_save(step)
-    try:
-        run.policy.save_checkpoint(tmp / "policy")
-    except BaseException:
-        run.checkpointer.abort_save(tmp)
-        raise
+    """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`)."""
     info = {"epoch": loader.epoch, "consumed_samples": step * loader.batch_size, "dataloader": loader.state_dict()}
-    return run.checkpointer.finish_save(tmp, step, info, to_yaml(cfg), metrics.get(name) if name else None)
+    return run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
 
 
 def evaluate(

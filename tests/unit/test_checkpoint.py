@@ -35,7 +35,7 @@ def _steps(mgr):
 
 
 def test_layout_and_info(tmp_path):
-    mgr = _mgr(tmp_path, metric_name="val/accuracy")
+    mgr = _mgr(tmp_path, metric_name="val:accuracy")
     path = _save(mgr, 10, 0.5, dataloader={"epoch": 0, "position": 80})
     assert path.name == "step_10"
     assert sorted(p.name for p in path.iterdir()) == [
@@ -49,7 +49,7 @@ def test_layout_and_info(tmp_path):
 
 
 def test_top_k_by_metric_keeps_latest(tmp_path):
-    mgr = _mgr(tmp_path, metric_name="val/accuracy", higher_is_better=True, keep_top_k=2)
+    mgr = _mgr(tmp_path, metric_name="val:accuracy", higher_is_better=True, keep_top_k=2)
     for step, acc in [(1, 0.1), (2, 0.9), (3, 0.5), (4, 0.7), (5, 0.2)]:
         _save(mgr, step, acc)
     # Best two are steps 2 (0.9) and 4 (0.7); step 5 is the latest and always kept.
@@ -60,7 +60,7 @@ def test_top_k_by_metric_keeps_latest(tmp_path):
 
 
 def test_top_k_lower_is_better_and_no_metric(tmp_path):
-    mgr = _mgr(tmp_path / "a", metric_name="val/loss", higher_is_better=False, keep_top_k=1)
+    mgr = _mgr(tmp_path / "a", metric_name="val:loss", higher_is_better=False, keep_top_k=1)
     for step, loss in [(1, 2.0), (2, 1.0), (3, 3.0)]:
         _save(mgr, step, loss)
     assert _steps(mgr) == [2, 3]
@@ -198,3 +198,42 @@ def test_stop_signals_end_the_run_after_the_step_and_a_second_one_at_once(tmp_pa
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers are put back
     assert stop_message(mgr.stop_reason(), 7, mgr.cfg) == (
         f"{first.name} received at step 7: saved step_7 in {mgr.cfg.checkpoint_dir}; stopping")
+
+
+class _Policy:
+    """What CheckpointManager.save needs of a policy: save_checkpoint(dir)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def save_checkpoint(self, path):
+        path.mkdir(parents=True)
+        (path / "weights.bin").write_bytes(b"w" * 10)
+        if self.fail:
+            raise OSError("disk full")
+
+
+def test_save_ranks_a_metric_this_step_did_not_measure_below_measured_ones(tmp_path, caplog):
+    mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=1)
+    with caplog.at_level("WARNING", logger="posttrain.checkpoint"):
+        first = mgr.save(1, _Policy(), {"epoch": 0}, "a: 1\n", {"train:loss": 2.0})  # no validation yet
+    assert "metric_name='val:loss' not measured at this step" in caplog.text and "train:loss" in caplog.text
+    assert (first / "COMPLETE").is_file() and (first / "policy" / "weights.bin").is_file()
+    assert json.loads((first / "training_info.json").read_text())["metric_value"] is None
+    mgr.save(2, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 3.0})
+    mgr.save(3, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 4.0})
+    # keep_top_k=1: the best measured (step 2) and the latest (step 3); the unmeasured one goes first.
+    assert [p.name for p in mgr.checkpoints()] == ["step_2", "step_3"]
+
+
+def test_save_that_fails_leaves_no_checkpoint_behind(tmp_path):
+    mgr = _mgr(tmp_path)
+    with pytest.raises(OSError, match="disk full"):
+        mgr.save(1, _Policy(fail=True), {"epoch": 0}, "a: 1\n", {})
+    assert mgr.checkpoints() == [] and list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_metric_name_must_name_a_train_or_val_metric():
+    assert CheckpointingConfig(metric_name="val:accuracy").metric_name == "val:accuracy"
+    with pytest.raises(ValueError, match="should match pattern"):
+        CheckpointingConfig(metric_name="accuracy")
