@@ -4,8 +4,9 @@
 must not starve training) of the environment registered as `name`. `group.step(...)`
 splits the batch into one contiguous slice per actor, runs the slices in parallel and
 gathers them in order. A slice that does not finish within the step time limit, or whose
-actor crashes or raises, scores 0 for its samples (each records "env_error" in its
-metadata, which the rollout counts) and the run goes on; a stuck actor is killed and, like
+actor crashes, raises or returns other than one entry per sample, scores 0 for its samples
+(each records "env_error" in its metadata, which the rollout counts), as does a sample with
+a non-finite reward, and the run goes on; a stuck actor is killed and, like
 a crashed one, restarted by Ray (`max_restarts`). An actor that fails more often than
 `max_restarts` allows is broken for good: the next step raises instead of scoring zeros.
 """
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
-from posttrain.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+import torch
+
+from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
@@ -41,6 +45,32 @@ class EnvironmentActor:
 
     def close(self) -> None:
         self.env.close()
+
+
+def _contract_violation(ret: Any, n: int) -> str | None:
+    """What is wrong with an environment's return for `n` samples (None: nothing)."""
+    if not isinstance(ret, EnvironmentReturn):
+        return f"a {type(ret).__name__}, not an EnvironmentReturn"
+    sizes = {"observations": len(ret.observations), "metadata": len(ret.metadata),
+             "next_stop_strings": len(ret.next_stop_strings), "rewards": len(ret.rewards),
+             "terminateds": len(ret.terminateds), "answers": len(ret.answers)}
+    wrong = {k: v for k, v in sizes.items() if v != n}
+    return f"{wrong} entries for {n} samples" if wrong else None
+
+
+def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentReturn:
+    """A NaN or infinite reward would poison its whole group's advantages (and the loss): such a
+    sample scores 0 and records the error, like a verifier that raised."""
+    bad = (~torch.isfinite(ret.rewards.float())).nonzero().flatten().tolist()
+    if not bad:
+        return ret
+    rewards = ret.rewards.float().clone()
+    metadata = list(ret.metadata)
+    for j in bad:
+        metadata[j] = {**(metadata[j] or {}), ENV_ERROR_KEY: f"environment {name!r} returned reward {rewards[j].item()}"}
+        rewards[j] = 0.0
+    log.warning("environment %r returned %d non-finite rewards; they score 0", name, len(bad))
+    return replace(ret, rewards=rewards, metadata=metadata)
 
 
 class EnvironmentGroup:
@@ -94,8 +124,12 @@ class EnvironmentGroup:
         for i, lo, hi, ref in pending:
             limit = self._slice_timeout(hi - lo)
             try:
-                parts.append(ray.get(ref, timeout=max(0.0, started + limit - time.monotonic())))
-                continue
+                ret = ray.get(ref, timeout=max(0.0, started + limit - time.monotonic()))
+                problem = _contract_violation(ret, hi - lo)
+                if problem is None:
+                    parts.append(_zero_non_finite_rewards(ret, self.name))
+                    continue
+                error = f"environment {self.name!r} step returned {problem}"
             except GetTimeoutError:
                 error = f"environment {self.name!r} actor {i} did not answer within {limit:g} s"
                 self._count_failure(i, error)

@@ -333,6 +333,35 @@ def test_stuck_and_crashing_actors_score_zero_and_are_restarted(ray_session):
         group.shutdown()
 
 
+def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_session):
+    class Sloppy(PerSampleEnvironment):
+        def __init__(self, cfg):
+            pass
+
+        def step_one(self, messages, metadata):
+            return StepResult("ok", float(messages[-1]["content"]), True, metadata)
+
+    class Short(Sloppy):
+        def step(self, message_logs, metadata):
+            ret = super().step(message_logs, metadata)
+            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards[:-1]})  # one reward missing
+
+    group = EnvironmentGroup("sloppy", Sloppy, EnvWorkerConfig(num_workers=1))
+    try:
+        ret = group.step([convo("1"), convo("nan"), convo("inf"), convo("0.5")], [{}] * 4)
+        assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 0.5] and ret.num_errors == 2
+        assert ret.metadata[1]["env_error"] == "environment 'sloppy' returned reward nan"
+    finally:
+        group.shutdown()
+    group = EnvironmentGroup("short", Short, EnvWorkerConfig(num_workers=1))
+    try:
+        ret = group.step([convo("1"), convo("1")], [{}] * 2)
+        assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
+        assert ret.metadata[0]["env_error"] == "environment 'short' step returned {'rewards': 1} entries for 2 samples"
+    finally:
+        group.shutdown()
+
+
 def test_environment_return_tensors():
     ret = ArithmeticEnvironment(EnvWorkerConfig()).step([convo("1")], [{"answer": "1"}])
     assert ret.rewards.dtype == torch.float32 and ret.terminateds.dtype == torch.bool
