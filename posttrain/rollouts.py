@@ -218,7 +218,7 @@ def run_rollouts(
         "reward": float(batch["rewards"].mean()),
         "response_length_mean": float(batch["response_lengths"].mean()),
         "response_length_max": float(batch["response_lengths"].max()),
-        "truncation_rate": float(batch["truncated"].float().mean()),
+        "truncation_rate": float(batch["truncated"].double().mean()),
         "turns_mean": sum(c.turns for c in convs) / n,
         "env_errors": float(sum(c.env_errors for c in convs)),
         "generated_tokens": float(generated_tokens),

@@ -207,7 +207,8 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     s.policy.finish_generation()
     r = torch.cat(rewards)
     correct = (r > 0).view(-1, n)
-    metrics = {"accuracy": float(correct.float().mean()), "reward": float(r.mean())}
+    # In float64: a float32 mean of 180 of 200 is 0.8999999762, which misses a 0.9 threshold.
+    metrics = {"accuracy": float(correct.double().mean()), "reward": float(r.double().mean())}
     if n > 1:
         counts = correct.sum(dim=1).tolist()
         for k in sorted({1, n}):
@@ -224,6 +225,26 @@ def minibatch_permutation(n: int, seed: int, step: int) -> torch.Tensor:
     (`grpo.shuffle_minibatches`): a permutation seeded by the run's seed and the step only, so a
     resumed run repeats it."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
+
+
+def interleaved_order(group_ids: torch.Tensor) -> torch.Tensor:
+    """The default order in which a step's rollouts are cut into optimizer steps: each group's
+    samples dealt round-robin (the first sample of every group, then the second, ...), so every
+    optimizer step holds a share of every prompt, as a random shuffle gives on average.
+
+    A group's samples are exchangeable, so this is a stratified shuffle with the learning per
+    step of a random one (quickstart, 5 seeds against TRL, which shuffles: val accuracy at step 8
+    0.83-0.86 vs TRL's 0.77-0.88, both first >= 0.9 at step 10; whole groups in order: 0.49 and
+    0.62 at step 8 on seeds 4 and 42), while each prompt's samples in an optimizer step still
+    share one copy of it under prefix sharing, which a random order mostly breaks (quickstart
+    optimizer step: 832 model positions interleaved, 592 whole groups, ~1,900 shuffled; 149 vs
+    139 ms of training per GRPO step interleaved vs whole groups, ~1.5x that shuffled)."""
+    seen: dict[int, int] = {}
+    rank = []
+    for g in group_ids.tolist():
+        rank.append(seen.get(g, 0))
+        seen[g] = rank[-1] + 1
+    return torch.tensor(sorted(range(len(rank)), key=lambda i: (rank[i], i)), dtype=torch.long)
 
 
 def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
@@ -264,6 +285,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         parts: list[BatchedDataDict] = []
         rollout_metrics: dict[str, float] = {}
         target = g.num_prompts_per_step * g.num_generations_per_prompt
+        groups_so_far = 0
         for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
             with timer.time("data"):
                 prompts = next(s.loader, None)
@@ -280,7 +302,10 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             for k, v in {**rollout.metrics, **refit}.items():
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
             batch = rollout.batch
-            batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(g.num_generations_per_prompt)
+            # Unique over the step's generation rounds (dynamic sampling), for interleaved_order.
+            batch["group_ids"] = torch.arange(groups_so_far, groups_so_far + len(prompts)).repeat_interleave(
+                g.num_generations_per_prompt)
+            groups_so_far += len(prompts)
             with timer.time("advantages"):
                 _rewards_to_advantages(g, batch, cfg.policy.generation.max_new_tokens)
                 if g.use_dynamic_sampling:
@@ -296,7 +321,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                            f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
             break
         batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id}).slice(0, min(usable, target))
-        del batch["group_ids"]
+        groups = batch.pop("group_ids")
 
         # ---- logprobs before the update (the PPO ratio's denominator) and under the reference
         with timer.time("logprobs"):
@@ -318,8 +343,9 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
 
         # ---- policy update
         with timer.time("training"):
-            if g.shuffle_minibatches and batch.size > gbs:
-                batch = batch.select_indices(minibatch_permutation(batch.size, g.seed, step))
+            if batch.size > gbs:
+                batch = batch.select_indices(minibatch_permutation(batch.size, g.seed, step) if g.shuffle_minibatches
+                                             else interleaved_order(groups))
             train_metrics = policy.train(batch, s.loss_fn)
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation)
@@ -348,7 +374,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         metrics = {
             **rollout_metrics,
             **train_metrics,
-            "accuracy": float((batch["rewards"] > 0).float().mean()),
+            "accuracy": float((batch["rewards"] > 0).double().mean()),
             "generation_tokens_per_s": rollout_metrics["generated_tokens"] / timing["generation"],
             "total_tokens_per_s": float(batch["input_lengths"].sum()) / step_time,
             "step_time_s": step_time,

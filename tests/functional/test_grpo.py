@@ -76,6 +76,17 @@ def test_minibatch_permutation_is_seeded_by_run_and_step():
     assert len(set((p[:128] // 16).tolist())) > 24
 
 
+def test_interleaved_order_deals_each_group_round_robin():
+    from posttrain.algorithms.grpo import interleaved_order
+
+    assert interleaved_order(torch.tensor([0, 0, 0, 1, 1, 1])).tolist() == [0, 3, 1, 4, 2, 5]
+    # Any ids, any order, uneven groups (dynamic sampling): ranks within each group, then position.
+    assert interleaved_order(torch.tensor([7, 2, 7, 7, 2, 9])).tolist() == [0, 1, 5, 2, 4, 3]
+    # Cut into two optimizer steps of 4, each holds two samples of each of the two prompts.
+    order = interleaved_order(torch.arange(2).repeat_interleave(4))
+    assert [sorted(x // 4 for x in order[i:i + 4].tolist()) for i in (0, 4)] == [[0, 0, 1, 1], [0, 0, 1, 1]]
+
+
 def test_three_steps_have_sane_metrics(arithmetic_run):
     tmp, result = arithmetic_run
     train = _records(tmp / "logs", "train")
