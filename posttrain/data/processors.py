@@ -30,9 +30,10 @@ from posttrain.schemas import DataConfig, TokenizerConfig
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
 
 
-def load_tokenizer(cfg: TokenizerConfig):
+def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
     """The tokenizer named by `policy.tokenizer.name` (embedded names resolved), with the
-    config's chat template applied and a pad token (EOS when the tokenizer has none)."""
+    config's chat template applied and a pad token (EOS when the tokenizer has none); errors
+    name the config `key` that gave the name."""
     from transformers import AutoTokenizer
 
     from posttrain.embedded import model_load_error, resolve_model_path
@@ -41,7 +42,7 @@ def load_tokenizer(cfg: TokenizerConfig):
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise model_load_error("policy.tokenizer.name", cfg.name, path, "a tokenizer", e) from None
+        raise model_load_error(key, cfg.name, path, "a tokenizer", e) from None
     if cfg.chat_template is not None:
         tok.chat_template = cfg.chat_template
     require_chat_template(tok)

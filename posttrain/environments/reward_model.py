@@ -46,7 +46,8 @@ class RewardModelEnvironment(EnvironmentInterface):
 
         self.cfg = RewardModelEnvConfig.model_validate(cfg.cfg)
         path = resolve_model_path(self.cfg.model_name)
-        self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template))
+        self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template),
+                                        key="env.reward_model.cfg.model_name")
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
