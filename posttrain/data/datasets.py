@@ -178,7 +178,7 @@ def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[st
     return rows
 
 
-def load_file(path: str | os.PathLike, cfg: DataConfig, key: str = "data file") -> list[dict[str, Any]]:
+def load_file(path: str | os.PathLike, cfg: DataConfig, key: str) -> list[dict[str, Any]]:
     """Canonical rows of one local file; `key` is the config key that named it (for errors)."""
     raw, source = read_file(_existing(path, key))
     return normalize_rows(raw, source, cfg)
