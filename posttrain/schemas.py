@@ -112,7 +112,8 @@ class PrefixSharingConfig(Section):
 class OptimizerConfig(Section):
     # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
     name: str = "torch.optim.AdamW"
-    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...).
+    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...). Adam and AdamW
+    # take torch's fused kernel (fused=true) unless fused or foreach is set here.
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
 
 

@@ -55,8 +55,35 @@ def sample(
     if s.greedy:
         tokens = lp.argmax(dim=-1)
     else:
-        tokens = torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+        probs = lp.exp()
+        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
+        tokens = inverse_cdf_pick(probs, u)
     return tokens, lp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs [B, V]` (non-negative, any total), the token whose cumulative-mass
+    interval holds `u [B, 1]` (uniform in [0, 1)) times the row's total: an exact draw.
+
+    Why not `torch.multinomial`: on a CPU it draws one exponential variate per vocabulary entry
+    (~11 ns each), so sampling cost grows with the vocabulary; this draws one number per row
+    and does a cumulative sum (measured, 2 threads: 128 x 32,000: 72 -> 2.1 ms per step;
+    64 x 151,936: 186 -> 16 ms; 512 x 104: 0.98 -> 0.05 ms). A float32 cumulative sum shifts a
+    token's mass by at most ~1e-7. A token of probability 0 (cut by top-k/top-p) has an
+    empty interval and is never picked."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        rows = (~torch.isfinite(total[:, 0])).nonzero().flatten().tolist()
+        raise FloatingPointError(f"the next-token distribution of batch row(s) {rows[:8]} is not finite "
+                                 "(NaN or inf logits): the model's weights or activations have overflowed")
+    tokens = torch.searchsorted(cdf, u * total, right=True).clamp_max_(probs.shape[-1] - 1)
+    # u * total can round up to total itself, past the last token of positive mass: take that token.
+    past_end = probs.gather(-1, tokens) == 0
+    if bool(past_end.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1, keepdim=True)
+        tokens = torch.where(past_end, last, tokens)
+    return tokens.squeeze(-1)
 
 
 class StopChecker:

@@ -9,7 +9,7 @@ from scipy import stats
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.generation import build_generation, load_model_and_tokenizer
-from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, sampling_logprobs
+from posttrain.generation.sampling import SamplingSettings, StopChecker, inverse_cdf_pick, sample, sampling_logprobs
 from posttrain.schemas import GenerationConfig
 
 
@@ -93,6 +93,24 @@ def test_top_k_top_p_never_emit_excluded_tokens(top_k, top_p):
         need = (torch.cumsum(p_sorted, dim=-1) < top_p).sum(dim=-1) + 1
         assert allowed.sum(dim=-1).tolist() == need.tolist()
     torch.testing.assert_close(lp.exp().sum(dim=-1), torch.ones(64))
+
+
+def test_inverse_cdf_pick_maps_u_to_the_token_whose_interval_holds_it():
+    # Unnormalised masses 0, 0.2, 0, 0.3, 0.5, 0 (total 1.0): intervals [0, .2) [.2, .5) [.5, 1.0).
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.5, 0.0]]).repeat(7, 1)
+    u = torch.tensor([0.0, 0.1999, 0.2, 0.4999, 0.5, 0.9999, 1.0 - 2**-24])[:, None]
+    assert inverse_cdf_pick(probs, u).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    # Any total: the same row scaled by 3 picks the same tokens.
+    assert inverse_cdf_pick(probs * 3, u).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    # u * total rounding up to the total itself still lands on the last token with mass.
+    assert inverse_cdf_pick(torch.tensor([[0.25, 0.75, 0.0, 0.0]]), torch.tensor([[1.0]])).tolist() == [1]
+
+
+def test_non_finite_distribution_is_an_error_naming_the_row():
+    logits = torch.zeros(3, 5)
+    logits[2, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"row\(s\) \[2\]"):
+        sample(logits, SamplingSettings(), torch.Generator().manual_seed(0))
 
 
 def test_greedy_reports_temperature_one_logprob():
