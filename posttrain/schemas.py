@@ -112,11 +112,8 @@ class PrefixSharingConfig(Section):
 class OptimizerConfig(Section):
     # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
     name: str = "torch.optim.AdamW"
-    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...). `fused: true` picks
-    # torch's fused Adam/AdamW kernel, also on a CPU and on FSDP2 shards (AdamW step on this
-    # 2-core CPU: 0.77M parameters 1.30 -> 0.33 ms, 30M 54 -> 14.5 ms). Not the default: its
-    # different rounding changes the course of bf16 runs (it tipped the quickstart's warm-up
-    # SFT into a loss plateau at 0.75).
+    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...). Adam and AdamW
+    # take torch's fused kernel (fused=true) unless fused or foreach is set here.
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
 
 

@@ -52,10 +52,26 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
         )
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"policy.optimizer.name {cfg.name!r} is not a torch.optim.Optimizer subclass")
+    params = list(params)
+    kwargs = dict(cfg.kwargs)
+    if "fused" not in kwargs and "foreach" not in kwargs and _fused_applies(cls, params):
+        # torch's defaults are the per-tensor loop on a CPU and foreach on CUDA; the fused
+        # kernel is one pass over all parameters. AdamW step (measured on this 2-core CPU):
+        # 0.77M parameters 1.30 -> 0.33 ms, 30M 54 -> 14.5 ms. Setting fused or foreach keeps yours.
+        kwargs["fused"] = True
     try:
-        return cls(params, **cfg.kwargs)
+        return cls(params, **kwargs)
     except TypeError as e:
         raise ValueError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
+
+
+def _fused_applies(cls: type, params: list[torch.nn.Parameter]) -> bool:
+    """Whether `cls` gets `fused=True` for these parameters: torch's Adam or AdamW (whose fused
+    kernels DTensor also shards; its fused SGD it does not) over floating-point parameters on
+    a CPU or CUDA device."""
+    if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def _scheduler_cls(name: str) -> type:

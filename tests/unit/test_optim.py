@@ -65,24 +65,36 @@ def test_bad_scheduler_config():
         _lrs([{"name": "ConstantLR"}, {"name": "LinearLR"}], 1)
 
 
-def test_fused_adamw_takes_the_same_steps_as_the_loop():
-    """policy.optimizer.kwargs.fused=true: torch's fused kernel, whose float32 steps equal the per-tensor loop's."""
+def test_adamw_defaults_to_the_fused_kernel_with_the_same_update():
+    """No fused/foreach given: the fused kernel, whose steps equal the per-tensor loop's."""
     torch.manual_seed(0)
     init = [torch.randn(5, 3), torch.randn(7)]
     grads = [[torch.randn_like(t) for t in init] for _ in range(4)]
+    kwargs = {"lr": 0.01, "weight_decay": 0.1}
     runs = {}
-    for label, extra in {"fused": {"fused": True}, "loop": {"foreach": False}}.items():
+    for label, kw in {"default": kwargs, "loop": {**kwargs, "foreach": False}}.items():
         params = [torch.nn.Parameter(t.clone()) for t in init]
-        opt = build_optimizer(params, OptimizerConfig(name="adamw", kwargs={"lr": 0.01, "weight_decay": 0.1, **extra}))
+        opt = build_optimizer(params, OptimizerConfig(name="adamw", kwargs=kw))
         for step in grads:
             for p, g in zip(params, step):
                 p.grad = g.clone()
             opt.step()
         runs[label] = (opt.param_groups[0], [p.detach() for p in params])
-    assert runs["fused"][0]["fused"] is True and not runs["loop"][0]["fused"]
-    for a, b in zip(runs["fused"][1], runs["loop"][1]):
+    assert runs["default"][0]["fused"] is True
+    assert runs["loop"][0]["fused"] in (None, False) and runs["loop"][0]["foreach"] is False
+    for a, b in zip(runs["default"][1], runs["loop"][1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert not torch.equal(runs["fused"][1][0], init[0])  # the steps did move the weights
+    assert not torch.equal(runs["default"][1][0], init[0])  # the steps did move the weights
+
+
+def test_fused_only_where_the_optimizer_has_it():
+    adam = build_optimizer(_params(), OptimizerConfig(name="adam", kwargs={"lr": 0.1}))
+    assert adam.param_groups[0]["fused"] is True
+    # DTensor has no sharding rule for fused SGD: SGD keeps torch's default.
+    sgd = build_optimizer(_params(), OptimizerConfig(name="sgd", kwargs={"lr": 0.1}))
+    assert sgd.param_groups[0]["fused"] in (None, False)
+    mine = build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "fused": False}))
+    assert mine.param_groups[0]["fused"] is False
 
 
 def _fused_adamw_on_fsdp2_rank(rank: int, port: int, out: str) -> None:
@@ -98,8 +110,8 @@ def _fused_adamw_on_fsdp2_rank(rank: int, port: int, out: str) -> None:
     plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     plain.load_state_dict(model.state_dict())
     fully_shard(model)
-    fused = OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "fused": True})
-    sharded_opt = build_optimizer(model.parameters(), fused)
+    cfg = OptimizerConfig(name="adamw", kwargs={"lr": 0.1})
+    sharded_opt = build_optimizer(model.parameters(), cfg)
     plain_opt = build_optimizer(plain.parameters(), OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "foreach": False}))
     x = torch.randn(4, 8)  # the same on both ranks: FSDP2's mean gradient is the plain one
     for _ in range(3):
@@ -110,12 +122,12 @@ def _fused_adamw_on_fsdp2_rank(rank: int, port: int, out: str) -> None:
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     if rank == 0:
         err = max(float((full[k] - v).abs().max()) for k, v in plain.state_dict().items())
-        torch.save({"err": err}, out)
+        torch.save({"fused": sharded_opt.param_groups[0]["fused"], "err": err}, out)
     dist.destroy_process_group()
 
 
 def test_fused_adamw_steps_fsdp2_sharded_parameters(tmp_path):
-    """fused=true AdamW runs on DTensor shards (FSDP2, 2 gloo ranks) and matches the plain loop."""
+    """The default fused AdamW runs on DTensor shards (FSDP2, 2 gloo ranks) and matches the plain loop."""
     import socket
 
     import torch.multiprocessing as mp
@@ -125,4 +137,6 @@ def test_fused_adamw_steps_fsdp2_sharded_parameters(tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "result.pt")
     mp.spawn(_fused_adamw_on_fsdp2_rank, args=(port, out), nprocs=2)
-    assert torch.load(out)["err"] < 1e-5
+    result = torch.load(out)
+    assert result["fused"] is True
+    assert result["err"] < 1e-5
