@@ -34,6 +34,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,26 @@ def stop_message(reason: str, step: int, cfg: CheckpointingConfig) -> str:
     """What a training loop prints when it ends early for `reason` (`CheckpointManager.stop_reason`)."""
     saved = f"saved step_{step} in {cfg.checkpoint_dir}" if cfg.enabled else "nothing saved (checkpointing.enabled=false)"
     return f"{reason} at step {step}: {saved}; stopping"
+
+
+def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: CheckpointManager, policy: Any,
+                      export_dir: Path | None, console: Callable[[str], None],
+                      shutdown: Callable[[], None]) -> dict[str, Any]:
+    """How every algorithm's run ends: `train()` under `checkpointer.stop_on_signals()`; then,
+    unless a signal stopped it, `policy.export_hf(export_dir)` (None: no export); `shutdown()`
+    always. A stopped run's result names the signal under STOPPED_BY_SIGNAL (the CLI exits with
+    128 + its number) and skips the export, which would delay the stop for a non-final policy."""
+    try:
+        with checkpointer.stop_on_signals():
+            result = train()
+        if checkpointer.stop_signal:
+            return {**result, STOPPED_BY_SIGNAL: checkpointer.stop_signal}
+        if export_dir is not None:
+            policy.export_hf(export_dir)
+            console(f"exported the final policy to {export_dir}")
+        return result
+    finally:
+        shutdown()
 
 
 class CheckpointManager:

@@ -26,7 +26,7 @@ from posttrain.advantages import (
     scale_rewards,
 )
 from posttrain.algorithms.offline import log_data_stats
-from posttrain.checkpoint import STOPPED_BY_SIGNAL, CheckpointManager, restore_rng_state, stop_message
+from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -432,14 +432,6 @@ def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:
 
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     s = setup(cfg)
-    try:
-        with s.checkpointer.stop_on_signals():
-            final = grpo_train(s)
-        if s.checkpointer.stop_signal:
-            return {**final, STOPPED_BY_SIGNAL: s.checkpointer.stop_signal}
-        if cfg.checkpointing.export_hf_at_end:
-            s.policy.export_hf(s.run_dir / "hf")
-            s.logger.console(f"exported the final policy to {s.run_dir / 'hf'}")
-        return final
-    finally:
-        s.shutdown()
+    return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy,
+                             s.run_dir / "hf" if cfg.checkpointing.export_hf_at_end else None,
+                             s.logger.console, s.shutdown)

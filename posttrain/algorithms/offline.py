@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import STOPPED_BY_SIGNAL, CheckpointManager, restore_rng_state, stop_message
+from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -268,13 +268,7 @@ def offline_train(
 def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:
     """`train(s)`, then the HF export when `checkpointing.export_hf_at_end`; always shuts down."""
     freeze_setup_objects()
-    try:
-        with s.run.checkpointer.stop_on_signals():
-            result = train(s)
-        if s.run.checkpointer.stop_signal:
-            return {**result, STOPPED_BY_SIGNAL: s.run.checkpointer.stop_signal}
-        if s.cfg.checkpointing.export_hf_at_end:
-            s.run.policy.export_hf(s.run.run_dir / "hf")
-        return result
-    finally:
-        s.run.shutdown()
+    r = s.run
+    return train_then_export(lambda: train(s), r.checkpointer, r.policy,
+                             r.run_dir / "hf" if s.cfg.checkpointing.export_hf_at_end else None,
+                             r.logger.console, r.shutdown)
