@@ -66,7 +66,7 @@ def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_p
     # The exported RM as the `reward_model` environment (a Ray actor), scoring rollouts.
     env = create_env("reward_model", {"cfg": {"model_name": str(tmp_path / "logs" / "hf")}})
     try:
-        probs = _pairs(60, seed=2)
+        probs = _pairs(200, seed=2)
         convs = [[{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p[side]}]
                  for p in probs for side in ("chosen", "rejected")]
         convs.append([{"role": "user", "content": "1+1="}])  # nothing to score: 0 and an error
@@ -74,6 +74,8 @@ def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_p
     finally:
         env.shutdown()
     r = out.rewards[:-1].view(-1, 2)
-    assert (r[:, 0] > r[:, 1]).float().mean() >= 0.7
+    # 200 fresh pairs: chance is 0.5 +- 0.035; the RM's validation accuracy above is >= 0.7.
+    env_accuracy = float((r[:, 0] > r[:, 1]).float().mean())
+    assert env_accuracy >= 0.65, env_accuracy
     assert out.rewards[-1] == 0 and "no assistant message" in out.metadata[-1]["env_error"]
     assert out.terminateds.all() and out.answers[0] == probs[0]["chosen"]
