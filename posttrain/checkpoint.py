@@ -164,8 +164,10 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- queries
 
-    def should_save(self, step: int) -> bool:
-        return self.cfg.enabled and step % self.cfg.save_period == 0
+    def should_save(self, step: int, last: bool = False) -> bool:
+        """Whether the loop saves after `step`: every `save_period` steps, and at the `last` step
+        (the run's final one, or one after which it stops early), when checkpointing is enabled."""
+        return self.cfg.enabled and (last or step % self.cfg.save_period == 0)
 
     def stop_reason(self) -> str | None:
         """Why the run must save a checkpoint and end cleanly after this step, or None: the job's

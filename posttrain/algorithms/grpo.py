@@ -362,8 +362,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
 
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         stop = s.checkpointer.stop_reason()
-        if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0
-                                          or step == g.max_num_steps or stop):
+        if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
             with timer.time("checkpoint"):
                 _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
                                 **{f"val:{k}": v for k, v in val_metrics.items()}})

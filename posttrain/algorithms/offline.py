@@ -249,7 +249,7 @@ def offline_train(
         last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
                 "epoch": s.loader.epoch}
         stop = s.run.checkpointer.stop_reason()
-        if s.run.checkpointer.should_save(step) or (s.cfg.checkpointing.enabled and (step == s.total_steps or stop)):
+        if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
             with timer.time("checkpoint"):
                 save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
                                                      **{f"val:{k}": v for k, v in val_metrics.items()}})

@@ -108,8 +108,10 @@ def test_start_fresh_moves_old_checkpoints_aside(tmp_path):
 def test_disabled_never_resumes(tmp_path):
     _save(_mgr(tmp_path), 1)
     mgr = _mgr(tmp_path, enabled=False)
-    assert mgr.latest() is None and not mgr.should_save(10)
+    assert mgr.latest() is None and not mgr.should_save(10) and not mgr.should_save(3, last=True)
     assert _mgr(tmp_path, save_period=5).should_save(10)
+    assert not _mgr(tmp_path, save_period=5).should_save(7)
+    assert _mgr(tmp_path, save_period=5).should_save(7, last=True)
 
 
 def test_exception_between_begin_and_finish(tmp_path):
