@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -33,6 +35,22 @@ def init_ray(cfg: ClusterConfig) -> None:
         ray.init(address=address, include_dashboard=False)
     else:
         ray.init(include_dashboard=False)
+
+
+def local_ray_node_lost() -> bool:
+    """Whether the Ray node this process started (`init_ray` without an address) has lost its
+    raylet. A SIGTERM to the whole process group (`kill -TERM -<pgid>`, a scheduler ending the
+    job) reaches that node's processes along with the driver; the driver still saves its
+    checkpoint (the workers run in their own process groups), but actor and placement group
+    teardown through a dead raylet waits for answers that never come, so it is skipped.
+    Reads Ray's node handle (`ray._private.worker._global_node`, not public API): False when it
+    is absent (a joined cluster) or unreadable."""
+    try:
+        node = ray._private.worker._global_node
+        raylets = node.all_processes.get("raylet", []) if node is not None else []
+        return any(info.process.poll() is not None for info in raylets)
+    except Exception:  # noqa: BLE001 - a private handle: never let it break a shutdown
+        return False
 
 
 class RayVirtualCluster:
@@ -68,11 +86,23 @@ class RayVirtualCluster:
             )
         log.info("placement group ready: %d bundles of %s", self.world_size, bundle)
 
-    def shutdown(self) -> None:
-        """Remove the placement group (the worker groups on it must be shut down first)."""
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Remove the placement group (the worker groups on it must be shut down first).
+
+        Skipped when the local Ray node is gone (`local_ray_node_lost`); otherwise given
+        `timeout_s` (Ray's call has none) and then left to Ray's own shutdown at exit, so a
+        node going down never hangs a run whose checkpoint is already saved."""
+        if self.placement_group is None:
+            return
+        pg, self.placement_group = self.placement_group, None
+        remover = threading.Thread(target=remove_placement_group, args=(pg,), daemon=True)
+        remover.start()
+        deadline = time.monotonic() + timeout_s
+        while remover.is_alive() and time.monotonic() < deadline and not local_ray_node_lost():
+            remover.join(0.05)
+        if remover.is_alive():
+            log.warning("the Ray placement group was not removed within %.0f s (is the Ray node "
+                        "shutting down?); leaving it to Ray's shutdown", timeout_s)
 
 
 def _fmt(resources: dict[str, float]) -> str:

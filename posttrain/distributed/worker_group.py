@@ -32,7 +32,7 @@ from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
 
 
 def _node_ip_and_free_port() -> tuple[str, int]:
@@ -261,9 +261,11 @@ class RayWorkerGroup:
 
 
 def _wait_pids_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Wait until `pids` have exited; not when the local Ray node is gone (the kills cannot be
+    delivered then, and the workers exit on their own once they notice)."""
     deadline = time.monotonic() + timeout_s
     for pid in pids:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not local_ray_node_lost():
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:

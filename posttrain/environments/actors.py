@@ -177,10 +177,14 @@ class EnvironmentGroup:
         """Close the environments (their child processes) and stop the actors."""
         import ray
 
+        from posttrain.distributed.cluster import local_ray_node_lost
+
+        lost = local_ray_node_lost()  # then no close() would be answered: only the kills
         for actor in self._actors:
-            try:
-                ray.get(actor.close.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
-                pass
+            if not lost:
+                try:
+                    ray.get(actor.close.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - a dead or stuck actor is killed below anyway
+                    pass
             ray.kill(actor, no_restart=True)
         self._actors = []

@@ -48,11 +48,15 @@ def ray_tmpdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
-def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, ray_tmpdir, sig):
+@pytest.mark.parametrize("sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["SIGINT-group", "SIGTERM-driver", "SIGTERM-group"])
+def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, ray_tmpdir, sig, to_group):
     env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}  # console lines unwrapped
-    # Its own session: SIGINT goes to the whole group (driver, Ray's processes, workers) as a
-    # terminal's Ctrl-C would; SIGTERM to the driver alone, as `kill` or `timeout` send it.
+    # Its own session, so a signal can go to the whole group (driver, the Ray node it started,
+    # workers): SIGINT as a terminal's Ctrl-C sends it, SIGTERM as `kill -TERM -<pgid>` or a
+    # scheduler ending the job (the Ray node then goes down with the driver, which must neither
+    # lose the checkpoint nor hang in teardown); or SIGTERM to the driver alone, as `kill` or
+    # `timeout` send it.
     proc = subprocess.Popen(_grpo(tmp_path, 1000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -60,8 +64,8 @@ def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, 
         while len(_train_steps(tmp_path / "logs")) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read()
-        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
+        os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
