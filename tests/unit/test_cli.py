@@ -91,6 +91,24 @@ def test_input_error_raised_in_a_ray_worker_prints_the_workers_message(monkeypat
     assert capsys.readouterr().err == "posttrain rm: policy.model_name='/m': cannot load a model config\n"
 
 
+@pytest.mark.parametrize("raised,code", [(KeyboardInterrupt(), 130),
+                                         (KeyboardInterrupt("second stop signal (SIGTERM)"), 143)])
+def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_without_traceback(
+        monkeypatch, capsys, raised, code):
+    def run(cfg):  # Ctrl-C during setup or GRPO's warm-up SFT; or a second stop signal in the loop
+        raise raised
+
+    algo = type(sys)("posttrain.algorithms.rm")
+    algo.run = run
+    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rm"])
+    assert e.value.code == code
+    name = "SIGINT" if code == 130 else "SIGTERM"
+    assert capsys.readouterr().err == (f"posttrain rm: interrupted ({name}); stopped at once: nothing was saved "
+                                       "now, checkpoints saved before stay\n")
+
+
 def test_bad_command_and_option():
     assert _run("ppo").returncode == 2
     out = _run("grpo", "--bogus")
