@@ -42,7 +42,8 @@ def local_ray_node_lost() -> bool:
     raylet. A SIGTERM to the whole process group (`kill -TERM -<pgid>`, a scheduler ending the
     job) reaches that node's processes along with the driver; the driver still saves its
     checkpoint (the workers run in their own process groups), but actor and placement group
-    teardown through a dead raylet waits for answers that never come, so it is skipped.
+    teardown through a dead raylet waits for answers that never come, so it stops waiting once
+    this is True (the raylet may take seconds to exit; the waits have timeouts until then).
     Reads Ray's node handle (`ray._private.worker._global_node`, not public API): False when it
     is absent (a joined cluster) or unreadable."""
     try:
