@@ -142,26 +142,50 @@ def assemble_output(
     prompt_truncated: torch.Tensor,
     pad_id: int,
 ) -> BatchedDataDict:
-    """Build the output batch from per-row prompt tokens, generated tokens and their logprobs."""
-    n = len(prompts)
-    lens_in = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    lens_gen = torch.tensor([len(g) for g in generated], dtype=torch.long)
-    width = int((lens_in + lens_gen).max())
+    """`assemble_padded` from per-row lists of prompt tokens, generated tokens and their logprobs."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    if not prompts:
+        empty = torch.zeros(0, 0, dtype=torch.long)
+        return assemble_padded(empty, empty[:, 0], empty, empty.float(), empty[:, 0], empty[:, 0].bool(),
+                               prompt_truncated, pad_id)
+    lens_in = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
+    lens_gen = torch.tensor([g.shape[0] for g in generated], dtype=torch.long)
+    return assemble_padded(pad(prompts, batch_first=True, padding_value=pad_id).long(), lens_in,
+                           pad(generated, batch_first=True).long(), pad(gen_logprobs, batch_first=True).float(),
+                           lens_gen, torch.tensor(truncated, dtype=torch.bool), prompt_truncated, pad_id)
+
+
+def assemble_padded(
+    prompt_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    generated: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    generation_lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    prompt_truncated: torch.Tensor,
+    pad_id: int,
+) -> BatchedDataDict:
+    """The output batch (see `GenerationInterface.generate`) from right-padded prompts `[B, P]`,
+    generated tokens and logprobs `[B, G]` and their lengths `[B]`, in whole-tensor operations."""
+    n = prompt_ids.shape[0]
+    lens_in, lens_gen = prompt_lengths.long(), generation_lengths.long()
+    width = int((lens_in + lens_gen).max()) if n else 0
     output_ids = torch.full((n, width), pad_id, dtype=torch.long)
     logprobs = torch.zeros((n, width), dtype=torch.float32)
-    # Boolean-mask assignment fills row by row, position by position: the order of the
-    # concatenated rows, so one copy per tensor replaces one per row.
+    # Boolean-mask indexing walks rows in order, position by position, on both sides: each
+    # row's valid tokens land in its own place, one copy per tensor.
     pos = torch.arange(width)[None]
-    in_gen = (pos >= lens_in[:, None]) & (pos < (lens_in + lens_gen)[:, None])
-    output_ids[pos < lens_in[:, None]] = torch.cat([p.long() for p in prompts])
+    output_ids[pos < lens_in[:, None]] = prompt_ids[torch.arange(prompt_ids.shape[1])[None] < lens_in[:, None]]
     if int(lens_gen.sum()):
-        output_ids[in_gen] = torch.cat([g.long() for g in generated])
-        logprobs[in_gen] = torch.cat([g.float() for g in gen_logprobs])
+        in_gen = (pos >= lens_in[:, None]) & (pos < (lens_in + lens_gen)[:, None])
+        valid = torch.arange(generated.shape[1])[None] < lens_gen[:, None]
+        output_ids[in_gen] = generated[valid]
+        logprobs[in_gen] = gen_logprobs[valid].float()
     return BatchedDataDict(
         output_ids=output_ids,
         logprobs=logprobs,
         generation_lengths=lens_gen,
         unpadded_sequence_lengths=lens_in + lens_gen,
-        truncated=torch.tensor(truncated, dtype=torch.bool),
+        truncated=truncated.bool(),
         prompt_truncated=prompt_truncated.clone().bool(),
     )
