@@ -270,10 +270,10 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     timer = Timer()
     val_metrics: dict[str, float] = {}
     train_metrics: dict[str, float] = {}
+    logger.start_progress(g.max_num_steps, s.start_step)  # before step 0's validation line: "val step 0/<max>"
     if g.val_at_start and s.start_step == 0:
         val_metrics = validate(s, 0)
         logger.log_metrics(val_metrics, step=0, prefix="val")
-    logger.start_progress(g.max_num_steps, s.start_step)
     gbs = cfg.policy.train_global_batch_size
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id

@@ -222,10 +222,10 @@ def offline_train(
     timer = Timer()
     val_metrics: dict[str, float] = {}
     last: dict[str, float] = {}
+    logger.start_progress(s.total_steps, s.start_step)  # before step 0's validation line: "val step 0/<total>"
     if algo.val_at_start and s.start_step == 0:
         val_metrics = validate()
         logger.log_metrics(val_metrics, step=0, prefix="val")
-    logger.start_progress(s.total_steps, s.start_step)
     step = s.start_step
     while step < s.total_steps:
         timer.reset()

@@ -170,7 +170,7 @@ def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
         assert math.isfinite(r["loss"])
 
 
-def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_session, tmp_path):
+def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_session, tmp_path, capsys):
     # The warm-up tokenizes its rows once, before its steps: a demonstration that does not fit the
     # context is dropped there (data.truncation=drop) and counted, and the warm-up trains on the rest.
     rows = [{"messages": [{"role": "user", "content": f"{i % 10}+{i % 7}="}], "task_name": "arithmetic",
@@ -181,10 +181,12 @@ def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_
     train.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, f"data.train_data_path={train}", f"data.val_data_path={train}", "data.dataset_name=local",
-        "grpo.warmup_sft_steps=3", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.warmup_sft_steps=3", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=true",
         "grpo.val_at_end=false", "checkpointing.enabled=false",
     ))
     run(cfg)
+    # Step 0's validation line counts GRPO's steps, not the warm-up's (it said "0/3").
+    assert any(line.startswith("val step 0/1 |") for line in capsys.readouterr().out.splitlines())
     (counts,) = _records(tmp_path / "logs", "data/warmup_sft")
     assert (counts["rows"], counts["kept"], counts["dropped"], counts["truncated"]) == (40, 34, 6, 0)
     warm = _records(tmp_path / "logs", "warmup_sft")
