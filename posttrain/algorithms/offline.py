@@ -145,12 +145,13 @@ def check_finite(step: int, loss: float) -> None:
 def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
     """Log the tokenization counts (kept / truncated / dropped rows) of each split."""
     for split, counts in stats.items():
-        logger.log_metrics(counts, step=0, prefix=f"data/{split}")
-        if counts["rows"] != counts["kept"] or counts["truncated"]:
-            logger.console(
-                f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
-                f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
-            )
+        # Counts, not step metrics: one sentence on the console (the step line would pick out
+        # `no_loss` as a "loss" and show only it).
+        logger.log_metrics(counts, step=0, prefix=f"data/{split}", console=False)
+        logger.console(
+            f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
+            f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
+        )
 
 
 @dataclass

@@ -122,8 +122,10 @@ class Logger:
             scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in (metrics or {}).items()) if v is not None}
             self._console.update_progress(step, scalars)
 
-    def log_metrics(self, metrics: dict[str, Any], step: int, prefix: str = "train") -> dict[str, float]:
+    def log_metrics(self, metrics: dict[str, Any], step: int, prefix: str = "train",
+                    console: bool = True) -> dict[str, float]:
         """Log the scalar values of `metrics` at `step` under `prefix`; return what was logged.
+        `console=False`: every backend but the console's (the caller prints its own line).
 
         Non-scalar values (strings, lists, multi-element tensors) are skipped. NaN and inf
         are logged as they are (hiding them would hide the bug), and counted in
@@ -143,7 +145,8 @@ class Logger:
                 ", ".join(f"{k} x{n}" for k, n in self.nonfinite_counts.items()),
             )
         for backend in self._backends:
-            backend.log_metrics(scalars, step, prefix)
+            if console or backend is not self._console:
+                backend.log_metrics(scalars, step, prefix)
         self._records.append({"step": step, "prefix": prefix, **scalars})
         return scalars
 

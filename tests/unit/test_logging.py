@@ -156,6 +156,23 @@ def test_console_line_and_progress(tmp_path):
     assert "train step 5/10 | loss 1" in out and "1+1=" in out and "2+2=" not in out
 
 
+def test_data_counts_are_one_sentence_on_the_console_and_metrics_elsewhere(tmp_path):
+    from rich.console import Console
+
+    from posttrain.algorithms.offline import log_data_stats
+    from posttrain.logging.jsonl import read_metrics
+
+    logger = Logger(_cfg(console_enabled=True, jsonl_enabled=True), tmp_path)
+    logger._console.console = Console(record=True, width=200, force_terminal=False)
+    log_data_stats(logger, {"train": {"rows": 10, "kept": 9, "truncated": 1, "dropped": 1, "no_loss": 0}})
+    logger.close()
+    out = logger._console.console.export_text()
+    # Not the step line, which picked `no_loss` out as a "loss" and showed only it.
+    assert out.strip() == "data train: 9 of 10 rows kept (1 truncated, 1 dropped as too long, 0 without a loss token)"
+    (rec,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert rec["prefix"] == "data/train" and (rec["rows"], rec["kept"], rec["no_loss"]) == (10, 9, 0)
+
+
 def test_plots_are_pngs_and_survive_resume(tmp_path):
     cfg = _cfg(jsonl_enabled=True, plots_enabled=True)
     logger = Logger(cfg, tmp_path)
