@@ -143,16 +143,16 @@ def assemble_output(
     pad_id: int,
 ) -> BatchedDataDict:
     """`assemble_padded` from per-row lists of prompt tokens, generated tokens and their logprobs."""
-    pad = torch.nn.utils.rnn.pad_sequence
-    if not prompts:
-        empty = torch.zeros(0, 0, dtype=torch.long)
-        return assemble_padded(empty, empty[:, 0], empty, empty.float(), empty[:, 0], empty[:, 0].bool(),
-                               prompt_truncated, pad_id)
-    lens_in = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
-    lens_gen = torch.tensor([g.shape[0] for g in generated], dtype=torch.long)
-    return assemble_padded(pad(prompts, batch_first=True, padding_value=pad_id).long(), lens_in,
-                           pad(generated, batch_first=True).long(), pad(gen_logprobs, batch_first=True).float(),
-                           lens_gen, torch.tensor(truncated, dtype=torch.bool), prompt_truncated, pad_id)
+    gen_ids, lens_gen = pad_rows(generated, 0)
+    gen_lp, _ = pad_rows(gen_logprobs, 0.0)
+    return assemble_padded(*pad_rows(prompts, pad_id), gen_ids.long(), gen_lp.float(), lens_gen,
+                           torch.tensor(truncated, dtype=torch.bool), prompt_truncated, pad_id)
+
+
+def pad_rows(rows: list[torch.Tensor], value: int | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D tensors of different lengths as one right-padded `[len(rows), longest]` tensor, and the lengths."""
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value), lengths
 
 
 def assemble_padded(
@@ -169,7 +169,7 @@ def assemble_padded(
     generated tokens and logprobs `[B, G]` and their lengths `[B]`, in whole-tensor operations."""
     n = prompt_ids.shape[0]
     lens_in, lens_gen = prompt_lengths.long(), generation_lengths.long()
-    width = int((lens_in + lens_gen).max()) if n else 0
+    width = int((lens_in + lens_gen).max())
     output_ids = torch.full((n, width), pad_id, dtype=torch.long)
     logprobs = torch.zeros((n, width), dtype=torch.float32)
     # Boolean-mask indexing walks rows in order, position by position, on both sides: each

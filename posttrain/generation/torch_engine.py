@@ -30,6 +30,7 @@ from posttrain.data.packing import round_up
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
     assemble_padded,
+    pad_rows,
     pad_token_id,
     prepare_prompts,
 )
@@ -367,8 +368,7 @@ class TorchGeneration:
         t0 = time.perf_counter()
         # One right-padded tensor of the prompts: the loop below gathers rows from it instead of
         # touching hundreds of per-row tensors (bookkeeping was ~20% of a 512-row GRPO rollout).
-        plen = torch.tensor([p.shape[0] for p in prompts], dtype=torch.long)
-        padded = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=self.pad_id).long()
+        padded, plen = pad_rows(prompts, self.pad_id)
         out = assemble_padded(padded, plen, *self._run(padded, plen, stops, settings), prompt_truncated, self.pad_id)
         elapsed = time.perf_counter() - t0
         self.last_metrics = {
@@ -442,10 +442,11 @@ class TorchGeneration:
             done_at = done.nonzero().flatten()
             if len(done_at):
                 slots = rows[done_at]
-                at = req[slots.cpu()]
+                cpu_slots = slots.cpu()
+                at = req[cpu_slots]
                 out_tok[at], out_lp[at] = gen_buf[slots].cpu(), lp_buf[slots].cpu()
                 out_len[at], out_trunc[at] = n_gen[slots].cpu(), ~hit_id[done_at].cpu()
-                req[slots.cpu()] = -1
+                req[cpu_slots] = -1
                 active[slots] = False
 
         while waiting or bool(active.any()):
