@@ -149,7 +149,7 @@ def assemble_output(
                            torch.tensor(truncated, dtype=torch.bool), prompt_truncated, pad_id)
 
 
-def pad_rows(rows: list[torch.Tensor], value: int | float) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: list[torch.Tensor], value: float) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D tensors of different lengths as one right-padded `[len(rows), longest]` tensor, and the lengths."""
     lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value), lengths
