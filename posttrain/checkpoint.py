@@ -128,6 +128,15 @@ def stop_message(reason: str, step: int, cfg: CheckpointingConfig) -> str:
     return f"{reason} at step {step}: {saved}; stopping"
 
 
+class SecondStopSignal(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT inside `CheckpointManager.stop_on_signals`: stop at once.
+    `signal_name` says which, so the CLI can exit with 128 + its number."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"second stop signal ({signal_name})")
+        self.signal_name = signal_name
+
+
 def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: CheckpointManager, policy: Any,
                       export_dir: Path | None, console: Callable[[str], None],
                       shutdown: Callable[[], None]) -> dict[str, Any]:
@@ -185,7 +194,8 @@ class CheckpointManager:
         and a first Ctrl-C (SIGINT) do not kill the driver mid-step: `stop_reason()` says so and the
         loop saves a checkpoint after the current step and ends (the run then skips its HF export,
         and the CLI exits with 128 + the signal number, as the shell reports a killed command). A
-        second signal interrupts at once (KeyboardInterrupt); the checkpoints already saved stay.
+        second signal interrupts at once (`SecondStopSignal`, a KeyboardInterrupt); the checkpoints
+        already saved stay.
         Only the main thread can take signals, so elsewhere the block changes nothing."""
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -196,7 +206,7 @@ class CheckpointManager:
         def handle(signum: int, _frame: Any) -> None:
             name = signal.Signals(signum).name
             if self.stop_signal is not None:
-                raise KeyboardInterrupt(f"second stop signal ({name})")
+                raise SecondStopSignal(name)
             self.stop_signal = name
             log.warning("%s received: saving a checkpoint after this step and stopping "
                         "(send it again to stop at once, without saving)", name)

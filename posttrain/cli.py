@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Ctrl-C before the training loop takes signals (setup, GRPO's warm-up SFT) or a second
         # stop signal inside it: stop at once, as asked, without a traceback. The loop's first
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
-        name = "SIGTERM" if "SIGTERM" in str(e) else "SIGINT"
+        name = getattr(e, "signal_name", "SIGINT")  # checkpoint.SecondStopSignal names its signal
         print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "
               "checkpoints saved before stay", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)
