@@ -33,6 +33,7 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
 from posttrain.distributed.weight_sync import load_state_dict_inplace
+from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
@@ -232,6 +233,8 @@ class FSDPPolicyWorker:
         model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
         if self.model_kind == "sequence_classification" and model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
+        if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
+            enable_blockwise(model)  # long shared-prefix rows then skip their masked scores
         if train:
             model = maybe_apply_lora(model, cfg.lora)
             if cfg.dtensor_cfg.activation_checkpointing:
@@ -349,18 +352,26 @@ class FSDPPolicyWorker:
         """Token logprobs `[b, S]` with rows that share their prompt packed over one copy of it
         (`policy.prefix_sharing`); None when no rows share one or the attention backend cannot
         take a custom mask. The prompt is what precedes a row's first trained token."""
-        attn = getattr(model.config, "_attn_implementation", None)
+        attn = base_implementation(model)
         if attn not in ("sdpa", "eager"):
             return None
         trained = token_mask.to(ids.device) > 0
         first = torch.where(trained.any(1), trained.int().argmax(1), lengths.to(ids.device))
         layout = share_prefixes(ids, lengths, first, self.pad_id, self.cfg.prefix_sharing.max_row_tokens,
-                                self.cfg.make_sequence_length_divisible_by, self._score_cost)
+                                self.cfg.make_sequence_length_divisible_by, self._score_cost,
+                                blockwise=is_blockwise(model))
         if layout is None:
             return None
-        mask = layout.attention_mask(None if attn == "sdpa" else DTYPES[self.cfg.precision])
-        logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask,
-                       use_cache=False).logits
+        if layout.blockwise:
+            # The blocks replace the mask; a 4D placeholder (transformers passes 4D masks on
+            # as they are) keeps it from building a dense one that nothing reads.
+            placeholder = torch.ones(layout.input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=ids.device)
+            logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=placeholder,
+                           prefix_blocks=PrefixBlocks.from_layout(layout), use_cache=False).logits
+        else:
+            mask = layout.attention_mask(None if attn == "sdpa" else DTYPES[self.cfg.precision])
+            logits = model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=mask,
+                           use_cache=False).logits
         self._model_tokens += layout.input_ids.numel()
         lp = logprobs_at(logits, layout.row, layout.index[:, :-1], ids[:, 1:], self.cfg.logprob_chunk_size,
                          self._temperature)

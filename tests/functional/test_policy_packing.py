@@ -1,7 +1,7 @@
-"""Sequence packing, dynamic batching and prefix sharing give the same logprobs and the same train step (with
-grad-norm clipping, CPU offload and activation checkpointing on the way) as a plain
-transformers model (fp32; logprobs 2e-5 absolute, loss/grad norm 1e-5 relative,
-parameters after one SGD step 2e-6 absolute)."""
+"""Sequence packing, dynamic batching and prefix sharing (dense and blockwise attention) give
+the same logprobs and the same train step (with grad-norm clipping, CPU offload and activation
+checkpointing on the way) as a plain transformers model (fp32; logprobs 2e-5 absolute,
+loss/grad norm 1e-5 relative, parameters after one SGD step 2e-6 absolute)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +31,9 @@ MODES = {
                 "max_grad_norm": 0.5},  # below the first step's grad norm (~2.8): clipping applies
     # policy.prefix_sharing is on by default; these rows share an 8-token prompt (shared_prefix_batch).
     "shared_prefix": {"train_micro_batch_size": 4, "logprob_batch_size": 4},
+    # 16 rows sharing an 8-token prompt: one packed row of 520 tokens, long enough for blockwise attention.
+    "shared_prefix_blockwise": {"train_global_batch_size": 16, "train_micro_batch_size": 16,
+                                "logprob_batch_size": 16, "max_total_sequence_length": 48},
 }
 
 
@@ -51,9 +54,9 @@ def policies(ray_session):
         cluster.shutdown()
 
 
-def shared_prefix_batch():
-    """Four rows (lengths 16, 12, 14, 10) with the same first 8 tokens and the loss after them."""
-    batch = make_batch(lengths=[16, 12, 14, 10])
+def shared_prefix_batch(lengths=(16, 12, 14, 10)):
+    """Rows (lengths 16, 12, 14, 10 by default) with the same first 8 tokens and the loss after them."""
+    batch = make_batch(lengths=list(lengths), seq=max(lengths))
     batch["input_ids"][1:, :8] = batch["input_ids"][0, :8]
     batch["token_mask"][:, :8] = 0
     return batch
@@ -63,7 +66,8 @@ def shared_prefix_batch():
 def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path):
     policy = policies[mode]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    batch = shared_prefix_batch() if mode == "shared_prefix" else make_batch()
+    batch = {"shared_prefix": shared_prefix_batch, "shared_prefix_blockwise": lambda: shared_prefix_batch([40] * 16)
+             }.get(mode, make_batch)()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
                                atol=2e-5, rtol=0)
     loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, policy.cfg.max_grad_norm)
@@ -71,6 +75,8 @@ def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path)
     m = policy.train(batch, NLLLoss())
     if mode == "shared_prefix":  # one packed row: the prompt once, then the four continuations
         assert m["model_tokens"] == 8 + 8 + 4 + 6 + 2 < m["num_tokens"] == 52
+    elif mode == "shared_prefix_blockwise":  # shared only because blockwise (dense: 520^2 scores cost too much)
+        assert m["model_tokens"] == 8 + 16 * 32 < m["num_tokens"] == 16 * 40
     else:
         assert m["num_microbatches"] > 1
     assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
