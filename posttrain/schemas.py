@@ -103,13 +103,16 @@ class PrefixSharingConfig(Section):
     # packed row: the prompt once, then each completion attending to it and to itself. Exact
     # (same logprobs and gradients); fewer tokens through the model. Applies to batches with a
     # token_mask (the prompt is what precedes the first trained token) and sdpa/eager attention.
-    # Long packed rows of Llama-family models run blockwise attention (the prompt block and
-    # each completion's blocks only, not the masked rows x length^2 scores; a 30M model's
-    # GRPO step trained in 3.4 s instead of 4.0-5.9 s dense or 4.0-4.4 s unshared).
     enabled: bool = True
     # Longest packed row in tokens; a group that does not fit continues in a new packed row
     # (a dense attention mask is rows x this^2).
     max_row_tokens: int = Field(2048, ge=2)
+    # Blockwise attention for long packed rows of Llama-family models: the prompt block and
+    # each completion's blocks, not the masked rows x length^2 scores (exact). "auto": on CPU,
+    # where it was measured (a 30M model's GRPO training step 3.4 s, against 4.0-5.9 s with the
+    # dense mask and 4.0-4.4 s unshared); off on GPUs, where sdpa's fused masked kernel was
+    # not compared with it. "on" / "off" force it.
+    blockwise_attention: Literal["auto", "on", "off"] = "auto"
 
 
 class OptimizerConfig(Section):

@@ -233,7 +233,7 @@ class FSDPPolicyWorker:
         model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
         if self.model_kind == "sequence_classification" and model.config.pad_token_id is None:
             model.config.pad_token_id = self.pad_id
-        if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
+        if self._wants_blockwise():
             enable_blockwise(model)  # long shared-prefix rows then skip their masked scores
         if train:
             model = maybe_apply_lora(model, cfg.lora)
@@ -281,6 +281,13 @@ class FSDPPolicyWorker:
                 module.set_force_sum_reduction_for_comms(True)
         model.train(train)
         return model
+
+    def _wants_blockwise(self) -> bool:
+        """`policy.prefix_sharing.blockwise_attention` resolved for this worker's device."""
+        ps = self.cfg.prefix_sharing
+        if not ps.enabled or self.model_kind != "causal_lm":
+            return False
+        return ps.blockwise_attention == "on" or (ps.blockwise_attention == "auto" and self.device.type == "cpu")
 
     def _single_rank_plain(self) -> bool:
         """One rank without CPU offload keeps the plain module instead of FSDP2."""

@@ -96,3 +96,17 @@ def test_models_outside_the_llama_family_keep_their_attention():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     model.config._attn_implementation = "eager"
     assert not enable_blockwise(model) and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("setting,device,expected", [("auto", "cpu", True), ("auto", "cuda", False),
+                                                     ("on", "cuda", True), ("off", "cpu", False)])
+def test_blockwise_attention_setting_per_device(setting, device, expected):
+    from posttrain.policy.fsdp_worker import FSDPPolicyWorker
+    from posttrain.schemas import PolicyConfig
+
+    worker = object.__new__(FSDPPolicyWorker)  # the decision only, without loading a model
+    worker.cfg = PolicyConfig(prefix_sharing={"blockwise_attention": setting})
+    worker.model_kind, worker.device = "causal_lm", torch.device(device)
+    assert worker._wants_blockwise() is expected
+    worker.model_kind = "sequence_classification"
+    assert worker._wants_blockwise() is False
