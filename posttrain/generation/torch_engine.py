@@ -176,11 +176,11 @@ class _SlotCache:
     """
 
     def __init__(self, w: _Weights, slots: int, length: int, max_length: int):
-        # The cache is in the engine's dtype. Over this contiguous cache, CPU batched matmuls
-        # with one query row run as fast in bf16 as in float32 at head_dim 32 and ~2x faster at
-        # 64 and 128 (half the bytes read); a 30M model's GRPO rollout (128 x 64 tokens, bf16)
-        # took 1.70 s instead of 2.03 s with a float32 cache. (Over a slice of a longer cache,
-        # as before _SlotCache was contiguous, bf16 was the slower one.)
+        # The cache is in the engine's dtype: half the memory in bf16, and over this contiguous
+        # cache CPU decode attention in bf16 was 2-4x faster than in float32 at head_dim 128,
+        # 1-2.5x at 64 and within +-25% either way at 32 (5 runs each; the VM's memory bandwidth
+        # drifts). Over a slice of a longer cache, as before _SlotCache was contiguous, bf16 was
+        # the slower one.
         self.dtype = w.dtype
         self.slots, self.n_kv, self.head_dim = slots, w.n_kv, w.head_dim
         self.length, self.max_length = min(length, max_length), max_length
