@@ -42,8 +42,10 @@ class PrefixBlocks:
     used by every layer. R packed rows of L positions, K suffix slots of S positions each."""
 
     prefix_width: int  # P: the longest prefix
-    gather_index: torch.Tensor  # [R, 1, K*S, 1]: packed position of each slot position (0 for slot padding)
-    scatter_index: torch.Tensor  # [R, 1, K*S, 1]: the same, L for slot padding (a dropped extra position)
+    # Rows of the packed positions flattened to [R*L]: r*L + position of each slot position,
+    # [R*K*S]; slot padding reads position 0 of its row and writes to the extra row R*L (dropped).
+    gather_rows: torch.Tensor
+    scatter_rows: torch.Tensor
     prefix_allowed: torch.Tensor  # [R, 1, P, P] bool: the prefix block's causal mask
     prefix_keys: torch.Tensor  # [R, 1, 1, 1, P] bool: keys inside the row's prefix
     own_allowed: torch.Tensor  # [R, 1, K, S, S] bool: a slot's causal mask over its own keys
@@ -55,11 +57,13 @@ class PrefixBlocks:
         dev = layout.input_ids.device
         p_len, starts, sizes = layout.prefix_lengths, layout.suffix_starts, layout.suffix_lengths
         width, slot = int(p_len.max()), max(int(sizes.max()), 1)
-        rows, slots = starts.shape
+        rows = starts.shape[0]
         s = torch.arange(slot, device=dev)
         valid = s[None, None, :] < sizes[:, :, None]  # [R, K, S]
-        pos = torch.where(valid, starts[:, :, None] + s, 0).reshape(rows, 1, slots * slot, 1)
-        dump = torch.where(valid.reshape(rows, 1, slots * slot, 1), pos, length)
+        row_start = torch.arange(rows, device=dev)[:, None, None] * length
+        flat = row_start + starts[:, :, None] + s
+        gather = torch.where(valid, flat, row_start).reshape(-1)
+        scatter = torch.where(valid, flat, rows * length).reshape(-1)
         j = torch.arange(width, device=dev)
         causal = j[None, :] <= j[:, None]
         # The diagonal stays allowed everywhere, so no query row is fully masked (a NaN there
@@ -68,7 +72,7 @@ class PrefixBlocks:
                                                                                           device=dev)
         own = (s[None, :] <= s[:, None])[None, None] & valid[:, :, None, :]  # key inside the suffix
         own |= torch.eye(slot, dtype=torch.bool, device=dev)
-        return cls(prefix_width=width, gather_index=pos, scatter_index=dump,
+        return cls(prefix_width=width, gather_rows=gather, scatter_rows=scatter,
                    prefix_allowed=prefix_allowed[:, None], prefix_keys=(j < p_len[:, None])[:, None, None, None],
                    own_allowed=own[:, None])
 
@@ -90,12 +94,18 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(r, h, groups, length, d).reshape(r, h * groups, length, d)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """`[R, h, L, D]` -> `[R*L, h*D]`: one row per packed position (a view when `x` is the
+    transposed `[R, L, h, D]` projection, as transformers' attention layers pass it)."""
+    r, h, length, d = x.shape
+    return x.transpose(1, 2).reshape(r * length, h * d)
+
+
 def blockwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         blocks: PrefixBlocks, scaling: float, dropout: float = 0.0) -> torch.Tensor:
     """Attention of the packed rows `query/key/value [R, H(_kv), L, D]` -> `[R, L, H, D]`."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     rows, heads, length, dim = query.shape
+    kv_heads, groups = key.shape[1], heads // key.shape[1]
     width = blocks.prefix_width
     slots, slot = blocks.own_allowed.shape[2], blocks.own_allowed.shape[3]
     dt = query.dtype
@@ -104,25 +114,32 @@ def blockwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dt)
         return torch.nn.functional.dropout(p, p=dropout, training=module.training)
 
-    k_pre, v_pre = key[:, :, :width], value[:, :, :width]
+    def to_slots(x: torch.Tensor, h: int) -> torch.Tensor:
+        """The slots' positions of `x`, whole rows at a time: `[R, h, K, S, D]`."""
+        picked = _rows(x).index_select(0, blocks.gather_rows)
+        return picked.view(rows, slots, slot, h, dim).permute(0, 3, 1, 2, 4)
+
+    k_pre = _repeat_kv(key[:, :, :width], groups)
+    v_pre = _repeat_kv(value[:, :, :width], groups)
     scores = torch.matmul(query[:, :, :width], k_pre.transpose(2, 3)) * scaling
     out_pre = torch.matmul(probs(scores + blocks.additive("prefix_allowed", dt)), v_pre)  # [R, H, P, D]
 
-    idx = blocks.gather_index.expand(rows, heads, slots * slot, dim)
-    q_s, k_s, v_s = (x.gather(2, idx) for x in (query, key, value))  # [R, H, K*S, D]
-    to_pre = (torch.matmul(q_s, k_pre.transpose(2, 3)) * scaling).view(rows, heads, slots, slot, width)
-    q_s, k_s, v_s = (x.view(rows, heads, slots, slot, dim) for x in (q_s, k_s, v_s))
+    q_s = to_slots(query, heads)
+    k_s = to_slots(key, kv_heads).repeat_interleave(groups, dim=1) if groups > 1 else to_slots(key, kv_heads)
+    v_s = to_slots(value, kv_heads).repeat_interleave(groups, dim=1) if groups > 1 else to_slots(value, kv_heads)
+    to_pre = torch.matmul(q_s.reshape(rows, heads, slots * slot, dim), k_pre.transpose(2, 3)) * scaling
     to_own = torch.matmul(q_s, k_s.transpose(3, 4)) * scaling  # [R, H, K, S, S]
-    p = probs(torch.cat([to_pre + blocks.additive("prefix_keys", dt),
+    p = probs(torch.cat([to_pre.view(rows, heads, slots, slot, width) + blocks.additive("prefix_keys", dt),
                          to_own + blocks.additive("own_allowed", dt)], dim=-1))
-    out_s = (torch.matmul(p[..., :width].reshape(rows, heads, slots * slot, width), v_pre)
-             + torch.matmul(p[..., width:], v_s).view(rows, heads, slots * slot, dim))
+    out_s = (torch.matmul(p[..., :width].reshape(rows, heads, slots * slot, width), v_pre).view(
+        rows, heads, slots, slot, dim) + torch.matmul(p[..., width:], v_s))  # [R, H, K, S, D]
 
-    # Positions past the prefix block start at 0; slots land on their packed positions and
-    # slot padding on the extra position L, which is cut off.
-    out = torch.cat([out_pre, out_pre.new_zeros(rows, heads, length + 1 - width, dim)], dim=2)
-    out = out.scatter(2, blocks.scatter_index.expand(rows, heads, slots * slot, dim), out_s)
-    return out[:, :, :length].transpose(1, 2).contiguous()
+    # Rows past the prefix block start at 0; slot positions land on their packed rows and slot
+    # padding on the extra row R*L, which is cut off.
+    out = torch.cat([out_pre.transpose(1, 2), out_pre.new_zeros(rows, length - width, heads, dim)], dim=1)
+    out = torch.cat([out.reshape(rows * length, heads * dim), out.new_zeros(1, heads * dim)])
+    out = out.index_copy(0, blocks.scatter_rows, out_s.permute(0, 2, 3, 1, 4).reshape(-1, heads * dim))
+    return out[: rows * length].view(rows, length, heads, dim)
 
 
 def _delegate(base: str, module: torch.nn.Module) -> Callable:

@@ -33,9 +33,12 @@ def test_blocks_index_the_suffixes_and_mask_the_prefix():
     assert s.prefix_lengths.tolist() == [6, 4, 5]
     assert s.suffix_lengths.tolist() == [[8, 3, 6, 0], [6, 9, 0, 0], [10, 3, 0, 0]]
     assert b.prefix_width == 6 and b.own_allowed.shape == (3, 1, 4, 10, 10)
-    # Row 1, slot 0 is row 4's suffix, packed right after the 4-token prompt.
-    assert b.gather_index[1, 0, :6, 0].tolist() == list(range(4, 10))
-    assert b.scatter_index[1, 0, 6:10, 0].tolist() == [s.input_ids.shape[1]] * 4  # slot padding: dropped
+    # Packed row 1, slot 0 is row 4's suffix, right after the 4-token prompt (rows flattened: 1 * L + position).
+    length = s.input_ids.shape[1]
+    gather, scatter = b.gather_rows.view(3, 4, 10), b.scatter_rows.view(3, 4, 10)
+    assert gather[1, 0, :6].tolist() == [length + p for p in range(4, 10)] == scatter[1, 0, :6].tolist()
+    assert gather[1, 0, 6:].tolist() == [length] * 4  # slot padding reads its row's first position
+    assert scatter[1, 0, 6:].tolist() == [3 * length] * 4  # and writes to the dropped extra row
     assert b.prefix_keys[1, 0, 0, 0].tolist() == [True] * 4 + [False] * 2
     assert b.own_allowed[0, 0, 1, 2].tolist() == [True] * 3 + [False] * 7  # 3rd token of a 3-token suffix
     assert b.own_allowed[0, 0, 3].diagonal().all()  # the empty slot's queries see themselves: no NaN
