@@ -87,11 +87,9 @@ class PrefixBlocks:
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[R, H_kv, L, D] -> [R, H_kv * groups, L, D] (grouped-query attention's shared heads)."""
-    if groups == 1:
-        return x
-    r, h, length, d = x.shape
-    return x[:, :, None].expand(r, h, groups, length, d).reshape(r, h * groups, length, d)
+    """`[R, H_kv, ...]` -> `[R, H_kv * groups, ...]`: grouped-query attention's shared heads, each
+    kv head repeated for its group of query heads (transformers' `repeat_kv` order)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -125,8 +123,7 @@ def blockwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     out_pre = torch.matmul(probs(scores + blocks.additive("prefix_allowed", dt)), v_pre)  # [R, H, P, D]
 
     q_s = to_slots(query, heads)
-    k_s = to_slots(key, kv_heads).repeat_interleave(groups, dim=1) if groups > 1 else to_slots(key, kv_heads)
-    v_s = to_slots(value, kv_heads).repeat_interleave(groups, dim=1) if groups > 1 else to_slots(value, kv_heads)
+    k_s, v_s = (_repeat_kv(to_slots(x, kv_heads), groups) for x in (key, value))  # gathered before the repeat
     to_pre = torch.matmul(q_s.reshape(rows, heads, slots * slot, dim), k_pre.transpose(2, 3)) * scaling
     to_own = torch.matmul(q_s, k_s.transpose(3, 4)) * scaling  # [R, H, K, S, S]
     p = probs(torch.cat([to_pre.view(rows, heads, slots, slot, width) + blocks.additive("prefix_keys", dt),

@@ -33,8 +33,8 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
 from posttrain.distributed.weight_sync import load_state_dict_inplace
-from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.losses.utils import valid_counts
+from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler
