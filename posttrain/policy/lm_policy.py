@@ -118,7 +118,9 @@ class Policy:
         self.workers.get(self.workers.run_all("reset_optimizer"))
 
     def get_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:
-        """`logprobs [B, S]`: position t = log p(token_t | <t) under the current policy; 0 at t=0 and padding."""
+        """`logprobs [B, S]`: position t = log p(token_t | <t) under the current policy; 0 at t=0 and
+        padding, and, when the batch has a `token_mask`, before each row's first trained token
+        (those logits are not computed)."""
         self._check_batch(batch, "get_logprobs")
         return self._sharded("get_logprobs", batch, False)
 

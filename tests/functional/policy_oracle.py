@@ -31,7 +31,8 @@ def make_batch(lengths=LENGTHS, seq=SEQ, seed=0) -> BatchedDataDict:
 
 
 def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
-    """log_softmax of a plain forward (each row alone, unpadded) gathered at the next tokens; `[B, S]`."""
+    """log_softmax of a plain forward (each row alone, unpadded) gathered at the next tokens; `[B, S]`.
+    As the policy returns them, tokens before a row's first trained one (`token_mask`) are 0."""
     out = torch.zeros(batch["input_ids"].shape)
     for r in range(batch.size):
         n = int(batch["input_lengths"][r])
@@ -39,6 +40,9 @@ def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
         logits = model(input_ids=ids).logits.float()
         lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         out[r, 1:n] = lp
+        trained = (batch["token_mask"][r] > 0).nonzero() if "token_mask" in batch else None
+        if trained is not None:
+            out[r, : int(trained[0]) if len(trained) else n] = 0.0
     return out
 
 

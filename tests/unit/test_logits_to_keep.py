@@ -1,0 +1,106 @@
+"""The policy computes logits only from the first position a trained token needs
+(`logits_to_keep`), on plain rows and on shared-prefix rows, and its logprobs of the trained
+tokens are those of the full forward (fp32, 1e-5); tokens before a row's first trained token
+are 0 on every path."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from posttrain.data.batch import BatchedDataDict
+from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _takes_logits_to_keep
+from posttrain.schemas import PolicyConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def make_worker(tiny_model_path, monkeypatch):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+
+    def make(**policy) -> FSDPPolicyWorker:
+        cfg = PolicyConfig(model_name=tiny_model_path, precision="float32", max_total_sequence_length=32,
+                           logprob_batch_size=8, **policy)
+        worker = FSDPPolicyWorker(cfg, init_reference=False)
+        worker.setup()
+        return worker
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def batch(prompts: list[int], lengths: list[int], shared: bool) -> BatchedDataDict:
+    """Rows of random tokens; row r is trained from position prompts[r] on."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 60, (len(lengths), max(lengths)), generator=g)
+    if shared:
+        ids[1:, : prompts[0]] = ids[0, : prompts[0]]
+    pos = torch.arange(ids.shape[1])[None]
+    lens, first = torch.tensor(lengths)[:, None], torch.tensor(prompts)[:, None]
+    ids[pos >= lens] = 0
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths),
+                           token_mask=((pos >= first) & (pos < lens)).float(), sample_mask=torch.ones(len(lengths)))
+
+
+def full_forward(path: str, b: BatchedDataDict) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = torch.zeros(b["input_ids"].shape)
+    with torch.no_grad():
+        for r, n in enumerate(b["input_lengths"].tolist()):
+            ids = b["input_ids"][r : r + 1, :n]
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            out[r, 1:n] = lp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["plain_rows", "shared_prefix"])
+def test_logits_only_from_the_first_trained_token(make_worker, tiny_model_path, shared):
+    worker = make_worker()
+    heads: list[int] = []  # positions per row the LM head computes
+    worker.model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
+    prompts, lengths = ([9, 9, 9, 9], [20, 14, 17, 12]) if shared else ([9, 6, 11, 7], [20, 14, 17, 12])
+    b = batch(prompts, lengths, shared)
+    got = worker.get_logprobs(b)["logprobs"]
+    if shared:  # one packed row: the 9-token prompt, then the 4 completions (11 + 5 + 8 + 3 tokens)
+        assert heads == [9 + 11 + 5 + 8 + 3 - 8]
+    else:  # rows padded to 20; the earliest trained token is at 6, scored by the logit at 5
+        assert heads == [20 - 5]
+    expected = full_forward(tiny_model_path, b)
+    trained = b["token_mask"] > 0
+    torch.testing.assert_close(got[trained], expected[trained], atol=1e-5, rtol=0)
+    before_first = torch.arange(b["input_ids"].shape[1])[None] < torch.tensor(prompts)[:, None]
+    assert (got[before_first] == 0).all() and (expected[before_first] != 0).any()
+
+
+def test_rows_without_a_token_mask_keep_every_logit(make_worker, tiny_model_path):
+    worker = make_worker(prefix_sharing={"enabled": False})
+    heads: list[int] = []
+    worker.model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
+    b = batch([9, 6, 11, 7], [20, 14, 17, 12], shared=False)
+    del b["token_mask"]
+    got = worker.get_logprobs(b)["logprobs"]
+    assert heads == [20]
+    torch.testing.assert_close(got, full_forward(tiny_model_path, b), atol=1e-5, rtol=0)
+
+
+def test_lora_model_takes_logits_to_keep(tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert _takes_logits_to_keep(get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])))
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            return input_ids
+
+    assert not _takes_logits_to_keep(NoKeep())
