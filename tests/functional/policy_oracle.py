@@ -40,8 +40,8 @@ def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
         logits = model(input_ids=ids).logits.float()
         lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         out[r, 1:n] = lp
-        trained = (batch["token_mask"][r] > 0).nonzero() if "token_mask" in batch else None
-        if trained is not None:
+        if "token_mask" in batch:
+            trained = (batch["token_mask"][r] > 0).nonzero()
             out[r, : int(trained[0]) if len(trained) else n] = 0.0
     return out
 

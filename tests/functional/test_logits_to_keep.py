@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from policy_oracle import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from posttrain.data.batch import BatchedDataDict
@@ -52,17 +53,6 @@ def batch(prompts: list[int], lengths: list[int], shared: bool) -> BatchedDataDi
                            token_mask=((pos >= first) & (pos < lens)).float(), sample_mask=torch.ones(len(lengths)))
 
 
-def full_forward(path: str, b: BatchedDataDict) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = torch.zeros(b["input_ids"].shape)
-    with torch.no_grad():
-        for r, n in enumerate(b["input_lengths"].tolist()):
-            ids = b["input_ids"][r : r + 1, :n]
-            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-            out[r, 1:n] = lp.gather(-1, ids[0, 1:, None])[:, 0]
-    return out
-
-
 @pytest.mark.parametrize("shared", [False, True], ids=["plain_rows", "shared_prefix"])
 def test_logits_only_from_the_first_trained_token(make_worker, tiny_model_path, shared):
     worker = make_worker()
@@ -75,11 +65,12 @@ def test_logits_only_from_the_first_trained_token(make_worker, tiny_model_path, 
         assert heads == [9 + 11 + 5 + 8 + 3 - 8]
     else:  # rows padded to 20; the earliest trained token is at 6, scored by the logit at 5
         assert heads == [20 - 5]
-    expected = full_forward(tiny_model_path, b)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    full = reference_logprobs(hf, BatchedDataDict({k: v for k, v in b.items() if k != "token_mask"}))
     trained = b["token_mask"] > 0
-    torch.testing.assert_close(got[trained], expected[trained], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[trained], full[trained], atol=1e-5, rtol=0)
     before_first = torch.arange(b["input_ids"].shape[1])[None] < torch.tensor(prompts)[:, None]
-    assert (got[before_first] == 0).all() and (expected[before_first] != 0).any()
+    assert (got[before_first] == 0).all() and (full[before_first] != 0).any()
 
 
 def test_rows_without_a_token_mask_keep_every_logit(make_worker, tiny_model_path):
@@ -90,7 +81,8 @@ def test_rows_without_a_token_mask_keep_every_logit(make_worker, tiny_model_path
     del b["token_mask"]
     got = worker.get_logprobs(b)["logprobs"]
     assert heads == [20]
-    torch.testing.assert_close(got, full_forward(tiny_model_path, b), atol=1e-5, rtol=0)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(got, reference_logprobs(hf, b), atol=1e-5, rtol=0)
 
 
 def test_lora_model_takes_logits_to_keep(tiny_model_path):
