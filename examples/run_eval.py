@@ -5,4 +5,4 @@ import sys
 from posttrain.cli import main
 
 if __name__ == "__main__":
-    main(["eval", *sys.argv[1:]])
+    main(["eval", *sys.argv[1:]], supervise=True)

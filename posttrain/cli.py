@@ -17,6 +17,7 @@ import argparse
 import json
 import signal
 import sys
+import traceback
 from typing import Any, Sequence
 
 from posttrain.config import InputError, load_config, to_yaml
@@ -132,12 +133,16 @@ def _setup_logging() -> None:
     root.propagate = False
 
 
-def _run_algorithm(algorithm: str, argv: Sequence[str]) -> int:
+def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     args = _split_overrides(_algo_parser(algorithm), argv)
     cfg = load_config(algorithm, args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
+    if supervise:  # so that a signal to our process group spares the Ray node (see its docstring)
+        from posttrain.runtime import supervise_in_own_session
+
+        supervise_in_own_session()
     import importlib
 
     _setup_logging()
@@ -163,8 +168,13 @@ def _run_convert(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of `posttrain` (and of the thin launchers in examples/)."""
+def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> None:
+    """Entry point of `posttrain` (and of the thin launchers in examples/). With `supervise`
+    (default: when `argv` is taken from sys.argv, i.e. run as the program), an algorithm's job
+    runs in a child process of its own session under this one
+    (`runtime.supervise_in_own_session`); otherwise in this process."""
+    if supervise is None:
+        supervise = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
     if not argv or argv[0] in ("-h", "--help"):
@@ -173,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     try:
         if command in MASTER_CONFIGS:
-            code = _run_algorithm(command, rest)
+            code = _run_algorithm(command, rest, supervise)
         elif command == "convert":
             code = _run_convert(rest)
         else:
@@ -191,6 +201,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "
               "checkpoints saved before stay", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)
+    except Exception:  # noqa: BLE001
+        # Printed here, not by Ray's excepthook, which first reports the error to the Ray node and,
+        # when that node is gone, blocks for 60 s and is then aborted without printing anything.
+        traceback.print_exc()
+        sys.exit(1)
     sys.exit(code)
 
 

@@ -39,11 +39,12 @@ def init_ray(cfg: ClusterConfig) -> None:
 
 def local_ray_node_lost() -> bool:
     """Whether the Ray node this process started (`init_ray` without an address) has lost its
-    raylet. A SIGTERM to the whole process group (`kill -TERM -<pgid>`, a scheduler ending the
-    job) reaches that node's processes along with the driver; the driver still saves its
-    checkpoint (the workers run in their own process groups), but actor and placement group
-    teardown through a dead raylet waits for answers that never come, so it stops waiting once
-    this is True (the raylet may take seconds to exit; the waits have timeouts until then).
+    raylet: it crashed, or a signal reached every process of the job (a scheduler that signals
+    all of a job's processes, or a driver run without the `posttrain` command's supervisor,
+    `runtime.supervise_in_own_session`, whose process group the node shares). Actor and
+    placement group teardown through a dead raylet waits for answers that never come, so it
+    stops waiting once this is True (the raylet may take seconds to exit; the waits have
+    timeouts until then).
     Reads Ray's node handle (`ray._private.worker._global_node`, not public API): False when it
     is absent (a joined cluster) or unreadable."""
     try:

@@ -3,6 +3,7 @@ terminal sends it) or SIGTERM makes the real `posttrain` command save a checkpoi
 current step and exit, and the job time limit (`checkpointing.checkpoint_must_save_by`) does
 the same in the SFT/DPO/RM loop as in GRPO."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from posttrain.algorithms import sft
@@ -40,6 +42,14 @@ def _grpo(tmp_path: Path, steps: int) -> list[str]:
             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"]
 
 
+def _exited(process: psutil.Process) -> bool:
+    """Gone, or a zombie (an orphan waits for its reaper, which a container may not run)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 @pytest.fixture
 def ray_tmpdir():
     """A short RAY_TMPDIR for the command's own Ray cluster (its socket paths must fit 107 bytes)."""
@@ -48,28 +58,38 @@ def ray_tmpdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.parametrize("sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)],
-                         ids=["SIGINT-group", "SIGTERM-driver", "SIGTERM-group"])
+@pytest.mark.parametrize("sig,to_group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True),
+                                         (signal.SIGKILL, False)],
+                         ids=["SIGINT-group", "SIGTERM-driver", "SIGTERM-group", "SIGKILL-supervisor"])
 def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, ray_tmpdir, sig, to_group):
     env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}  # console lines unwrapped
-    # Its own session, so a signal can go to the whole group (driver, the Ray node it started,
-    # workers): SIGINT as a terminal's Ctrl-C sends it, SIGTERM as `kill -TERM -<pgid>` or a
-    # scheduler ending the job (the Ray node then goes down with the driver, which must neither
-    # lose the checkpoint nor hang in teardown); or SIGTERM to the driver alone, as `kill` or
-    # `timeout` send it.
+    # Its own session, so a signal can go to the whole group: SIGINT as a terminal's Ctrl-C sends
+    # it, SIGTERM as `kill -TERM -<pgid>` or a job runner ending the job; or SIGTERM to the command
+    # alone, as `kill` or `timeout` send it. The command's process supervises the job, which runs
+    # in a session of its own (with the Ray node it starts): the group's signal must reach the job
+    # through it alone, the Ray node must outlive the checkpoint, and a SIGKILLed supervisor must
+    # still leave one (the job then gets SIGTERM).
     proc = subprocess.Popen(_grpo(tmp_path, 1000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = None
     try:
         deadline = time.monotonic() + 240
         while len(_train_steps(tmp_path / "logs")) < 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read()
+        [job] = psutil.Process(proc.pid).children()
+        assert os.getsid(job.pid) == job.pid != os.getsid(proc.pid)
         os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=90)  # the pipe ends when the job has exited too
+        assert _exited(job)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + sig.value, out
+        for pgid in (proc.pid, job and job.pid):
+            if pgid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+    assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig.value), out
+    if sig == signal.SIGKILL:
+        sig = signal.SIGTERM  # what the job got when its supervisor died
     steps = _train_steps(tmp_path / "logs")
     last = steps[-1]
     assert f"{sig.name} received at step {last}: saved step_{last} in {tmp_path / 'ckpt'}; stopping" in out

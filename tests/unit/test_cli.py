@@ -70,6 +70,16 @@ def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_pa
     assert f"policy.tokenizer.name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
 
 
+def _rm_exit_status(monkeypatch, run) -> int:
+    """`posttrain rm`'s exit status, run in this process, when the algorithm's run() is `run`."""
+    algo = type(sys)("posttrain.algorithms.rm")
+    algo.run = run
+    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["rm"])
+    return e.value.code
+
+
 def test_input_error_raised_in_a_ray_worker_prints_the_workers_message(monkeypatch, capsys):
     from ray.exceptions import RayTaskError
 
@@ -83,12 +93,7 @@ def test_input_error_raised_in_a_ray_worker_prints_the_workers_message(monkeypat
         except MissingInputError as cause:
             raise RayTaskError("setup", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
 
-    algo = type(sys)("posttrain.algorithms.rm")
-    algo.run = run
-    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
-    with pytest.raises(SystemExit) as e:
-        cli.main(["rm"])
-    assert e.value.code == 2
+    assert _rm_exit_status(monkeypatch, run) == 2
     assert capsys.readouterr().err == "posttrain rm: policy.model_name='/m': cannot load a model config\n"
 
 
@@ -98,15 +103,21 @@ def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_wi
     def run(cfg):  # Ctrl-C during setup or GRPO's warm-up SFT; or a second stop signal in the loop
         raise raised
 
-    algo = type(sys)("posttrain.algorithms.rm")
-    algo.run = run
-    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
-    with pytest.raises(SystemExit) as e:
-        cli.main(["rm"])
-    assert e.value.code == code
+    assert _rm_exit_status(monkeypatch, run) == code
     name = "SIGINT" if code == 130 else "SIGTERM"
     assert capsys.readouterr().err == (f"posttrain rm: interrupted ({name}); stopped at once: nothing was saved "
                                        "now, checkpoints saved before stay\n")
+
+
+def test_an_unexpected_error_prints_its_traceback_and_exits_1(monkeypatch, capsys):
+    # Printed by the CLI itself: Ray's excepthook would first report it to a Ray node that may be gone.
+    def run(cfg):
+        raise RuntimeError("policy worker rank 0 died")
+
+    assert _rm_exit_status(monkeypatch, run) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "in run" in err
+    assert err.endswith("RuntimeError: policy worker rank 0 died\n")
 
 
 def test_bad_command_and_option():
