@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
@@ -50,6 +51,14 @@ def stories260k(shared_data, tmp_path_factory):
     src = os.path.join(shared_data, "models", "stories260K")
     return str(convert(os.path.join(src, "stories260K.bin"), os.path.join(src, "tok512.model"),
                        tmp_path_factory.mktemp("stories260K") / "hf"))
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a torch.distributed rendezvous in this process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 tokens are those of the full forward (fp32, 1e-5); tokens before a row's first trained token
 are 0 on every path."""
 
-import socket
 
 import pytest
 import torch
@@ -16,16 +15,10 @@ from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _takes_logits_to_keep
 from posttrain.schemas import PolicyConfig
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def make_worker(tiny_model_path, monkeypatch):
+def make_worker(tiny_model_path, monkeypatch, free_port):
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
+                 "MASTER_PORT": str(free_port)}.items():
         monkeypatch.setenv(k, v)
 
     def make(**policy) -> FSDPPolicyWorker:

@@ -126,17 +126,12 @@ def _fused_adamw_on_fsdp2_rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_fused_adamw_steps_fsdp2_sharded_parameters(tmp_path):
+def test_fused_adamw_steps_fsdp2_sharded_parameters(tmp_path, free_port):
     """The default fused AdamW runs on DTensor shards (FSDP2, 2 gloo ranks) and matches the plain loop."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "result.pt")
-    mp.spawn(_fused_adamw_on_fsdp2_rank, args=(port, out), nprocs=2)
+    mp.spawn(_fused_adamw_on_fsdp2_rank, args=(free_port, out), nprocs=2)
     result = torch.load(out)
     assert result["fused"] is True
     assert result["err"] < 1e-5
