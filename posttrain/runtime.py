@@ -58,4 +58,4 @@ def supervise_in_own_session() -> None:
         signal.signal(s, forward)
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)  # -N when a signal N killed it
-    os._exit(128 - code if code < 0 else code)  # os._exit: the child owns stdout's buffered state
+    os._exit(128 - code if code < 0 else code)  # no atexit handlers here: they are the job's, in the child

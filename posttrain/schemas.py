@@ -885,8 +885,9 @@ class _MasterBase(Section):
     # Where and how a run reports: the run directory and the logging backends.
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     # Checkpoints in <checkpoint_dir>/step_N (atomic); a run resumes from the latest complete one.
-    # SIGTERM (to the `posttrain` command or its process group) or Ctrl-C (once) ends any run after its current
-    # step with a checkpoint (exit status 128 + the signal number); a second signal stops it at once.
+    # SIGTERM (to the `posttrain` command or its process group) or Ctrl-C (once) ends any run after
+    # its current step with a checkpoint (exit status 128 + the signal number); a second signal
+    # stops it at once.
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     # Where the workers run: nodes, GPUs (or CPU bundles) per node, and the Ray cluster to join.
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
