@@ -339,6 +339,27 @@ class PolicyConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _settings_that_go_together(self) -> "PolicyConfig":
+        for section, name in ((self.sequence_packing, "sequence_packing"), (self.dynamic_batching, "dynamic_batching")):
+            if section.enabled:
+                for key in ("train_mb_tokens", "logprob_mb_tokens"):
+                    if getattr(section, key) is None:
+                        raise ValueError(
+                            f"policy.{name}.enabled is true: set policy.{name}.{key} (token budget of one "
+                            f"micro-batch, e.g. {self.max_total_sequence_length * self.train_micro_batch_size})")
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("policy.sequence_packing and policy.dynamic_batching are alternatives: enable one")
+        d = self.dtensor_cfg
+        if not d.enabled:
+            raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
+        if d.tensor_parallel_size != 1 or d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
+            raise ValueError("policy.dtensor_cfg: tensor/context/sequence parallelism and custom_parallel_plan are "
+                             "not supported yet; the policy is data-parallel FSDP2 over all workers (keep "
+                             "tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=false, "
+                             "custom_parallel_plan=null)")
+        return self
+
 
 # --------------------------------------------------------------------------- loss
 

@@ -124,7 +124,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     train_rows, dropped = _fit_prompts(load_rows(cfg.data, "train"), tokenizer, cfg, "train")
     val_rows, _ = _fit_prompts(load_rows(cfg.data, "validation"), tokenizer, cfg, "validation")
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
-                       seed=g.seed, max_epochs=g.max_num_epochs)
+                       seed=g.seed, max_epochs=g.max_num_epochs,
+                       batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
 
@@ -174,7 +175,8 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
              for r in rows]
     examples, stats = process_sft_rows(demos, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
     log_data_stats(logger, {"warmup_sft": stats})
-    loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1)
+    loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1,
+                       batch_key="policy.train_global_batch_size")
     nll = NLLLoss()
     logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
@@ -347,6 +349,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                 batch = batch.select_indices(minibatch_permutation(batch.size, g.seed, step) if g.shuffle_minibatches
                                              else interleaved_order(groups))
             train_metrics = policy.train(batch, s.loss_fn)
+        # The worker's step_time_s is the mean of its optimizer steps; this loop's is the GRPO step's.
+        train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation)
         if s.generation is not policy:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
-from posttrain.config import to_yaml
+from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
@@ -168,6 +168,37 @@ class OfflineSetup:
     total_steps: int
 
 
+@dataclass
+class OfflineData:
+    """An offline algorithm's tokenized data: what `offline_setup` reads before any worker starts."""
+
+    tokenizer: Any
+    loader: RowLoader
+    val_batches: list[BatchedDataDict]  # all of them; `algo.val_batches` caps how many are used
+    stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss
+
+
+def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callable) -> OfflineData:
+    """Tokenizer, training loader and validation batches; fails on bad data with an InputError.
+
+    `algo`: the algorithm's config section; `process_rows(rows, tokenizer, data_cfg, max_len)`
+    tokenizes and counts; `collate_fn(examples, pad_id)` makes a batch.
+    """
+    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    max_len = max_sequence_length(cfg)
+    examples, stats = {}, {}
+    for split in ("train", "val"):
+        rows = load_rows(cfg.data, split)  # its errors name the file
+        try:
+            examples[split], stats[split] = process_rows(rows, tokenizer, cfg.data, max_len)
+        except InputError as e:
+            raise InputError(f"{split} split: {e}") from e
+    val_batches = [collate_fn(c, tokenizer.pad_token_id) for c in chunks(examples["val"], algo.val_global_batch_size)]
+    loader = RowLoader(examples["train"], cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle,
+                       seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size")
+    return OfflineData(tokenizer, loader, val_batches, stats)
+
+
 def offline_setup(
     cfg: Any,
     algorithm: str,
@@ -178,30 +209,20 @@ def offline_setup(
     policy_cfg: PolicyConfig,
     **policy_kwargs: Any,
 ) -> OfflineSetup:
-    """Data first (a bad file fails before any worker starts), then logger, workers, resume.
-
-    `algo`: the algorithm's config section; `process_rows(rows, tokenizer, data_cfg, max_len)`
-    tokenizes and counts; `collate_fn(examples, pad_id)` makes a batch; `policy_kwargs` go to
-    `start_run` (model_kind, init_reference).
-    """
+    """Data first (`offline_data`: a bad file fails before any worker starts), then logger,
+    workers, resume. `policy_kwargs` go to `start_run` (model_kind, init_reference)."""
     torch.manual_seed(algo.seed)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer)
-    max_len = max_sequence_length(cfg)
-    train, train_stats = process_rows(load_rows(cfg.data, "train"), tokenizer, cfg.data, max_len)
-    val, val_stats = process_rows(load_rows(cfg.data, "val"), tokenizer, cfg.data, max_len)
-    val_batches = [collate_fn(c, tokenizer.pad_token_id) for c in chunks(val, algo.val_global_batch_size)]
-    loader = RowLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=algo.seed,
-                       max_epochs=algo.max_num_epochs)
+    data = offline_data(cfg, algo, process_rows, collate_fn)
     run, latest = start_run(cfg, algorithm, policy_cfg, **policy_kwargs)
-    log_data_stats(run.logger, {"train": train_stats, "val": val_stats})
+    log_data_stats(run.logger, data.stats)
     try:
-        start_step = resume(run, latest, loader)
+        start_step = resume(run, latest, data.loader)
     except BaseException:
         run.shutdown()
         raise
-    return OfflineSetup(cfg=cfg, run=run, tokenizer=tokenizer, loader=loader, val_batches=val_batches[: algo.val_batches],
-                        loss_fn=loss_fn, start_step=start_step,
-                        total_steps=total_steps(algo.max_num_steps, algo.max_num_epochs, loader))
+    return OfflineSetup(cfg=cfg, run=run, tokenizer=data.tokenizer, loader=data.loader,
+                        val_batches=data.val_batches[: algo.val_batches], loss_fn=loss_fn, start_step=start_step,
+                        total_steps=total_steps(algo.max_num_steps, algo.max_num_epochs, data.loader))
 
 
 def offline_train(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator, Sequence
 
+from posttrain.config import InputError
+
 
 class RowLoader:
     """Yields lists of `batch_size` rows, epoch after epoch, shuffled per epoch when asked.
@@ -26,13 +28,15 @@ class RowLoader:
         shuffle: bool = True,
         seed: int = 0,
         max_epochs: int | None = None,
+        batch_key: str = "the batch size",
     ):
+        """`batch_key`: the config key that sets `batch_size`, named in the errors."""
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise InputError(f"{batch_key} must be >= 1, got {batch_size}")
         if len(rows) < batch_size:
-            raise ValueError(
+            raise InputError(
                 f"the dataset has {len(rows)} rows, fewer than one batch of {batch_size}: "
-                "add data or lower the batch size"
+                f"add data or lower {batch_key}"
             )
         self.rows = rows
         self.batch_size = batch_size
@@ -72,7 +76,7 @@ class RowLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_rows") not in (None, len(self.rows)):
-            raise ValueError(
+            raise InputError(
                 f"the checkpoint's data loader saw {state['num_rows']} rows but the dataset now has "
                 f"{len(self.rows)}: resuming would not continue where the run stopped"
             )

@@ -109,7 +109,7 @@ def tokenize_messages(
                 _extend(ids, mask, tokenizer, with_header[len(rendered):], 0)
                 rendered = with_header
         if not full.startswith(rendered):
-            raise ValueError(
+            raise InputError(
                 "the chat template renders earlier messages differently once later ones are added "
                 f"(message {i}, role {msg['role']!r}), so per-message loss masks cannot be built; "
                 "set policy.tokenizer.chat_template to a template whose renders extend each other"
@@ -161,7 +161,7 @@ def _fit(example: Example, max_len: int, policy: str) -> tuple[Example | None, s
 
 def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig, what: str) -> None:
     if kept == 0:
-        raise ValueError(
+        raise InputError(
             f"no {what} left after applying data.truncation={cfg.truncation!r} at {max_len} tokens "
             f"({stats}); raise policy.max_total_sequence_length / data.max_input_seq_length or use "
             "data.truncation=truncate"
@@ -177,7 +177,7 @@ def process_sft_rows(
     out = []
     for row in rows:
         if "messages" not in row:
-            raise ValueError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
+            raise InputError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
         ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)
@@ -199,7 +199,7 @@ def process_preference_rows(
     out = []
     for row in rows:
         if "prompt_messages" not in row:
-            raise ValueError(f"DPO/RM need preference rows (`chosen`/`rejected`), got keys {sorted(row)}")
+            raise InputError(f"DPO/RM need preference rows (`chosen`/`rejected`), got keys {sorted(row)}")
         prompt = row["prompt_messages"]
         pair, statuses = [], []
         for side in ("chosen", "rejected"):

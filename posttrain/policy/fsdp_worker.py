@@ -233,7 +233,7 @@ class FSDPPolicyWorker:
         self.reference = self._load_and_shard(path, train=False) if self.init_reference else None
         freeze_setup_objects()
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
-                "pad_id": self.pad_id}
+                "pad_id": self.pad_id, "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None)}
 
     def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

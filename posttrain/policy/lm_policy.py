@@ -22,32 +22,11 @@ from posttrain.schemas import PolicyConfig
 log = logging.getLogger(__name__)
 
 
-def validate_policy_config(cfg: PolicyConfig) -> None:
-    """Settings that only make sense together; fails before any worker starts."""
-    for section, name in ((cfg.sequence_packing, "sequence_packing"), (cfg.dynamic_batching, "dynamic_batching")):
-        if section.enabled:
-            for key in ("train_mb_tokens", "logprob_mb_tokens"):
-                if getattr(section, key) is None:
-                    raise ValueError(f"policy.{name}.enabled is true: set policy.{name}.{key} (token budget "
-                                     f"of one micro-batch, e.g. {cfg.max_total_sequence_length * cfg.train_micro_batch_size})")
-    if cfg.sequence_packing.enabled and cfg.dynamic_batching.enabled:
-        raise ValueError("policy.sequence_packing and policy.dynamic_batching are alternatives: enable one")
-    d = cfg.dtensor_cfg
-    if not d.enabled:
-        raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
-    if d.tensor_parallel_size != 1 or d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
-        raise ValueError("policy.dtensor_cfg: tensor/context/sequence parallelism and custom_parallel_plan are "
-                         "not supported yet; the policy is data-parallel FSDP2 over all workers (keep "
-                         "tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=false, "
-                         "custom_parallel_plan=null)")
-
-
 class Policy:
     """See docs/architecture.md ("Policy")."""
 
     def __init__(self, cluster: RayVirtualCluster, cfg: PolicyConfig, *, init_reference: bool = True,
                  model_kind: str = "causal_lm", name_prefix: str = "policy"):
-        validate_policy_config(cfg)
         self.cfg = cfg
         self.model_kind = model_kind
         self.workers = RayWorkerGroup(cluster, FSDPPolicyWorker, cfg, init_reference=init_reference,
@@ -62,6 +41,12 @@ class Policy:
         self.pad_id = info[0]["pad_id"]
         log.info("policy %s: %d workers, %.2fM parameters, loaded in %.1f s", cfg.model_name, self.dp,
                  self.num_parameters / 1e6, info[0]["load_s"])
+        trained_positions = info[0]["max_position_embeddings"]
+        if trained_positions and cfg.max_total_sequence_length > trained_positions:
+            # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).
+            log.warning("policy.max_total_sequence_length=%d exceeds the model's max_position_embeddings=%d: "
+                        "positions past %d were not trained", cfg.max_total_sequence_length, trained_positions,
+                        trained_positions)
 
     # ------------------------------------------------------------------ checks
 

@@ -3,8 +3,9 @@
 import pytest
 from transformers import LlamaConfig
 
+from posttrain.config import ConfigError, load_config
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.policy.lm_policy import Policy, validate_policy_config
+from posttrain.policy.lm_policy import Policy
 from posttrain.schemas import ClusterConfig, PolicyConfig
 
 
@@ -31,9 +32,14 @@ def test_model_too_large_fails_before_loading(cluster, tmp_path):
         Policy(cluster, PolicyConfig(model_name=str(tmp_path)))
 
 
-def test_unsupported_or_incomplete_config_fails_before_workers_start():
-    cfg = PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
+def test_unsupported_or_incomplete_config_fails_at_load():
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
-        validate_policy_config(cfg)
+        PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
     with pytest.raises(ValueError, match="tensor/context/sequence parallelism"):
-        validate_policy_config(PolicyConfig(dtensor_cfg={"tensor_parallel_size": 2}))
+        PolicyConfig(dtensor_cfg={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="are alternatives"):
+        PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
+                     dynamic_batching={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64})
+    # Through the command line's loader: a config error that names the key, before anything starts.
+    with pytest.raises(ConfigError, match="policy.dynamic_batching.train_mb_tokens"):
+        load_config("sft", None, ["policy.dynamic_batching.enabled=true"])

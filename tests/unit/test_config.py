@@ -132,6 +132,7 @@ def test_interpolation_including_schema_defaults(tmp_path):
             enabled: true
             # max_total_sequence_length is not set in this file: its schema default (512) is used
             train_mb_tokens: ${mul:${policy.max_total_sequence_length},${policy.train_micro_batch_size}}
+            logprob_mb_tokens: 4096
           generation:
             max_new_tokens: ${policy.max_total_sequence_length}
         logger:
