@@ -8,8 +8,9 @@
    of `policy.generation_batch_size` samples, through the same rollout code as GRPO;
 3. each sample scored by the environment its row names (`task_name`: "math", "arithmetic",
    ...), which also extracts the final answer that cons@k votes over;
-4. `results.json` (pass@k and cons@k for every k <= n, counts, timing, the config) and
-   `samples.jsonl` (one line per sample) in `eval.save_path`, else `logger.log_dir`.
+4. `results.json` (pass@k and cons@k for every k <= n, counts, timing, the config),
+   `samples.jsonl` (one line per sample) and `pass_at_k.png` (the curves, when
+   `logger.plots_enabled`) in `eval.save_path`, else `logger.log_dir`.
 
 Metrics are defined in `posttrain.evals` (the unbiased pass@k estimator of Chen et al. 2021
 and majority-vote cons@k).
@@ -220,6 +221,10 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         for r in records:
             f.write(json.dumps(r, default=str) + "\n")
     (s.save_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    if cfg.logger.plots_enabled:
+        from posttrain.logging.plots import plot_pass_at_k
+
+        plot_pass_at_k(results, s.save_dir / "pass_at_k.png")
     s.logger.log_metrics({key: v for key, v in results.items() if key != "config"}, step=num_batches, prefix="eval")
     s.logger.print_samples(
         [{"prompt": r["prompt"][-1]["content"], "response": r["response"], "answer": r["extracted_answer"],

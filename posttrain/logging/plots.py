@@ -4,7 +4,8 @@ One figure per group, for the groups that have data: `reward.png` (reward and ac
 `loss.png`, `kl.png`, `entropy.png`, and `timing.png` (the step-time breakdown: the
 top-level `timing/<phase>` keys stacked). Metrics are matched by whole words of their leaf
 name (`reward`, `val/accuracy`, `kl_penalty`, `gen_kl_error`, ...). Uses matplotlib's Agg
-canvas directly, so pyplot's global state is never touched.
+canvas directly, so pyplot's global state is never touched. `plot_pass_at_k` draws an
+evaluation's pass@k / cons@k curve.
 """
 
 from __future__ import annotations
@@ -70,9 +71,28 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
-def _finish(ax: Any, title: str, ylabel: str) -> None:
-    ax.set_title(title)
-    ax.set_xlabel("step")
+def plot_pass_at_k(results: dict[str, Any], path: Path) -> Path:
+    """An evaluation's pass@k and cons@k against k (1..n), from its results (`posttrain eval`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ks = list(range(1, int(results["num_tests_per_prompt"]) + 1))
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    for name in ("pass", "cons"):
+        ax.plot(ks, [results[f"{name}@{k}"] for k in ks], marker="o", label=f"{name}@k")
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(ks)
+    sampled = "greedy" if results.get("greedy") else f"{len(ks)} samples per prompt"
+    _finish(ax, f"{results.get('model')} on {results.get('dataset')} ({results.get('num_prompts')} prompts, "
+                f"{sampled})", "share of prompts", xlabel="k")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(FigureCanvasAgg(fig), fig, path)
+
+
+def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step") -> None:
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

@@ -81,6 +81,7 @@ def test_eval_arithmetic_config(ray_session, tmp_path):
     # The arithmetic environment's answer is the whole response: cons@k votes over responses.
     assert all(s["extracted_answer"] == s["response"].strip() for s in samples)
     assert (save / "config.yaml").is_file() and (save / "metrics.jsonl").is_file()
+    assert (save / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_eval_rejects_k_above_n():

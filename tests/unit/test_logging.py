@@ -2,12 +2,14 @@
 
 import json
 import math
+import struct
 import time
 
 import pytest
 
 from posttrain.logging import Logger, Timer
 from posttrain.logging.console import compact_line
+from posttrain.logging.plots import plot_pass_at_k
 from posttrain.schemas import LoggerConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -191,6 +193,18 @@ def test_plots_are_pngs_and_survive_resume(tmp_path):
     for p in paths:
         assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
     assert not list((tmp_path / "plots").glob("*.tmp.png"))
+
+
+def test_pass_at_k_plot(tmp_path):
+    results = {"num_tests_per_prompt": 4, "greedy": False, "model": "m", "dataset": "d", "num_prompts": 20,
+               **{f"pass@{k}": 0.5 + k / 10 for k in range(1, 5)}, **{f"cons@{k}": 0.5 for k in range(1, 5)}}
+    path = plot_pass_at_k(results, tmp_path / "eval" / "pass_at_k.png")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert struct.unpack(">II", data[16:24]) == (700, 400)  # IHDR: width, height (7 x 4 in at 100 dpi)
+    del results["cons@4"]
+    with pytest.raises(KeyError, match="cons@4"):  # every k up to n must be in the results
+        plot_pass_at_k(results, tmp_path / "again.png")
 
 
 def test_gpu_monitor_reads_nvidia_smi(tmp_path, monkeypatch):
