@@ -18,6 +18,16 @@ Estimators by name (`compute_advantages(name, ...)`, registry `ADVANTAGE_ESTIMAT
                   (the "-baseline" variant for several samples per prompt; groups of one
                   sample get no baseline, as in the original REINFORCE++)
 
+On-policy distillation (`on_policy_distillation_advantages`, `grpo.adv_estimator=
+on_policy_distillation`) is token-level and comes from logprobs, not rewards:
+
+    A_t = log pi_teacher(x_t | x_<t) - log pi_old(x_t | x_<t)   on the student's own samples x
+
+the negative of the per-token reverse KL KL(pi || pi_teacher) estimated at the sampled token,
+so that the policy gradient with these advantages descends the reverse KL to the teacher
+("discount zero": each token is credited with its own term only). GKD, Agarwal et al.
+https://arxiv.org/abs/2306.13649; Lu & Thinking Machines, "On-Policy Distillation" (2025).
+
 Reward transforms: `scale_rewards` (linear map of a clamped range), DAPO overlong reward
 shaping (`apply_overlong_reward_shaping`), overlong filtering (`overlong_filter_mask`) and
 dynamic sampling (`dynamic_sampling_keep`), DAPO https://arxiv.org/abs/2503.14476.
@@ -173,6 +183,18 @@ def compute_advantages(
     if name == "grpo":
         return grpo_advantages(rewards, group_ids, leave_one_out, normalize, valid_mask)
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, valid_mask)
+
+
+def on_policy_distillation_advantages(
+    teacher_logprobs: torch.Tensor, logprobs: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """`[B, S]` per-token advantages log pi_teacher - log pi_old on the masked (generated) tokens,
+    0 elsewhere (module docstring). All inputs `[B, S]`, token-aligned (position t holds the
+    logprob of token t); `logprobs` are the policy's when it sampled (generation or prev)."""
+    if not (teacher_logprobs.shape == logprobs.shape == token_mask.shape):
+        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)}, logprobs {tuple(logprobs.shape)} and "
+                         f"token_mask {tuple(token_mask.shape)} must have the same [B, S] shape")
+    return (teacher_logprobs.float() - logprobs.float()) * token_mask
 
 
 # --------------------------------------------------------------------------- reward transforms

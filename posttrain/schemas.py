@@ -275,6 +275,10 @@ class PolicyConfig(Section):
     model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
     # The tokenizer (null name: the model's own) and an optional chat template.
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    # The frozen reference model (of loss_fn.reference_policy_kl_penalty, DPO), or the teacher of
+    # on-policy distillation (grpo.adv_estimator=on_policy_distillation): a folder, hub id or
+    # "embedded:<name>" with the policy's vocabulary; null: the policy's own starting weights.
+    reference_model_name: str | None = None
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
     # Rows (pairs for DPO/RM) per forward/backward pass on one worker (gradient accumulation up to
@@ -741,8 +745,10 @@ class GRPOConfig(Section):
     max_num_epochs: int = Field(1, ge=1)
     # GRPO steps at most.
     max_num_steps: int = Field(100, ge=1)
-    # Advantage estimator by name (posttrain.advantages.ADVANTAGE_ESTIMATORS; docs/losses.md).
-    adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp"] = "grpo"
+    # Advantage estimator by name (posttrain.advantages.ADVANTAGE_ESTIMATORS; docs/losses.md), or
+    # on_policy_distillation: per-token advantages log teacher - log policy on the policy's own
+    # samples (the teacher is policy.reference_model_name; rewards are logged, not trained on).
+    adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp", "on_policy_distillation"] = "grpo"
     # Divide the advantages by the group's reward std (where it is > 0); "grpo" estimator only.
     normalize_rewards: bool = True
     # Baseline = mean reward of the group's other samples (false: of the whole group); "grpo" only.
@@ -948,13 +954,34 @@ class GRPOMasterConfig(_MasterBase):
 
     @model_validator(mode="after")
     def _warmup_without_reference(self) -> "GRPOMasterConfig":
-        if self.grpo.warmup_sft_steps and self.loss_fn.reference_policy_kl_penalty > 0:
+        if (self.grpo.warmup_sft_steps and self.loss_fn.reference_policy_kl_penalty > 0
+                and self.policy.reference_model_name is None):
             raise ValueError(
                 "grpo.warmup_sft_steps > 0 with loss_fn.reference_policy_kl_penalty > 0: the KL reference is the "
-                "model before the warm-up; warm-start with a separate `posttrain sft` run instead, or set the "
-                "penalty to 0"
+                "model before the warm-up; warm-start with a separate `posttrain sft` run instead, set the "
+                "penalty to 0, or name the reference in policy.reference_model_name"
             )
         return self
+
+    @model_validator(mode="after")
+    def _distillation_settings(self) -> "GRPOMasterConfig":
+        g = self.grpo
+        if g.adv_estimator != "on_policy_distillation":
+            return self
+        if self.policy.reference_model_name is None:
+            raise ValueError("grpo.adv_estimator=on_policy_distillation needs a teacher: set "
+                             "policy.reference_model_name (a model with the policy's vocabulary)")
+        reward_only = [key for key, on in (("grpo.use_dynamic_sampling", g.use_dynamic_sampling),
+                                           ("grpo.reward_shaping.enabled", g.reward_shaping.enabled),
+                                           ("grpo.reward_scaling.enabled", g.reward_scaling.enabled)) if on]
+        if reward_only:
+            raise ValueError(f"{', '.join(reward_only)}: act on rewards, which on-policy distillation does not "
+                             "train on (grpo.adv_estimator=on_policy_distillation); turn them off")
+        return self
+
+    def needs_reference(self) -> bool:
+        """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""
+        return self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.adv_estimator == "on_policy_distillation"
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "GRPOMasterConfig":

@@ -5,11 +5,14 @@ bottom, one phase per block, each timed: data, generation (rollouts and rewards)
 advantages, logprobs (prev and reference), training, refit, validation, checkpoint, logging.
 Variants are config choices of the same loop: the loss (`loss_fn.*`, posttrain.losses),
 the advantage estimator (`grpo.adv_estimator`), reward shaping/scaling, overlong filtering
-and dynamic sampling (`grpo.*`).
+and dynamic sampling (`grpo.*`). On-policy distillation is the same loop with token-level
+advantages from a teacher's logprobs (`grpo.adv_estimator=on_policy_distillation`, the
+teacher in `policy.reference_model_name`), computed after the logprob phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from posttrain.advantages import (
     apply_overlong_reward_shaping,
     compute_advantages,
     dynamic_sampling_keep,
+    on_policy_distillation_advantages,
     overlong_filter_mask,
     scale_rewards,
 )
@@ -131,31 +135,45 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
 
     run_dir = Path(cfg.logger.log_dir)
     logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
-    if dropped:
-        logger.console(f"dropped {dropped} training prompts longer than the context (data.truncation=drop)")
-        logger.log_metrics({"prompts_dropped_overlong": dropped}, step=0, prefix="data")
-    clusters = [RayVirtualCluster(cfg.cluster)]
-    policy = Policy(clusters[0], cfg.policy, init_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
-    generation, gen_cluster = _generation_backend(cfg, policy)
-    clusters += [gen_cluster] if gen_cluster is not None else []
-    task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
-    envs = {name: create_env(name, cfg.env.get_worker_cfg(name)) for name in task_names}
-    freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
+    # What starts below is stopped again if a later part of the setup fails (a bad teacher, an
+    # environment that cannot start, a warm-up interrupted), so an in-process caller can go on.
+    with contextlib.ExitStack() as undo:
+        undo.callback(logger.close)
+        if dropped:
+            logger.console(f"dropped {dropped} training prompts longer than the context (data.truncation=drop)")
+            logger.log_metrics({"prompts_dropped_overlong": dropped}, step=0, prefix="data")
+        clusters = [RayVirtualCluster(cfg.cluster)]
+        undo.callback(clusters[0].shutdown)
+        policy = Policy(clusters[0], cfg.policy, init_reference=cfg.needs_reference())
+        undo.callback(policy.shutdown)
+        generation, gen_cluster = _generation_backend(cfg, policy)
+        if gen_cluster is not None:
+            clusters.append(gen_cluster)
+            undo.callback(gen_cluster.shutdown)
+        if generation is not policy:
+            undo.callback(generation.shutdown)
+        task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
+        envs = {}
+        for name in task_names:
+            envs[name] = create_env(name, cfg.env.get_worker_cfg(name))
+            undo.callback(envs[name].shutdown)
+        freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
 
-    start_step = 0
-    if latest is not None:
-        info = checkpointer.load_info(latest)
-        policy.load_checkpoint(latest / "policy")
-        loader.load_state_dict(info["dataloader"])
-        restore_rng_state(checkpointer.load_rng_state(latest))
-        start_step = info["step"]
-        logger.console(f"resumed from {latest} (step {start_step})")
-    elif g.warmup_sft_steps:
-        _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
-    if generation is not policy and (latest is not None or g.warmup_sft_steps):
-        # Separate generation workers loaded the weights on disk; the first rollout must use
-        # the resumed or warmed-up ones.
-        generation.update_weights(policy.full_state_dict_ref(), version=start_step)
+        start_step = 0
+        if latest is not None:
+            info = checkpointer.load_info(latest)
+            policy.load_checkpoint(latest / "policy")
+            loader.load_state_dict(info["dataloader"])
+            restore_rng_state(checkpointer.load_rng_state(latest))
+            start_step = info["step"]
+            logger.console(f"resumed from {latest} (step {start_step})")
+        elif g.warmup_sft_steps:
+            _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
+        if generation is not policy and (latest is not None or g.warmup_sft_steps):
+            # Separate generation workers loaded the weights on disk; the first rollout must use
+            # the resumed or warmed-up ones.
+            generation.update_weights(policy.full_state_dict_ref(), version=start_step)
+        undo.pop_all()  # set up: GRPOSetup.shutdown stops them from now on
     return GRPOSetup(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, clusters=clusters, policy=policy, generation=generation,
         envs=envs, loader=loader, val_rows=val_rows[: g.max_val_samples], loss_fn=ClippedPGLoss(cfg.loss_fn),
@@ -262,9 +280,20 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
         rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
+    if g.adv_estimator == "on_policy_distillation":
+        return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
     adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],
                              leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
+
+
+def _distillation_advantages(batch: BatchedDataDict) -> float:
+    """On-policy distillation's per-token advantages, written into `batch`; returns the reverse KL
+    to the teacher (mean over the trained tokens of log pi - log pi_teacher, at the sampled tokens)."""
+    own = batch["prev_logprobs"] if "prev_logprobs" in batch else batch["generation_logprobs"]
+    adv = on_policy_distillation_advantages(batch["reference_logprobs"], own, batch["token_mask"])
+    batch["advantages"] = adv
+    return -float(masked_mean(adv, batch["token_mask"] * batch["sample_mask"][:, None]))
 
 
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
@@ -339,9 +368,11 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                 if reuse_generation_logprobs is None:
                     reuse_generation_logprobs = _generation_logprobs_match(batch, logger,
                                                                            cfg.policy.precision)
-            if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            if cfg.needs_reference():
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
+        if g.adv_estimator == "on_policy_distillation":
+            rollout_metrics["teacher_reverse_kl"] = _distillation_advantages(batch)
 
         # ---- policy update
         with timer.time("training"):

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -230,10 +231,23 @@ class FSDPPolicyWorker:
             self._twin = LowPrecisionTwin(self.model, DTYPES[cfg.precision])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
-        self.reference = self._load_and_shard(path, train=False) if self.init_reference else None
+        self.reference = self._load_and_shard(self._reference_path(path), train=False) if self.init_reference else None
         freeze_setup_objects()
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
                 "pad_id": self.pad_id, "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None)}
+
+    def _reference_path(self, policy_path: str) -> str:
+        """Where the reference model loads from: `policy.reference_model_name`, else the policy's own
+        folder. A reference must score the policy's tokens, so its vocabulary must be the policy's."""
+        name = self.cfg.reference_model_name
+        if name is None:
+            return policy_path
+        path, ref_config = load_hf_config(name, key="policy.reference_model_name")
+        if ref_config.vocab_size != self.hf_config.vocab_size:
+            raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
+                             f"tokens, the policy ({self.cfg.model_name!r}) {self.hf_config.vocab_size}: the reference "
+                             "scores the policy's tokens, so both need the same tokenizer")
+        return path
 
     def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

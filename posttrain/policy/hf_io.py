@@ -19,15 +19,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRAIN_STATE_COPIES = 4
 
 
-def load_hf_config(model_name: str):
-    """`AutoConfig` of a folder, hub id or `embedded:<name>`, failing with the name on error."""
+def load_hf_config(model_name: str, key: str = "policy.model_name"):
+    """`AutoConfig` of a folder, hub id or `embedded:<name>`, failing with the config `key` and the
+    name on error."""
     from transformers import AutoConfig
 
     path = resolve_model_path(model_name)
     try:
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise model_load_error("policy.model_name", model_name, path, "a model config", e) from None
+        raise model_load_error(key, model_name, path, "a model config", e) from None
 
 
 def model_class(model_kind: str):

@@ -244,3 +244,41 @@ def test_prev_logprobs_from_generation_after_checking_they_match(ray_session, tm
         else:
             assert r["token_mult_prob_error"] > 1.001
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+
+
+def test_on_policy_distillation_moves_the_student_toward_the_teacher(ray_session, tiny_model_path, tmp_path):
+    # The teacher is embedded:tiny as it starts; the warm-up SFT on arithmetic answers moves the
+    # student away from it, so the student starts the RL phase at a clear reverse KL from the
+    # teacher. The teacher's logprobs are then the only training signal, and the reverse KL on the
+    # student's own samples falls.
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={tiny_model_path}",
+        "grpo.warmup_sft_steps=10", "grpo.warmup_sft_lr=1e-2", "grpo.max_num_steps=10", "grpo.val_period=0",
+        "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+        "policy.optimizer.kwargs.lr=1e-2",
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    kl = [r["teacher_reverse_kl"] for r in train]
+    assert len(kl) == 10 and all(math.isfinite(x) for x in kl) and kl[0] > 0.3, kl
+    assert sum(kl[-3:]) / 3 < 0.5 * kl[0], kl
+    assert all("timing/logprobs/reference" in r and math.isfinite(r["loss"]) for r in train)
+
+
+def test_reference_model_with_another_vocabulary_is_refused(ray_session, tmp_path):
+    from transformers import LlamaConfig
+
+    from posttrain.config import InputError
+
+    other = tmp_path / "other_vocab"
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=1000).save_pretrained(other)  # a config is all the check reads
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={other}",
+        "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",
+    ))
+    with pytest.raises(InputError, match=r"policy.reference_model_name=.*vocabulary of 1000 tokens"):
+        run(cfg)
+    # The failed setup stopped what it had started: no placement group of the run is left.
+    alive = [pg for pg in ray_session.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    assert alive == [], alive

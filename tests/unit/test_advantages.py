@@ -18,6 +18,7 @@ from posttrain.advantages import (
     compute_advantages,
     dynamic_sampling_keep,
     grpo_advantages,
+    on_policy_distillation_advantages,
     overlong_filter_mask,
     scale_rewards,
 )
@@ -145,3 +146,14 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance():
     }
     keep, metrics = dynamic_sampling_keep(torch.ones(4), torch.tensor([0, 0, 1, 1]))
     assert keep.tolist() == [] and metrics["dynamic_sampling/zero_variance_fraction"] == 1.0
+
+
+def test_on_policy_distillation_advantages_are_teacher_minus_own_logprobs_on_generated_tokens():
+    teacher = torch.tensor([[0.0, -1.0, -0.5, -2.0], [0.0, -0.1, -3.0, 0.0]])
+    own = torch.tensor([[0.0, -2.0, -0.5, -1.0], [0.0, -0.2, -1.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    adv = on_policy_distillation_advantages(teacher, own, mask)
+    # Where the teacher finds a token likelier than the policy did, the token is reinforced.
+    assert adv.tolist() == [[0.0, 1.0, 0.0, -1.0], [0.0, approx(0.1), -2.0, 0.0]]
+    with pytest.raises(ValueError, match=r"same \[B, S\] shape"):
+        on_policy_distillation_advantages(teacher, own[:, :3], mask)

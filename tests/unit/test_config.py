@@ -361,6 +361,21 @@ def test_greedy_validation_with_several_samples_per_prompt_is_rejected():
     assert load_config("grpo", None, ["grpo.val_greedy=true"]).grpo.num_val_generations_per_prompt == 1
 
 
+def test_on_policy_distillation_settings():
+    with pytest.raises(ConfigError, match="needs a teacher: set policy.reference_model_name"):
+        load_config("grpo", None, ["grpo.adv_estimator=on_policy_distillation"])
+    with pytest.raises(ConfigError, match="grpo.use_dynamic_sampling, grpo.reward_scaling.enabled: act on rewards"):
+        load_config("grpo", None, ["grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t",
+                                   "grpo.use_dynamic_sampling=true", "grpo.reward_scaling.enabled=true"])
+    cfg = load_config("grpo", None, ["grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t"])
+    assert cfg.needs_reference() and not load_config("grpo", None, []).needs_reference()
+    # A warm-up before a KL penalty is refused only when the reference is the policy's own start.
+    kl = ["grpo.warmup_sft_steps=5", "loss_fn.reference_policy_kl_penalty=0.1"]
+    with pytest.raises(ConfigError, match="name the reference in policy.reference_model_name"):
+        load_config("grpo", None, kl)
+    assert load_config("grpo", None, [*kl, "policy.reference_model_name=t"]).needs_reference()
+
+
 def test_add_generation_prompt_defaults_true():
     for algo in ("grpo", "sft", "dpo", "rm", "eval"):
         assert load_config(algo).data.add_generation_prompt is True
