@@ -211,10 +211,11 @@ class FSDPPolicyWorker:
         self.model_path, self.hf_config = path, hf_config
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
             self._score_cost = _attention_score_cost(hf_config)  # prefix sharing's cost model, once
+        ref_path, ref_config = self._reference(path) if self.init_reference else (None, None)
         n_params = check_fits_in_memory(
             cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
             world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-            with_reference=self.init_reference, max_memory_fraction=cfg.max_memory_fraction,
+            reference_config=ref_config, max_memory_fraction=cfg.max_memory_fraction,
         )
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -231,23 +232,23 @@ class FSDPPolicyWorker:
             self._twin = LowPrecisionTwin(self.model, DTYPES[cfg.precision])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
-        self.reference = self._load_and_shard(self._reference_path(path), train=False) if self.init_reference else None
+        self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
         freeze_setup_objects()
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
                 "pad_id": self.pad_id, "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None)}
 
-    def _reference_path(self, policy_path: str) -> str:
-        """Where the reference model loads from: `policy.reference_model_name`, else the policy's own
-        folder. A reference must score the policy's tokens, so its vocabulary must be the policy's."""
+    def _reference(self, policy_path: str) -> tuple[str, Any]:
+        """Folder and config of the reference model: `policy.reference_model_name`, else the policy's
+        own. A reference must score the policy's tokens, so its vocabulary must be the policy's."""
         name = self.cfg.reference_model_name
         if name is None:
-            return policy_path
+            return policy_path, self.hf_config
         path, ref_config = load_hf_config(name, key="policy.reference_model_name")
         if ref_config.vocab_size != self.hf_config.vocab_size:
             raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
                              f"tokens, the policy ({self.cfg.model_name!r}) {self.hf_config.vocab_size}: the reference "
                              "scores the policy's tokens, so both need the same tokenizer")
-        return path
+        return path, ref_config
 
     def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

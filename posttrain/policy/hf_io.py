@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -69,18 +69,20 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: torch.device, world_size: int,
-                         workers_on_device: int, with_reference: bool, max_memory_fraction: float) -> int:
+                         workers_on_device: int, reference_config: Any, max_memory_fraction: float) -> int:
     """Raise MemoryError before loading when the model's training state cannot fit; returns the param count.
 
     Estimate for one device (the node's RAM on CPU, which its `workers_on_device` workers share):
     the fp32 training state (weights + grads + 2 Adam moments = 4 x 4 bytes per parameter)
-    sharded over `world_size` workers, plus the frozen reference copy (4 bytes per parameter,
-    sharded), plus one unsharded fp32 copy per worker while it loads before sharding.
+    sharded over `world_size` workers, plus the frozen reference model of `reference_config`
+    (None: none; a distillation teacher may be far larger than the policy) at 4 bytes per
+    parameter, sharded, plus one unsharded fp32 copy per worker while it loads before sharding.
     """
     n = count_parameters(config, model_kind)
+    n_ref = count_parameters(reference_config, model_kind) if reference_config is not None else 0
     per_param = 4  # fp32 master weights, whatever the compute precision
-    shard = TRAIN_STATE_COPIES + (1 if with_reference else 0)
-    need = n * per_param * (shard * workers_on_device / world_size + workers_on_device)
+    sharded = n * TRAIN_STATE_COPIES + n_ref
+    need = per_param * (sharded * workers_on_device / world_size + max(n, n_ref) * workers_on_device)
     avail = available_memory_bytes(device)
     budget = avail * max_memory_fraction
     if need > budget:
@@ -88,7 +90,8 @@ def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: to
         raise MemoryError(
             f"model {model_name!r} ({n / 1e6:,.1f}M parameters) needs about {need / gib:,.1f} GiB on this "
             f"{device.type} ({workers_on_device} of {world_size} workers: fp32 weights + grads + 2 Adam states"
-            f"{' + reference' if with_reference else ''}, plus a full copy while loading), but only "
+            f"{f' + a {n_ref / 1e6:,.1f}M-parameter reference' if n_ref else ''}, plus a full copy while "
+            f"loading), but only "
             f"{budget / gib:,.1f} GiB is allowed ({avail / gib:,.1f} GiB available x "
             f"policy.max_memory_fraction={max_memory_fraction}); use more workers/nodes, a smaller model, "
             f"or LoRA"

@@ -32,6 +32,17 @@ def test_model_too_large_fails_before_loading(cluster, tmp_path):
         Policy(cluster, PolicyConfig(model_name=str(tmp_path)))
 
 
+def test_a_reference_too_large_fails_before_loading(cluster, tiny_model_path, tmp_path):
+    # A distillation teacher can be far larger than the policy: the memory check counts it.
+    vocab = LlamaConfig.from_pretrained(tiny_model_path).vocab_size  # the policy's: that check passes
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=vocab).save_pretrained(tmp_path)
+    with pytest.raises(MemoryError, match=r"\(0.1M parameters\) needs about [\d,.]+ GiB.* \+ a [\d,.]+M-parameter "
+                                          r"reference"):
+        Policy(cluster, PolicyConfig(model_name=tiny_model_path, reference_model_name=str(tmp_path)),
+               init_reference=True)
+
+
 def test_unsupported_or_incomplete_config_fails_at_load():
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
