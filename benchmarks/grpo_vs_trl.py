@@ -15,7 +15,8 @@ Speed part: the embedded 30m model (~31M parameters, random weights), 16 prompts
 generations, every completion forced to the full 64 new tokens (posttrain:
 `policy.generation.ignore_eos=true`; TRL: `min_new_tokens` = `max_new_tokens`, so EOS is
 never sampled), no validation, no checkpoints. Reported: the median of the per-step wall
-times, the first step (warm-up) excluded on both sides.
+times, the first step (warm-up) excluded on both sides, and the step's matmul floor on this
+machine (`matmul_floor`), which bounds the ratio any implementation could reach.
 
 Accuracy part: the quickstart's model and hyper-parameters, read from
 examples/configs/grpo_quickstart.yaml at run time and passed explicitly to both sides. Both
@@ -60,6 +61,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +239,7 @@ def read_posttrain(log_dir: Path) -> dict[str, Any]:
                 "train_time_s": rec["step_time_s"] - rec.get("timing/validation", 0.0),
                 "timing": {k[len("timing/"):]: v for k, v in rec.items() if k.startswith("timing/")},
                 "reward": rec.get("reward"),
+                "model_tokens": rec.get("model_tokens"),
             })
         elif rec["prefix"] == "val" and "accuracy" in rec:
             val.append({"step": rec["step"], "accuracy": rec["accuracy"]})
@@ -472,6 +475,57 @@ def run_accuracy(quick: bool, steps: int | None, work: Path, seeds: list[int] | 
 # ----------------------------------------------------------------------------- reporting
 
 
+def matmul_floor(s: Settings, model_tokens: int) -> dict[str, float]:
+    """Seconds that the linear layers alone of one GRPO step of `s` take on this machine: each
+    weight matrix's matmul at the step's real shapes in `s.precision` on `s.threads` threads, best
+    of 5, summed: training forward and backward (input and weight gradients) over
+    `model_tokens` positions (posttrain's own count: each prompt once, prefix sharing), and
+    generation (the prompts' prefill, then one decode matmul per new token over all rows).
+    Attention, norms, activations, the optimizer and sampling come on top, so no implementation
+    of the step can be faster than this on this CPU: TRL's step / this floor bounds the ratio."""
+    import torch
+
+    cfg = json.loads((Path(s.model_path) / "config.json").read_text())
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = hidden * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) // cfg["num_attention_heads"]
+    # (in, out, count) per layer: q, k, v, o; gate, up; down. Then the LM head once.
+    per_layer = [(hidden, hidden, 2), (hidden, kv, 2), (hidden, inter, 2), (inter, hidden, 1)]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[s.precision]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.threads)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def linears(rows: int, backward: bool) -> float:
+        total = 0.0
+        for (n_in, n_out, count), layers in [(shape, cfg["num_hidden_layers"]) for shape in per_layer] + [
+                ((hidden, vocab, 1), 1)]:
+            x, w = torch.randn(rows, n_in, dtype=dtype), torch.randn(n_out, n_in, dtype=dtype)
+            t = best(partial(torch.nn.functional.linear, x, w))
+            if backward:  # input gradient dy @ W, weight gradient dy^T @ x
+                gy = torch.randn(rows, n_out, dtype=dtype)
+                t += best(partial(torch.matmul, gy, w)) + best(partial(torch.matmul, gy.t(), x))
+            total += t * count * layers
+        return total
+
+    rows = s.num_prompts * s.num_generations
+    prompt_tokens = max(model_tokens - rows * s.max_new_tokens, s.num_prompts)
+    try:
+        train = linears(model_tokens, backward=True)
+        generation = linears(prompt_tokens, backward=False) + s.max_new_tokens * linears(rows, backward=False)
+    finally:
+        torch.set_num_threads(threads)
+    return {"train_s": train, "generation_s": generation, "total_s": train + generation,
+            "model_tokens": model_tokens}
+
+
 def median_step(side: dict[str, Any]) -> float:
     times = [r["train_time_s"] for r in side["steps"][1:]]  # first step = warm-up, excluded
     return statistics.median(times) if times else float("nan")
@@ -558,6 +612,13 @@ def report(results: dict[str, Any], quick: bool) -> dict[str, str]:
             lines.append(f"| {name} | **{med:.2f}** | {', '.join(format(r['train_time_s'], '.2f') for r in side['steps'])} | "
                          f"{side['process_wall_s']:.0f} | {side['load_before']} / {side['load_after']} |")
         lines += ["", f"**Ratio TRL / posttrain: {tr / pt:.2f}x** (target >= 3x).", ""]
+        if "floor" in sp:
+            fl = sp["floor"]
+            lines += [(f"**Matmul floor** (`matmul_floor`, measured right after the runs): the linear layers alone of "
+                      f"one step take {fl['total_s']:.2f} s here (training forward + backward over "
+                      f"{fl['model_tokens']:,} positions {fl['train_s']:.2f} s, generation {fl['generation_s']:.2f} s), "
+                      f"so no implementation can beat this TRL run by more than **{tr / fl['total_s']:.2f}x** "
+                      f"on this CPU; posttrain's step is {fl['total_s'] / pt:.0%} matmul."), ""]
         ph = [r["timing"] for r in sp["posttrain"]["steps"][1:]]
         if ph:
             top = [k for k in ph[0] if "/" not in k]
@@ -670,8 +731,10 @@ def main() -> None:
     print(f"load average at start: {load_average()}", flush=True)
     results: dict[str, Any] = {}
     if args.part in ("speed", "all"):
-        results["speed"] = run_pair(replace(speed_settings(args.quick, args.speed_steps, args.precision),
-                                            trl_attn=args.trl_attn), work / "speed")
+        results["speed"] = sp = run_pair(replace(speed_settings(args.quick, args.speed_steps, args.precision),
+                                                 trl_attn=args.trl_attn), work / "speed")
+        tokens = statistics.median(r["model_tokens"] for r in sp["posttrain"]["steps"])
+        sp["floor"] = matmul_floor(Settings(**sp["settings"]), int(tokens))
         print(f"speed: posttrain {median_step(results['speed']['posttrain']):.2f} s/step, "
               f"TRL {median_step(results['speed']['trl']):.2f} s/step", flush=True)
     if args.part in ("accuracy", "all"):

@@ -20,6 +20,8 @@ How they are made:
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import shutil
 import string
@@ -123,10 +125,47 @@ def materialize(size: str) -> Path:
 
 
 def resolve_model_path(name: str) -> str:
-    """Map `embedded:<size>` to its folder; any other name is returned unchanged."""
+    """Map `embedded:<size>` to its folder; any other name is returned unchanged. A name that is
+    no local folder is a hub id: see `offline_if_hub_unreachable`."""
     if name.startswith(EMBEDDED_PREFIX):
         return str(materialize(name[len(EMBEDDED_PREFIX):]))
+    if not os.path.exists(os.path.expanduser(name)):
+        offline_if_hub_unreachable()
     return name
+
+
+_HUB_OFFLINE_NOTE = "the Hugging Face hub is unreachable from here, so models load offline: HF_HUB_OFFLINE=1"
+
+
+@functools.cache
+def offline_if_hub_unreachable() -> bool:
+    """Switch huggingface_hub to offline mode when its endpoint cannot be reached; True if it did.
+
+    Without it, every hub id on a machine without internet (most cluster compute nodes, and
+    this project's CI) costs ~50 s of huggingface_hub's connection retries before transformers
+    falls back to the local cache or fails, and a mistyped relative folder such as
+    `results/my-model` reads as a hub id. Offline, a cached model loads at once and a missing
+    one fails at once. The environment variable reaches the Ray workers started afterwards.
+    Behind a proxy the direct probe says nothing, so it is skipped."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        return False
+    except OSError:
+        pass
+    import huggingface_hub.constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at import: set it for this process too
+    logging.getLogger(__name__).info(_HUB_OFFLINE_NOTE)
+    return True
 
 
 def model_load_error(key: str, name: str, path: str, what: str, error: Exception):
@@ -138,6 +177,8 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
     local = os.path.isabs(path) or path.startswith((".", "~"))
     if local and not os.path.exists(os.path.expanduser(path)):
         reason = "no such folder"
+    elif not os.path.exists(os.path.expanduser(path)) and offline_if_hub_unreachable():
+        reason = f"no such folder under {os.getcwd()}, nor in the local Hugging Face cache; {_HUB_OFFLINE_NOTE}"
     else:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = "local folder" if local else "hub id or folder"

@@ -116,7 +116,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 
 
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
-    from posttrain.data.processors import load_tokenizer
+    from posttrain.data.processors import load_policy_tokenizer
     from posttrain.distributed.cluster import init_ray
     from posttrain.environments import create_env
     from posttrain.generation import build_generation
@@ -127,7 +127,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     torch.manual_seed(cfg.eval.seed)
 
     rows = load_eval_rows(cfg)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    tokenizer = load_policy_tokenizer(cfg.policy)
 
     _check_prompt_lengths(rows, tokenizer, cfg)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})

@@ -35,12 +35,13 @@ from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import collate, load_tokenizer, process_sft_rows
+from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
+from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.rollouts import render_prompt, run_rollouts
 from posttrain.runtime import freeze_setup_objects
@@ -124,7 +125,8 @@ def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, Ray
 def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     g = cfg.grpo
     torch.manual_seed(g.seed)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    tokenizer = load_policy_tokenizer(cfg.policy)
+    load_model_configs(cfg.policy, with_reference=cfg.needs_reference())  # a wrong name fails before Ray starts
     train_rows, dropped = _fit_prompts(load_rows(cfg.data, "train"), tokenizer, cfg, "train")
     val_rows, _ = _fit_prompts(load_rows(cfg.data, "validation"), tokenizer, cfg, "validation")
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,

@@ -22,10 +22,11 @@ from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import load_tokenizer
+from posttrain.data.processors import load_policy_tokenizer
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
+from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
@@ -76,6 +77,7 @@ def start_run(
 ) -> tuple[OfflineRun, Path | None]:
     """Logger, checkpoint manager (its latest checkpoint is checked before any worker starts),
     cluster and policy; returns the run and the checkpoint to resume from (or None)."""
+    load_model_configs(policy_cfg, with_reference=init_reference)  # a wrong name fails before Ray starts
     run_dir = Path(cfg.logger.log_dir)
     checkpointer = CheckpointManager(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}
@@ -184,7 +186,7 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
     `algo`: the algorithm's config section; `process_rows(rows, tokenizer, data_cfg, max_len)`
     tokenizes and counts; `collate_fn(examples, pad_id)` makes a batch.
     """
-    tokenizer = load_tokenizer(cfg.policy.tokenizer)
+    tokenizer = load_policy_tokenizer(cfg.policy)
     max_len = max_sequence_length(cfg)
     examples, stats = {}, {}
     for split in ("train", "val"):

@@ -51,6 +51,13 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
     return tok
 
 
+def load_policy_tokenizer(policy):
+    """`load_tokenizer` for `policy` (a PolicyConfig): its errors name `policy.model_name` when the
+    tokenizer is the model's own (the default), the key the user wrote."""
+    own = policy.tokenizer.name == policy.model_name
+    return load_tokenizer(policy.tokenizer, key="policy.model_name" if own else "policy.tokenizer.name")
+
+
 def require_chat_template(tokenizer) -> None:
     """Every prompt and conversation is rendered by the chat template: fail at load, naming the
     key to set, rather than at the first row (a base model's tokenizer often has none)."""

@@ -29,7 +29,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -37,7 +36,7 @@ from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_micr
 from posttrain.distributed.weight_sync import load_state_dict_inplace
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_hf_config, model_class, save_hf
+from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler
 from posttrain.runtime import freeze_setup_objects
@@ -207,11 +206,11 @@ class FSDPPolicyWorker:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
-        path, hf_config = load_hf_config(cfg.model_name)
+        (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference)
+        ref_path, ref_config = reference or (None, None)
         self.model_path, self.hf_config = path, hf_config
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
             self._score_cost = _attention_score_cost(hf_config)  # prefix sharing's cost model, once
-        ref_path, ref_config = self._reference(path) if self.init_reference else (None, None)
         n_params = check_fits_in_memory(
             cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
             world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -236,19 +235,6 @@ class FSDPPolicyWorker:
         freeze_setup_objects()
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
                 "pad_id": self.pad_id, "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None)}
-
-    def _reference(self, policy_path: str) -> tuple[str, Any]:
-        """Folder and config of the reference model: `policy.reference_model_name`, else the policy's
-        own. A reference must score the policy's tokens, so its vocabulary must be the policy's."""
-        name = self.cfg.reference_model_name
-        if name is None:
-            return policy_path, self.hf_config
-        path, ref_config = load_hf_config(name, key="policy.reference_model_name")
-        if ref_config.vocab_size != self.hf_config.vocab_size:
-            raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
-                             f"tokens, the policy ({self.cfg.model_name!r}) {self.hf_config.vocab_size}: the reference "
-                             "scores the policy's tokens, so both need the same tokenizer")
-        return path, ref_config
 
     def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.embedded import model_load_error, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,6 +30,25 @@ def load_hf_config(model_name: str, key: str = "policy.model_name"):
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise model_load_error(key, model_name, path, "a model config", e) from None
+
+
+def load_model_configs(cfg, *, with_reference: bool) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
+    """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
+    (`cfg.reference_model_name`, else the policy itself); None for no reference. The drivers call it
+    before starting Ray, so a wrong name fails in seconds; the workers call it again to load.
+    A reference scores the policy's tokens, so its vocabulary must be the policy's."""
+    path, config = load_hf_config(cfg.model_name)
+    if not with_reference:
+        return (path, config), None
+    name = cfg.reference_model_name
+    if name is None:
+        return (path, config), (path, config)
+    ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
+    if ref_config.vocab_size != config.vocab_size:
+        raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
+                         f"tokens, the policy ({cfg.model_name!r}) {config.vocab_size}: the reference "
+                         "scores the policy's tokens, so both need the same tokenizer")
+    return (path, config), (ref_path, ref_config)
 
 
 def model_class(model_kind: str):

@@ -265,9 +265,10 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(ray_session
     assert all("timing/logprobs/reference" in r and math.isfinite(r["loss"]) for r in train)
 
 
-def test_reference_model_with_another_vocabulary_is_refused(ray_session, tmp_path):
+def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
+    from posttrain.algorithms import grpo
     from posttrain.config import InputError
 
     other = tmp_path / "other_vocab"
@@ -277,8 +278,29 @@ def test_reference_model_with_another_vocabulary_is_refused(ray_session, tmp_pat
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={other}",
         "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",
     ))
+    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
     with pytest.raises(InputError, match=r"policy.reference_model_name=.*vocabulary of 1000 tokens"):
         run(cfg)
-    # The failed setup stopped what it had started: no placement group of the run is left.
+    missing = tmp_path / "no_teacher"
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={missing}"))
+    with pytest.raises(FileNotFoundError, match=r"policy.reference_model_name=.*no such folder"):
+        run(cfg)
+
+
+def test_failed_setup_stops_what_it_started(ray_session, tiny_model_path, tmp_path):
+    from transformers import LlamaConfig
+
+    # A teacher of ~68B parameters: its config loads (same vocabulary), the workers' memory check
+    # then fails inside the setup, after the cluster and the policy workers started.
+    vocab = LlamaConfig.from_pretrained(tiny_model_path).vocab_size
+    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=vocab).save_pretrained(tmp_path / "huge")
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={tmp_path / 'huge'}",
+        "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",
+    ))
+    with pytest.raises(MemoryError, match="reference"):
+        run(cfg)
     alive = [pg for pg in ray_session.util.placement_group_table().values() if pg["state"] != "REMOVED"]
     assert alive == [], alive

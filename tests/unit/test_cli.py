@@ -67,7 +67,7 @@ def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_pa
     # A local model folder that is not there: said so, not transformers' "not a valid repo id".
     out = _run("grpo", f"policy.model_name={tmp_path / 'no_model'}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"policy.tokenizer.name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
+    assert f"policy.model_name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
 
 
 def _rm_exit_status(monkeypatch, run) -> int:

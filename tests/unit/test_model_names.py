@@ -1,0 +1,61 @@
+"""Model names that are no local folder (hub ids): offline mode when the hub is unreachable,
+so a missing model fails at once and a cached one loads without ~50 s of connection retries."""
+
+import os
+import socket
+
+import huggingface_hub.constants
+import pytest
+
+from posttrain.config import MissingInputError
+from posttrain.embedded import offline_if_hub_unreachable
+from posttrain.policy.hf_io import load_hf_config
+
+
+@pytest.fixture
+def online_env(monkeypatch, tmp_path):
+    """No offline flag and no proxy (tests/conftest.py sets HF_HUB_OFFLINE), a fresh probe, and
+    the working directory in tmp_path; everything is restored afterwards."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    offline_if_hub_unreachable.cache_clear()
+    yield monkeypatch
+    offline_if_hub_unreachable.cache_clear()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_unreachable_hub_switches_to_offline_and_names_the_folder(online_env, tmp_path):
+    online_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    with pytest.raises(MissingInputError) as e:
+        load_hf_config("results/no-such-model")
+    msg = str(e.value)
+    assert msg.startswith("policy.model_name='results/no-such-model': cannot load a model config")
+    assert f"no such folder under {tmp_path}" in msg and "HF_HUB_OFFLINE=1" in msg, msg
+    # Both the variable (for the Ray workers started later) and this process's huggingface_hub.
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
+
+
+def test_reachable_hub_or_a_proxy_leaves_the_hub_online(online_env):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        online_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert offline_if_hub_unreachable() is False
+    offline_if_hub_unreachable.cache_clear()
+    online_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    online_env.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # the direct probe would say nothing
+    assert offline_if_hub_unreachable() is False
+    assert "HF_HUB_OFFLINE" not in os.environ and huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
+def test_an_existing_local_folder_never_probes(online_env, tmp_path, tiny_model_path):
+    online_env.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("probed the hub"))
+    path, config = load_hf_config(tiny_model_path)
+    assert path == tiny_model_path and config.vocab_size > 0
