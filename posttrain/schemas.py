@@ -533,7 +533,7 @@ class EnvWorkerConfig(Section):
     # Restarts of a crashed or stuck actor before the environment fails for good.
     max_restarts: int = Field(3, ge=0)
     # Settings of the environment itself, validated by its own section below
-    # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig).
+    # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig).
     cfg: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -563,11 +563,27 @@ class SlidingPuzzleEnvConfig(Section):
     terminate_on_invalid: bool = True
 
 
+class CodeEnvConfig(Section):
+    """`code`: the model's Python program against the row's tests (metadata "tests"), each sample
+    in a fresh interpreter killed after `timeout_s`."""
+
+    # 1 when every test passes ("all"), or the fraction of tests that pass ("fraction").
+    reward: Literal["all", "fraction"] = "all"
+    # Address-space limit of each program's interpreter, in MiB.
+    memory_mb: int = Field(1024, ge=64)
+    # Programs run at once per environment actor; null: the machine's CPU count.
+    parallel_runs: int | None = Field(None, ge=1)
+    # Programs the model may write per conversation: a failing one's test report comes back as
+    # the next turn (set grpo.max_rollout_turns as high); the passing or the last attempt scores.
+    max_attempts: int = Field(1, ge=1)
+
+
 # The settings schema of each built-in environment (the `cfg` of `env.<name>`).
 BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
     "math": MathEnvConfig,
     "arithmetic": ArithmeticEnvConfig,
     "sliding_puzzle": SlidingPuzzleEnvConfig,
+    "code": CodeEnvConfig,
 }
 
 

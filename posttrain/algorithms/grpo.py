@@ -418,7 +418,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         logger.log_metrics({**metrics, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
         logger.log_samples([
             {"step": step, "prompt": c.messages[0]["content"], "response": c.messages[-1]["content"],
-             "reward": c.reward, "truncated": c.truncated}
+             "reward": c.reward, "truncated": c.truncated,
+             **({"conversation": c.messages[1:]} if c.turns > 1 else {})}  # a multi-turn sample in full
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
         ], step=step)
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],

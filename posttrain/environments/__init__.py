@@ -2,7 +2,8 @@
 
 `create_env(name, cfg)` -> an `EnvironmentGroup` whose `step(message_logs, metadata)`
 follows `EnvironmentInterface` (docs/architecture.md, docs/environments.md). Built-in
-environments by name (`ENVIRONMENTS`): "math", "arithmetic", "sliding_puzzle";
+environments by name (`ENVIRONMENTS`): "math", "arithmetic", "sliding_puzzle", "code",
+"story", "reward_model";
 `register_env` adds one.
 
 The names below are imported on first use: the child processes that run verifications
@@ -25,6 +26,7 @@ _EXPORTS = {
     "PerSampleEnvironment": "interfaces",
     "StepResult": "interfaces",
     "ArithmeticEnvironment": "arithmetic",
+    "CodeEnvironment": "code",
     "MathEnvironment": "math",
     "SlidingPuzzleEnvironment": "sliding_puzzle",
     "make_sliding_puzzle_rows": "sliding_puzzle",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,23 +95,31 @@ class PerSampleEnvironment(EnvironmentInterface):
     text in its metadata under "env_error" and is logged. It never stops the batch.
     """
 
+    # Samples scored at once, in threads: for a `step_one` that waits on a child process (code).
+    parallel_samples: int = 1
+
     @abstractmethod
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         """One sample's turn: `messages` ends with the model's message."""
 
+    def _score(self, i: int, messages: list[dict[str, str]], meta: dict[str, Any] | None) -> StepResult:
+        meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
+        try:
+            return self.step_one(messages, meta)
+        except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
+            error = f"{type(e).__name__}: {e}"
+            log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)
+            return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: error})
+
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         if len(message_logs) != len(metadata):
             raise ValueError(f"step: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
-        results = []
-        for i, (messages, meta) in enumerate(zip(message_logs, metadata)):
-            meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
-            try:
-                res = self.step_one(messages, meta)
-            except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
-                error = f"{type(e).__name__}: {e}"
-                log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)
-                res = StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: error})
-            results.append(res)
+        n = len(message_logs)
+        if self.parallel_samples > 1 and n > 1:
+            with ThreadPoolExecutor(min(self.parallel_samples, n)) as pool:
+                results = list(pool.map(self._score, range(n), message_logs, metadata))
+        else:
+            results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": r.observation} for r in results],
             metadata=[r.metadata for r in results],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
+from posttrain.environments.code import CodeEnvironment
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -17,6 +18,7 @@ ENVIRONMENTS: dict[str, type[EnvironmentInterface]] = {
     "sliding_puzzle": SlidingPuzzleEnvironment,
     "story": StoryEnvironment,
     "reward_model": RewardModelEnvironment,
+    "code": CodeEnvironment,
 }
 
 

@@ -153,6 +153,35 @@ def test_multi_turn_sliding_puzzle(ray_session, tmp_path):
     assert all("Board" in s["prompt"] for s in samples)
 
 
+def test_multi_turn_code_rows_from_a_jsonl_file(ray_session, tmp_path):
+    # Rows name the code environment and carry their tests; a failing program's report comes
+    # back as a second turn. The tiny random model writes no working code: every conversation
+    # takes both turns, scores 0, and nothing counts as an environment error.
+    # Stop strings common in the random model's output end its turns before the token limit (a
+    # truncated turn ends the conversation).
+    rows = [{"messages": [{"role": "user", "content": f"Write f(x) returning x+{k}."}], "task_name": "code",
+             "metadata": {"tests": [f"assert f(1) == {1 + k}"]}, "stop_strings": list("aeiou0123456789")}
+            for k in range(8)]
+    data = tmp_path / "code.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "data.dataset_name=local", f"data.train_data_path={data}", f"data.val_data_path={data}",
+        "grpo.max_rollout_turns=2", "env.code.cfg.max_attempts=2", "policy.max_total_sequence_length=256",
+        "policy.generation.max_new_tokens=12",
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    assert len(train) == 2
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["reward"] == 0.0 and r["env_errors"] == 0
+        assert r["turns_mean"] > 1.5
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    feedback = [s["conversation"][1]["content"] for s in samples if "conversation" in s]
+    assert feedback and all(f.startswith("Environment: 0/1 tests passed; ") for f in feedback), feedback
+    assert all(f.endswith("Fix the program and answer with all of it again.") for f in feedback), feedback
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.

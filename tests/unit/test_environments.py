@@ -250,7 +250,7 @@ def test_builtin_env_settings_fail_at_config_load():
 
 
 def test_create_env_errors():
-    with pytest.raises(ValueError, match="arithmetic, math, reward_model, sliding_puzzle, story"):
+    with pytest.raises(ValueError, match="arithmetic, code, math, reward_model, sliding_puzzle, story"):
         create_env("chess", {})
     with pytest.raises(ValueError, match=r"env.sliding_puzzle.cfg[^$]*sizee.*did you mean size"):
         create_env("sliding_puzzle", {"cfg": {"sizee": 3}})
@@ -365,3 +365,104 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
 def test_environment_return_tensors():
     ret = ArithmeticEnvironment(EnvWorkerConfig()).step([convo("1")], [{"answer": "1"}])
     assert ret.rewards.dtype == torch.float32 and ret.terminateds.dtype == torch.bool
+
+
+# --------------------------------------------------------------------------- code
+
+
+def _code_env(**cfg):
+    from posttrain.environments.code import CodeEnvironment
+
+    return CodeEnvironment(EnvWorkerConfig(timeout_s=3.0, cfg=cfg))
+
+
+def _answer(text):
+    return [{"role": "user", "content": "Write add(a, b)."}, {"role": "assistant", "content": text}]
+
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+
+
+def test_code_extracts_the_last_python_block():
+    from posttrain.environments.code import extract_program
+
+    text = "First try:\n```python\nx = 1\n```\nBetter:\n```py\ndef f():\n    return 2\n```\nDone."
+    assert extract_program(text) == "def f():\n    return 2\n"
+    assert extract_program("```bash\nls\n```\ndef g(): pass") == "```bash\nls\n```\ndef g(): pass"
+    assert extract_program("```python\ndef h():\n    return 3") == "def h():\n    return 3"  # cut off by the limit
+    assert extract_program("def k(): return 4") == "def k(): return 4"
+
+
+def test_code_rewards_passing_tests_all_or_fraction():
+    right = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    half = "```python\ndef add(a, b):\n    return a + b if a > 0 else 99\n```"  # passes tests 0 and 2
+    env = _code_env()
+    ret = env.step([_answer(right), _answer(half)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS}])
+    assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    assert ret.observations[0]["content"] == "Environment: 3/3 tests passed"
+    assert ret.observations[1]["content"].startswith("Environment: 2/3 tests passed; test 1 (assert add(-1, 1) == 0) "
+                                                     "failed: AssertionError")
+    assert ret.metadata[1]["tests_passed"] == 2 and ret.answers[0] == "def add(a, b):\n    return a + b\n"
+    ret = _code_env(reward="fraction").step([_answer(half)], [{"tests": ADD_TESTS, "setup": "import math"}])
+    assert ret.rewards.tolist() == [pytest.approx(2 / 3)]
+
+
+def test_code_wrong_programs_score_0_without_stopping_or_counting_as_env_errors():
+    cases = {
+        "syntax": "def add(a, b) return a + b",
+        "raises": "raise RuntimeError('boom')",
+        "exits": "import os\nos._exit(3)",
+        "memory": "x = bytearray(4 << 30)",  # over memory_mb
+        "fakes a result": "print('{\"passed\": 3, \"error\": null}')\nimport sys\nsys.exit(0)",
+    }
+    env = _code_env(memory_mb=256)
+    ret = env.step([_answer(c) for c in cases.values()], [{"tests": ADD_TESTS} for _ in cases])
+    assert ret.rewards.tolist() == [0.0] * len(cases) and ret.num_errors == 0
+    obs = dict(zip(cases, (o["content"] for o in ret.observations)))
+    assert "SyntaxError" in obs["syntax"] and "RuntimeError: boom" in obs["raises"]
+    assert "ended the interpreter (exit status 3)" in obs["exits"] and "MemoryError" in obs["memory"]
+    assert "0/3 tests passed; the program raised SystemExit" in obs["fakes a result"]
+
+
+def test_code_hang_is_killed_with_what_it_started(tmp_path):
+    marker = tmp_path / "child_alive"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    program = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nwhile True: pass"
+    env = _code_env()
+    env.timeout_s = 1.0
+    start = time.monotonic()
+    ret = env.step([_answer(program)], [{"tests": ADD_TESTS}])
+    assert ret.rewards.tolist() == [0.0] and "timed out after 1 s" in ret.observations[0]["content"]
+    assert time.monotonic() - start < 2.5
+    time.sleep(3.5)
+    assert not marker.exists()  # the grandchild died with the program's process group
+
+
+def test_code_row_without_tests_is_an_env_error():
+    ret = _code_env().step([_answer("def add(a, b): return a + b")], [{}])
+    assert ret.rewards.tolist() == [0.0] and ret.num_errors == 1
+    assert "has no 'tests'" in ret.metadata[0]["env_error"]
+
+
+def test_code_env_runs_programs_inside_a_ray_actor(ray_session):
+    group = create_env("code", {"num_workers": 2, "cfg": {"parallel_runs": 2}})
+    try:
+        right, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a - b"
+        ret = group.step([_answer(p) for p in (right, wrong, wrong, right)], [{"tests": ADD_TESTS}] * 4)
+        assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and ret.num_errors == 0
+    finally:
+        group.shutdown()
+
+
+def test_code_failing_attempt_comes_back_until_max_attempts():
+    env = _code_env(max_attempts=2)
+    wrong, right = "def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b"
+    first = env.step([_answer(wrong), _answer(right)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS}])
+    assert first.terminateds.tolist() == [False, True] and first.rewards.tolist() == [0.0, 1.0]
+    assert first.observations[0]["content"].endswith("Fix the program and answer with all of it again.")
+    again = _answer(wrong) + [{"role": "user", "content": first.observations[0]["content"]},
+                              {"role": "assistant", "content": right}]
+    second = env.step([again, _answer(wrong) + again[2:3] + [{"role": "assistant", "content": wrong}]],
+                      [first.metadata[0], first.metadata[0]])
+    assert second.terminateds.tolist() == [True, True] and second.rewards.tolist() == [1.0, 0.0]
+    assert [m["attempt"] for m in second.metadata] == [2, 2]
