@@ -488,8 +488,10 @@ def matmul_floor(s: Settings, model_tokens: int) -> dict[str, float]:
     cfg = json.loads((Path(s.model_path) / "config.json").read_text())
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = hidden * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) // cfg["num_attention_heads"]
-    # (in, out, count) per layer: q, k, v, o; gate, up; down. Then the LM head once.
-    per_layer = [(hidden, hidden, 2), (hidden, kv, 2), (hidden, inter, 2), (inter, hidden, 1)]
+    # (in, out, matrices of that shape in the model): q, o; k, v; gate, up; down per layer; the LM head.
+    layers = cfg["num_hidden_layers"]
+    shapes = [(hidden, hidden, 2 * layers), (hidden, kv, 2 * layers), (hidden, inter, 2 * layers),
+              (inter, hidden, layers), (hidden, vocab, 1)]
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[s.precision]
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
@@ -505,14 +507,13 @@ def matmul_floor(s: Settings, model_tokens: int) -> dict[str, float]:
 
     def linears(rows: int, backward: bool) -> float:
         total = 0.0
-        for (n_in, n_out, count), layers in [(shape, cfg["num_hidden_layers"]) for shape in per_layer] + [
-                ((hidden, vocab, 1), 1)]:
+        for n_in, n_out, count in shapes:
             x, w = torch.randn(rows, n_in, dtype=dtype), torch.randn(n_out, n_in, dtype=dtype)
             t = best(partial(torch.nn.functional.linear, x, w))
             if backward:  # input gradient dy @ W, weight gradient dy^T @ x
                 gy = torch.randn(rows, n_out, dtype=dtype)
                 t += best(partial(torch.matmul, gy, w)) + best(partial(torch.matmul, gy.t(), x))
-            total += t * count * layers
+            total += t * count
         return total
 
     rows = s.num_prompts * s.num_generations

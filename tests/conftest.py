@@ -62,6 +62,21 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
+def save_68b_config():
+    """`save(folder, vocab_size=128256)`: a config-only model folder of a ~68B-parameter Llama, too
+    large for the RAM of any test machine (loading weights would fail differently, so a memory
+    error proves the check ran first)."""
+    from transformers import LlamaConfig
+
+    def save(folder, vocab_size: int = 128256):
+        LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                    num_key_value_heads=8, vocab_size=vocab_size).save_pretrained(folder)
+        return folder
+
+    return save
+
+
+@pytest.fixture(scope="session")
 def tiny_model_path():
     from posttrain.embedded import resolve_model_path
 

@@ -317,14 +317,12 @@ def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tm
         run(cfg)
 
 
-def test_failed_setup_stops_what_it_started(ray_session, tiny_model_path, tmp_path):
+def test_failed_setup_stops_what_it_started(ray_session, tiny_model_path, tmp_path, save_68b_config):
     from transformers import LlamaConfig
 
     # A teacher of ~68B parameters: its config loads (same vocabulary), the workers' memory check
     # then fails inside the setup, after the cluster and the policy workers started.
-    vocab = LlamaConfig.from_pretrained(tiny_model_path).vocab_size
-    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=vocab).save_pretrained(tmp_path / "huge")
+    save_68b_config(tmp_path / "huge", LlamaConfig.from_pretrained(tiny_model_path).vocab_size)
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={tmp_path / 'huge'}",
         "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",

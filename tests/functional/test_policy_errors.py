@@ -22,21 +22,16 @@ def test_missing_model_path(cluster, tmp_path):
         Policy(cluster, PolicyConfig(model_name=missing))
 
 
-def test_model_too_large_fails_before_loading(cluster, tmp_path):
-    # A config-only folder: loading weights would fail differently, so the error proves the
-    # check ran first. ~68B parameters cannot fit the RAM of any test machine.
-    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path)
+def test_model_too_large_fails_before_loading(cluster, tmp_path, save_68b_config):
+    save_68b_config(tmp_path)
     with pytest.raises(MemoryError, match=r"(?s)'.*' \([\d,.]+M parameters\) needs about [\d,.]+ GiB.*"
                                           r"policy.max_memory_fraction=0.8"):
         Policy(cluster, PolicyConfig(model_name=str(tmp_path)))
 
 
-def test_a_reference_too_large_fails_before_loading(cluster, tiny_model_path, tmp_path):
+def test_a_reference_too_large_fails_before_loading(cluster, tiny_model_path, tmp_path, save_68b_config):
     # A distillation teacher can be far larger than the policy: the memory check counts it.
-    vocab = LlamaConfig.from_pretrained(tiny_model_path).vocab_size  # the policy's: that check passes
-    LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=vocab).save_pretrained(tmp_path)
+    save_68b_config(tmp_path, LlamaConfig.from_pretrained(tiny_model_path).vocab_size)  # the policy's vocabulary
     with pytest.raises(MemoryError, match=r"\(0.1M parameters\) needs about [\d,.]+ GiB.* \+ a [\d,.]+M-parameter "
                                           r"reference"):
         Policy(cluster, PolicyConfig(model_name=tiny_model_path, reference_model_name=str(tmp_path)),
