@@ -319,6 +319,11 @@ class PolicyConfig(Section):
     # Clip the global L2 norm of the gradients to this before each optimizer step; null: no
     # clipping (the norm is logged as grad_norm either way).
     max_grad_norm: float | None = 1.0
+    # An optimizer step whose global gradient norm is NaN or inf is skipped: the weights,
+    # optimizer moments and LR schedule stay as they were (train/skipped_steps counts them),
+    # so no checkpoint ever holds a NaN update. After this many skipped steps in a row the run
+    # stops with an error; null: never stop.
+    max_consecutive_skipped_steps: int | None = Field(10, ge=1)
     # The torch optimizer and its keyword arguments.
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     # LR schedulers (NeMo RL's list form), stepped once per optimizer step; empty: constant LR.

@@ -13,7 +13,6 @@ teacher in `policy.reference_model_name`), computed after the logprob phase.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -425,9 +424,6 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],
                                       **({"val_acc": val_metrics["accuracy"]} if "accuracy" in val_metrics else {})})
         train_metrics = metrics
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"step {step}: the loss is {metrics['loss']}; stopping (the last complete "
-                                     f"checkpoint in {cfg.checkpointing.checkpoint_dir} is kept)")
         if stop:
             logger.console(stop_message(stop, step, cfg.checkpointing))
             break

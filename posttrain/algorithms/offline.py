@@ -10,7 +10,6 @@ optimizer step; `pair_policy_config` gives the policy the row counts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -136,14 +135,6 @@ def evaluate(
     return out
 
 
-def check_finite(step: int, loss: float) -> None:
-    if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"step {step}: the loss is {loss}; stopping before a bad update is saved (the last complete "
-            "checkpoint is kept)"
-        )
-
-
 def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
     """Log the tokenization counts (kept / truncated / dropped rows) of each split."""
     for split, counts in stats.items():
@@ -263,7 +254,6 @@ def offline_train(
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
         step += 1
-        check_finite(step, train_metrics["loss"])
         # ---- validation
         if (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps):
             with timer.time("validation"):

@@ -20,6 +20,7 @@ import copy
 import inspect
 import json
 import logging
+import math
 import os
 import time
 import warnings
@@ -190,13 +191,14 @@ class FSDPPolicyWorker:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.gen_engine = None
-        self.weights_version = 0  # bumped by every optimizer step; generation refits when it lags
+        self.weights_version = 0  # bumped by every applied optimizer step; generation refits when it lags
         self.gen_version = -1
         self.last_refit_s = 0.0
         # Logprobs are of logits / the rollouts' sampling temperature (greedy = 0 -> unscaled).
         self._temperature = cfg.generation.temperature or 1.0
         self._model_tokens = 0  # positions through the model in the current train step
         self._twin: LowPrecisionTwin | None = None  # one rank in bf16/fp16 (see LowPrecisionTwin)
+        self._skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, up to now
 
     # ------------------------------------------------------------------ setup
 
@@ -455,9 +457,11 @@ class FSDPPolicyWorker:
         self._compute_model().train()
         steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
-        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k != "lr"}
+        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in ("lr", "skipped")}
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = len(steps)
+        out["skipped_steps"] = sum(s["skipped"] for s in steps)
+        out["skipped_in_a_row"] = self._skipped_in_a_row  # for Policy.train's stop rule, not a metric
         return out
 
     def reset_optimizer(self) -> None:
@@ -500,18 +504,28 @@ class FSDPPolicyWorker:
                 tokens += int(mb["input_lengths"].sum())
                 _accumulate(metrics, mb_metrics)
         grad_norm = self._clip_grads()
-        if lr_override is None:
-            lr = self.optimizer.param_groups[0]["lr"]
+        # A NaN or inf gradient would make every weight it reaches NaN (clipping multiplies by
+        # max_norm / norm) along with Adam's moments, and a checkpoint of them loses the run.
+        # The norm is global, so every rank skips the same steps: weights, moments and the LR
+        # schedule stay as they were, and the caller stops after too many in a row.
+        skipped = not math.isfinite(grad_norm)
+        lr = lr_override if lr_override is not None else self.optimizer.param_groups[0]["lr"]
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._skipped_in_a_row += 1
+        elif lr_override is None:
             self.optimizer.step()
             self.scheduler.step()
         else:
             scheduled = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
-                g["lr"] = lr = lr_override
+                g["lr"] = lr_override
             self.optimizer.step()
             for g, value in zip(self.optimizer.param_groups, scheduled):
                 g["lr"] = value
-        self.weights_version += 1
+        if not skipped:
+            self._skipped_in_a_row = 0
+            self.weights_version += 1
         local = {"loss": loss_sum, **metrics}
         gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
@@ -522,7 +536,7 @@ class FSDPPolicyWorker:
         dist.all_reduce(tok)
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
-        out.update(grad_norm=grad_norm, lr=lr, num_tokens=float(tok[0]), model_tokens=float(tok[1]),
+        out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]), model_tokens=float(tok[1]),
                    global_valid_toks=float(global_toks), global_valid_seqs=float(global_seqs),
                    num_microbatches=float(n_mb), step_time_s=time.perf_counter() - t0)
         return out

@@ -95,7 +95,20 @@ class Policy:
                              f"{self.dp} workers would get {local} rows (odd); make "
                              "policy.train_global_batch_size / workers even")
         refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs)
-        return self.workers.get(refs)[0]
+        out = self.workers.get(refs)[0]
+        in_a_row = out.pop("skipped_in_a_row")
+        if out["skipped_steps"]:
+            log.warning("policy: %d of %d optimizer steps skipped: non-finite gradient norm (grad_norm %s, loss %s); "
+                        "the weights are unchanged by them", out["skipped_steps"], out["num_optimizer_steps"],
+                        out["grad_norm"], out["loss"])
+        limit = self.cfg.max_consecutive_skipped_steps
+        if limit is not None and in_a_row >= limit:
+            raise FloatingPointError(
+                f"the last {in_a_row} optimizer steps had a non-finite gradient norm and were skipped "
+                f"(policy.max_consecutive_skipped_steps={limit}); stopping. The weights are those of the last "
+                "finite update, so every saved checkpoint is intact: lower the learning rate or check the "
+                "data and rewards of these steps, then resume")
+        return out
 
     def reset_optimizer(self) -> None:
         """Start the optimizer afresh: a new training stage (RL after SFT) should not inherit the

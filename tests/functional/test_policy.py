@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
 from posttrain.distributed.worker_group import WorkerError
+from posttrain.losses import ClippedPGLoss
 from posttrain.losses.nll import NLLLoss
 from posttrain.schemas import PolicyConfig
 
@@ -24,7 +25,7 @@ def _cfg(**kw) -> PolicyConfig:
     base = dict(model_name="embedded:tiny", precision="float32", train_global_batch_size=4, train_micro_batch_size=1,
                 logprob_batch_size=3, max_total_sequence_length=32, max_grad_norm=None,
                 optimizer={"name": "sgd", "kwargs": {"lr": LR, "momentum": 0.9}},
-                generation={"max_new_tokens": 6})
+                generation={"max_new_tokens": 6}, max_consecutive_skipped_steps=2)
     base.update(kw)
     return PolicyConfig(**base)
 
@@ -163,6 +164,45 @@ def test_batch_longer_than_context_is_rejected(policies):
         policies[0].train(batch, NLLLoss())
     with pytest.raises(ValueError, match="multiple of policy.train_global_batch_size=4"):
         policies[0].train(make_batch(lengths=[5, 5, 5]), NLLLoss())
+
+
+def _pg_batch(seed: int, nan_advantage: bool):
+    """A policy-gradient batch; `nan_advantage`: one trained token's advantage is NaN (as a
+    broken reward or a zero-variance normalisation would make it), so loss and gradient are NaN."""
+    batch = make_batch(seed=seed)
+    zeros = torch.zeros_like(batch["token_mask"])
+    batch.update(prev_logprobs=zeros, generation_logprobs=zeros,
+                 advantages=torch.randn(zeros.shape, generator=torch.Generator().manual_seed(seed)))
+    if nan_advantage:
+        batch["advantages"][1, 4] = float("nan")
+    return batch
+
+
+def test_non_finite_gradient_skips_the_update(policies, tmp_path):
+    loss_fn = ClippedPGLoss({})
+    for i, policy in enumerate(policies):
+        policy.save_checkpoint(tmp_path / f"ckpt{i}")
+        before = full_state(policy)
+        m = policy.train(_pg_batch(10, nan_advantage=True), loss_fn)
+        assert m["skipped_steps"] == 1 and m["grad_norm"] != m["grad_norm"]  # NaN
+        for k, v in full_state(policy).items():
+            assert torch.equal(v, before[k]), k
+        # The skip left the optimizer's momentum and step count alone: the next finite step is
+        # the one the saved state takes without the NaN batch in between.
+        m = policy.train(_pg_batch(11, nan_advantage=False), loss_fn)
+        assert m["skipped_steps"] == 0 and m["grad_norm"] > 0
+        after_skip = full_state(policy)
+        policy.load_checkpoint(tmp_path / f"ckpt{i}")
+        policy.train(_pg_batch(11, nan_advantage=False), loss_fn)
+        for k, v in full_state(policy).items():
+            assert torch.equal(v, after_skip[k]), k
+            assert not torch.equal(v, before[k]) or "norm" in k, k  # the finite step did train
+        # policy.max_consecutive_skipped_steps=2 (this module's config): the second skip in a row stops.
+        policy.train(_pg_batch(12, nan_advantage=True), loss_fn)
+        with pytest.raises(FloatingPointError, match=r"last 2 optimizer steps .*\(policy\.max_consecutive_skipped_steps=2\)"):
+            policy.train(_pg_batch(13, nan_advantage=True), loss_fn)
+        for k, v in full_state(policy).items():
+            assert torch.equal(v, after_skip[k]), k
 
 
 def test_killed_worker_is_named(policies):
