@@ -479,6 +479,9 @@ class DataConfig(Section):
     prompt_file: str | None = None
     # Text file whose content is added as a system message to rows without one; null: none.
     system_prompt_file: str | None = None
+    # GRPO/eval: the environment that scores every row (replaces the rows' own task_name, e.g.
+    # "math" of the math format): a built-in one or one of yours in env.<name>.target; null: the rows'.
+    task_name: str | None = Field(None, min_length=1)
     # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed).
     shuffle: bool = True
     # Seed of the held-out validation split and of the generated datasets (arithmetic,
@@ -540,6 +543,10 @@ class EnvWorkerConfig(Section):
     # Settings of the environment itself, validated by its own section below
     # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig).
     cfg: dict[str, Any] = Field(default_factory=dict)
+    # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
+    # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
+    # single-turn rows (docs/environments.md); null: the built-in environment of this name.
+    target: str | None = None
 
 
 class MathEnvConfig(Section):

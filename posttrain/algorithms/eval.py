@@ -118,7 +118,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.data.processors import load_policy_tokenizer
     from posttrain.distributed.cluster import init_ray
-    from posttrain.environments import create_env
+    from posttrain.environments import create_env, resolve_env
     from posttrain.generation import build_generation
     from posttrain.logging import Logger
 
@@ -127,6 +127,9 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     torch.manual_seed(cfg.eval.seed)
 
     rows = load_eval_rows(cfg)
+    task_names = sorted({r.get("task_name", "math") for r in rows})
+    for name in task_names:  # an unknown environment or a broken env.<name>.target fails before the model loads
+        resolve_env(name, cfg.env.get_worker_cfg(name))
     tokenizer = load_policy_tokenizer(cfg.policy)
 
     _check_prompt_lengths(rows, tokenizer, cfg)
@@ -138,7 +141,6 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     )
     # Environments last: nothing after them can fail and leave their actors running.
     init_ray(cfg.cluster)
-    task_names = sorted({r.get("task_name", "math") for r in rows})
     envs = {name: _AnswerRecorder(create_env(name, cfg.env.get_worker_cfg(name))) for name in task_names}
     greedy = cfg.eval.greedy if cfg.eval.greedy is not None else cfg.eval.num_tests_per_prompt == 1
     logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"))

@@ -36,7 +36,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.environments import create_env
+from posttrain.environments import create_env, resolve_env
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -133,6 +133,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
+    task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
+    for name in task_names:  # an unknown environment or a broken env.<name>.target fails before Ray starts
+        resolve_env(name, cfg.env.get_worker_cfg(name))
 
     run_dir = Path(cfg.logger.log_dir)
     logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
@@ -153,7 +156,6 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             undo.callback(gen_cluster.shutdown)
         if generation is not policy:
             undo.callback(generation.shutdown)
-        task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
         envs = {}
         for name in task_names:
             envs[name] = create_env(name, cfg.env.get_worker_cfg(name))

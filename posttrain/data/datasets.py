@@ -303,6 +303,8 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         rows = _hub(cfg, split)
     cap = cfg.max_train_samples if split == "train" else cfg.max_val_samples
     rows = rows[:cap] if cap else rows
+    if cfg.task_name is not None:  # RL/eval rows (the ones with a task_name) go to this environment
+        rows = [{**r, "task_name": cfg.task_name} if "task_name" in r else r for r in rows]
     return apply_prompts(rows, cfg)
 
 

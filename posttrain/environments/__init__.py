@@ -4,7 +4,8 @@
 follows `EnvironmentInterface` (docs/architecture.md, docs/environments.md). Built-in
 environments by name (`ENVIRONMENTS`): "math", "arithmetic", "sliding_puzzle", "code",
 "story", "reward_model";
-`register_env` adds one.
+`register_env` adds one, and `env.<name>.target` names a class or reward function of the
+user's own (`posttrain.environments.custom`).
 
 The names below are imported on first use: the child processes that run verifications
 with a time limit import `posttrain.environments.*` modules, and must not pay for torch
@@ -19,6 +20,7 @@ from typing import Any
 _EXPORTS = {
     "ENVIRONMENTS": "registry",
     "create_env": "registry",
+    "resolve_env": "registry",
     "register_env": "registry",
     "EnvironmentGroup": "actors",
     "EnvironmentInterface": "interfaces",

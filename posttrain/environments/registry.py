@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from posttrain.config import ConfigError
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
+from posttrain.environments.custom import env_factory
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -27,11 +31,25 @@ def register_env(name: str, env_cls: type[EnvironmentInterface]) -> None:
     ENVIRONMENTS[name] = env_cls
 
 
+def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
+    """What builds environment `name`: a registered one, or the class or reward function its
+    `env.<name>.target` names (posttrain.environments.custom). Cheap to call again; setups call
+    it before Ray starts, so an unknown name or a broken target fails in seconds."""
+    if cfg.target is not None:
+        if name in ENVIRONMENTS:
+            raise ConfigError(f"env.{name}.target: {name!r} is a built-in environment; give yours another name "
+                              "(and its rows that task_name, or set data.task_name)")
+        return env_factory(name, cfg.target)
+    if name not in ENVIRONMENTS:
+        raise ConfigError(f"unknown environment {name!r} (a row's task_name, or data.task_name); valid: "
+                          f"{', '.join(sorted(ENVIRONMENTS))}, or your own class or reward function in "
+                          f"env.{name}.target (docs/environments.md)")
+    return ENVIRONMENTS[name]
+
+
 def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None) -> EnvironmentGroup:
     """Start environment `name` as `cfg.num_workers` Ray actors behind an `EnvironmentGroup`
     (its `step` follows `EnvironmentInterface`); unknown names list the valid ones."""
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; valid: {', '.join(sorted(ENVIRONMENTS))}")
     if not isinstance(cfg, EnvWorkerConfig):
         cfg = EnvWorkerConfig.model_validate(cfg or {})
-    return EnvironmentGroup(name, ENVIRONMENTS[name], cfg)
+    return EnvironmentGroup(name, resolve_env(name, cfg), cfg)

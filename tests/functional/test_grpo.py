@@ -182,6 +182,23 @@ def test_multi_turn_code_rows_from_a_jsonl_file(ray_session, tmp_path):
     assert all(f.endswith("Fix the program and answer with all of it again.") for f in feedback), feedback
 
 
+def test_reward_function_from_a_file_scores_every_row(ray_session, tmp_path):
+    # data.task_name sends the arithmetic rows to the user's function instead of the arithmetic
+    # environment; its rewards (a response's length / 100) are ones no built-in environment gives.
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def by_length(response, metadata):\n    return len(response) / 100\n")
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=1", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "data.task_name=by_length", f"env.by_length.target={rewards}:by_length",
+    ))
+    run(cfg)
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["reward"] == pytest.approx(len(s["response"]) / 100) for s in samples)
+    assert any(s["reward"] > 0 for s in samples)
+    (train,) = _records(tmp_path / "logs", "train")
+    assert train["env_errors"] == 0 and 0 < train["reward"] <= train["response_length_max"] / 100
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.

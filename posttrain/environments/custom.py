@@ -1,0 +1,120 @@
+"""Environments and reward functions of the user's own, named in the config (`env.<name>.target`).
+
+`target` is `"module:attr"` (an importable module; the working directory is on the path) or
+`"path/to/file.py:attr"` (relative to the working directory). It names either
+
+- an `EnvironmentInterface` subclass, built like a built-in environment with the `env.<name>`
+  section (a `config_class` attribute validates its `cfg` on the driver), or
+- a reward function `fn(response: str, metadata: dict) -> float` that scores single-turn rows:
+  `response` is the model's answer, `metadata` the row's metadata with its `answer`.
+
+The target's module is pickled by value into the environment actors, so a file next to the
+config needs no installing; what it imports must be installed where the actors run. Everything
+is resolved on the driver before Ray starts, so a wrong target fails in seconds, naming the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import numbers
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import ConfigError, MissingInputError
+from posttrain.environments.interfaces import (
+    EnvironmentInterface,
+    PerSampleEnvironment,
+    StepResult,
+    last_assistant_text,
+)
+from posttrain.schemas import EnvWorkerConfig
+
+
+def _import_module(module_part: str, key: str):
+    if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
+        path = Path(os.path.expanduser(module_part)).resolve()
+        if not path.is_file():
+            raise MissingInputError(f"{key}: no file {module_part} (relative paths start at the working "
+                                    f"directory, {os.getcwd()})")
+        # A name of its own per file, so two files called rewards.py do not collide.
+        name = f"posttrain_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return module
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # last: a local file never shadows an installed module
+    return importlib.import_module(module_part)
+
+
+def load_target(spec: str, key: str) -> Any:
+    """The object `spec` ("module:attr" or "file.py:attr") names; errors name `key`."""
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr.isidentifier():
+        raise ConfigError(f"{key}={spec!r}: expected 'module:name' or 'path/to/file.py:name'")
+    try:
+        module = _import_module(module_part, key)
+    except MissingInputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is a config error
+        raise ConfigError(f"{key}={spec!r}: importing {module_part} failed: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        public = sorted(n for n in vars(module) if not n.startswith("_"))
+        raise ConfigError(f"{key}={spec!r}: {module_part} has no {attr!r} (it has: {', '.join(public) or 'nothing'})")
+    import ray.cloudpickle
+
+    # By value: the actors need not import the module (a file anywhere, a module in the cwd).
+    ray.cloudpickle.register_pickle_by_value(module)
+    return getattr(module, attr)
+
+
+class RewardFunctionEnvironment(PerSampleEnvironment):
+    """A reward function as a single-turn environment: every sample ends after one answer,
+    scored `fn(response, metadata)`. A function that raises or returns no number scores the
+    sample 0 and records the error (PerSampleEnvironment)."""
+
+    def __init__(self, cfg: EnvWorkerConfig, fn: Callable[[str, dict], float], name: str):
+        self.fn, self.name = fn, name
+
+    def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
+        response = last_assistant_text(messages)
+        reward = self.fn(response, metadata)
+        if not isinstance(reward, numbers.Real):
+            raise TypeError(f"reward function of environment {self.name!r} returned {reward!r}, not a number")
+        return StepResult(observation="", reward=float(reward), terminated=True, metadata=metadata, answer=response)
+
+
+def env_factory(name: str, spec: str) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
+    """What builds environment `name` from its `target` (an environment class, or a reward
+    function wrapped in RewardFunctionEnvironment)."""
+    key = f"env.{name}.target"
+    obj = load_target(spec, key)
+    if inspect.isclass(obj):
+        if not issubclass(obj, EnvironmentInterface):
+            raise ConfigError(f"{key}={spec!r}: the class {obj.__name__} is no "
+                              "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
+        return obj
+    if not callable(obj):
+        raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not an environment class or a reward function")
+    try:
+        inspect.signature(obj).bind("response", {})
+    except TypeError:
+        raise ConfigError(f"{key}={spec!r}: a reward function is called fn(response, metadata); "
+                          f"{getattr(obj, '__name__', spec)}{inspect.signature(obj)} cannot be") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): the first call tells
+    return functools.partial(RewardFunctionEnvironment, fn=obj, name=name)

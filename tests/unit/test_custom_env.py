@@ -1,0 +1,133 @@
+"""Environments and reward functions of the user's own, named by `env.<name>.target`."""
+
+import textwrap
+
+import pytest
+
+from posttrain.config import ConfigError, MissingInputError
+from posttrain.environments import create_env, resolve_env
+from posttrain.schemas import EnvWorkerConfig
+
+REWARDS = '''
+import math
+
+from posttrain.environments import PerSampleEnvironment, StepResult
+
+THRESHOLD = 2
+
+def exact(response, metadata):
+    return float(response.strip() == str(metadata["answer"]))
+
+def long_enough(response, metadata):
+    return len(response) >= THRESHOLD  # a bool counts as a number
+
+def not_a_number(response, metadata):
+    return "high"
+
+def one_argument(response):
+    return 1.0
+
+class Echo(PerSampleEnvironment):
+    """Two turns: asks again once, then scores the second answer's length."""
+
+    def __init__(self, cfg):
+        self.scale = cfg.cfg.get("scale", 1.0)
+
+    def step_one(self, messages, metadata):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        if turns < 2:
+            return StepResult("once more", 0.0, False, metadata)
+        return StepResult("", self.scale * len(messages[-1]["content"]), True, metadata)
+
+class NotAnEnvironment:
+    pass
+'''
+
+
+def convo(answer: str) -> list[dict]:
+    return [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    # Outside the project and every import path: only pickling by value gets it into the actors.
+    path = tmp_path / "my_rewards.py"
+    path.write_text(textwrap.dedent(REWARDS))
+    return path
+
+
+def _cfg(target: str, **kw) -> EnvWorkerConfig:
+    return EnvWorkerConfig(target=target, **kw)
+
+
+def test_reward_function_and_class_run_inside_ray_actors(ray_session, rewards_file):
+    group = create_env("exact", _cfg(f"{rewards_file}:exact", num_workers=2))
+    try:
+        ret = group.step([convo(" 42"), convo("41"), convo("7")], [{"answer": "42"}, {"answer": 42}, {"answer": "7"}])
+        assert ret.rewards.tolist() == [1.0, 0.0, 1.0] and ret.terminateds.all() and ret.num_errors == 0
+        assert ret.answers == [" 42", "41", "7"]
+    finally:
+        group.shutdown()
+    group = create_env("echo", _cfg(f"{rewards_file}:Echo", cfg={"scale": 0.5}))
+    try:
+        first = group.step([convo("ab")], [{}])
+        assert first.rewards.tolist() == [0.0] and not first.terminateds[0]
+        assert first.observations[0]["content"] == "once more"
+        second = group.step([convo("ab") + [first.observations[0], {"role": "assistant", "content": "abcd"}]], [{}])
+        assert second.rewards.tolist() == [2.0] and second.terminateds[0]
+    finally:
+        group.shutdown()
+
+
+def test_reward_function_failures_score_zero_and_are_recorded(rewards_file):
+    env = resolve_env("f", _cfg(f"{rewards_file}:not_a_number"))(EnvWorkerConfig())
+    ret = env.step([convo("x")], [{}])
+    assert ret.rewards.tolist() == [0.0] and ret.num_errors == 1
+    assert "returned 'high', not a number" in ret.metadata[0]["env_error"]
+    env = resolve_env("g", _cfg(f"{rewards_file}:exact"))(EnvWorkerConfig())
+    ret = env.step([convo("1"), convo("1")], [{}, {"answer": "1"}])  # the first row has no answer: KeyError
+    assert ret.rewards.tolist() == [0.0, 1.0] and ret.num_errors == 1
+    env = resolve_env("h", _cfg(f"{rewards_file}:long_enough"))(EnvWorkerConfig())
+    assert env.step([convo("a"), convo("abc")], [{}, {}]).rewards.tolist() == [0.0, 1.0]
+
+
+def test_module_path_target_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards_mod.py").write_text("def score(response, metadata):\n    return 0.25\n")
+    monkeypatch.chdir(tmp_path)
+    env = resolve_env("cwd", _cfg("cwd_rewards_mod:score"))(EnvWorkerConfig())
+    assert env.step([convo("x")], [{}]).rewards.tolist() == [0.25]
+
+
+def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
+    cases = [
+        ("no_colon", ConfigError, r"env.x.target='no_colon': expected 'module:name'"),
+        (f"{tmp_path}/missing.py:f", MissingInputError, r"env.x.target: no file .*missing.py"),
+        ("posttrain_no_such_module:f", ConfigError, r"importing posttrain_no_such_module failed: ModuleNotFoundError"),
+        (f"{rewards_file}:exactt", ConfigError, r"has no 'exactt' \(it has: .*exact"),
+        (f"{rewards_file}:NotAnEnvironment", ConfigError, r"NotAnEnvironment is no posttrain.environments.EnvironmentInterface"),
+        (f"{rewards_file}:THRESHOLD", ConfigError, r"is a int, not an environment class or a reward function"),
+        (f"{rewards_file}:one_argument", ConfigError, r"called fn\(response, metadata\); one_argument\(response\) cannot be"),
+    ]
+    for target, error, message in cases:
+        with pytest.raises(error, match=message):
+            resolve_env("x", _cfg(target))
+    broken = tmp_path / "broken.py"
+    broken.write_text("import posttrain_no_such_dependency\n")
+    with pytest.raises(ConfigError, match=r"importing .*broken.py failed: ModuleNotFoundError.*posttrain_no_such_dependency"):
+        resolve_env("x", _cfg(f"{broken}:f"))
+    with pytest.raises(ConfigError, match=r"env.math.target: 'math' is a built-in environment"):
+        resolve_env("math", _cfg(f"{rewards_file}:exact"))
+    with pytest.raises(ConfigError, match=r"unknown environment 'chess'.*or your own .* env.chess.target"):
+        resolve_env("chess", EnvWorkerConfig())
+
+
+def test_data_task_name_routes_every_rl_row(tmp_path):
+    from posttrain.data.datasets import load_rows
+    from posttrain.schemas import DataConfig
+
+    path = tmp_path / "problems.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    cfg = DataConfig(dataset_name=str(path), format="math", val_data_path=str(path))
+    assert {r["task_name"] for r in load_rows(cfg, "train")} == {"math"}
+    rows = load_rows(cfg.model_copy(update={"task_name": "exact"}), "train")
+    assert [(r["task_name"], r["answer"]) for r in rows] == [("exact", "2"), ("exact", "4")]
