@@ -64,7 +64,10 @@ class DTensorConfig(Section):
     sequence_parallel: bool = False
     # Recompute each decoder layer's activations in backward to save memory.
     activation_checkpointing: bool = False
-    # Not supported yet (must be 1): the policy is data-parallel FSDP2.
+    # Workers per tensor-parallel group: each decoder layer's attention heads and MLP width are
+    # split over them (the model's column/row-parallel plan, posttrain/policy/tensor_parallel.py;
+    # Llama, Qwen2, Mistral) and FSDP2 shards over the world / tensor_parallel_size groups. Must
+    # divide the worker count, the attention and KV heads and the MLP width.
     tensor_parallel_size: int = Field(1, ge=1)
     # Not supported yet (must be 1).
     context_parallel_size: int = Field(1, ge=1)
@@ -113,6 +116,12 @@ class PrefixSharingConfig(Section):
     # dense mask and 4.0-4.4 s unshared); off on GPUs, where sdpa's fused masked kernel was
     # not compared with it. "on" / "off" force it.
     blockwise_attention: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("blockwise_attention", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads an unquoted on/off (in a file or `key=on` on the command line) as a bool.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class OptimizerConfig(Section):
@@ -305,7 +314,7 @@ class PolicyConfig(Section):
     # where it was faster than sdpa for a bf16 30M model's training step (3.9 vs 5.2-5.8 s)
     # and for masked shared-prefix rows (45 vs 71 ms), and sdpa elsewhere.
     attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
-    # FSDP2 settings of the policy workers (NeMo RL's DTensor policy); data parallel only.
+    # FSDP2 and tensor-parallel settings of the policy workers (NeMo RL's DTensor policy).
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     # Micro-batches by a token budget instead of a row count (an alternative to sequence_packing).
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
@@ -362,11 +371,13 @@ class PolicyConfig(Section):
         d = self.dtensor_cfg
         if not d.enabled:
             raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
-        if d.tensor_parallel_size != 1 or d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
-            raise ValueError("policy.dtensor_cfg: tensor/context/sequence parallelism and custom_parallel_plan are "
-                             "not supported yet; the policy is data-parallel FSDP2 over all workers (keep "
-                             "tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=false, "
+        if d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
+            raise ValueError("policy.dtensor_cfg: context/sequence parallelism and custom_parallel_plan are not "
+                             "supported yet (keep context_parallel_size=1, sequence_parallel=false, "
                              "custom_parallel_plan=null)")
+        if d.tensor_parallel_size > 1 and (self.lora.enabled or d.cpu_offload):
+            raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 does not combine with "
+                             + ("policy.lora.enabled" if self.lora.enabled else "policy.dtensor_cfg.cpu_offload"))
         return self
 
 

@@ -180,11 +180,12 @@ class RayWorkerGroup:
         return [self._track(r, a.call.remote(method, *args, **kwargs)) for r, a in enumerate(self.actors)]
 
     def run_sharded(self, method: str, batch: BatchedDataDict, *args, batch_size: int | None = None,
-                    **kwargs) -> list[ray.ObjectRef]:
-        """Shard `batch` over the workers (`shard_by_batch_size(world_size, batch_size)`); worker i
-        gets shard i as its first argument. Futures in rank order."""
-        shards = batch.shard_by_batch_size(self.world_size, batch_size=batch_size)
-        return [self._track(r, a.call.remote(method, shards[r], *args, **kwargs))
+                    replicas: int = 1, **kwargs) -> list[ray.ObjectRef]:
+        """Shard `batch` over the workers (`shard_by_batch_size(world_size / replicas, batch_size)`);
+        worker i gets shard i // replicas as its first argument (`replicas` consecutive ranks, a
+        tensor-parallel group, compute on the same rows). Futures in rank order."""
+        shards = batch.shard_by_batch_size(self.world_size // replicas, batch_size=batch_size)
+        return [self._track(r, a.call.remote(method, shards[r // replicas], *args, **kwargs))
                 for r, a in enumerate(self.actors)]
 
     def _track(self, rank: int, ref: ray.ObjectRef) -> ray.ObjectRef:

@@ -190,6 +190,9 @@ class FSDPPolicyWorker:
         self.model_kind = model_kind
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        # Tensor parallelism: ranks r with the same r // tp form a group that computes on the
+        # same rows (see posttrain.policy.tensor_parallel); sums over all ranks count them tp times.
+        self.tp = cfg.dtensor_cfg.tensor_parallel_size
         self.gen_engine = None
         self.weights_version = 0  # bumped by every applied optimizer step; generation refits when it lags
         self.gen_version = -1
@@ -278,7 +281,15 @@ class FSDPPolicyWorker:
                 _cast_parameters(model, compute)
             model.train(train)
             return model
-        mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        if self.tp > 1:
+            from posttrain.policy.tensor_parallel import apply_tensor_parallel
+
+            mesh = init_device_mesh(self.device.type, (self.world_size // self.tp, self.tp),
+                                    mesh_dim_names=("dp", "tp"))
+            apply_tensor_parallel(model, _decoder_layers(model), mesh["tp"])
+            mesh = mesh["dp"]
+        else:
+            mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         shard_kwargs = {
             "mesh": mesh,
             # float32 master weights; bf16/fp16 compute, fp32 gradient reduction.
@@ -479,7 +490,7 @@ class FSDPPolicyWorker:
             valid_toks = (batch["input_lengths"].float() * sample_mask).sum()
         counts = torch.stack([valid_toks, sample_mask.sum()]).to(self.device)
         dist.all_reduce(counts)
-        global_toks, global_seqs = counts[0], counts[1]
+        global_toks, global_seqs = counts[0] / self.tp, counts[1] / self.tp
 
         mbs, packed = self._microbatches(batch, train=True, group=group)
         # Every rank must run the same number of forward/backward passes (FSDP collectives):
@@ -530,10 +541,11 @@ class FSDPPolicyWorker:
         gathered: list[dict[str, float]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
         out: dict[str, float] = {}
-        for g in gathered:
+        for g in gathered[:: self.tp]:  # one rank per tensor-parallel group
             _accumulate(out, g)
         tok = torch.tensor([tokens, self._model_tokens], dtype=torch.long, device=self.device)
         dist.all_reduce(tok)
+        tok //= self.tp
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]), model_tokens=float(tok[1]),
@@ -548,11 +560,19 @@ class FSDPPolicyWorker:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        # One group per device mesh: under tensor parallelism the split projections live on the
+        # (dp, tp) mesh and the rest on dp, and DTensor ops do not mix meshes.
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
         if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total)
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, self.cfg.max_grad_norm, total)
         return float(total)
 
     # ------------------------------------------------------------------ inference

@@ -36,14 +36,20 @@ def load_model_configs(cfg, *, with_reference: bool) -> tuple[tuple[str, Any], t
     """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
     (`cfg.reference_model_name`, else the policy itself); None for no reference. The drivers call it
     before starting Ray, so a wrong name fails in seconds; the workers call it again to load.
-    A reference scores the policy's tokens, so its vocabulary must be the policy's."""
+    A reference scores the policy's tokens, so its vocabulary must be the policy's; both must
+    split over `policy.dtensor_cfg.tensor_parallel_size`."""
+    from posttrain.policy.tensor_parallel import check_tensor_parallel
+
+    tp = cfg.dtensor_cfg.tensor_parallel_size
     path, config = load_hf_config(cfg.model_name)
+    check_tensor_parallel(config, tp)
     if not with_reference:
         return (path, config), None
     name = cfg.reference_model_name
     if name is None:
         return (path, config), (path, config)
     ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
+    check_tensor_parallel(ref_config, tp, key="policy.reference_model_name")
     if ref_config.vocab_size != config.vocab_size:
         raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
                          f"tokens, the policy ({cfg.model_name!r}) {config.vocab_size}: the reference "

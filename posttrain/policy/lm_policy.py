@@ -29,9 +29,15 @@ class Policy:
                  model_kind: str = "causal_lm", name_prefix: str = "policy"):
         self.cfg = cfg
         self.model_kind = model_kind
+        # Tensor parallelism: groups of tp consecutive ranks hold one copy of the model between
+        # them and compute on the same rows; the data is split over the dp = world / tp groups.
+        self.tp = cfg.dtensor_cfg.tensor_parallel_size
+        if cluster.world_size % self.tp:
+            raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={self.tp} does not divide the "
+                             f"{cluster.world_size} policy workers (cluster.num_nodes x workers_per_node)")
         self.workers = RayWorkerGroup(cluster, FSDPPolicyWorker, cfg, init_reference=init_reference,
                                       model_kind=model_kind, name_prefix=name_prefix)
-        self.dp = self.workers.world_size
+        self.dp = self.workers.world_size // self.tp
         try:
             info = self.workers.get(self.workers.run_all("setup"))
         except BaseException:
@@ -39,8 +45,8 @@ class Policy:
             raise
         self.num_parameters = info[0]["num_parameters"]
         self.pad_id = info[0]["pad_id"]
-        log.info("policy %s: %d workers, %.2fM parameters, loaded in %.1f s", cfg.model_name, self.dp,
-                 self.num_parameters / 1e6, info[0]["load_s"])
+        log.info("policy %s: %d workers (data parallel %d x tensor parallel %d), %.2fM parameters, loaded in %.1f s",
+                 cfg.model_name, self.workers.world_size, self.dp, self.tp, self.num_parameters / 1e6, info[0]["load_s"])
         trained_positions = info[0]["max_position_embeddings"]
         if trained_positions and cfg.max_total_sequence_length > trained_positions:
             # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).
@@ -64,17 +70,16 @@ class Policy:
             raise ValueError(f"{what}: row {int(lengths.argmax())} has input_length {longest} > input_ids width "
                              f"{batch['input_ids'].shape[1]}")
 
-    def _padded(self, batch: BatchedDataDict) -> BatchedDataDict:
-        """`batch` with its last row repeated up to a multiple of the worker count."""
-        extra = -batch.size % self.dp
-        if not extra:
-            return batch
-        return batch.select_indices(list(range(batch.size)) + [batch.size - 1] * extra)
-
-    def _sharded(self, method: str, batch: BatchedDataDict, *args, pad_values: dict | None = None) -> BatchedDataDict:
-        n = batch.size
-        outs = self.workers.get(self.workers.run_sharded(method, self._padded(batch), *args))
-        return BatchedDataDict.from_batches(outs, pad_value_dict=pad_values).slice(0, n)
+    def _sharded(self, method: str, batch: BatchedDataDict, *args, pad_values: dict | None = None,
+                 replicas: int | None = None) -> BatchedDataDict:
+        """`method` over the data-parallel shards of `batch`, results in row order; `replicas`:
+        consecutive ranks that get the same shard (default: a tensor-parallel group's tp)."""
+        n, replicas = batch.size, self.tp if replicas is None else replicas
+        groups = self.workers.world_size // replicas
+        extra = -n % groups  # the last row repeated up to a multiple of the shard count
+        padded = batch.select_indices(list(range(n)) + [n - 1] * extra) if extra else batch
+        outs = self.workers.get(self.workers.run_sharded(method, padded, *args, replicas=replicas))
+        return BatchedDataDict.from_batches(outs[::replicas], pad_value_dict=pad_values).slice(0, n)
 
     # ------------------------------------------------------------------ train and inference
 
@@ -88,13 +93,14 @@ class Policy:
             raise ValueError(f"train: batch of {batch.size} rows is not a multiple of "
                              f"policy.train_global_batch_size={gbs}")
         if gbs % self.dp:
-            raise ValueError(f"policy.train_global_batch_size={gbs} does not split over {self.dp} workers")
+            raise ValueError(f"policy.train_global_batch_size={gbs} does not split over {self.dp} data-parallel "
+                             "workers")
         local = gbs // self.dp
         if getattr(loss_fn, "needs_pairs", False) and local % 2:
             raise ValueError(f"train: {type(loss_fn).__name__} needs chosen/rejected pairs, but each of the "
-                             f"{self.dp} workers would get {local} rows (odd); make "
+                             f"{self.dp} data-parallel workers would get {local} rows (odd); make "
                              "policy.train_global_batch_size / workers even")
-        refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs)
+        refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs, replicas=self.tp)
         out = self.workers.get(refs)[0]
         in_a_row = out.pop("skipped_in_a_row")
         if out["skipped_steps"]:
@@ -139,7 +145,8 @@ class Policy:
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         """Colocated generation: each worker generates its shard with the torch engine on its own
         unsharded copy of the current weights (refit in process after each train step)."""
-        return self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id})
+        # Every rank generates on its own full copy of the weights: a share of the rows each.
+        return self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id}, replicas=1)
 
     @property
     def last_generation_metrics(self) -> dict[str, float]:

@@ -199,6 +199,22 @@ def test_reward_function_from_a_file_scores_every_row(ray_session, tmp_path):
     assert train["env_errors"] == 0 and 0 < train["reward"] <= train["response_length_max"] / 100
 
 
+def test_tensor_parallel_grpo(ray_session, tmp_path):
+    # Two workers splitting each layer's heads and MLP width (warm-up, rollouts on the gathered
+    # weights, training, checkpoint and export); rows counted once, not once per rank.
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_start=false",
+        "cluster.workers_per_node=2", "cluster.cpus_per_worker=1", "policy.dtensor_cfg.tensor_parallel_size=2",
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    assert len(train) == 2
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["token_mult_prob_error"] < 1.05
+        assert r["global_valid_seqs"] == 8 and r["num_optimizer_steps"] == 2
+    assert (tmp_path / "ckpt" / "step_2").is_dir() and (tmp_path / "logs" / "hf" / "model.safetensors").is_file()
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.

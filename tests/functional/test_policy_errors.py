@@ -41,8 +41,8 @@ def test_a_reference_too_large_fails_before_loading(cluster, tiny_model_path, tm
 def test_unsupported_or_incomplete_config_fails_at_load():
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
-    with pytest.raises(ValueError, match="tensor/context/sequence parallelism"):
-        PolicyConfig(dtensor_cfg={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="context/sequence parallelism"):
+        PolicyConfig(dtensor_cfg={"context_parallel_size": 2})
     with pytest.raises(ValueError, match="are alternatives"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
                      dynamic_batching={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64})

@@ -387,3 +387,12 @@ def test_offline_algorithms_have_val_at_end():
     for algo in ("sft", "dpo", "rm"):
         assert getattr(load_config(algo), algo).val_at_end is True
         assert getattr(load_config(algo, None, [f"{algo}.val_at_end=false"]), algo).val_at_end is False
+
+
+def test_unquoted_yaml_on_off_reads_as_the_word():
+    # `policy.prefix_sharing.blockwise_attention=on` parses as YAML true; the key means "on".
+    for value, word in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        cfg = load_config("grpo", None, [f"policy.prefix_sharing.blockwise_attention={value}"])
+        assert cfg.policy.prefix_sharing.blockwise_attention == word
+    with pytest.raises(ConfigError, match="blockwise_attention: got 'sometimes'"):
+        load_config("grpo", None, ["policy.prefix_sharing.blockwise_attention=sometimes"])
