@@ -773,6 +773,19 @@ class RewardScalingConfig(Section):
     target_max: float = 1.0
 
 
+class AsyncGRPOConfig(Section):
+    """NeMo RL's async GRPO: generation and training overlap."""
+
+    # Generate the next step's rollouts on the separate generation workers (in a driver thread)
+    # while this step trains; each step then trains on rollouts of the weights one update older
+    # than its own, which loss_fn.use_importance_sampling_correction corrects for. Needs
+    # policy.generation.colocated.enabled=false.
+    enabled: bool = False
+    # Updates between the weights that generate a trajectory and the weights that train on it.
+    # posttrain keeps one step of rollouts in flight: 1 is the only value.
+    max_trajectory_age_steps: int = Field(1, ge=1, le=1)
+
+
 class GRPOConfig(Section):
     # Prompts drawn per step.
     num_prompts_per_step: int = Field(16, ge=1)
@@ -850,6 +863,8 @@ class GRPOConfig(Section):
     # Whole groups in order (before 2026-11-22) learned less per step (quickstart, val accuracy
     # at step 8: 0.62 vs 0.835 interleaved).
     shuffle_minibatches: bool = False
+    # Overlap the next step's generation with this step's training (see the section).
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
     @model_validator(mode="after")
     def _sampled_validation_for_pass_at_k(self) -> "GRPOConfig":
@@ -990,6 +1005,25 @@ class GRPOMasterConfig(_MasterBase):
     loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
     # The environments that score rollouts, by name.
     env: EnvConfig = Field(default_factory=EnvConfig)
+
+    @model_validator(mode="after")
+    def _async_needs(self) -> "GRPOMasterConfig":
+        if not self.grpo.async_grpo.enabled:
+            return self
+        needs = []
+        if self.policy.generation.colocated.enabled:
+            needs.append("separate generation workers to run beside training (policy.generation.colocated.enabled=false)")
+        if not self.loss_fn.use_importance_sampling_correction:
+            needs.append("loss_fn.use_importance_sampling_correction=true (its rollouts come from weights one update "
+                         "old)")
+        if self.grpo.prev_logprobs_from_generation:
+            needs.append("grpo.prev_logprobs_from_generation=false (the generation logprobs are not the current "
+                         "policy's)")
+        if self.grpo.use_dynamic_sampling:
+            needs.append("grpo.use_dynamic_sampling=false (a step's batch is one round of rollouts)")
+        if needs:
+            raise ValueError("grpo.async_grpo.enabled=true needs " + "; ".join(needs))
+        return self
 
     @model_validator(mode="after")
     def _warmup_without_reference(self) -> "GRPOMasterConfig":

@@ -7,13 +7,16 @@ Variants are config choices of the same loop: the loss (`loss_fn.*`, posttrain.l
 the advantage estimator (`grpo.adv_estimator`), reward shaping/scaling, overlong filtering
 and dynamic sampling (`grpo.*`). On-policy distillation is the same loop with token-level
 advantages from a teacher's logprobs (`grpo.adv_estimator=on_policy_distillation`, the
-teacher in `policy.reference_model_name`), computed after the logprob phase.
+teacher in `policy.reference_model_name`), computed after the logprob phase. Async GRPO
+(`grpo.async_grpo`) changes only where a step's rollouts come from: generated while the step
+before trained (`_InFlightRollouts`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,7 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
-from posttrain.rollouts import render_prompt, run_rollouts
+from posttrain.rollouts import RolloutResult, render_prompt, run_rollouts
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
 
@@ -299,7 +302,58 @@ def _distillation_advantages(batch: BatchedDataDict) -> float:
     return -float(masked_mean(adv, batch["token_mask"] * batch["sample_mask"][:, None]))
 
 
+class _InFlightRollouts:
+    """grpo.async_grpo: one step's rollouts generating on the separate generation workers, in a
+    driver thread, while the policy trains on the previous ones. `loader_state` is the data
+    loader's position before the in-flight prompts: a checkpoint saves that, so a resumed run
+    generates them again instead of skipping them."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="posttrain-rollouts")
+        self._future: Future | None = None
+        self._prompts: list[dict] = []
+        self.version = 0  # weights version generating the in-flight rollouts
+        self.loader_state: dict | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._future is not None
+
+    def submit(self, rollout_fn, prompts: list[dict], version: int, loader_state: dict) -> None:
+        self._future = self._pool.submit(rollout_fn, prompts)
+        self._prompts, self.version, self.loader_state = prompts, version, loader_state
+
+    def wait(self) -> None:
+        """Until the in-flight rollouts are done (they stay for `take`); raises what they raised."""
+        if self._future is not None:
+            self._future.result()
+
+    def take(self) -> tuple[list[dict], RolloutResult, int]:
+        """The in-flight prompts, their rollouts and the weights version that generated them."""
+        future, self._future, self.loader_state = self._future, None, None
+        return self._prompts, future.result(), self.version
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
+    """Separate generation workers to the policy's current weights (`version` = updates so far)."""
+    if s.generation.version == version:
+        return {}
+    return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
+
+
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
+    inflight = _InFlightRollouts() if s.cfg.grpo.async_grpo.enabled else None
+    try:
+        return _grpo_loop(s, inflight)
+    finally:
+        if inflight is not None:
+            inflight.close()
+
+
+def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, float]:
     cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
@@ -312,6 +366,19 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id
     step = s.start_step
+
+    def rollouts_of(prompts: list[dict]) -> RolloutResult:
+        rows = [r for r in prompts for _ in range(g.num_generations_per_prompt)]
+        return run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
+                            max_seq_len=cfg.policy.max_total_sequence_length, add_bos=cfg.data.add_bos,
+                            add_generation_prompt=cfg.data.add_generation_prompt)
+
+    def timed_rollouts_of(prompts: list[dict]) -> RolloutResult:  # in the async thread: its own clock
+        start = time.perf_counter()
+        result = rollouts_of(prompts)
+        result.metrics["rollout_s"] = time.perf_counter() - start
+        return result
+
     while step < g.max_num_steps:
         timer.reset()
         step_start = time.monotonic()
@@ -321,18 +388,36 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         target = g.num_prompts_per_step * g.num_generations_per_prompt
         groups_so_far = 0
         for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-            with timer.time("data"):
-                prompts = next(s.loader, None)
-                if prompts is None:
-                    break
-                rows = [r for r in prompts for _ in range(g.num_generations_per_prompt)]
-            with timer.time("generation"):
-                refit = policy.prepare_for_generation() if s.generation is policy else {}
-                rollout = run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
-                                       max_seq_len=cfg.policy.max_total_sequence_length,
-                                       add_bos=cfg.data.add_bos,
-                                       add_generation_prompt=cfg.data.add_generation_prompt)
-                policy.finish_generation()
+            if inflight is not None:
+                # This step trains on the rollouts generated while the last step trained (the
+                # first step: generated now); the idle workers then take the current weights and
+                # start on the next step's prompts, which generate while this step trains.
+                with timer.time("generation"):
+                    if not inflight.pending:
+                        with timer.time("data"):
+                            prompts = next(s.loader, None)
+                        if prompts is None:
+                            break
+                        inflight.submit(timed_rollouts_of, prompts, s.generation.version, {})
+                    prompts, rollout, generated_by = inflight.take()
+                    with timer.time("refit"):
+                        refit = _refit_generation(s, step)
+                    if step + 1 < g.max_num_steps:
+                        with timer.time("data"):
+                            before = s.loader.state_dict()
+                            upcoming = next(s.loader, None)
+                        if upcoming is not None:
+                            inflight.submit(timed_rollouts_of, upcoming, step, before)
+                refit["trajectory_age_steps"] = float(step - generated_by)
+            else:
+                with timer.time("data"):
+                    prompts = next(s.loader, None)
+                    if prompts is None:
+                        break
+                with timer.time("generation"):
+                    refit = policy.prepare_for_generation() if s.generation is policy else {}
+                    rollout = rollouts_of(prompts)
+                    policy.finish_generation()
             for k, v in {**rollout.metrics, **refit}.items():
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
             batch = rollout.batch
@@ -386,8 +471,9 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         # The worker's step_time_s is the mean of its optimizer steps; this loop's is the GRPO step's.
         train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
 
-        # ---- refit separate generation workers (colocated ones refit in prepare_for_generation)
-        if s.generation is not policy:
+        # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
+        # async ones when their in-flight rollouts are done, at the next step's start)
+        if s.generation is not policy and inflight is None:
             with timer.time("refit"):
                 s.generation.update_weights(policy.full_state_dict_ref(), version=step + 1)
         step += 1
@@ -395,6 +481,9 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         # ---- validation
         if (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps):
             with timer.time("validation"):
+                if inflight is not None:  # validate the current weights, not the in-flight ones
+                    inflight.wait()
+                    _refit_generation(s, step)
                 val_metrics = validate(s, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
 
@@ -403,7 +492,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
             with timer.time("checkpoint"):
                 _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
-                                **{f"val:{k}": v for k, v in val_metrics.items()}})
+                                **{f"val:{k}": v for k, v in val_metrics.items()}},
+                      loader_state=inflight.loader_state if inflight is not None else None)
 
         # ---- metrics
         step_time = time.monotonic() - step_start
@@ -412,7 +502,9 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             **rollout_metrics,
             **train_metrics,
             "accuracy": float((batch["rewards"] > 0).double().mean()),
-            "generation_tokens_per_s": rollout_metrics["generated_tokens"] / timing["generation"],
+            # async: the rollouts' own time (most of it overlapped training; timing/generation is the wait)
+            "generation_tokens_per_s": rollout_metrics["generated_tokens"]
+            / rollout_metrics.get("rollout_s", timing["generation"]),
             "total_tokens_per_s": float(batch["input_lengths"].sum()) / step_time,
             "step_time_s": step_time,
         }
@@ -454,12 +546,14 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision
     return True
 
 
-def _save(s: GRPOSetup, step: int, metrics: dict[str, float]) -> None:
+def _save(s: GRPOSetup, step: int, metrics: dict[str, float], loader_state: dict | None = None) -> None:
+    """A checkpoint after `step`; `loader_state`: the data position to resume from when the
+    loader has run ahead of the trained steps (async GRPO's in-flight prompts)."""
     g = s.cfg.grpo
     info = {
         "epoch": s.loader.epoch,
         "consumed_samples": step * g.num_prompts_per_step * g.num_generations_per_prompt,
-        "dataloader": s.loader.state_dict(),
+        "dataloader": loader_state or s.loader.state_dict(),
     }
     s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
     s.logger.plot()

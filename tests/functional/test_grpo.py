@@ -269,6 +269,51 @@ def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_sessio
     assert first["gen_kl_error"] < 1e-4
 
 
+def _async(tmp_path, *extra):
+    return load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "policy.generation.colocated.enabled=false", "grpo.async_grpo.enabled=true",
+        "grpo.prev_logprobs_from_generation=false", "loss_fn.use_importance_sampling_correction=true",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", *extra,
+    ))
+
+
+def _step_prompts(log_dir, step):
+    samples = [json.loads(line) for line in (log_dir / "samples.jsonl").read_text().splitlines()]
+    return sorted(s["prompt"] for s in samples if s["step"] == step)
+
+
+def test_async_grpo_trains_on_rollouts_one_update_old_and_resumes_without_skipping_prompts(ray_session, tmp_path):
+    # Step 1 generates first; from then on the next step's rollouts generate (weights of the
+    # step before) while a step trains: trajectory age 1, corrected by importance sampling.
+    run(_async(tmp_path / "a", "grpo.max_num_steps=3", "checkpointing.save_period=2"))
+    train = _records(tmp_path / "a" / "logs", "train")
+    assert [r["trajectory_age_steps"] for r in train] == [0.0, 1.0, 1.0]
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["rollout_s"] > 0 and r["sampling_importance_ratio"] > 0
+    # The step-2 checkpoint was saved while step 3's prompts were in flight: resuming from it
+    # generates those prompts again (the loader position before them was saved, not after).
+    resumed = tmp_path / "b"
+    (resumed / "ckpt").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(tmp_path / "a" / "ckpt" / "step_2", resumed / "ckpt" / "step_2")
+    run(_async(resumed, "grpo.max_num_steps=3", "checkpointing.save_period=2"))
+    (third,) = _records(resumed / "logs", "train")
+    assert third["trajectory_age_steps"] == 0.0  # generated afresh after the resume
+    assert _step_prompts(resumed / "logs", 3) == _step_prompts(tmp_path / "a" / "logs", 3)
+    assert _step_prompts(resumed / "logs", 3) != _step_prompts(tmp_path / "a" / "logs", 2)
+
+
+def test_async_grpo_config_needs(tmp_path):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"separate generation workers.*use_importance_sampling_correction=true"
+                                          r".*prev_logprobs_from_generation=false"):
+        load_config("grpo", QUICKSTART, ["grpo.async_grpo.enabled=true"])
+    with pytest.raises(ConfigError, match=r"grpo.async_grpo.max_trajectory_age_steps"):
+        load_config("grpo", QUICKSTART, ["grpo.async_grpo.max_trajectory_age_steps=2"])
+
+
 def test_one_optimizer_step_per_batch_skips_the_prev_logprob_pass(ray_session, tmp_path):
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, "policy.train_global_batch_size=16", "grpo.warmup_sft_steps=0", "grpo.max_num_steps=2",
