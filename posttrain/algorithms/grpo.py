@@ -222,7 +222,9 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     n = g.num_val_generations_per_prompt
     rows = [r for r in s.val_rows for _ in range(n)]
     rewards, convs = [], []
-    s.policy.prepare_for_generation()
+    colocated = s.generation is s.policy  # separate workers were refit after the last step
+    if colocated:
+        s.policy.prepare_for_generation()
     for i in range(0, len(rows), g.val_batch_size):
         out = run_rollouts(s.generation, rows[i : i + g.val_batch_size], s.envs, s.tokenizer,
                            max_turns=g.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
@@ -230,7 +232,8 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
                            add_generation_prompt=s.cfg.data.add_generation_prompt)
         rewards.append(out.batch["rewards"])
         convs += out.conversations
-    s.policy.finish_generation()
+    if colocated:
+        s.policy.finish_generation()
     r = torch.cat(rewards)
     correct = (r > 0).view(-1, n)
     # In float64: a float32 mean of 180 of 200 is 0.8999999762, which misses a 0.9 threshold.

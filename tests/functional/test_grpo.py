@@ -285,8 +285,10 @@ def _step_prompts(log_dir, step):
 def test_async_grpo_trains_on_rollouts_one_update_old_and_resumes_without_skipping_prompts(ray_session, tmp_path):
     # Step 1 generates first; from then on the next step's rollouts generate (weights of the
     # step before) while a step trains: trajectory age 1, corrected by importance sampling.
-    run(_async(tmp_path / "a", "grpo.max_num_steps=3", "checkpointing.save_period=2"))
+    run(_async(tmp_path / "a", "grpo.max_num_steps=3", "checkpointing.save_period=2", "grpo.val_period=2"))
     train = _records(tmp_path / "a" / "logs", "train")
+    # Validation at step 2 waited for step 3's in-flight rollouts and refit the workers first.
+    assert [r["step"] for r in _records(tmp_path / "a" / "logs", "val")] == [2]
     assert [r["trajectory_age_steps"] for r in train] == [0.0, 1.0, 1.0]
     for r in train:
         assert math.isfinite(r["loss"]) and r["rollout_s"] > 0 and r["sampling_importance_ratio"] > 0
