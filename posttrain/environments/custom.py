@@ -1,7 +1,8 @@
 """Environments and reward functions of the user's own, named in the config (`env.<name>.target`).
 
 `target` is `"module:attr"` (an importable module; the working directory is on the path) or
-`"path/to/file.py:attr"` (relative to the working directory). It names either
+`"path/to/file.py:attr"` (relative to the working directory, else to the project root, like data
+paths). It names either
 
 - an `EnvironmentInterface` subclass, built like a built-in environment with the `env.<name>`
   section (a `config_class` attribute validates its `cfg` on the driver), or
@@ -24,7 +25,6 @@ import numbers
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError, MissingInputError
@@ -39,10 +39,12 @@ from posttrain.schemas import EnvWorkerConfig
 
 def _import_module(module_part: str, key: str):
     if module_part.endswith(".py") or "/" in module_part or os.sep in module_part:
-        path = Path(os.path.expanduser(module_part)).resolve()
+        from posttrain.data.datasets import resolve_path
+
+        path = resolve_path(module_part).resolve()  # as given, else under the project root, as data paths
         if not path.is_file():
             raise MissingInputError(f"{key}: no file {module_part} (relative paths start at the working "
-                                    f"directory, {os.getcwd()})")
+                                    f"directory, {os.getcwd()}, or the project root)")
         # A name of its own per file, so two files called rewards.py do not collide.
         name = f"posttrain_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
         if name in sys.modules:

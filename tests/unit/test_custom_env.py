@@ -131,3 +131,11 @@ def test_data_task_name_routes_every_rl_row(tmp_path):
     assert {r["task_name"] for r in load_rows(cfg, "train")} == {"math"}
     rows = load_rows(cfg.model_copy(update={"task_name": "exact"}), "train")
     assert [(r["task_name"], r["answer"]) for r in rows] == [("exact", "2"), ("exact", "4")]
+
+
+def test_relative_file_falls_back_to_the_project_root(tmp_path, monkeypatch):
+    # The example config's path works from any working directory, like data paths.
+    monkeypatch.chdir(tmp_path)
+    env = resolve_env("digits", _cfg("examples/rewards/arithmetic.py:digits_right"))(EnvWorkerConfig())
+    ret = env.step([convo("035"), convo("045"), convo("45")], [{"answer": "045"}] * 3)
+    assert ret.rewards.tolist() == pytest.approx([2 / 3, 1.0, 0.0]) and ret.num_errors == 0
