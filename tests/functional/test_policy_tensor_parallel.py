@@ -32,6 +32,35 @@ def _cfg(**kw) -> PolicyConfig:
     return PolicyConfig(**base)
 
 
+def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
+    # First in the module: the 2-worker fixture below must not hold CPUs yet (the test cluster has 4).
+    # Four workers as a 2 x 2 mesh: FSDP2 shards over two data-parallel groups, each of which
+    # splits the layers over two ranks. (Four single-threaded workers on this 2-core machine:
+    # slow, but the same collectives as on four devices.)
+    from posttrain.distributed.cluster import RayVirtualCluster
+    from posttrain.schemas import ClusterConfig
+
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=4, cpus_per_worker=1), name="dptp")
+    policy = Policy(cluster, _cfg(train_micro_batch_size=1), name_prefix="dptp")
+    try:
+        assert (policy.dp, policy.tp) == (2, 2)
+        batch = make_batch(lengths=[16, 9, 12, 5, 7, 11], seed=9)  # 6 rows: 3 per data-parallel group
+        plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(plain, batch),
+                                   atol=2e-5, rtol=0)
+        batch = make_batch(seed=10)
+        loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR)
+        m = policy.train(batch, NLLLoss())
+        assert m["global_valid_toks"] == float(batch["token_mask"].sum()) == m["num_valid_tokens"]
+        assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        state = full_state(policy)
+        for k, v in expected.items():
+            torch.testing.assert_close(state[k], v, atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tp_policy(ray_session):
     from posttrain.distributed.cluster import RayVirtualCluster
