@@ -22,6 +22,7 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import render_chat, with_bos
+from posttrain.environments.interfaces import REWARD_COMPONENTS_KEY
 
 
 class _EnvGroup(Protocol):
@@ -149,7 +150,6 @@ def run_rollouts(
         raise ValueError(f"rows name task(s) {missing} but only environments {sorted(envs)} are configured (env section)")
     convs = start_conversations(tokenizer, rows, add_bos, add_generation_prompt=add_generation_prompt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated_tokens = 0
     for turn in range(max_turns):
         active = [c for c in convs if not c.done]
         if not active:
@@ -177,7 +177,6 @@ def run_rollouts(
             c.messages.append({"role": "assistant", "content": texts[j]})
             if truncated[j]:
                 c.truncated = True
-            generated_tokens += n
 
         by_task: dict[str, list[Conversation]] = defaultdict(list)
         for c in active:
@@ -213,14 +212,25 @@ def run_rollouts(
         truncated=torch.tensor([c.truncated for c in convs], dtype=torch.bool),
         response_lengths=torch.tensor([c.response_tokens for c in convs], dtype=torch.float32),
     )
+    return RolloutResult(batch=batch, conversations=convs, metrics=summarize_rollouts(convs))
+
+
+def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
+    """Means over conversations (a step's rollouts, over all its generation rounds), plus each
+    reward component's mean as reward/<name> (samples scored by a list of reward functions)."""
     n = len(convs)
-    metrics = {
-        "reward": float(batch["rewards"].mean()),
-        "response_length_mean": float(batch["response_lengths"].mean()),
-        "response_length_max": float(batch["response_lengths"].max()),
-        "truncation_rate": float(batch["truncated"].double().mean()),
+    lengths = [c.response_tokens for c in convs]
+    components: dict[str, list[float]] = defaultdict(list)
+    for c in convs:
+        for name, value in (c.metadata or {}).get(REWARD_COMPONENTS_KEY, {}).items():
+            components[name].append(value)
+    return {
+        "reward": sum(c.reward for c in convs) / n,
+        "response_length_mean": sum(lengths) / n,
+        "response_length_max": float(max(lengths)),
+        "truncation_rate": sum(c.truncated for c in convs) / n,
         "turns_mean": sum(c.turns for c in convs) / n,
         "env_errors": float(sum(c.env_errors for c in convs)),
-        "generated_tokens": float(generated_tokens),
+        "generated_tokens": float(sum(lengths)),
+        **{f"reward/{name}": sum(v) / len(v) for name, v in components.items()},
     }
-    return RolloutResult(batch=batch, conversations=convs, metrics=metrics)

@@ -556,8 +556,21 @@ class EnvWorkerConfig(Section):
     cfg: dict[str, Any] = Field(default_factory=dict)
     # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
     # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
-    # single-turn rows (docs/environments.md); null: the built-in environment of this name.
-    target: str | None = None
+    # single-turn rows, or a list of reward functions whose weighted sum is the reward (each
+    # logged as train/reward/<function>; docs/environments.md); null: the built-in environment.
+    target: str | list[str] | None = None
+    # Weights of a list of reward functions in `target` (null: 1 each).
+    reward_weights: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _weights_match_functions(self) -> "EnvWorkerConfig":
+        if self.reward_weights is None:
+            return self
+        if not isinstance(self.target, list) or len(self.target) != len(self.reward_weights):
+            n = len(self.target) if isinstance(self.target, list) else "no list of"
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {n} reward functions "
+                             "in target")
+        return self
 
 
 class MathEnvConfig(Section):

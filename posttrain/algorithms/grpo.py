@@ -45,7 +45,7 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
-from posttrain.rollouts import RolloutResult, render_prompt, run_rollouts
+from posttrain.rollouts import Conversation, RolloutResult, render_prompt, run_rollouts, summarize_rollouts
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
 
@@ -237,7 +237,8 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     r = torch.cat(rewards)
     correct = (r > 0).view(-1, n)
     # In float64: a float32 mean of 180 of 200 is 0.8999999762, which misses a 0.9 threshold.
-    metrics = {"accuracy": float(correct.double().mean()), "reward": float(r.double().mean())}
+    metrics = {"accuracy": float(correct.double().mean()), "reward": float(r.double().mean()),
+               **{k: v for k, v in summarize_rollouts(convs).items() if k.startswith("reward/")}}
     if n > 1:
         counts = correct.sum(dim=1).tolist()
         for k in sorted({1, n}):
@@ -388,6 +389,7 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
         # ---- data, generation, rewards, advantages (dynamic sampling: more rounds until the batch is full)
         parts: list[BatchedDataDict] = []
         rollout_metrics: dict[str, float] = {}
+        step_convs: list[Conversation] = []  # every round's conversations: the step's rollout metrics are over all
         target = g.num_prompts_per_step * g.num_generations_per_prompt
         groups_so_far = 0
         for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
@@ -421,8 +423,11 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
                     refit = policy.prepare_for_generation() if s.generation is policy else {}
                     rollout = rollouts_of(prompts)
                     policy.finish_generation()
-            for k, v in {**rollout.metrics, **refit}.items():
+            step_convs += rollout.conversations
+            for k, v in refit.items():  # seconds and counts add up over the rounds
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
+            if "rollout_s" in rollout.metrics:
+                rollout_metrics["rollout_s"] = rollout_metrics.get("rollout_s", 0.0) + rollout.metrics["rollout_s"]
             batch = rollout.batch
             # Unique over the step's generation rounds (dynamic sampling), for interleaved_order.
             batch["group_ids"] = torch.arange(groups_so_far, groups_so_far + len(prompts)).repeat_interleave(
@@ -442,6 +447,9 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
             logger.console(f"step {step}: no data left, or no group with reward variance in "
                            f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
             break
+        rollout_metrics.update(summarize_rollouts(step_convs))
+        if g.use_dynamic_sampling:
+            rollout_metrics["dynamic_sampling/rounds"] = float(len(parts))
         batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id}).slice(0, min(usable, target))
         groups = batch.pop("group_ids")
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from posttrain.config import ConfigError, MissingInputError
 from posttrain.environments.interfaces import (
+    REWARD_COMPONENTS_KEY,
     EnvironmentInterface,
     PerSampleEnvironment,
     StepResult,
@@ -85,31 +86,33 @@ def load_target(spec: str, key: str) -> Any:
 
 
 class RewardFunctionEnvironment(PerSampleEnvironment):
-    """A reward function as a single-turn environment: every sample ends after one answer,
-    scored `fn(response, metadata)`. A function that raises or returns no number scores the
-    sample 0 and records the error (PerSampleEnvironment)."""
+    """Reward functions as a single-turn environment: every sample ends after one answer,
+    scored sum_i weight_i * fn_i(response, metadata). With more than one function each value is
+    kept in the sample's metadata (`REWARD_COMPONENTS_KEY`). A function that raises or returns
+    no number scores the sample 0 and records the error (PerSampleEnvironment)."""
 
-    def __init__(self, cfg: EnvWorkerConfig, fn: Callable[[str, dict], float], name: str):
-        self.fn, self.name = fn, name
+    def __init__(self, cfg: EnvWorkerConfig, fns: dict[str, Callable[[str, dict], float]], weights: list[float],
+                 name: str):
+        self.fns, self.weights, self.name = fns, weights, name
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)
-        reward = self.fn(response, metadata)
-        if not isinstance(reward, numbers.Real):
-            raise TypeError(f"reward function of environment {self.name!r} returned {reward!r}, not a number")
-        return StepResult(observation="", reward=float(reward), terminated=True, metadata=metadata, answer=response)
+        values = {}
+        for label, fn in self.fns.items():
+            value = fn(response, metadata)
+            if not isinstance(value, numbers.Real):
+                raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
+                                "not a number")
+            values[label] = float(value)
+        reward = sum(w * v for w, v in zip(self.weights, values.values()))
+        if len(values) > 1:
+            metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
+        return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
 
 
-def env_factory(name: str, spec: str) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
-    """What builds environment `name` from its `target` (an environment class, or a reward
-    function wrapped in RewardFunctionEnvironment)."""
-    key = f"env.{name}.target"
-    obj = load_target(spec, key)
+def _reward_function(obj: Any, spec: str, key: str) -> Callable[[str, dict], float]:
     if inspect.isclass(obj):
-        if not issubclass(obj, EnvironmentInterface):
-            raise ConfigError(f"{key}={spec!r}: the class {obj.__name__} is no "
-                              "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
-        return obj
+        raise ConfigError(f"{key}: {spec!r} is a class; a list of targets holds reward functions only")
     if not callable(obj):
         raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not an environment class or a reward function")
     try:
@@ -119,4 +122,26 @@ def env_factory(name: str, spec: str) -> Callable[[EnvWorkerConfig], Environment
                           f"{getattr(obj, '__name__', spec)}{inspect.signature(obj)} cannot be") from None
     except ValueError:
         pass  # no signature to inspect (a builtin): the first call tells
-    return functools.partial(RewardFunctionEnvironment, fn=obj, name=name)
+    return obj
+
+
+def env_factory(name: str, target: str | list[str],
+                weights: list[float] | None = None) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
+    """What builds environment `name` from its `target`: an environment class, or reward
+    functions (one, or a weighted list) wrapped in RewardFunctionEnvironment."""
+    key = f"env.{name}.target"
+    specs = target if isinstance(target, list) else [target]
+    if not specs:
+        raise ConfigError(f"{key}: an empty list names no reward function")
+    objs = [load_target(spec, key) for spec in specs]
+    if isinstance(target, str) and inspect.isclass(objs[0]):
+        if not issubclass(objs[0], EnvironmentInterface):
+            raise ConfigError(f"{key}={target!r}: the class {objs[0].__name__} is no "
+                              "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
+        return objs[0]
+    fns: dict[str, Callable[[str, dict], float]] = {}
+    for spec, obj in zip(specs, objs):
+        label = spec.rpartition(":")[2]
+        label = label if label not in fns else f"{label}_{len(fns)}"  # the same function twice
+        fns[label] = _reward_function(obj, spec, key)
+    return functools.partial(RewardFunctionEnvironment, fns=fns, weights=weights or [1.0] * len(fns), name=name)

@@ -21,6 +21,9 @@ import torch
 log = logging.getLogger("posttrain.environments")
 
 ENV_ERROR_KEY = "env_error"
+# Metadata key of a sample's reward components ({name: value}), which the rollouts log as
+# reward/<name> means (reward functions in a list, posttrain.environments.custom).
+REWARD_COMPONENTS_KEY = "reward_components"
 
 
 @dataclass

@@ -39,7 +39,7 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         if name in ENVIRONMENTS:
             raise ConfigError(f"env.{name}.target: {name!r} is a built-in environment; give yours another name "
                               "(and its rows that task_name, or set data.task_name)")
-        return env_factory(name, cfg.target)
+        return env_factory(name, cfg.target, cfg.reward_weights)
     if name not in ENVIRONMENTS:
         raise ConfigError(f"unknown environment {name!r} (a row's task_name, or data.task_name); valid: "
                           f"{', '.join(sorted(ENVIRONMENTS))}, or your own class or reward function in "

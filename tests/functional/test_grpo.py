@@ -215,6 +215,32 @@ def test_tensor_parallel_grpo(ray_session, tmp_path):
     assert (tmp_path / "ckpt" / "step_2").is_dir() and (tmp_path / "logs" / "hf" / "model.safetensors").is_file()
 
 
+def test_dynamic_sampling_rounds_and_weighted_reward_functions(ray_session, tmp_path):
+    # Groups with an even answer all score 1 (no variance: dropped, so more rounds run); the
+    # others score by response length. Each function's mean is logged, and the step's metrics
+    # are means over every round's samples (they were summed over the rounds).
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        "def even(response, metadata):\n    return float(int(metadata['answer']) % 2 == 0)\n\n"
+        "def odd_length(response, metadata):\n"
+        "    return 0.0 if int(metadata['answer']) % 2 == 0 else (len(response) % 3) / 2\n"
+    )
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=4", "data.task_name=mixed",
+        f"env.mixed.target=[{rewards}:even,{rewards}:odd_length]", "env.mixed.reward_weights=[1.0,0.5]",
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    (val,) = _records(tmp_path / "logs", "val")  # at the end
+    assert val["reward"] == pytest.approx(val["reward/even"] + 0.5 * val["reward/odd_length"])
+    assert max(r["dynamic_sampling/rounds"] for r in train) >= 2
+    for r in train:
+        assert r["turns_mean"] == 1.0 and 0.0 <= r["truncation_rate"] <= 1.0
+        assert 0.0 <= r["reward/even"] <= 1.0 and 0.0 <= r["reward/odd_length"] <= 1.0
+        assert r["reward"] == pytest.approx(r["reward/even"] + 0.5 * r["reward/odd_length"])
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.

@@ -139,3 +139,24 @@ def test_relative_file_falls_back_to_the_project_root(tmp_path, monkeypatch):
     env = resolve_env("digits", _cfg("examples/rewards/arithmetic.py:digits_right"))(EnvWorkerConfig())
     ret = env.step([convo("035"), convo("045"), convo("45")], [{"answer": "045"}] * 3)
     assert ret.rewards.tolist() == pytest.approx([2 / 3, 1.0, 0.0]) and ret.num_errors == 0
+
+
+def test_a_weighted_list_of_reward_functions(rewards_file):
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    cfg = _cfg([f"{rewards_file}:exact", f"{rewards_file}:long_enough", f"{rewards_file}:exact"],
+               reward_weights=[1.0, 0.5, 2.0])
+    env = resolve_env("mix", cfg)(cfg)
+    ret = env.step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
+    assert ret.rewards.tolist() == [3.5, 0.0]  # 1 + 0.5 + 2 for "42"; "7" is short and wrong
+    assert ret.metadata[0]["reward_components"] == {"exact": 1.0, "long_enough": 1.0, "exact_2": 1.0}
+    convs = [Conversation(messages=[], metadata=m, task_name="mix", tokens=[], prompt_length=0, reward=float(r))
+             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+    metrics = summarize_rollouts(convs)
+    assert metrics["reward"] == 1.75 and metrics["reward/exact"] == 0.5 and metrics["reward/long_enough"] == 0.5
+    with pytest.raises(ValueError, match="reward_weights has 1 weights for 2 reward functions"):
+        _cfg([f"{rewards_file}:exact", f"{rewards_file}:exact"], reward_weights=[1.0])
+    with pytest.raises(ValueError, match="reward_weights has 1 weights for no list of reward functions"):
+        _cfg(f"{rewards_file}:exact", reward_weights=[1.0])
+    with pytest.raises(ConfigError, match=r"env.mix.target: '.*:Echo' is a class; a list of targets holds reward functions"):
+        resolve_env("mix", _cfg([f"{rewards_file}:exact", f"{rewards_file}:Echo"]))
