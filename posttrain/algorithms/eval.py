@@ -118,7 +118,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.data.processors import load_policy_tokenizer
     from posttrain.distributed.cluster import init_ray
-    from posttrain.environments import create_env, resolve_env
+    from posttrain.environments import create_env, resolve_task_envs
     from posttrain.generation import build_generation
     from posttrain.logging import Logger
 
@@ -127,9 +127,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     torch.manual_seed(cfg.eval.seed)
 
     rows = load_eval_rows(cfg)
-    task_names = sorted({r.get("task_name", "math") for r in rows})
-    for name in task_names:  # an unknown environment or a broken env.<name>.target fails before the model loads
-        resolve_env(name, cfg.env.get_worker_cfg(name))
+    task_names = resolve_task_envs(rows, cfg.env)  # a bad environment fails before the model loads
     tokenizer = load_policy_tokenizer(cfg.policy)
 
     _check_prompt_lengths(rows, tokenizer, cfg)

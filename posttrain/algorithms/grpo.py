@@ -39,7 +39,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.environments import create_env, resolve_env
+from posttrain.environments import create_env, resolve_task_envs
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -136,9 +136,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
-    task_names = sorted({r.get("task_name", "math") for r in train_rows + val_rows})
-    for name in task_names:  # an unknown environment or a broken env.<name>.target fails before Ray starts
-        resolve_env(name, cfg.env.get_worker_cfg(name))
+    task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
 
     run_dir = Path(cfg.logger.log_dir)
     logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
@@ -413,7 +411,7 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
                             upcoming = next(s.loader, None)
                         if upcoming is not None:
                             inflight.submit(timed_rollouts_of, upcoming, step, before)
-                refit["trajectory_age_steps"] = float(step - generated_by)
+                refit.update(trajectory_age_steps=float(step - generated_by), rollout_s=rollout.metrics["rollout_s"])
             else:
                 with timer.time("data"):
                     prompts = next(s.loader, None)
@@ -426,8 +424,6 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
             step_convs += rollout.conversations
             for k, v in refit.items():  # seconds and counts add up over the rounds
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
-            if "rollout_s" in rollout.metrics:
-                rollout_metrics["rollout_s"] = rollout_metrics.get("rollout_s", 0.0) + rollout.metrics["rollout_s"]
             batch = rollout.batch
             # Unique over the step's generation rounds (dynamic sampling), for interleaved_order.
             batch["group_ids"] = torch.arange(groups_so_far, groups_so_far + len(prompts)).repeat_interleave(
@@ -486,7 +482,7 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
         # async ones when their in-flight rollouts are done, at the next step's start)
         if s.generation is not policy and inflight is None:
             with timer.time("refit"):
-                s.generation.update_weights(policy.full_state_dict_ref(), version=step + 1)
+                _refit_generation(s, step + 1)
         step += 1
 
         # ---- validation

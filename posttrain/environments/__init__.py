@@ -21,6 +21,7 @@ _EXPORTS = {
     "ENVIRONMENTS": "registry",
     "create_env": "registry",
     "resolve_env": "registry",
+    "resolve_task_envs": "registry",
     "register_env": "registry",
     "EnvironmentGroup": "actors",
     "EnvironmentInterface": "interfaces",

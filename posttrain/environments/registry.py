@@ -47,6 +47,15 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
     return ENVIRONMENTS[name]
 
 
+def resolve_task_envs(rows: list[dict], env_cfg) -> list[str]:
+    """The environments `rows` name (their `task_name`, "math" when absent), sorted, each checked
+    by `resolve_env` against its `env_cfg` section (an `EnvConfig`)."""
+    names = sorted({r.get("task_name", "math") for r in rows})
+    for name in names:
+        resolve_env(name, env_cfg.get_worker_cfg(name))
+    return names
+
+
 def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None) -> EnvironmentGroup:
     """Start environment `name` as `cfg.num_workers` Ray actors behind an `EnvironmentGroup`
     (its `step` follows `EnvironmentInterface`); unknown names list the valid ones."""
