@@ -549,8 +549,9 @@ class FSDPPolicyWorker:
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]),
-                   model_tokens=float(tok[1]), global_valid_toks=float(global_toks), global_valid_seqs=float(global_seqs),
-                   num_microbatches=float(n_mb), step_time_s=time.perf_counter() - t0)
+                   model_tokens=float(tok[1]), global_valid_toks=float(global_toks),
+                   global_valid_seqs=float(global_seqs), num_microbatches=float(n_mb),
+                   step_time_s=time.perf_counter() - t0)
         return out
 
     def _clip_grads(self) -> float:

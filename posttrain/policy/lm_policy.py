@@ -45,8 +45,9 @@ class Policy:
             raise
         self.num_parameters = info[0]["num_parameters"]
         self.pad_id = info[0]["pad_id"]
-        log.info("policy %s: %d workers (data parallel %d x tensor parallel %d), %.2fM parameters, loaded in %.1f s",
-                 cfg.model_name, self.workers.world_size, self.dp, self.tp, self.num_parameters / 1e6, info[0]["load_s"])
+        log.info("policy %s: %d workers (data parallel %d x tensor parallel %d), %.2fM parameters, "
+                 "loaded in %.1f s", cfg.model_name, self.workers.world_size, self.dp, self.tp,
+                 self.num_parameters / 1e6, info[0]["load_s"])
         trained_positions = info[0]["max_position_embeddings"]
         if trained_positions and cfg.max_total_sequence_length > trained_positions:
             # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).

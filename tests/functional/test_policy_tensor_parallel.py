@@ -7,6 +7,7 @@ SGD step (lr 0.5) 5e-6 absolute (the row-parallel sums add in another order).
 """
 
 import math
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -32,63 +33,58 @@ def _cfg(**kw) -> PolicyConfig:
     return PolicyConfig(**base)
 
 
-def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
-    # First in the module: the 2-worker fixture below must not hold CPUs yet (the test cluster has 4).
-    # Four workers as a 2 x 2 mesh: FSDP2 shards over two data-parallel groups, each of which
-    # splits the layers over two ranks. (Four single-threaded workers on this 2-core machine:
-    # slow, but the same collectives as on four devices.)
+@contextmanager
+def _policy(workers: int, name: str, **cfg):
     from posttrain.distributed.cluster import RayVirtualCluster
     from posttrain.schemas import ClusterConfig
 
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=4, cpus_per_worker=1), name="dptp")
-    policy = Policy(cluster, _cfg(train_micro_batch_size=1), name_prefix="dptp")
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=name)
+    policy = Policy(cluster, _cfg(**cfg), name_prefix=name)
     try:
-        assert (policy.dp, policy.tp) == (2, 2)
-        batch = make_batch(lengths=[16, 9, 12, 5, 7, 11], seed=9)  # 6 rows: 3 per data-parallel group
-        plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(plain, batch),
-                                   atol=2e-5, rtol=0)
-        batch = make_batch(seed=10)
-        loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR)
-        m = policy.train(batch, NLLLoss())
-        assert m["global_valid_toks"] == float(batch["token_mask"].sum()) == m["num_valid_tokens"]
-        assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
-        state = full_state(policy)
-        for k, v in expected.items():
-            torch.testing.assert_close(state[k], v, atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+        yield policy
     finally:
         policy.shutdown()
         cluster.shutdown()
 
 
+def _assert_matches_plain_model(policy, tiny_model_path, logprob_batch, train_batch) -> None:
+    """Logprobs of `logprob_batch` and one SGD step on `train_batch` as a plain model's."""
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(policy.get_logprobs(logprob_batch)["logprobs"], reference_logprobs(plain, logprob_batch),
+                               atol=2e-5, rtol=0)
+    loss, grad_norm, expected = sgd_step_reference(tiny_model_path, train_batch, LR)
+    m = policy.train(train_batch, NLLLoss())
+    # Counted once, not once per tensor-parallel rank:
+    assert m["global_valid_toks"] == float(train_batch["token_mask"].sum()) == m["num_valid_tokens"]
+    assert m["num_tokens"] == float(train_batch["input_lengths"].sum())
+    assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    state = full_state(policy)
+    assert state.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(state[k], v, atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
+    # First in the module: the 2-worker fixture below must not hold CPUs yet (the test cluster has 4).
+    # Four workers as a 2 x 2 mesh: FSDP2 shards over two data-parallel groups, each of which
+    # splits the layers over two ranks. (Four single-threaded workers on this 2-core machine:
+    # slow, but the same collectives as on four devices.)
+    with _policy(4, "dptp", train_micro_batch_size=1) as policy:
+        assert (policy.dp, policy.tp) == (2, 2)
+        # 6 logprob rows: 3 per data-parallel group
+        _assert_matches_plain_model(policy, tiny_model_path, make_batch(lengths=[16, 9, 12, 5, 7, 11], seed=9),
+                                    make_batch(seed=10))
+
+
 @pytest.fixture(scope="module")
 def tp_policy(ray_session):
-    from posttrain.distributed.cluster import RayVirtualCluster
-    from posttrain.schemas import ClusterConfig
-
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, cpus_per_worker=1), name="tp")
-    policy = Policy(cluster, _cfg(), name_prefix="tp")
-    yield policy
-    policy.shutdown()
-    cluster.shutdown()
+    with _policy(2, "tp") as policy:
+        yield policy
 
 
 def test_logprobs_and_one_training_step_match_the_plain_model(tp_policy, tiny_model_path):
     assert (tp_policy.dp, tp_policy.tp) == (1, 2)
-    batch = make_batch()
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    torch.testing.assert_close(tp_policy.get_logprobs(batch)["logprobs"], reference_logprobs(plain, batch),
-                               atol=2e-5, rtol=0)
-    loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR)
-    m = tp_policy.train(batch, NLLLoss())
-    # Counted once, not once per tensor-parallel rank:
-    assert m["global_valid_toks"] == float(batch["token_mask"].sum()) == m["num_valid_tokens"]
-    assert m["num_tokens"] == float(batch["input_lengths"].sum())
-    assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
-    state = full_state(tp_policy)
-    assert state.keys() == expected.keys()
-    for k, v in expected.items():
-        torch.testing.assert_close(state[k], v, atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+    _assert_matches_plain_model(tp_policy, tiny_model_path, make_batch(), make_batch())
 
 
 def test_shared_prompt_rows_in_blockwise_attention_on_the_local_heads(tp_policy, tiny_model_path):
