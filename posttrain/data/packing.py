@@ -249,7 +249,8 @@ def share_prefixes(input_ids: torch.Tensor, input_lengths: torch.Tensor, prefix_
     """Pack rows whose first `prefix_lengths[r]` tokens are identical as one prefix plus suffixes.
 
     Rows are grouped by their exact prefix tokens; a group's suffixes fill packed rows of at
-    most `max_row_tokens` tokens (a new packed row repeats the prefix). Returns None when no
+    most `max_row_tokens` tokens, or of a smaller cap when that is cheaper (a new packed row
+    repeats the prefix). Returns None when no
     two rows share a prefix or when packing would not be cheaper (the caller then runs the
     rows as they are). Cost = tokens + `score_cost` x attention scores: a packed row of length
     L computes L^2 scores under its dense mask, a plain row n^2 / 2 with causal attention;
@@ -270,28 +271,48 @@ def share_prefixes(input_ids: torch.Tensor, input_lengths: torch.Tensor, prefix_
         groups.setdefault(tuple(tokens[r][: prefixes[r]]), []).append(r)
     if all(len(g) == 1 for g in groups.values()):
         return None
-    packed: list[tuple[int, list[int]]] = []  # (prefix length, rows) per packed row
-    for rows in groups.values():
-        p = prefixes[rows[0]]
-        current, size = [], p
-        for r in rows:
-            suffix = lengths[r] - p
-            if current and size + suffix > max_row_tokens:
-                packed.append((p, current))
-                current, size = [], p
-            current.append(r)
-            size += suffix
-        packed.append((p, current))
-    width = round_up(max(p + sum(lengths[r] - p for r in rows) for p, rows in packed), round_to)
     plain = round_up(max(lengths), round_to)
-    scores = len(packed) * width * width
-    blockwise = blockwise and scores >= BLOCKWISE_MIN_SCORES
-    if blockwise:
-        p_max = max(p for p, _ in packed)
-        s_max = max(lengths[r] - p for p, rows in packed for r in rows)
-        k_max = max(len(rows) for _, rows in packed)
-        scores = len(packed) * (p_max * p_max + k_max * s_max * (p_max + s_max))
-    if len(packed) * width + score_cost * scores >= b * plain * (1 + score_cost * plain / 2):
+    plain_cost = b * plain * (1 + score_cost * plain / 2)
+
+    def layout(cap: int) -> tuple[list[tuple[int, list[int]]], int, bool, float]:
+        # (prefix length, rows) per packed row, each row at most `cap` tokens (or one suffix).
+        packed: list[tuple[int, list[int]]] = []
+        for rows in groups.values():
+            p = prefixes[rows[0]]
+            current, size = [], p
+            for r in rows:
+                suffix = lengths[r] - p
+                if current and size + suffix > cap:
+                    packed.append((p, current))
+                    current, size = [], p
+                current.append(r)
+                size += suffix
+            packed.append((p, current))
+        width = round_up(max(p + sum(lengths[r] - p for r in rows) for p, rows in packed), round_to)
+        scores = len(packed) * width * width
+        marked = blockwise and scores >= BLOCKWISE_MIN_SCORES
+        if marked:
+            p_max = max(p for p, _ in packed)
+            s_max = max(lengths[r] - p for p, rows in packed for r in rows)
+            k_max = max(len(rows) for _, rows in packed)
+            scores = len(packed) * (p_max * p_max + k_max * s_max * (p_max + s_max))
+        return packed, width, marked, len(packed) * width + score_cost * scores
+
+    # Every packed row is as wide as the widest, so one big group (a prompt drawn twice in a
+    # step) would pad all the others to its width: try each group's width as the row cap and
+    # keep the cheapest layout (the big group then splits into more rows of the common width).
+    # Narrowing the cap pays until it starts splitting the common groups; stop at the first rise.
+    caps = {min(prefixes[rows[0]] + sum(lengths[r] - prefixes[r] for r in rows), max_row_tokens)
+            for rows in groups.values()}
+    best = None
+    for cap in sorted(caps, reverse=True):
+        candidate = layout(cap)
+        if best is not None and candidate[3] > best[3]:
+            break
+        if best is None or candidate[3] < best[3]:
+            best = candidate
+    packed, width, blockwise, cost = best
+    if cost >= plain_cost:
         return None
     ids, pos, seg = [], [], []
     row = [0] * b

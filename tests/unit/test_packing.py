@@ -130,3 +130,19 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_plain_rows(attn):
     g_plain = torch.autograd.grad((plain * valid).sum(), params)
     for a, c in zip(g_shared, g_plain):
         torch.testing.assert_close(a, c, atol=5e-5, rtol=1e-4)
+
+
+def test_share_prefixes_splits_an_outsized_group_instead_of_padding_every_row_to_it():
+    # 8 prompts with 4 completions each, one prompt drawn twice (8 completions): packing every
+    # group whole makes 8 rows as wide as the doubled group; capping rows at the common width
+    # splits that group in two and keeps every row narrow.
+    torch.manual_seed(0)
+    prompts = torch.randint(8, 60, (8, 4))
+    ids = torch.randint(8, 60, (36, 12))
+    ids[:, :4] = prompts[torch.tensor([0] * 8 + [g for g in range(1, 8) for _ in range(4)])]
+    lengths = torch.full((36,), 12)
+    s = share_prefixes(ids, lengths, torch.full((36,), 4), pad_id=0, max_row_tokens=1000)
+    assert s.input_ids.shape == (9, 4 + 4 * 8)  # not 8 rows of 4 + 8 * 8 = 68
+    assert s.row[:8].tolist() == [0] * 4 + [1] * 4 and s.input_ids[1, :4].tolist() == prompts[0].tolist()
+    for r in range(36):  # every source row is still found where the index points
+        assert s.input_ids[s.row[r], s.index[r]].tolist() == ids[r].tolist()
