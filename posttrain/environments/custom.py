@@ -7,7 +7,9 @@ paths). It names either
 - an `EnvironmentInterface` subclass, built like a built-in environment with the `env.<name>`
   section (a `config_class` attribute validates its `cfg` on the driver), or
 - a reward function `fn(response: str, metadata: dict) -> float` that scores single-turn rows:
-  `response` is the model's answer, `metadata` the row's metadata with its `answer`.
+  `response` is the model's answer, `metadata` the row's metadata with its `answer`. A function
+  that also names a `prompt` parameter gets the user's message the response answers, one that
+  names `messages` the whole conversation (role/content dicts, the response last), as keywords.
 
 The target's module is pickled by value into the environment actors, so a file next to the
 config needs no installing; what it imports must be installed where the actors run. Everything
@@ -36,6 +38,9 @@ from posttrain.environments.interfaces import (
     last_assistant_text,
 )
 from posttrain.schemas import EnvWorkerConfig
+
+# Keywords a reward function receives when its signature names them (or takes **kwargs).
+CONTEXT_KEYWORDS = ("prompt", "messages")
 
 
 def _import_module(module_part: str, key: str):
@@ -91,15 +96,17 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
     kept in the sample's metadata (`REWARD_COMPONENTS_KEY`). A function that raises or returns
     no number scores the sample 0 and records the error (PerSampleEnvironment)."""
 
-    def __init__(self, cfg: EnvWorkerConfig, fns: dict[str, Callable[[str, dict], float]], weights: list[float],
+    def __init__(self, cfg: EnvWorkerConfig, fns: dict[str, Callable[..., float]], weights: list[float],
                  name: str):
         self.fns, self.weights, self.name = fns, weights, name
+        self.extras = {label: _context_parameters(fn) for label, fn in fns.items()}
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)
+        context = {"prompt": _prompt_text(messages), "messages": messages}
         values = {}
         for label, fn in self.fns.items():
-            value = fn(response, metadata)
+            value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
                                 "not a number")
@@ -110,15 +117,38 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
 
 
-def _reward_function(obj: Any, spec: str, key: str) -> Callable[[str, dict], float]:
+def _context_parameters(fn: Callable) -> tuple[str, ...]:
+    """Which of the optional keywords (`prompt`, `messages`) `fn` takes: those it names, both
+    when it takes **kwargs."""
+    try:
+        params = inspect.signature(fn).parameters
+    except ValueError:  # no signature (a builtin): the two positional arguments only
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return CONTEXT_KEYWORDS
+    return tuple(k for k in CONTEXT_KEYWORDS if k in params)
+
+
+def _prompt_text(messages: list[dict[str, str]]) -> str:
+    """The last user message before the model's last answer ("" when there is none)."""
+    answered = False
+    for m in reversed(messages):
+        answered = answered or m.get("role") == "assistant"
+        if answered and m.get("role") == "user":
+            return str(m.get("content", ""))
+    return ""
+
+
+def _reward_function(obj: Any, spec: str, key: str) -> Callable[..., float]:
     if inspect.isclass(obj):
         raise ConfigError(f"{key}: {spec!r} is a class; a list of targets holds reward functions only")
     if not callable(obj):
         raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not an environment class or a reward function")
     try:
-        inspect.signature(obj).bind("response", {})
+        inspect.signature(obj).bind("response", {}, **dict.fromkeys(_context_parameters(obj), ""))
     except TypeError:
-        raise ConfigError(f"{key}={spec!r}: a reward function is called fn(response, metadata); "
+        raise ConfigError(f"{key}={spec!r}: a reward function is called fn(response, metadata) "
+                          f"(optional keywords: {', '.join(CONTEXT_KEYWORDS)}); "
                           f"{getattr(obj, '__name__', spec)}{inspect.signature(obj)} cannot be") from None
     except ValueError:
         pass  # no signature to inspect (a builtin): the first call tells
@@ -139,7 +169,7 @@ def env_factory(name: str, target: str | list[str],
             raise ConfigError(f"{key}={target!r}: the class {objs[0].__name__} is no "
                               "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
         return objs[0]
-    fns: dict[str, Callable[[str, dict], float]] = {}
+    fns: dict[str, Callable[..., float]] = {}
     for spec, obj in zip(specs, objs):
         label = spec.rpartition(":")[2]
         label = label if label not in fns else f"{label}_{len(fns)}"  # the same function twice

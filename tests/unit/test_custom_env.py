@@ -27,6 +27,18 @@ def not_a_number(response, metadata):
 def one_argument(response):
     return 1.0
 
+def repeats_prompt(response, metadata, prompt):
+    return float(response == prompt)
+
+def turns(response, metadata, *, messages):
+    return len(messages)
+
+def context_keys(response, metadata, **context):
+    return len(context["prompt"]) + 10 * len(context["messages"])
+
+def needs_a_judge(response, metadata, judge):
+    return 1.0
+
 class Echo(PerSampleEnvironment):
     """Two turns: asks again once, then scores the second answer's length."""
 
@@ -106,7 +118,9 @@ def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
         (f"{rewards_file}:exactt", ConfigError, r"has no 'exactt' \(it has: .*exact"),
         (f"{rewards_file}:NotAnEnvironment", ConfigError, r"NotAnEnvironment is no posttrain.environments.EnvironmentInterface"),
         (f"{rewards_file}:THRESHOLD", ConfigError, r"is a int, not an environment class or a reward function"),
-        (f"{rewards_file}:one_argument", ConfigError, r"called fn\(response, metadata\); one_argument\(response\) cannot be"),
+        (f"{rewards_file}:one_argument", ConfigError,
+         r"called fn\(response, metadata\) \(optional keywords: prompt, messages\); one_argument\(response\) cannot be"),
+        (f"{rewards_file}:needs_a_judge", ConfigError, r"needs_a_judge\(response, metadata, judge\) cannot be"),
     ]
     for target, error, message in cases:
         with pytest.raises(error, match=message):
@@ -160,3 +174,14 @@ def test_a_weighted_list_of_reward_functions(rewards_file):
         _cfg(f"{rewards_file}:exact", reward_weights=[1.0])
     with pytest.raises(ConfigError, match=r"env.mix.target: '.*:Echo' is a class; a list of targets holds reward functions"):
         resolve_env("mix", _cfg([f"{rewards_file}:exact", f"{rewards_file}:Echo"]))
+
+
+def test_reward_functions_that_name_prompt_or_messages_receive_them(rewards_file):
+    system = {"role": "system", "content": "be brief"}
+    two_turns = [system, {"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
+                 {"role": "user", "content": "say hi"}, {"role": "assistant", "content": "say hi"}]
+    for fn, expected in [("repeats_prompt", [0.0, 1.0]), ("turns", [2.0, 5.0]),
+                         ("context_keys", [1 + 20, 6 + 50])]:  # len(prompt) + 10 x len(messages)
+        env = resolve_env("c", _cfg(f"{rewards_file}:{fn}"))(EnvWorkerConfig())
+        ret = env.step([convo("x"), two_turns], [{}, {}])
+        assert ret.rewards.tolist() == expected and ret.num_errors == 0, fn
