@@ -482,7 +482,8 @@ class DataConfig(Section):
     # val_split_fraction of the training rows.
     val_data_path: str | None = None
     # Format of local files: auto-detected when null.
-    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math"] | None = None
+    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math",
+                    "code"] | None = None
     # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
     # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it.
     max_input_seq_length: int | None = None

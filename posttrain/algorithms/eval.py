@@ -154,7 +154,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "prompt": row["messages"],
         "response": "\n".join(m["content"] for m in conv.messages[prompt_len:] if m["role"] == "assistant"),
         "extracted_answer": conv.metadata.get(ANSWER_KEY),
-        "reference_answer": row["answer"],
+        "reference_answer": row.get("answer"),  # None for rows scored by tests (code)
         "reward": conv.reward,
         "correct": conv.reward > 0,
         "truncated": conv.truncated,

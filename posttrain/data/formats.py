@@ -19,6 +19,11 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
     math                {"question" | "problem", "answer"} -> an RL/eval row
                         {"messages": [user], "answer", "task_name": "math"}; a GSM8K answer
                         ("... #### 18") keeps only its final number
+    code                {"text" | "prompt", "test_list", "test_setup_code"? | "test_imports"?} (MBPP,
+                        full or sanitized) or {"prompt", "test", "entry_point"} (HumanEval) -> an
+                        RL/eval row {"messages": [user], "task_name": "code", "metadata": {"tests",
+                        "setup"}, "answer": the reference solution, when given} for the `code`
+                        environment
     preference          {"chosen", "rejected"} with the shared context in `conversations`
                         (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
                         (chosen/rejected are full conversations sharing a prefix). Each
@@ -33,7 +38,7 @@ from typing import Any
 
 from posttrain.config import InputError
 
-FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math")
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math", "code")
 
 # ShareGPT speaker names -> roles (LLaMA-Factory's tool-call data uses function_call/observation).
 _SHAREGPT_ROLES = {
@@ -81,11 +86,14 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
         return "squad"
     if "answer" in keys and ("question" in keys or "problem" in keys):
         return "math"
+    if "test_list" in keys or {"prompt", "test", "entry_point"} <= keys:
+        return "code"
     raise DataFormatError(
         f"{loc}: cannot tell the format from the keys {sorted(keys)}; expected one of: messages "
         "(`messages`), sharegpt (`conversations`), alpaca (`instruction`/`output`), prompt_completion "
         "(`prompt`/`completion`), squad (`context`/`question`/`answers`), preference (`chosen`/"
-        "`rejected`), math (`question`|`problem`/`answer`); or set data.format"
+        "`rejected`), math (`question`|`problem`/`answer`), code (`test_list`, or `prompt`/`test`/"
+        "`entry_point`); or set data.format"
     )
 
 
@@ -290,6 +298,35 @@ def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
             "metadata": metadata}
 
 
+def _from_code(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    if "test_list" in row:  # MBPP: a task in words; its tests show the function's name and use
+        key = "text" if "text" in row else "prompt"
+        task = _text(_require(row, key, loc, "code"), loc, key)
+        tests = row["test_list"]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+            raise DataFormatError(f"{loc}: `test_list` must be a non-empty list of test statements (strings)")
+        setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or [])
+        content = f"{task}\nYour code should pass these tests:\n" + "\n".join(tests)
+        solution = row.get("code")
+    else:  # HumanEval: a signature and docstring to complete; `test` defines check(candidate)
+        prompt = _text(_require(row, "prompt", loc, "code"), loc, "prompt")
+        test = _text(_require(row, "test", loc, "code"), loc, "test")
+        entry = _text(_require(row, "entry_point", loc, "code"), loc, "entry_point")
+        tests = [f"{test}\ncheck({entry})"]
+        # The prompt's imports (typing's List, math), which a completion may leave out.
+        setup = "\n".join(line for line in prompt.splitlines() if line.startswith(("import ", "from ")))
+        content = f"Complete this Python function and answer with all of it in a ```python block:\n```python\n{prompt}```"
+        solution = prompt + row["canonical_solution"] if isinstance(row.get("canonical_solution"), str) else None
+    if not isinstance(setup, str):
+        raise DataFormatError(f"{loc}: the test set-up code must be a string")
+    metadata = {k: v for k, v in row.items() if k in ("task_id", "source_file") and isinstance(v, (str, int))}
+    out = {"messages": [{"role": "user", "content": content}], "task_name": "code",
+           "metadata": {**metadata, "tests": tests, "setup": setup}}
+    if isinstance(solution, str) and solution.strip():  # the reference, for grpo.warmup_sft_steps and eval logs
+        out["answer"] = f"```python\n{solution.strip()}\n```"
+    return out
+
+
 _NORMALIZERS = {
     "messages": _from_messages,
     "sharegpt": _from_sharegpt,
@@ -298,4 +335,5 @@ _NORMALIZERS = {
     "squad": _from_squad,
     "preference": _from_preference,
     "math": _from_math,
+    "code": _from_code,
 }

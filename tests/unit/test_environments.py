@@ -466,3 +466,35 @@ def test_code_failing_attempt_comes_back_until_max_attempts():
                       [first.metadata[0], first.metadata[0]])
     assert second.terminateds.tolist() == [True, True] and second.rewards.tolist() == [1.0, 0.0]
     assert [m["attempt"] for m in second.metadata] == [2, 2]
+
+
+def test_code_format_rows_are_solved_by_their_references_and_not_by_a_wrong_program():
+    # The example tasks (MBPP's layout) and a HumanEval row, through the data loader's format
+    # detection into the code environment: each reference solution (the row's `answer`) passes
+    # all its tests, and the same program with its return value broken does not.
+    import json
+    from pathlib import Path
+
+    from posttrain.data.datasets import load_rows
+    from posttrain.data.formats import detect_format, normalize_row
+    from posttrain.schemas import DataConfig
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "data" / "code_tasks.jsonl"
+    rows = load_rows(DataConfig(dataset_name="local", train_data_path=str(path), val_data_path=str(path)), "train")
+    assert len(rows) == 20 and {r["task_name"] for r in rows} == {"code"}
+    assert rows[0]["messages"][0]["content"].endswith("Your code should pass these tests:\n" +
+                                                      "\n".join(json.loads(path.read_text().splitlines()[0])["test_list"]))
+    humaneval = {"task_id": "HumanEval/2", "entry_point": "truncate_number",
+                 "prompt": "import math\n\n\ndef truncate_number(number: float) -> float:\n    \"\"\"Decimal part.\"\"\"\n",
+                 "canonical_solution": "    return number - math.floor(number)\n",
+                 "test": "def check(candidate):\n    assert candidate(3.5) == 0.5\n    assert candidate(1.25) == 0.25\n"}
+    rows.append(normalize_row(humaneval, detect_format(humaneval), "he row 1"))
+    assert rows[-1]["metadata"]["setup"] == "import math"
+    right = [r["messages"] + [{"role": "assistant", "content": r["answer"]}] for r in rows]
+    wrong = [r["messages"] + [{"role": "assistant", "content": r["answer"].replace("return ", "return None and ")}]
+             for r in rows]
+    env = _code_env(parallel_runs=2)
+    metadata = [r["metadata"] for r in rows]
+    ret = env.step(right, metadata)
+    assert ret.rewards.tolist() == [1.0] * 21 and ret.num_errors == 0, [o["content"] for o in ret.observations]
+    assert env.step(wrong, metadata).rewards.tolist() == [0.0] * 21

@@ -132,6 +132,7 @@ GOOD = {
     "preference": {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
                    "rejected": {"from": "gpt", "value": "b"}},
     "math": {"question": "1+1?", "answer": "2"},
+    "code": {"text": "Write f.", "test_list": ["assert f() == 1"]},
 }
 BAD = {
     "messages": ({"messages": [{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]}, "unknown role"),
@@ -142,6 +143,7 @@ BAD = {
     "preference": ({"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
                     "rejected": None}, "missing `rejected`"),
     "math": ({"question": "", "answer": "2"}, "`question` is empty"),
+    "code": ({"text": "Write f.", "test_list": []}, "`test_list` must be a non-empty list"),
 }
 
 
