@@ -76,6 +76,30 @@ def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
                                     make_batch(seed=10))
 
 
+def test_a_checkpoint_resumes_under_another_tensor_parallel_size(ray_session, tmp_path):
+    # Before the module's 2-worker fixture starts (3 of the test cluster's 4 CPUs here). AdamW,
+    # so the step after a resume depends on the moments resharded along with the weights.
+    adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
+    with _policy(2, "tp2", optimizer=adamw) as split, \
+            _policy(1, "tp1", optimizer=adamw, dtensor_cfg={"tensor_parallel_size": 1}) as whole:
+        split.train(make_batch(seed=1), NLLLoss())
+        split.save_checkpoint(tmp_path / "tp2")
+        split.train(make_batch(seed=2), NLLLoss())
+        whole.load_checkpoint(tmp_path / "tp2")  # tensor parallel 2 -> 1
+        whole.train(make_batch(seed=2), NLLLoss())
+        expected = full_state(split)
+        for k, v in full_state(whole).items():
+            torch.testing.assert_close(v, expected[k], atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+        whole.train(make_batch(seed=3), NLLLoss())
+        whole.save_checkpoint(tmp_path / "tp1")
+        whole.train(make_batch(seed=4), NLLLoss())
+        split.load_checkpoint(tmp_path / "tp1")  # 1 -> 2
+        split.train(make_batch(seed=4), NLLLoss())
+        expected = full_state(whole)
+        for k, v in full_state(split).items():
+            torch.testing.assert_close(v, expected[k], atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
 @pytest.fixture(scope="module")
 def tp_policy(ray_session):
     with _policy(2, "tp") as policy:
