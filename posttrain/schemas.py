@@ -790,14 +790,15 @@ class RewardScalingConfig(Section):
 class AsyncGRPOConfig(Section):
     """NeMo RL's async GRPO: generation and training overlap."""
 
-    # Generate the next step's rollouts on the separate generation workers (in a driver thread)
-    # while this step trains; each step then trains on rollouts of the weights one update older
-    # than its own, which loss_fn.use_importance_sampling_correction corrects for. Needs
+    # Generate the next steps' rollouts on the separate generation workers (in a driver thread)
+    # while this step trains; each step then trains on rollouts of older weights than its own,
+    # which loss_fn.use_importance_sampling_correction corrects for. Needs
     # policy.generation.colocated.enabled=false.
     enabled: bool = False
-    # Updates between the weights that generate a trajectory and the weights that train on it.
-    # posttrain keeps one step of rollouts in flight: 1 is the only value.
-    max_trajectory_age_steps: int = Field(1, ge=1, le=1)
+    # Updates between the weights that generate a trajectory and the weights that train on it, at
+    # most: as many steps' rollouts are queued ahead. 1 overlaps one step's generation with the
+    # previous step's training; more lets generation run ahead through a slow step.
+    max_trajectory_age_steps: int = Field(1, ge=1)
 
 
 class GRPOConfig(Section):
@@ -1028,8 +1029,8 @@ class GRPOMasterConfig(_MasterBase):
         if self.policy.generation.colocated.enabled:
             needs.append("separate generation workers to run beside training (policy.generation.colocated.enabled=false)")
         if not self.loss_fn.use_importance_sampling_correction:
-            needs.append("loss_fn.use_importance_sampling_correction=true (its rollouts come from weights one update "
-                         "old)")
+            needs.append("loss_fn.use_importance_sampling_correction=true (its rollouts come from weights up to "
+                         "max_trajectory_age_steps updates old)")
         if self.grpo.prev_logprobs_from_generation:
             needs.append("grpo.prev_logprobs_from_generation=false (the generation logprobs are not the current "
                          "policy's)")

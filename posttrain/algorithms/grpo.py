@@ -8,14 +8,15 @@ the advantage estimator (`grpo.adv_estimator`), reward shaping/scaling, overlong
 and dynamic sampling (`grpo.*`). On-policy distillation is the same loop with token-level
 advantages from a teacher's logprobs (`grpo.adv_estimator=on_policy_distillation`, the
 teacher in `policy.reference_model_name`), computed after the logprob phase. Async GRPO
-(`grpo.async_grpo`) changes only where a step's rollouts come from: generated while the step
-before trained (`_InFlightRollouts`).
+(`grpo.async_grpo`) changes only where a step's rollouts come from: generated while earlier
+steps trained (`_RolloutPipeline`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,36 +305,53 @@ def _distillation_advantages(batch: BatchedDataDict) -> float:
     return -float(masked_mean(adv, batch["token_mask"] * batch["sample_mask"][:, None]))
 
 
-class _InFlightRollouts:
-    """grpo.async_grpo: one step's rollouts generating on the separate generation workers, in a
-    driver thread, while the policy trains on the previous ones. `loader_state` is the data
-    loader's position before the in-flight prompts: a checkpoint saves that, so a resumed run
-    generates them again instead of skipping them."""
+@dataclass
+class _QueuedRollouts:
+    prompts: list[dict]
+    future: Future  # -> (RolloutResult, the refit's metrics)
+    version: int  # the weights version that generates them
+    loader_state: dict  # the data loader's position before these prompts
 
-    def __init__(self) -> None:
+
+class _RolloutPipeline:
+    """grpo.async_grpo: the next steps' rollouts, queued on the separate generation workers and
+    generated one batch after another by a driver thread while the policy trains.
+
+    A batch queued at step t (t updates done) first refits the workers to a snapshot of those
+    weights, unless the batch before it already did, and is trained on at step t + its place in
+    the queue, so with at most `depth` (max_trajectory_age_steps) batches queued its trajectories
+    are at most `depth` updates old. `loader_state` is the data position before the oldest queued
+    prompts: a checkpoint saves that, so a resumed run generates them again instead of skipping
+    them."""
+
+    def __init__(self, depth: int, version: int) -> None:
+        self.depth = depth
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="posttrain-rollouts")
-        self._future: Future | None = None
-        self._prompts: list[dict] = []
-        self.version = 0  # weights version generating the in-flight rollouts
-        self.loader_state: dict | None = None
+        self._queue: deque[_QueuedRollouts] = deque()
+        self.queued_version = version  # the workers' weights version once the queued batches ran
 
-    @property
-    def pending(self) -> bool:
-        return self._future is not None
+    def __len__(self) -> int:
+        return len(self._queue)
 
-    def submit(self, rollout_fn, prompts: list[dict], version: int, loader_state: dict) -> None:
-        self._future = self._pool.submit(rollout_fn, prompts)
-        self._prompts, self.version, self.loader_state = prompts, version, loader_state
+    def submit(self, task, prompts: list[dict], version: int, loader_state: dict) -> None:
+        self._queue.append(_QueuedRollouts(prompts, self._pool.submit(task), version, loader_state))
+        self.queued_version = version
 
     def wait(self) -> None:
-        """Until the in-flight rollouts are done (they stay for `take`); raises what they raised."""
-        if self._future is not None:
-            self._future.result()
+        """Until every queued batch is generated (they stay for `take`); raises what they raised."""
+        for queued in self._queue:
+            queued.future.result()
 
-    def take(self) -> tuple[list[dict], RolloutResult, int]:
-        """The in-flight prompts, their rollouts and the weights version that generated them."""
-        future, self._future, self.loader_state = self._future, None, None
-        return self._prompts, future.result(), self.version
+    def take(self) -> tuple[list[dict], RolloutResult, dict[str, float], int]:
+        """The oldest queued prompts, their rollouts, the refit before them, and the weights
+        version that generated them."""
+        queued = self._queue.popleft()
+        rollout, refit = queued.future.result()
+        return queued.prompts, rollout, refit, queued.version
+
+    @property
+    def loader_state(self) -> dict | None:
+        return self._queue[0].loader_state if self._queue else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -347,15 +365,16 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
 
 
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
-    inflight = _InFlightRollouts() if s.cfg.grpo.async_grpo.enabled else None
+    a = s.cfg.grpo.async_grpo
+    pipeline = _RolloutPipeline(a.max_trajectory_age_steps, s.generation.version) if a.enabled else None
     try:
-        return _grpo_loop(s, inflight)
+        return _grpo_loop(s, pipeline)
     finally:
-        if inflight is not None:
-            inflight.close()
+        if pipeline is not None:
+            pipeline.close()
 
 
-def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, float]:
+def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, float]:
     cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
@@ -375,11 +394,19 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
                             max_seq_len=cfg.policy.max_total_sequence_length, add_bos=cfg.data.add_bos,
                             add_generation_prompt=cfg.data.add_generation_prompt)
 
-    def timed_rollouts_of(prompts: list[dict]) -> RolloutResult:  # in the async thread: its own clock
-        start = time.perf_counter()
-        result = rollouts_of(prompts)
-        result.metrics["rollout_s"] = time.perf_counter() - start
-        return result
+    def queue_rollouts(prompts: list[dict], loader_state: dict) -> None:
+        """async: `prompts`' rollouts behind the queued ones, on the weights after `step` updates."""
+        version = step
+        snapshot = None if pipeline.queued_version == version else policy.full_state_dict_ref()
+
+        def task() -> tuple[RolloutResult, dict[str, float]]:  # in the pipeline's thread: its own clock
+            refit = {} if snapshot is None else s.generation.update_weights(snapshot, version=version)
+            start = time.perf_counter()
+            result = rollouts_of(prompts)
+            result.metrics["rollout_s"] = time.perf_counter() - start
+            return result, refit
+
+        pipeline.submit(task, prompts, version, loader_state)
 
     while step < g.max_num_steps:
         timer.reset()
@@ -391,27 +418,29 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
         target = g.num_prompts_per_step * g.num_generations_per_prompt
         groups_so_far = 0
         for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
-            if inflight is not None:
-                # This step trains on the rollouts generated while the last step trained (the
-                # first step: generated now); the idle workers then take the current weights and
-                # start on the next step's prompts, which generate while this step trains.
+            if pipeline is not None:
+                # This step trains on the oldest queued rollouts, generated while earlier steps
+                # trained (the first step: generated now); then the queue is topped up with the
+                # next steps' prompts, to be generated with the current weights while this step trains.
                 with timer.time("generation"):
-                    if not inflight.pending:
+                    if not len(pipeline):
                         with timer.time("data"):
+                            before = s.loader.state_dict()
                             prompts = next(s.loader, None)
                         if prompts is None:
                             break
-                        inflight.submit(timed_rollouts_of, prompts, s.generation.version, {})
-                    prompts, rollout, generated_by = inflight.take()
-                    with timer.time("refit"):
-                        refit = _refit_generation(s, step)
-                    if step + 1 < g.max_num_steps:
+                        queue_rollouts(prompts, before)
+                    prompts, rollout, refit, generated_by = pipeline.take()
+                    while len(pipeline) < pipeline.depth and step + len(pipeline) + 1 < g.max_num_steps:
                         with timer.time("data"):
                             before = s.loader.state_dict()
                             upcoming = next(s.loader, None)
-                        if upcoming is not None:
-                            inflight.submit(timed_rollouts_of, upcoming, step, before)
-                refit.update(trajectory_age_steps=float(step - generated_by), rollout_s=rollout.metrics["rollout_s"])
+                        if upcoming is None:
+                            break
+                        with timer.time("refit"):  # the snapshot; the workers load it in the pipeline's thread
+                            queue_rollouts(upcoming, before)
+                refit = {**refit, "trajectory_age_steps": float(step - generated_by),
+                         "rollout_s": rollout.metrics["rollout_s"]}
             else:
                 with timer.time("data"):
                     prompts = next(s.loader, None)
@@ -479,8 +508,8 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
         train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
-        # async ones when their in-flight rollouts are done, at the next step's start)
-        if s.generation is not policy and inflight is None:
+        # async ones before each queued batch, in the pipeline's thread)
+        if s.generation is not policy and pipeline is None:
             with timer.time("refit"):
                 _refit_generation(s, step + 1)
         step += 1
@@ -488,9 +517,10 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
         # ---- validation
         if (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps):
             with timer.time("validation"):
-                if inflight is not None:  # validate the current weights, not the in-flight ones
-                    inflight.wait()
+                if pipeline is not None:  # validate the current weights, not the queued ones
+                    pipeline.wait()
                     _refit_generation(s, step)
+                    pipeline.queued_version = step
                 val_metrics = validate(s, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
 
@@ -500,7 +530,7 @@ def _grpo_loop(s: GRPOSetup, inflight: _InFlightRollouts | None) -> dict[str, fl
             with timer.time("checkpoint"):
                 _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
                                 **{f"val:{k}": v for k, v in val_metrics.items()}},
-                      loader_state=inflight.loader_state if inflight is not None else None)
+                      loader_state=pipeline.loader_state if pipeline is not None else None)
 
         # ---- metrics
         step_time = time.monotonic() - step_start

@@ -308,24 +308,33 @@ def _step_prompts(log_dir, step):
     return sorted(s["prompt"] for s in samples if s["step"] == step)
 
 
-def test_async_grpo_trains_on_rollouts_one_update_old_and_resumes_without_skipping_prompts(ray_session, tmp_path):
-    # Step 1 generates first; from then on the next step's rollouts generate (weights of the
-    # step before) while a step trains: trajectory age 1, corrected by importance sampling.
-    run(_async(tmp_path / "a", "grpo.max_num_steps=3", "checkpointing.save_period=2", "grpo.val_period=2"))
+# Per step: the trajectory age, and whether the workers were refit before generating its rollouts
+# (the refit to step 2's weights for validation serves step 4's rollouts at age 1).
+@pytest.mark.parametrize("age, ages, refits", [(1, [0.0, 1.0, 1.0, 1.0], [False, False, True, False]),
+                                               (2, [0.0, 1.0, 2.0, 2.0], [False, False, False, True])])
+def test_async_grpo_trains_on_rollouts_up_to_max_age_and_resumes_without_skipping_prompts(ray_session, tmp_path,
+                                                                                          age, ages, refits):
+    # Step 1 generates first; from then on up to `age` next steps' rollouts are queued (each with
+    # the weights of the step that queued it) and generate while a step trains: trajectories up
+    # to `age` updates old, corrected by importance sampling.
+    run(_async(tmp_path / "a", "grpo.max_num_steps=4", "checkpointing.save_period=2", "grpo.val_period=2",
+               f"grpo.async_grpo.max_trajectory_age_steps={age}"))
     train = _records(tmp_path / "a" / "logs", "train")
-    # Validation at step 2 waited for step 3's in-flight rollouts and refit the workers first.
-    assert [r["step"] for r in _records(tmp_path / "a" / "logs", "val")] == [2]
-    assert [r["trajectory_age_steps"] for r in train] == [0.0, 1.0, 1.0]
+    # Validation at step 2 waited for the queued rollouts and refit the workers first.
+    assert [r["step"] for r in _records(tmp_path / "a" / "logs", "val")] == [2, 4]
+    assert [r["trajectory_age_steps"] for r in train] == ages
+    assert ["refit_s" in r for r in train] == refits
     for r in train:
         assert math.isfinite(r["loss"]) and r["rollout_s"] > 0 and r["sampling_importance_ratio"] > 0
-    # The step-2 checkpoint was saved while step 3's prompts were in flight: resuming from it
+    # The step-2 checkpoint was saved while step 3's prompts were queued: resuming from it
     # generates those prompts again (the loader position before them was saved, not after).
     resumed = tmp_path / "b"
     (resumed / "ckpt").mkdir(parents=True)
     import shutil
 
     shutil.copytree(tmp_path / "a" / "ckpt" / "step_2", resumed / "ckpt" / "step_2")
-    run(_async(resumed, "grpo.max_num_steps=3", "checkpointing.save_period=2"))
+    run(_async(resumed, "grpo.max_num_steps=3", "checkpointing.save_period=2",
+               f"grpo.async_grpo.max_trajectory_age_steps={age}"))
     (third,) = _records(resumed / "logs", "train")
     assert third["trajectory_age_steps"] == 0.0  # generated afresh after the resume
     assert _step_prompts(resumed / "logs", 3) == _step_prompts(tmp_path / "a" / "logs", 3)
@@ -339,7 +348,7 @@ def test_async_grpo_config_needs(tmp_path):
                                           r".*prev_logprobs_from_generation=false"):
         load_config("grpo", QUICKSTART, ["grpo.async_grpo.enabled=true"])
     with pytest.raises(ConfigError, match=r"grpo.async_grpo.max_trajectory_age_steps"):
-        load_config("grpo", QUICKSTART, ["grpo.async_grpo.max_trajectory_age_steps=2"])
+        load_config("grpo", QUICKSTART, ["grpo.async_grpo.max_trajectory_age_steps=0"])
 
 
 def test_one_optimizer_step_per_batch_skips_the_prev_logprob_pass(ray_session, tmp_path):
