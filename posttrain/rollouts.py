@@ -22,7 +22,7 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import render_chat, with_bos
-from posttrain.environments.interfaces import REWARD_COMPONENTS_KEY
+from posttrain.environments.interfaces import REWARD_COMPONENTS_KEY, TOOL_CALLS_KEY
 
 
 class _EnvGroup(Protocol):
@@ -41,6 +41,7 @@ class Conversation:
     generated_mask: list[int] = field(default_factory=list)
     generation_logprobs: list[float] = field(default_factory=list)
     stop_strings: list[str] | None = None
+    tools: list[dict] | None = None  # JSON schemas the chat template renders (the row's "tools")
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
@@ -57,18 +58,21 @@ class RolloutResult:
 
 
 def render_prompt(
-    tokenizer, messages: list[dict[str, str]], add_bos: bool = True, *, add_generation_prompt: bool = True
+    tokenizer, messages: list[dict[str, str]], add_bos: bool = True, *, add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by the chat template as a generation prompt: ending in
     the template's generation prompt when `add_generation_prompt` (`data.add_generation_prompt`),
-    with BOS in front when `add_bos` (`data.add_bos`), by the same rules as training rows."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    with BOS in front when `add_bos` (`data.add_bos`), by the same rules as training rows;
+    `tools`: the JSON schemas of the tools the model may call."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return with_bos(ids, tokenizer) if add_bos else ids
 
 
 def _observation_tokens(
-    tokenizer, before: list[dict[str, str]], observation: dict[str, str], *, add_generation_prompt: bool = True
+    tokenizer, before: list[dict[str, str]], observation: dict[str, str], *, add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Tokens the chat template adds for `observation`, plus the next generation prompt when
     `add_generation_prompt` (`data.add_generation_prompt`).
@@ -79,8 +83,8 @@ def _observation_tokens(
     """
     role = observation.get("role", "user")
     message = {"role": "user" if role == "environment" else role, "content": observation["content"]}
-    prev = render_chat(tokenizer, before, add_generation_prompt=False)
-    full = render_chat(tokenizer, before + [message], add_generation_prompt=add_generation_prompt)
+    prev = render_chat(tokenizer, before, add_generation_prompt=False, tools=tools)
+    full = render_chat(tokenizer, before + [message], add_generation_prompt=add_generation_prompt, tools=tools)
     delta = full[len(prev):] if full.startswith(prev) else render_chat(
         tokenizer, [message], add_generation_prompt=add_generation_prompt
     )
@@ -94,9 +98,11 @@ def start_conversations(
     rendered: dict[str, list[int]] = {}  # a GRPO step holds each prompt n times: render it once
     for row in rows:
         messages = [dict(m) for m in row["messages"]]
-        key = repr(messages)
+        tools = row.get("tools")
+        key = repr((messages, tools))
         if key not in rendered:
-            rendered[key] = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt)
+            rendered[key] = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt,
+                                          tools=tools)
         tokens = list(rendered[key])
         metadata = dict(row.get("metadata") or {})
         if "answer" in row:
@@ -111,6 +117,7 @@ def start_conversations(
                 generated_mask=[0] * len(tokens),
                 generation_logprobs=[0.0] * len(tokens),
                 stop_strings=row.get("stop_strings"),
+                tools=tools,
             )
         )
     return convs
@@ -193,7 +200,7 @@ def run_rollouts(
                     c.done = True
                     continue
                 obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k],
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt, tools=c.tools)
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue
@@ -217,7 +224,8 @@ def run_rollouts(
 
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     """Means over conversations (a step's rollouts, over all its generation rounds), plus each
-    reward component's mean as reward/<name> (samples scored by a list of reward functions)."""
+    reward component's mean as reward/<name> (samples scored by a list of reward functions) and,
+    when the model had tools, the turns with tool calls per conversation (tool_calls_mean)."""
     n = len(convs)
     lengths = [c.response_tokens for c in convs]
     components: dict[str, list[float]] = defaultdict(list)
@@ -233,4 +241,6 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
         "env_errors": float(sum(c.env_errors for c in convs)),
         "generated_tokens": float(sum(lengths)),
         **{f"reward/{name}": sum(v) / len(v) for name, v in components.items()},
+        **({"tool_calls_mean": sum((c.metadata or {}).get(TOOL_CALLS_KEY, 0) for c in convs) / n}
+           if any(c.tools for c in convs) else {}),
     }

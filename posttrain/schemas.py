@@ -557,14 +557,25 @@ class EnvWorkerConfig(Section):
     cfg: dict[str, Any] = Field(default_factory=dict)
     # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
     # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
-    # single-turn rows (it also gets prompt= and messages= when it names them), or a list of reward functions whose weighted sum is the reward (each
-    # logged as train/reward/<function>; docs/environments.md); null: the built-in environment.
+    # single-turn rows (it also gets prompt= and messages= when it names them), or a list of
+    # reward functions whose weighted sum is the reward (each logged as train/reward/<function>;
+    # docs/environments.md); null: the built-in environment.
     target: str | list[str] | None = None
     # Weights of a list of reward functions in `target` (null: 1 each).
     reward_weights: list[float] | None = None
+    # Python functions ("file.py:fn" or "module:fn", with type hints and a docstring) the model may
+    # call before the reward functions in `target` score its final answer: the chat template is
+    # given their JSON schemas, a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    # and its result comes back as a tool message (one turn each: raise grpo.max_rollout_turns).
+    tools: list[str] | None = None
+    # Turns with tool calls per conversation; the answer after the last one is scored as final.
+    max_tool_calls: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _weights_match_functions(self) -> "EnvWorkerConfig":
+        if self.tools is not None and (self.target is None or not self.tools):
+            raise ValueError("tools: a non-empty list of tool functions, for the reward functions in target "
+                             "(a built-in environment or an environment class calls no tools)")
         if self.reward_weights is None:
             return self
         if not isinstance(self.target, list) or len(self.target) != len(self.reward_weights):

@@ -104,7 +104,8 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
         return
     limit = cfg.policy.max_total_sequence_length
     lengths = [len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
-                                 add_generation_prompt=cfg.data.add_generation_prompt)) for row in rows]
+                                 add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools")))
+               for row in rows]
     overlong = [i for i, n in enumerate(lengths) if n >= limit]
     if overlong:
         i = overlong[0]
@@ -118,7 +119,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.data.processors import load_policy_tokenizer
     from posttrain.distributed.cluster import init_ray
-    from posttrain.environments import create_env, resolve_task_envs
+    from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
     from posttrain.generation import build_generation
     from posttrain.logging import Logger
 
@@ -128,6 +129,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
 
     rows = load_eval_rows(cfg)
     task_names = resolve_task_envs(rows, cfg.env)  # a bad environment fails before the model loads
+    rows = with_tool_schemas(rows, cfg.env)
     tokenizer = load_policy_tokenizer(cfg.policy)
 
     _check_prompt_lengths(rows, tokenizer, cfg)

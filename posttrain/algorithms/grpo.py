@@ -40,7 +40,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.environments import create_env, resolve_task_envs
+from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -84,7 +84,7 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     kept, dropped = [], 0
     for i, row in enumerate(rows):
         n = len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
-                              add_generation_prompt=cfg.data.add_generation_prompt))
+                              add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools")))
         if n <= limit:
             kept.append(row)
         elif cfg.data.truncation == "drop":
@@ -130,14 +130,15 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     torch.manual_seed(g.seed)
     tokenizer = load_policy_tokenizer(cfg.policy)
     load_model_configs(cfg.policy, with_reference=cfg.needs_reference())  # a wrong name fails before Ray starts
-    train_rows, dropped = _fit_prompts(load_rows(cfg.data, "train"), tokenizer, cfg, "train")
-    val_rows, _ = _fit_prompts(load_rows(cfg.data, "validation"), tokenizer, cfg, "validation")
+    train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
+    task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
+    train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
+    val_rows, _ = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
                        seed=g.seed, max_epochs=g.max_num_epochs,
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
-    task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
 
     run_dir = Path(cfg.logger.log_dir)
     logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
@@ -188,14 +189,15 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
 
 def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
-    if any("answer" not in r for r in rows):
-        raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` in every training row to imitate")
+    if any("answer" not in r and "demonstration" not in r for r in rows):
+        raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` (or a `demonstration`) in every training row "
+                         "to imitate")
     started = time.monotonic()
     # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
     # each batch's chat templates at every step kept the policy worker waiting on the driver:
     # the quickstart's 1,000 steps took 73 s that way, 61 s now (measured).
-    demos = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r.get("demonstration", r["answer"]))}]}
-             for r in rows]
+    demos = [{"messages": r["messages"] + [{"role": "assistant", "content": str(r.get("demonstration", r["answer"]))}],
+              "tools": r.get("tools")} for r in rows]
     examples, stats = process_sft_rows(demos, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
     log_data_stats(logger, {"warmup_sft": stats})
     loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1,

@@ -10,7 +10,7 @@ message). Roles are "system", "user", "assistant" and "tool".
 Accepted input formats (`data.format`, auto-detected from the first row's keys when null):
     messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI); with a
                         `task_name` it is an RL/eval row kept as is (prompt messages, `answer`,
-                        `metadata`, `stop_strings`)
+                        `demonstration`, `metadata`, `stop_strings`, `tools`)
     sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
     prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
@@ -183,7 +183,7 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
-        keep = ("answer", "metadata", "stop_strings")
+        keep = ("answer", "demonstration", "metadata", "stop_strings", "tools")
         return {"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}}
     _require_assistant(messages, loc, "messages")
     return _with_tools({"messages": messages}, row)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "create_env": "registry",
     "resolve_env": "registry",
     "resolve_task_envs": "registry",
+    "with_tool_schemas": "registry",
     "register_env": "registry",
     "EnvironmentGroup": "actors",
     "EnvironmentInterface": "interfaces",

@@ -11,6 +11,14 @@ paths). It names either
   that also names a `prompt` parameter gets the user's message the response answers, one that
   names `messages` the whole conversation (role/content dicts, the response last), as keywords.
 
+Reward functions may come with tools (`env.<name>.tools`): Python functions the model calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen2.5 format). Each
+turn with calls gets their results back as one tool message (an error text for a malformed
+call, an unknown tool or one that raised, so the model can recover); the first turn without
+calls, or the turn after `max_tool_calls` turns with calls, is the final answer the reward
+functions score. The tools' JSON schemas (from their type hints and docstrings) go to the chat
+template with every prompt of the environment's rows (`with_tool_schemas`).
+
 The target's module is pickled by value into the environment actors, so a file next to the
 config needs no installing; what it imports must be installed where the actors run. Everything
 is resolved on the driver before Ray starts, so a wrong target fails in seconds, naming the key.
@@ -18,13 +26,16 @@ is resolved on the driver before Ray starts, so a wrong target fails in seconds,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import numbers
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +43,7 @@ from typing import Any
 from posttrain.config import ConfigError, MissingInputError
 from posttrain.environments.interfaces import (
     REWARD_COMPONENTS_KEY,
+    TOOL_CALLS_KEY,
     EnvironmentInterface,
     PerSampleEnvironment,
     StepResult,
@@ -90,19 +102,69 @@ def load_target(spec: str, key: str) -> Any:
     return getattr(module, attr)
 
 
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+    """Each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of `text` as (name,
+    arguments), or as the error text of a malformed one. "parameters" is read as "arguments", and
+    arguments written as a JSON string are decoded; a call cut off by the token limit is read to
+    the end of the text."""
+    calls: list[tuple[str, dict[str, Any]] | str] = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(f"malformed tool call, not JSON ({e.msg})")
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append('malformed tool call, expected {"name": ..., "arguments": {...}}')
+            continue
+        args = call.get("arguments", call.get("parameters", {}))
+        if isinstance(args, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                args = json.loads(args)
+        if not isinstance(args, dict):
+            calls.append(f"malformed tool call to {call['name']}: its arguments must be an object")
+            continue
+        calls.append((call["name"], args))
+    return calls
+
+
 class RewardFunctionEnvironment(PerSampleEnvironment):
-    """Reward functions as a single-turn environment: every sample ends after one answer,
-    scored sum_i weight_i * fn_i(response, metadata). With more than one function each value is
-    kept in the sample's metadata (`REWARD_COMPONENTS_KEY`). A function that raises or returns
-    no number scores the sample 0 and records the error (PerSampleEnvironment)."""
+    """Reward functions as an environment: a sample's final answer is scored
+    sum_i weight_i * fn_i(response, metadata). With more than one function each value is kept in
+    the sample's metadata (`REWARD_COMPONENTS_KEY`). A function that raises or returns no number
+    scores the sample 0 and records the error (PerSampleEnvironment). Without tools every sample
+    ends after one answer; with tools, turns that call them come first (module docstring)."""
 
     def __init__(self, cfg: EnvWorkerConfig, fns: dict[str, Callable[..., float]], weights: list[float],
-                 name: str):
+                 name: str, tools: dict[str, Callable[..., Any]] | None = None):
         self.fns, self.weights, self.name = fns, weights, name
         self.extras = {label: _context_parameters(fn) for label, fn in fns.items()}
+        self.tools, self.max_tool_calls = tools or {}, cfg.max_tool_calls
+
+    def _call_tool(self, call: tuple[str, dict[str, Any]] | str) -> str:
+        """The tool's result as text (JSON unless it returned a string), or what went wrong."""
+        if isinstance(call, str):
+            return f"error: {call}"
+        name, args = call
+        if name not in self.tools:
+            return f"error: there is no tool {name!r}; the tools are {', '.join(self.tools)}"
+        try:
+            result = self.tools[name](**args)
+        except Exception as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
+            return f"error: {name} raised {type(e).__name__}: {e}"
+        return result if isinstance(result, str) else json.dumps(result, default=str)
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)
+        used = int(metadata.get(TOOL_CALLS_KEY, 0))
+        calls = parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
+        if calls:
+            return StepResult(observation="\n".join(self._call_tool(c) for c in calls), reward=0.0,
+                              terminated=False, metadata={**metadata, TOOL_CALLS_KEY: used + 1},
+                              observation_role="tool")
         context = {"prompt": _prompt_text(messages), "messages": messages}
         values = {}
         for label, fn in self.fns.items():
@@ -155,11 +217,36 @@ def _reward_function(obj: Any, spec: str, key: str) -> Callable[..., float]:
     return obj
 
 
-def env_factory(name: str, target: str | list[str],
-                weights: list[float] | None = None) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
+def load_tools(name: str, cfg: EnvWorkerConfig) -> tuple[dict[str, Callable[..., Any]], list[dict[str, Any]]]:
+    """The functions `env.<name>.tools` names, by name, and their JSON schemas (transformers'
+    `get_json_schema`: from the type hints and the docstring's Args section)."""
+    from transformers.utils import get_json_schema
+
+    key = f"env.{name}.tools"
+    tools: dict[str, Callable[..., Any]] = {}
+    schemas = []
+    for spec in cfg.tools or []:
+        fn = load_target(spec, key)
+        if inspect.isclass(fn) or not callable(fn):
+            raise ConfigError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # noqa: BLE001 - transformers' reasons (no docstring, a hint it cannot map)
+            raise ConfigError(f"{key}: {spec!r} has no JSON schema for the chat template: {e} (a tool needs type "
+                              "hints and a docstring with an Args: section)") from None
+        tool_name = schema["function"]["name"]
+        if tool_name in tools:
+            raise ConfigError(f"{key}: two tools are called {tool_name!r}")
+        tools[tool_name] = fn
+        schemas.append(schema)
+    return tools, schemas
+
+
+def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
     """What builds environment `name` from its `target`: an environment class, or reward
-    functions (one, or a weighted list) wrapped in RewardFunctionEnvironment."""
-    key = f"env.{name}.target"
+    functions (one, or a weighted list, with the tools of `env.<name>.tools`) wrapped in
+    RewardFunctionEnvironment."""
+    key, target, weights = f"env.{name}.target", cfg.target, cfg.reward_weights
     specs = target if isinstance(target, list) else [target]
     if not specs:
         raise ConfigError(f"{key}: an empty list names no reward function")
@@ -168,10 +255,15 @@ def env_factory(name: str, target: str | list[str],
         if not issubclass(objs[0], EnvironmentInterface):
             raise ConfigError(f"{key}={target!r}: the class {objs[0].__name__} is no "
                               "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
+        if cfg.tools:
+            raise ConfigError(f"env.{name}.tools: tools go with reward functions; the environment class "
+                              f"{objs[0].__name__} runs its own")
         return objs[0]
     fns: dict[str, Callable[..., float]] = {}
     for spec, obj in zip(specs, objs):
         label = spec.rpartition(":")[2]
         label = label if label not in fns else f"{label}_{len(fns)}"  # the same function twice
         fns[label] = _reward_function(obj, spec, key)
-    return functools.partial(RewardFunctionEnvironment, fns=fns, weights=weights or [1.0] * len(fns), name=name)
+    tools, _ = load_tools(name, cfg)
+    return functools.partial(RewardFunctionEnvironment, fns=fns, weights=weights or [1.0] * len(fns), name=name,
+                             tools=tools)

@@ -24,6 +24,9 @@ ENV_ERROR_KEY = "env_error"
 # Metadata key of a sample's reward components ({name: value}), which the rollouts log as
 # reward/<name> means (reward functions in a list, posttrain.environments.custom).
 REWARD_COMPONENTS_KEY = "reward_components"
+# Metadata key of a sample's turns with tool calls so far (reward functions with tools,
+# posttrain.environments.custom), logged as tool_calls_mean.
+TOOL_CALLS_KEY = "tool_calls"
 
 
 @dataclass
@@ -88,6 +91,8 @@ class StepResult:
     metadata: dict[str, Any]
     answer: str | None = None
     next_stop_strings: list[str] | None = None
+    # The observation's chat role: "environment" (shown as a user turn) or e.g. "tool".
+    observation_role: str = "environment"
 
 
 class PerSampleEnvironment(EnvironmentInterface):
@@ -124,7 +129,7 @@ class PerSampleEnvironment(EnvironmentInterface):
         else:
             results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
         return EnvironmentReturn(
-            observations=[{"role": "environment", "content": r.observation} for r in results],
+            observations=[{"role": r.observation_role, "content": r.observation} for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
             rewards=torch.tensor([float(r.reward) for r in results], dtype=torch.float32),

@@ -8,7 +8,7 @@ from posttrain.config import ConfigError
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
-from posttrain.environments.custom import env_factory
+from posttrain.environments.custom import env_factory, load_tools
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -39,7 +39,7 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         if name in ENVIRONMENTS:
             raise ConfigError(f"env.{name}.target: {name!r} is a built-in environment; give yours another name "
                               "(and its rows that task_name, or set data.task_name)")
-        return env_factory(name, cfg.target, cfg.reward_weights)
+        return env_factory(name, cfg)
     if name not in ENVIRONMENTS:
         raise ConfigError(f"unknown environment {name!r} (a row's task_name, or data.task_name); valid: "
                           f"{', '.join(sorted(ENVIRONMENTS))}, or your own class or reward function in "
@@ -62,3 +62,17 @@ def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None) -> Environm
     if not isinstance(cfg, EnvWorkerConfig):
         cfg = EnvWorkerConfig.model_validate(cfg or {})
     return EnvironmentGroup(name, resolve_env(name, cfg), cfg)
+
+
+def with_tool_schemas(rows: list[dict], env_cfg) -> list[dict]:
+    """`rows`, those of an environment with tools (`env.<name>.tools`) carrying the tools' JSON
+    schemas under "tools", which every rendering of their conversations gives the chat template."""
+    schemas: dict[str, list[dict] | None] = {}
+    out = []
+    for row in rows:
+        name = row.get("task_name", "math")
+        if name not in schemas:
+            cfg = env_cfg.get_worker_cfg(name)
+            schemas[name] = load_tools(name, cfg)[1] if cfg.tools else None
+        out.append({**row, "tools": schemas[name]} if schemas[name] else row)
+    return out

@@ -3,6 +3,7 @@ multi-turn rollouts, and resume from a checkpoint."""
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -197,6 +198,46 @@ def test_reward_function_from_a_file_scores_every_row(ray_session, tmp_path):
     assert any(s["reward"] > 0 for s in samples)
     (train,) = _records(tmp_path / "logs", "train")
     assert train["env_errors"] == 0 and 0 < train["reward"] <= train["response_length_max"] / 100
+
+
+def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
+    # The tiny model, warmed up on demonstrations that call the add tool, calls it in its first
+    # turn; the tool's result (or what was malformed in the call) comes back as a tool turn, and
+    # the answer after it is what the reward function scores.
+    (tmp_path / "calc.py").write_text(
+        "def exact(response, metadata):\n    return float(response.strip() == metadata['answer'])\n\n"
+        "def add(a: int, b: int) -> int:\n    \"\"\"Add two integers.\n\n    Args:\n        a: The first.\n"
+        "        b: The second.\n    \"\"\"\n    return a + b\n")
+    rng = random.Random(0)
+    rows = []
+    for _ in range(64):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        call = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>' % (a, b)
+        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}="}], "task_name": "calc",
+                     "answer": str(a + b), "demonstration": call})
+    data = tmp_path / "calc.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=300", "grpo.warmup_sft_lr=3e-3", "grpo.val_period=0",
+        "grpo.val_at_start=false", "grpo.max_rollout_turns=2", "policy.max_total_sequence_length=160",
+        "policy.generation.max_new_tokens=72", "data.dataset_name=local", f"data.train_data_path={data}",
+        f"data.val_data_path={data}", f"env.calc.target={tmp_path}/calc.py:exact",
+        f"env.calc.tools=[{tmp_path}/calc.py:add]", "env.calc.max_tool_calls=1", "logger.num_samples_to_dump=16",
+    ))
+    run(cfg)
+    train = _records(tmp_path / "logs", "train")
+    assert len(train) == 2
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["env_errors"] == 0 and 0.5 < r["tool_calls_mean"] <= 1.0
+    results = []
+    for s in (json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()):
+        if "conversation" in s:
+            call, result = s["conversation"][0]["content"], s["conversation"][1]
+            assert result["role"] == "tool" and call.startswith("<tool_call>")
+            results.append((call, result["content"]))
+    # Some calls were well formed, and their results are the sums of their arguments.
+    good = [(json.loads(c[len("<tool_call>"):-len("</tool_call>")]), r) for c, r in results if not r.startswith("error")]
+    assert good and all(int(r) == call["arguments"]["a"] + call["arguments"]["b"] for call, r in good)
 
 
 def test_tensor_parallel_grpo(ray_session, tmp_path):

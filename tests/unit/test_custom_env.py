@@ -1,5 +1,6 @@
 """Environments and reward functions of the user's own, named by `env.<name>.target`."""
 
+import json
 import textwrap
 
 import pytest
@@ -38,6 +39,27 @@ def context_keys(response, metadata, **context):
 
 def needs_a_judge(response, metadata, judge):
     return 1.0
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+def undocumented(a: int) -> int:
+    return a
 
 class Echo(PerSampleEnvironment):
     """Two turns: asks again once, then scores the second answer's length."""
@@ -185,3 +207,55 @@ def test_reward_functions_that_name_prompt_or_messages_receive_them(rewards_file
         env = resolve_env("c", _cfg(f"{rewards_file}:{fn}"))(EnvWorkerConfig())
         ret = env.step([convo("x"), two_turns], [{}, {}])
         assert ret.rewards.tolist() == expected and ret.num_errors == 0, fn
+
+
+def _call(name, **arguments):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
+    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:add", f"{rewards_file}:divide"], max_tool_calls=2)
+    env = resolve_env("calc", cfg)(cfg)
+    first = convo("Let me add. " + _call("add", a=40, b=2))
+    ret = env.step([first], [{"answer": "42"}])
+    assert ret.observations == [{"role": "tool", "content": "42"}] and ret.rewards.tolist() == [0.0]
+    assert not ret.terminateds[0] and ret.metadata[0]["tool_calls"] == 1 and ret.num_errors == 0
+    final = first + [ret.observations[0], {"role": "assistant", "content": "42"}]
+    ret = env.step([final], ret.metadata)
+    assert ret.rewards.tolist() == [1.0] and ret.terminateds[0]  # no call: the final answer, scored
+    # What goes wrong in a call is the model's to see; it is no environment error.
+    bad = convo(_call("divide", a=1, b=0) + _call("mul", a=2, b=3) + "<tool_call>{oops</tool_call>"
+                + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>'
+                + '<tool_call>{"name": "add", "parameters": {"a": 1, "b": "x"}}')  # cut off by the token limit
+    ret = env.step([bad], [{}])
+    lines = ret.observations[0]["content"].split("\n")
+    assert lines[0] == "error: divide raised ZeroDivisionError: division by zero"
+    assert lines[1] == "error: there is no tool 'mul'; the tools are add, divide"
+    assert lines[2].startswith("error: malformed tool call, not JSON") and lines[3] == "2"
+    assert lines[4] == "error: add raised TypeError: unsupported operand type(s) for +: 'int' and 'str'"
+    assert ret.num_errors == 0 and not ret.terminateds[0]
+    # After max_tool_calls turns with calls the next answer is final, calls or not.
+    ret = env.step([convo(_call("add", a=1, b=1))], [{"answer": "2", "tool_calls": 2}])
+    assert ret.terminateds[0] and ret.rewards.tolist() == [0.0] and ret.observations[0]["role"] == "environment"
+
+
+def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_file):
+    from posttrain.environments import with_tool_schemas
+    from posttrain.schemas import EnvConfig
+
+    env_cfg = EnvConfig.model_validate({"calc": {"target": f"{rewards_file}:exact", "tools": [f"{rewards_file}:add"]}})
+    rows = with_tool_schemas([{"messages": [], "task_name": "calc"}, {"messages": [], "task_name": "math"}], env_cfg)
+    (schema,) = rows[0]["tools"]
+    assert schema["function"]["name"] == "add" and schema["function"]["description"] == "Add two integers."
+    assert schema["function"]["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first number."}
+    assert "tools" not in rows[1]
+    with pytest.raises(ConfigError, match=r"env.x.tools: '.*:undocumented' has no JSON schema .*docstring"):
+        resolve_env("x", _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:undocumented"]))
+    with pytest.raises(ConfigError, match=r"env.x.tools: '.*:THRESHOLD' is a int, not a function"):
+        resolve_env("x", _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:THRESHOLD"]))
+    with pytest.raises(ConfigError, match=r"env.x.tools: two tools are called 'add'"):
+        resolve_env("x", _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:add", f"{rewards_file}:add"]))
+    with pytest.raises(ConfigError, match=r"env.x.tools: tools go with reward functions; the environment class Echo"):
+        resolve_env("x", _cfg(f"{rewards_file}:Echo", tools=[f"{rewards_file}:add"]))
+    with pytest.raises(ValueError, match=r"tools: a non-empty list of tool functions, for the reward functions"):
+        _cfg(None, tools=[f"{rewards_file}:add"])

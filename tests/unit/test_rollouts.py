@@ -41,17 +41,20 @@ def test_observation_tokens_continue_the_conversation(tok):
 
 
 class _EchoGeneration:
-    """Generates "1" then <|end|> for every prompt, and records the prompts it was given."""
+    """Generates `replies[k]` (the last one from then on) then <|end|> for every prompt of its
+    k-th call, and records the prompts it was given."""
 
-    def __init__(self, tok):
-        self.tok, self.prompts = tok, []
+    def __init__(self, tok, replies=("1",)):
+        self.tok, self.prompts, self.replies, self.calls = tok, [], list(replies), 0
 
     def generate(self, batch, greedy=False):
         import torch
 
         from posttrain.data.batch import BatchedDataDict
 
-        new = self.tok.encode("1", add_special_tokens=False) + [self.tok.eos_token_id]
+        reply = self.replies[min(self.calls, len(self.replies) - 1)]
+        self.calls += 1
+        new = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
         rows = []
         for i in range(batch["input_ids"].shape[0]):
             prompt = batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist()
@@ -94,3 +97,31 @@ def test_run_rollouts_renders_every_prompt_by_add_generation_prompt(tok, add_gen
     # The first prompt and the one after the environment's observation follow the key alike.
     assert first == f"<s><|user|>1+0=<|end|>{header}"
     assert second == f"{first}1<|end|><|user|>again<|end|>{header}"
+
+
+def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path):
+    # A chat template that lists the tools' names; the tool's answer comes back as a tool turn.
+    from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
+    from posttrain.environments import resolve_env, with_tool_schemas
+    from posttrain.schemas import EnvConfig
+
+    (tmp_path / "calc.py").write_text(
+        "def exact(response, metadata):\n    return float(response == metadata['answer'])\n\n"
+        "def add(a: int, b: int) -> int:\n    \"\"\"Add.\n\n    Args:\n        a: one\n        b: two\n    \"\"\"\n"
+        "    return a + b\n")
+    env_cfg = EnvConfig.model_validate({"calc": {"target": f"{tmp_path}/calc.py:exact",
+                                                 "tools": [f"{tmp_path}/calc.py:add"]}})
+    tools_tok = build_tokenizer()
+    tools_tok.chat_template = ("{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }};"
+                               "{% endfor %}<|end|>{% endif %}" + CHAT_TEMPLATE)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 0}}</tool_call>'
+    gen = _EchoGeneration(tools_tok, replies=[call, "1"])
+    rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+0="}], "task_name": "calc",
+                               "answer": "1"}], env_cfg)
+    env = resolve_env("calc", env_cfg.get_worker_cfg("calc"))(env_cfg.get_worker_cfg("calc"))
+    result = run_rollouts(gen, rows, {"calc": env}, tools_tok, max_turns=3, max_seq_len=400)
+    first, second = (tools_tok.decode(p) for p in gen.prompts)
+    assert first == "<s><|system|>add;<|end|><|user|>1+0=<|end|><|assistant|>"
+    assert second == f"{first}{call}<|end|><|tool|>1<|end|><|assistant|>"
+    (conv,) = result.conversations
+    assert conv.reward == 1.0 and conv.turns == 2 and result.metrics["tool_calls_mean"] == 1.0
