@@ -536,6 +536,10 @@ class DataConfig(Section):
     # that grpo.warmup_sft_steps imitates) comes from a sloppy teacher who forgets every carry
     # ("07+38=" -> "035"); rewards still check the true result. Only "+" problems with a carry.
     demo_carry_error_rate: float = Field(0.0, ge=0, le=1)
+    # Embedded arithmetic task: share of the training rows whose demonstration calls the
+    # calculator tool of its operation (add, subtract, multiply: examples/tools/calculator.py),
+    # gets the result back and answers with it; the carry errors above apply to the others.
+    demo_tool_rate: float = Field(0.0, ge=0, le=1)
     # Extra keys of a dataset adapter (e.g. {"question_key": "q"}).
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
 

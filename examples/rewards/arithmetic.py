@@ -13,3 +13,9 @@ def digits_right(response: str, metadata: dict) -> float:
     if len(answer) != len(gold):
         return 0.0
     return sum(a == b for a, b in zip(answer, gold)) / len(gold)
+
+
+def exact(response: str, metadata: dict) -> float:
+    """1 for exactly the answer (surrounding whitespace ignored), as the built-in arithmetic
+    environment scores; with tools, `response` is the answer after the tool calls."""
+    return float(response.strip() == str(metadata["answer"]))

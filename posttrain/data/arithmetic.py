@@ -21,10 +21,17 @@ prompt leaves their tiny context to the answer. Subtraction may give a negative 
 (`"3-7="` -> `"-4"`). With `zero_pad`, operands and answers have a fixed width: the
 operands `num_digits`, the answer the widest result of its operation, after any sign
 (2 digits: `"07+38="` -> `"045"`, `"03-17="` -> `"-14"`, `"12*11="` -> `"0132"`).
+
+Warm-up demonstrations (`grpo.warmup_sft_steps`) are the answers, except that with
+`demo_tool_rate` a share of training rows demonstrates calling the calculator instead:
+`<tool_call>{"name": "add", "arguments": {"a": 7, "b": 38}}</tool_call>`, the tool's `45`,
+then the answer `045` (`TOOL_NAMES`; examples/tools/calculator.py implements them), and with
+`demo_carry_error_rate` a share of the other `+` rows demonstrates a sloppy teacher's answer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import operator
 import random
@@ -34,6 +41,8 @@ log = logging.getLogger(__name__)
 
 TASK_NAME = "arithmetic"
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+# The calculator tool of each operation, for demonstrations that call it.
+TOOL_NAMES = {"+": "add", "-": "subtract", "*": "multiply"}
 VAL_FRACTION_CAP = 0.2
 
 
@@ -70,7 +79,7 @@ def carry_free_sum(a: int, b: int) -> int:
 
 def make_arithmetic_rows(
     num_digits: int, operations: Sequence[str], num_train: int, num_val: int, seed: int, zero_pad: bool = False,
-    demo_carry_error_rate: float = 0.0,
+    demo_carry_error_rate: float = 0.0, demo_tool_rate: float = 0.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`(train_rows, val_rows)` of arithmetic problems (see the module docstring for how)."""
     if num_digits < 1:
@@ -106,12 +115,18 @@ def make_arithmetic_rows(
         if i not in seen:
             train_ids.append(i)
     train = [decode(i) for i in train_ids]
-    if demo_carry_error_rate > 0:
-        # Its own stream: the problems do not depend on the rate.
-        teacher = random.Random(seed + 1)
-        for row in train:
-            (a, b), op = row["metadata"]["operands"], row["metadata"]["operation"]
-            wrong = carry_free_sum(a, b) if op == "+" else None
-            if teacher.random() < demo_carry_error_rate and wrong is not None and wrong != a + b:
-                row["demonstration"] = _row(a, op, b, num_digits, zero_pad, result=wrong)["answer"]
+    # Their own streams: the problems do not depend on the rates.
+    tool_user, teacher = random.Random(seed + 2), random.Random(seed + 1)
+    for row in train:
+        (a, b), op = row["metadata"]["operands"], row["metadata"]["operation"]
+        if demo_tool_rate > 0 and tool_user.random() < demo_tool_rate:
+            call = {"name": TOOL_NAMES[op], "arguments": {"a": a, "b": b}}
+            row["demonstration"] = [{"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+                                    {"role": "tool", "content": str(OPERATIONS[op](a, b))},
+                                    {"role": "assistant", "content": row["answer"]}]
+            continue
+        wrong = carry_free_sum(a, b) if op == "+" else None
+        if demo_carry_error_rate > 0 and teacher.random() < demo_carry_error_rate and wrong is not None \
+                and wrong != a + b:
+            row["demonstration"] = _row(a, op, b, num_digits, zero_pad, result=wrong)["answer"]
     return train, [decode(i) for i in val_ids]

@@ -223,7 +223,7 @@ def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     from posttrain.data.arithmetic import make_arithmetic_rows
 
     train, val = make_arithmetic_rows(cfg.num_digits, cfg.operations, cfg.num_train, cfg.num_val, cfg.seed,
-                                      cfg.zero_pad, cfg.demo_carry_error_rate)
+                                      cfg.zero_pad, cfg.demo_carry_error_rate, cfg.demo_tool_rate)
     return train if split == "train" else val
 
 

@@ -20,6 +20,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "loss": ("loss",),
     "kl": ("kl",),
     "entropy": ("entropy",),
+    "tools": ("tool",),  # tool_calls_mean, with env.<name>.tools
 }
 _MAX_SERIES = 8
 _META = ("step", "prefix", "time")

@@ -213,8 +213,12 @@ def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
     for _ in range(64):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         call = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>' % (a, b)
+        # Half demonstrate the call alone, half the whole exchange (a list of messages).
+        demo = call if len(rows) % 2 else [{"role": "assistant", "content": call},
+                                           {"role": "tool", "content": str(a + b)},
+                                           {"role": "assistant", "content": str(a + b)}]
         rows.append({"messages": [{"role": "user", "content": f"{a}+{b}="}], "task_name": "calc",
-                     "answer": str(a + b), "demonstration": call})
+                     "answer": str(a + b), "demonstration": demo})
     data = tmp_path / "calc.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     cfg = load_config("grpo", QUICKSTART, _tiny(

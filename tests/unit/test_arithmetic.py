@@ -104,3 +104,26 @@ def test_sloppy_teacher_demonstrations():
     for r in wrong:
         a, b = r["metadata"]["operands"]
         assert r["demonstration"] == f"{carry_free_sum(a, b):03d}" != r["answer"]
+
+
+def test_tool_demonstrations_call_the_operations_calculator_and_copy_its_result():
+    import json
+    import runpy
+    from pathlib import Path
+
+    calculator = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "tools" / "calculator.py"))
+    train, val = make_arithmetic_rows(2, ["+", "-", "*"], 2000, 50, seed=0, zero_pad=True,
+                                      demo_carry_error_rate=0.7, demo_tool_rate=0.3)
+    tool_rows = [r for r in train if isinstance(r.get("demonstration"), list)]
+    assert 0.25 < len(tool_rows) / len(train) < 0.35 and not any("demonstration" in r for r in val)
+    for row in tool_rows:
+        call_msg, result, answer = row["demonstration"]
+        assert call_msg["content"].startswith("<tool_call>") and call_msg["content"].endswith("</tool_call>")
+        call = json.loads(call_msg["content"][len("<tool_call>"):-len("</tool_call>")])
+        # The example tool named for the operation gives the result the demonstration shows.
+        assert result == {"role": "tool", "content": str(calculator[call["name"]](**call["arguments"]))}
+        assert int(result["content"]) == int(row["answer"]) and answer == {"role": "assistant", "content": row["answer"]}
+    # The problems, and the carry errors of the rows without tools, do not depend on the tool rate.
+    plain, _ = make_arithmetic_rows(2, ["+", "-", "*"], 2000, 50, seed=0, zero_pad=True, demo_carry_error_rate=0.7)
+    assert _prompts(plain) == _prompts(train)
+    assert any(isinstance(r.get("demonstration"), str) for r in train)
