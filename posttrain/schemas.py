@@ -639,6 +639,15 @@ BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
 }
 
 
+def check_turns_for_tool_calls(env: "EnvConfig", turns: int, key: str) -> None:
+    """Each tool call takes a turn and the answer one more: fewer turns would end conversations
+    mid-call, unscored."""
+    for name, worker in (env.model_extra or {}).items():
+        if worker.tools and turns < worker.max_tool_calls + 1:
+            raise ValueError(f"env.{name}.max_tool_calls={worker.max_tool_calls} needs {key} >= "
+                             f"{worker.max_tool_calls + 1} (a turn per call, one for the answer), got {turns}")
+
+
 class EnvConfig(Section):
     # Environments by name; each dataset row names the one that scores it (its `task_name`).
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -1037,6 +1046,11 @@ class GRPOMasterConfig(_MasterBase):
     env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
+    def _turns_for_tool_calls(self) -> "GRPOMasterConfig":
+        check_turns_for_tool_calls(self.env, self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
+        return self
+
+    @model_validator(mode="after")
     def _async_needs(self) -> "GRPOMasterConfig":
         if not self.grpo.async_grpo.enabled:
             return self
@@ -1118,6 +1132,11 @@ class EvalMasterConfig(_MasterBase):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     # The environments that score the samples, by name.
     env: EnvConfig = Field(default_factory=EnvConfig)
+
+    @model_validator(mode="after")
+    def _turns_for_tool_calls(self) -> "EvalMasterConfig":
+        check_turns_for_tool_calls(self.env, self.eval.max_rollout_turns, "eval.max_rollout_turns")
+        return self
 
 
 # The algorithm a config is for, by its CLI name.

@@ -259,3 +259,14 @@ def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_f
         resolve_env("x", _cfg(f"{rewards_file}:Echo", tools=[f"{rewards_file}:add"]))
     with pytest.raises(ValueError, match=r"tools: a non-empty list of tool functions, for the reward functions"):
         _cfg(None, tools=[f"{rewards_file}:add"])
+
+
+def test_too_few_rollout_turns_for_the_tool_calls_fail_at_config_load(rewards_file):
+    from posttrain.config import load_config
+
+    keys = [f"env.calc.target={rewards_file}:exact", f"env.calc.tools=[{rewards_file}:add]", "env.calc.max_tool_calls=2"]
+    with pytest.raises(ConfigError, match=r"env.calc.max_tool_calls=2 needs grpo.max_rollout_turns >= 3 .* got 1"):
+        load_config("grpo", None, keys)
+    assert load_config("grpo", None, [*keys, "grpo.max_rollout_turns=3"]).env.get_worker_cfg("calc").tools
+    with pytest.raises(ConfigError, match=r"needs eval.max_rollout_turns >= 3"):
+        load_config("eval", None, keys)
