@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from posttrain.config import InputError
+from posttrain.environments.interfaces import TOOL_CALLS_KEY
 from posttrain.evals import aggregate
 from posttrain.schemas import EvalMasterConfig
 
@@ -163,6 +164,9 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "response_tokens": conv.response_tokens,
         "env_error": bool(conv.env_errors),
         "task_name": conv.task_name,
+        # With tools: the turns that called them, and the whole exchange (calls, results, answer).
+        **({"tool_calls": conv.metadata.get(TOOL_CALLS_KEY, 0)} if conv.tools else {}),
+        **({"conversation": conv.messages[prompt_len:]} if conv.turns > 1 else {}),
     }
 
 
@@ -212,6 +216,8 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "num_env_errors": sum(r["env_error"] for r in records),
         "mean_reward": sum(r["reward"] for r in records) / len(records),
         "mean_response_tokens": sum(r["response_tokens"] for r in records) / len(records),
+        **({"mean_tool_calls": sum(r["tool_calls"] for r in records) / len(records)}
+           if any("tool_calls" in r for r in records) else {}),
         "generated_tokens": generated_tokens,
         "elapsed_s": elapsed,
         "tokens_per_s": generated_tokens / max(elapsed, 1e-9),

@@ -242,6 +242,22 @@ def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
     # Some calls were well formed, and their results are the sums of their arguments.
     good = [(json.loads(c[len("<tool_call>"):-len("</tool_call>")]), r) for c, r in results if not r.startswith("error")]
     assert good and all(int(r) == call["arguments"]["a"] + call["arguments"]["b"] for call, r in good)
+    # `posttrain eval` of the exported model with the same environment calls the tool too, and
+    # keeps each exchange in its samples.
+    from posttrain.algorithms.eval import run as evaluate
+
+    save = tmp_path / "eval"
+    results = evaluate(load_config("eval", None, [
+        f"policy.model_name={tmp_path / 'logs' / 'hf'}", "policy.max_total_sequence_length=160",
+        "policy.generation.max_new_tokens=72", f"data.dataset_name={data}", "data.task_name=calc",
+        f"env.calc.target={tmp_path}/calc.py:exact", f"env.calc.tools=[{tmp_path}/calc.py:add]",
+        "env.calc.max_tool_calls=1", "eval.max_rollout_turns=2", "eval.num_tests_per_prompt=1", "eval.k_value=1",
+        f"eval.save_path={save}", f"logger.log_dir={save}",
+    ]))
+    samples = [json.loads(line) for line in (save / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 64 and 0.5 < results["mean_tool_calls"] <= 1.0
+    assert results["mean_tool_calls"] == sum(s["tool_calls"] for s in samples) / 64
+    assert all(s["conversation"][1]["role"] == "tool" for s in samples if s["tool_calls"])
 
 
 def test_tensor_parallel_grpo(ray_session, tmp_path):
