@@ -212,7 +212,7 @@ def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
     rows = []
     for _ in range(64):
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        call = '<tool_call>{"name": "add", "arguments": {"a": %d, "b": %d}}</tool_call>' % (a, b)
+        call = "<tool_call>" + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}) + "</tool_call>"
         # Half demonstrate the call alone, half the whole exchange (a list of messages).
         demo = call if len(rows) % 2 else [{"role": "assistant", "content": call},
                                            {"role": "tool", "content": str(a + b)},
