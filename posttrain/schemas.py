@@ -574,6 +574,10 @@ class EnvWorkerConfig(Section):
     tools: list[str] | None = None
     # Turns with tool calls per conversation; the answer after the last one is scored as final.
     max_tool_calls: int = Field(4, ge=1)
+    # Seconds one tool call may run, in a child process that is killed after them (the model
+    # gets an error text); null: tools run in the environment's actor, where one that hangs loses
+    # its slice of the batch after step_timeout_s.
+    tool_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _weights_match_functions(self) -> "EnvWorkerConfig":

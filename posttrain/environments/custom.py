@@ -49,6 +49,11 @@ from posttrain.environments.interfaces import (
     StepResult,
     last_assistant_text,
 )
+from posttrain.environments.timeout import (
+    SubprocessRunner,
+    call_pickled,
+    import_cloudpickle,
+)
 from posttrain.schemas import EnvWorkerConfig
 
 # Keywords a reward function receives when its signature names them (or takes **kwargs).
@@ -143,6 +148,11 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         self.fns, self.weights, self.name = fns, weights, name
         self.extras = {label: _context_parameters(fn) for label, fn in fns.items()}
         self.tools, self.max_tool_calls = tools or {}, cfg.max_tool_calls
+        self.tool_timeout_s = cfg.tool_timeout_s
+        # With a time limit each call runs in a child process, which gets the tool pickled by
+        # value: its file is not importable there by the name it was loaded under.
+        self._runner = SubprocessRunner(warmup=import_cloudpickle) if self.tools and self.tool_timeout_s else None
+        self._pickled: dict[str, bytes] = {}
 
     def _call_tool(self, call: tuple[str, dict[str, Any]] | str) -> str:
         """The tool's result as text (JSON unless it returned a string), or what went wrong."""
@@ -152,10 +162,23 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if name not in self.tools:
             return f"error: there is no tool {name!r}; the tools are {', '.join(self.tools)}"
         try:
-            result = self.tools[name](**args)
+            if self._runner is None:
+                result = self.tools[name](**args)
+            else:
+                if name not in self._pickled:
+                    import ray.cloudpickle
+
+                    self._pickled[name] = ray.cloudpickle.dumps(self.tools[name])
+                result = self._runner.run(call_pickled, (self._pickled[name], args), self.tool_timeout_s)
+        except TimeoutError:
+            return f"error: {name} timed out after {self.tool_timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
             return f"error: {name} raised {type(e).__name__}: {e}"
         return result if isinstance(result, str) else json.dumps(result, default=str)
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)

@@ -61,6 +61,17 @@ def divide(a: float, b: float) -> float:
 def undocumented(a: int) -> int:
     return a
 
+def sleepy(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return f"slept {THRESHOLD * seconds / 2:g} s"  # a module global: the tool arrives with its module
+
 class Echo(PerSampleEnvironment):
     """Two turns: asks again once, then scores the second answer's length."""
 
@@ -270,3 +281,22 @@ def test_too_few_rollout_turns_for_the_tool_calls_fail_at_config_load(rewards_fi
     assert load_config("grpo", None, [*keys, "grpo.max_rollout_turns=3"]).env.get_worker_cfg("calc").tools
     with pytest.raises(ConfigError, match=r"needs eval.max_rollout_turns >= 3"):
         load_config("eval", None, keys)
+
+
+def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards_file):
+    import time
+
+    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:sleepy", f"{rewards_file}:add"], tool_timeout_s=2.0)
+    env = resolve_env("slow", cfg)(cfg)
+    try:
+        # The file is not importable in the child by the name it was loaded under: the tools go
+        # there pickled by value, module globals and all.
+        ret = env.step([convo(_call("sleepy", seconds=0.1) + _call("add", a=2, b=3))], [{}])
+        assert ret.observations[0]["content"] == "slept 0.1 s\n5"
+        start = time.monotonic()
+        ret = env.step([convo(_call("sleepy", seconds=60) + _call("add", a=1, b=1))], [{}])
+        assert time.monotonic() - start < 30  # killed at 2 s; the next call waits for a fresh child
+        assert ret.observations[0]["content"] == "error: sleepy timed out after 2 s\n2"
+        assert ret.num_errors == 0 and not ret.terminateds[0]
+    finally:
+        env.close()
