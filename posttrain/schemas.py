@@ -561,7 +561,8 @@ class EnvWorkerConfig(Section):
     cfg: dict[str, Any] = Field(default_factory=dict)
     # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
     # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
-    # single-turn rows (it also gets prompt= and messages= when it names them), or a list of
+    # single-turn rows (it also gets prompt= and messages= when it names them; one with a
+    # `completions` parameter is called as TRL calls its reward_funcs, per batch), or a list of
     # reward functions whose weighted sum is the reward (each logged as train/reward/<function>;
     # docs/environments.md); null: the built-in environment.
     target: str | list[str] | None = None

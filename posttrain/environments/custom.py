@@ -10,6 +10,8 @@ paths). It names either
   `response` is the model's answer, `metadata` the row's metadata with its `answer`. A function
   that also names a `prompt` parameter gets the user's message the response answers, one that
   names `messages` the whole conversation (role/content dicts, the response last), as keywords.
+  A function with a `completions` parameter is a TRL reward function and is called as TRL
+  calls it, once per batch (`_trl_values`), so TRL users' reward functions run unchanged.
 
 Reward functions may come with tools (`env.<name>.tools`): Python functions the model calls as
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen2.5 format). Each
@@ -45,6 +47,7 @@ from posttrain.environments.interfaces import (
     REWARD_COMPONENTS_KEY,
     TOOL_CALLS_KEY,
     EnvironmentInterface,
+    EnvironmentReturn,
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
@@ -147,6 +150,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                  name: str, tools: dict[str, Callable[..., Any]] | None = None):
         self.fns, self.weights, self.name = fns, weights, name
         self.extras = {label: _context_parameters(fn) for label, fn in fns.items()}
+        self.trl = {label for label, fn in fns.items() if is_trl_reward_function(fn)}
         self.tools, self.max_tool_calls = tools or {}, cfg.max_tool_calls
         self.tool_timeout_s = cfg.tool_timeout_s
         # With a time limit each call runs in a child process, which gets the tool pickled by
@@ -180,8 +184,16 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if self._runner is not None:
             self._runner.close()
 
+    def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        if self.trl:  # TRL reward functions score the whole batch at once; step_one reads their values
+            per_sample = _trl_values({label: self.fns[label] for label in self.trl}, message_logs, metadata)
+            metadata = [{**m, _TRL_VALUES_KEY: v} for m, v in zip(metadata, per_sample)]
+        return super().step(message_logs, metadata)
+
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)
+        metadata = dict(metadata)
+        batch_values = metadata.pop(_TRL_VALUES_KEY, {})
         used = int(metadata.get(TOOL_CALLS_KEY, 0))
         calls = parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
         if calls:
@@ -191,7 +203,13 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         context = {"prompt": _prompt_text(messages), "messages": messages}
         values = {}
         for label, fn in self.fns.items():
-            value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
+            if label in self.trl:
+                value = batch_values[label]
+                if isinstance(value, BaseException):
+                    raise value
+                value = 0.0 if value is None else value  # TRL's None: not applicable, adds nothing
+            else:
+                value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
             if not isinstance(value, numbers.Real):
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
                                 "not a number")
@@ -200,6 +218,51 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
+
+
+# Metadata key of a sample's TRL reward function values, from `step` to `step_one` (removed there).
+_TRL_VALUES_KEY = "_trl_reward_values"
+
+
+def is_trl_reward_function(fn: Callable) -> bool:
+    """TRL's reward function signature: `fn(completions, **kwargs) -> list[float | None]`."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except ValueError:
+        return False
+
+
+def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]]],
+                metadata: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each sample's value of each TRL reward function: `fn(prompts=..., completions=..., **columns)`
+    as TRL calls it for conversational data. `prompts`: each sample's messages before its first
+    answer; `completions`: its messages from there on (assistant turns, and tool or environment
+    turns between them); the columns: every metadata key of the batch (the row's `answer` among
+    them) as a list, None where a sample lacks it. A function that raises or returns the wrong
+    count of values gives every sample its exception (they score 0, recorded)."""
+    starts = [next((i for i, m in enumerate(log) if m.get("role") == "assistant"), len(log)) for log in message_logs]
+    batch = {"prompts": [log[:i] for log, i in zip(message_logs, starts)],
+             "completions": [log[i:] for log, i in zip(message_logs, starts)]}
+    keys = sorted({k for m in metadata for k in m if k not in batch and not k.startswith("_")})
+    columns = {k: [m.get(k) for m in metadata] for k in keys}
+    out: list[dict[str, Any]] = [{} for _ in message_logs]
+    for label, fn in fns.items():
+        params = inspect.signature(fn).parameters
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        kwargs = {k: v for k, v in {**batch, **columns}.items() if takes_all or k in params}
+        try:
+            values = list(fn(**kwargs))
+            if len(values) != len(message_logs):
+                raise ValueError(f"returned {len(values)} values for {len(message_logs)} completions")
+            bad = next((v for v in values if v is not None and not isinstance(v, numbers.Real)), None)
+            if bad is not None:
+                raise TypeError(f"returned {bad!r}, not a number")
+        except Exception as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it
+            error = RuntimeError(f"TRL reward function {label!r}: {type(e).__name__}: {e}")
+            values = [error] * len(message_logs)
+        for sample, value in zip(out, values):
+            sample[label] = value
+    return out
 
 
 def _context_parameters(fn: Callable) -> tuple[str, ...]:
@@ -229,6 +292,8 @@ def _reward_function(obj: Any, spec: str, key: str) -> Callable[..., float]:
         raise ConfigError(f"{key}: {spec!r} is a class; a list of targets holds reward functions only")
     if not callable(obj):
         raise ConfigError(f"{key}={spec!r} is a {type(obj).__name__}, not an environment class or a reward function")
+    if is_trl_reward_function(obj):
+        return obj
     try:
         inspect.signature(obj).bind("response", {}, **dict.fromkeys(_context_parameters(obj), ""))
     except TypeError:

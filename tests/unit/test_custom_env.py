@@ -61,6 +61,16 @@ def divide(a: float, b: float) -> float:
 def undocumented(a: int) -> int:
     return a
 
+def trl_exact(completions, answer, **kwargs):
+    # TRL's conversational layout: each completion is a list of messages.
+    return [float(c[-1]["content"].strip() == str(a)) for c, a in zip(completions, answer)]
+
+def trl_prompt_length(prompts, completions, **kwargs):
+    return [None if len(p[-1]["content"]) > 3 else len(p[-1]["content"]) for p in prompts]
+
+def trl_wrong_count(completions, **kwargs):
+    return [1.0]
+
 def sleepy(seconds: float) -> str:
     """Sleep.
 
@@ -300,3 +310,20 @@ def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards
         assert ret.num_errors == 0 and not ret.terminateds[0]
     finally:
         env.close()
+
+
+def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
+    cfg = _cfg([f"{rewards_file}:trl_exact", f"{rewards_file}:trl_prompt_length", f"{rewards_file}:exact"],
+               reward_weights=[1.0, 0.5, 2.0])
+    env = resolve_env("trl", cfg)(cfg)
+    long_prompt = [{"role": "user", "content": "what is 6*7?"}, {"role": "assistant", "content": "42"}]
+    ret = env.step([convo("42"), convo("7"), long_prompt], [{"answer": "42"}, {"answer": "8"}, {"answer": 42}])
+    # trl_exact + 0.5 x len("q") (None for the long prompt: adds nothing) + 2 x exact
+    assert ret.rewards.tolist() == [1 + 0.5 + 2, 0.5, 1 + 0 + 2] and ret.num_errors == 0
+    assert ret.metadata[0]["reward_components"] == {"trl_exact": 1.0, "trl_prompt_length": 1.0, "exact": 1.0}
+    assert all("_trl_reward_values" not in m for m in ret.metadata)
+    broken = _cfg(f"{rewards_file}:trl_wrong_count")
+    ret = resolve_env("trl", broken)(broken).step([convo("a"), convo("b")], [{}, {}])
+    assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
+    assert "TRL reward function 'trl_wrong_count': ValueError: returned 1 values for 2 completions" in \
+        ret.metadata[0]["env_error"]
