@@ -123,6 +123,12 @@ def test_reward_function_and_class_run_inside_ray_actors(ray_session, rewards_fi
         assert ret.answers == [" 42", "41", "7"]
     finally:
         group.shutdown()
+    group = create_env("trl", _cfg(f"{rewards_file}:trl_exact", num_workers=2))  # a batch per actor
+    try:
+        ret = group.step([convo("42"), convo("41"), convo("7")], [{"answer": "42"}, {"answer": 42}, {"answer": "7"}])
+        assert ret.rewards.tolist() == [1.0, 0.0, 1.0] and ret.num_errors == 0
+    finally:
+        group.shutdown()
     group = create_env("echo", _cfg(f"{rewards_file}:Echo", cfg={"scale": 0.5}))
     try:
         first = group.step([convo("ab")], [{}])
