@@ -581,7 +581,7 @@ class EnvWorkerConfig(Section):
     tool_timeout_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
-    def _weights_match_functions(self) -> "EnvWorkerConfig":
+    def _tools_and_weights_need_reward_functions(self) -> "EnvWorkerConfig":
         if self.tools is not None and (self.target is None or not self.tools):
             raise ValueError("tools: a non-empty list of tool functions, for the reward functions in target "
                              "(a built-in environment or an environment class calls no tools)")
@@ -907,7 +907,7 @@ class GRPOConfig(Section):
     # Whole groups in order (before 2026-11-22) learned less per step (quickstart, val accuracy
     # at step 8: 0.62 vs 0.835 interleaved).
     shuffle_minibatches: bool = False
-    # Overlap the next step's generation with this step's training (see the section).
+    # Overlap the next steps' generation with this step's training (see the section).
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
     @model_validator(mode="after")

@@ -246,10 +246,9 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
     keys = sorted({k for m in metadata for k in m if k not in batch and not k.startswith("_")})
     columns = {k: [m.get(k) for m in metadata] for k in keys}
     out: list[dict[str, Any]] = [{} for _ in message_logs]
+    available = {**batch, **columns}
     for label, fn in fns.items():
-        params = inspect.signature(fn).parameters
-        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        kwargs = {k: v for k, v in {**batch, **columns}.items() if takes_all or k in params}
+        kwargs = {k: available[k] for k in _keywords_taken(fn, tuple(available))}
         try:
             values = list(fn(**kwargs))
             if len(values) != len(message_logs):
@@ -265,16 +264,21 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
     return out
 
 
-def _context_parameters(fn: Callable) -> tuple[str, ...]:
-    """Which of the optional keywords (`prompt`, `messages`) `fn` takes: those it names, both
-    when it takes **kwargs."""
+def _keywords_taken(fn: Callable, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of the keywords `names` `fn` takes: those it names, all when it takes **kwargs,
+    none without a signature to inspect (a builtin)."""
     try:
         params = inspect.signature(fn).parameters
-    except ValueError:  # no signature (a builtin): the two positional arguments only
+    except ValueError:
         return ()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return CONTEXT_KEYWORDS
-    return tuple(k for k in CONTEXT_KEYWORDS if k in params)
+        return names
+    return tuple(k for k in names if k in params)
+
+
+def _context_parameters(fn: Callable) -> tuple[str, ...]:
+    """Which of the optional keywords (`prompt`, `messages`) a per-sample reward function takes."""
+    return _keywords_taken(fn, CONTEXT_KEYWORDS)
 
 
 def _prompt_text(messages: list[dict[str, str]]) -> str:
