@@ -72,14 +72,21 @@ def render_prompt(
 
 def _observation_tokens(
     tokenizer, before: list[dict[str, str]], observation: dict[str, str], *, add_generation_prompt: bool = True,
-    tools: list[dict] | None = None,
+    last_token: int, tools: list[dict] | None = None,
 ) -> list[int]:
-    """Tokens the chat template adds for `observation`, plus the next generation prompt when
-    `add_generation_prompt` (`data.add_generation_prompt`).
+    """Tokens that follow the model's last turn for `observation`: the rest of that turn's
+    closing, the observation, and the next generation prompt when `add_generation_prompt`
+    (`data.add_generation_prompt`).
 
-    Rendered as the difference between the template over the conversation with and without
-    the observation, so templates that inject text between turns stay exact. Chat templates
+    The observation is rendered as the difference between the template over the conversation
+    with and without it, so templates that inject text between turns stay exact. Chat templates
     know user/assistant/system/tool roles; an environment's message is shown as a user turn.
+
+    The closing is what the template writes after the assistant's content (e.g. "<|end|>", or
+    "<|im_end|>\n"): a turn cut by a stop string ends before it, and one the model ended with
+    its EOS (`last_token`, the turn's last generated token) has only written that token of it.
+    Without the rest the next turns would see a conversation no template (and no warm-up or
+    SFT row) ever renders.
     """
     role = observation.get("role", "user")
     message = {"role": "user" if role == "environment" else role, "content": observation["content"]}
@@ -88,7 +95,30 @@ def _observation_tokens(
     delta = full[len(prev):] if full.startswith(prev) else render_chat(
         tokenizer, [message], add_generation_prompt=add_generation_prompt
     )
-    return tokenizer(delta, add_special_tokens=False)["input_ids"]
+    return tokenizer(_turn_closing(tokenizer, before, last_token, tools) + delta, add_special_tokens=False)["input_ids"]
+
+
+# Stands in for an assistant message's content to find what the template writes after it.
+_CONTENT_SENTINEL = "\u2063posttrain-content\u2063"
+
+
+def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tools: list[dict] | None) -> str:
+    """What the chat template writes after the content of `before`'s last (assistant) message
+    and the model has not generated: all of it after a stop string, the rest of it after the
+    special token (EOS) that ended the turn. "" when the last message is not the assistant's."""
+    if not before or before[-1].get("role") != "assistant":
+        return ""
+    stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": _CONTENT_SENTINEL}],
+                           add_generation_prompt=False, tools=tools)
+    at = stand_in.rfind(_CONTENT_SENTINEL)
+    if at < 0:  # a template that rewrites the content: keep what was generated as it is
+        return ""
+    closing = stand_in[at + len(_CONTENT_SENTINEL):]
+    if tokenizer.decode([last_token], skip_special_tokens=True) == "":
+        written = tokenizer.decode([last_token], skip_special_tokens=False)
+        if written and closing.startswith(written):
+            closing = closing[len(written):]  # the special token that ended the turn is in the tokens already
+    return closing
 
 
 def start_conversations(
@@ -200,7 +230,8 @@ def run_rollouts(
                     c.done = True
                     continue
                 obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k],
-                                                 add_generation_prompt=add_generation_prompt, tools=c.tools)
+                                                 add_generation_prompt=add_generation_prompt, tools=c.tools,
+                                                 last_token=c.tokens[-1])
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue

@@ -32,20 +32,38 @@ def test_generation_prompt_is_the_prefix_of_the_training_row(tok, add_bos, add_g
 
 def test_observation_tokens_continue_the_conversation(tok):
     before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "up"}]
-    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"})
+    eos = tok.eos_token_id  # the model ended its turn itself
+    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, last_token=eos)
     # An environment message is shown as a user turn, followed by the next generation prompt.
     assert tok.decode(obs) == "<|user|>Board<|end|><|assistant|>"
     # data.add_generation_prompt=false: without it (the model writes its header itself).
-    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, add_generation_prompt=False)
+    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, add_generation_prompt=False,
+                              last_token=eos)
     assert tok.decode(obs) == "<|user|>Board<|end|>"
 
 
-class _EchoGeneration:
-    """Generates `replies[k]` (the last one from then on) then <|end|> for every prompt of its
-    k-th call, and records the prompts it was given."""
+def test_observation_tokens_close_a_turn_cut_by_a_stop_string(tok):
+    before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "<action>up</action>"}]
+    obs = {"role": "environment", "content": "Board"}
+    stopped = tok.convert_tokens_to_ids(">")  # generation stopped at "</action>": no <|end|> yet
+    assert tok.decode(_observation_tokens(tok, before, obs, last_token=stopped)) == "<|end|><|user|>Board<|end|><|assistant|>"
+    assert tok.decode(_observation_tokens(tok, before, obs, last_token=tok.eos_token_id)) == "<|user|>Board<|end|><|assistant|>"
+    # A template whose turns end "<|end|>\n": after the model's own <|end|> only the newline is missing.
+    from posttrain.embedded import build_tokenizer
 
-    def __init__(self, tok, replies=("1",)):
-        self.tok, self.prompts, self.replies, self.calls = tok, [], list(replies), 0
+    newline_tok = build_tokenizer()
+    newline_tok.chat_template = newline_tok.chat_template.replace("'<|end|>'", "'<|end|>\n'")
+    assert newline_tok.decode(_observation_tokens(newline_tok, before, obs, last_token=tok.eos_token_id)) == (
+        "\n<|user|>Board<|end|>\n<|assistant|>")
+
+
+class _EchoGeneration:
+    """Generates `replies[k]` (the last one from then on) then <|end|> (unless `eos` is False:
+    as if a stop string ended it) for every prompt of its k-th call, and records the prompts it
+    was given."""
+
+    def __init__(self, tok, replies=("1",), eos=True):
+        self.tok, self.prompts, self.replies, self.calls, self.eos = tok, [], list(replies), 0, eos
 
     def generate(self, batch, greedy=False):
         import torch
@@ -54,7 +72,7 @@ class _EchoGeneration:
 
         reply = self.replies[min(self.calls, len(self.replies) - 1)]
         self.calls += 1
-        new = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
+        new = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id] * self.eos
         rows = []
         for i in range(batch["input_ids"].shape[0]):
             prompt = batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist()
@@ -97,6 +115,23 @@ def test_run_rollouts_renders_every_prompt_by_add_generation_prompt(tok, add_gen
     # The first prompt and the one after the environment's observation follow the key alike.
     assert first == f"<s><|user|>1+0=<|end|>{header}"
     assert second == f"{first}1<|end|><|user|>again<|end|>{header}"
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_multi_turn_tokens_are_the_chat_template_of_the_conversation(tok, eos):
+    # Whether a turn ended with the model's EOS or at a stop string, the next turn sees the
+    # conversation as the chat template renders it (as the warm-up and SFT rows are built).
+    gen = _EchoGeneration(tok, replies=["<action>up</action>", "<action>left</action>"], eos=eos)
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv()}, tok, max_turns=2, max_seq_len=200)
+    (conv,) = result.conversations
+    second = gen.prompts[1]
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "environment", "assistant"]
+    shown = [*conv.messages[:2], {"role": "user", "content": "again"}]  # an environment turn is a user turn
+    assert second == render_prompt(tok, shown, add_bos=True)
+    tokens = result.batch["input_ids"][0, : int(result.batch["input_lengths"][0])].tolist()
+    closing = [tok.eos_token_id] if eos else []
+    assert tokens == second + tok.encode("<action>left</action>", add_special_tokens=False) + closing
 
 
 def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path):
