@@ -14,7 +14,8 @@ paths). It names either
   calls it, once per batch (`_trl_values`), so TRL users' reward functions run unchanged.
 
 Reward functions may come with tools (`env.<name>.tools`): Python functions the model calls as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen2.5 format). Each
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen format), or with an
+answer that is nothing but the JSON call (Llama 3.x, Mistral; `parse_tool_calls`). Each
 turn with calls gets their results back as one tool message (an error text for a malformed
 call, an unknown tool or one that raised, so the model can recover); the first turn without
 calls, or the turn after `max_tool_calls` turns with calls, is the final answer the reward
@@ -111,32 +112,61 @@ def load_target(spec: str, key: str) -> Any:
 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# Markers some templates put before a bare JSON call, when they survive decoding.
+_BARE_CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
 
 
 def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
-    """Each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of `text` as (name,
-    arguments), or as the error text of a malformed one. "parameters" is read as "arguments", and
-    arguments written as a JSON string are decoded; a call cut off by the token limit is read to
-    the end of the text."""
+    """The tool calls of `text`, each as (name, arguments) or as the error text of a malformed one.
+
+    Two formats: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text
+    (Hermes: Qwen2.5, Qwen3), or, without those tags, a whole answer that is one JSON call object
+    or a list of them (Llama 3.1-3.3 `{"name": ..., "parameters": {...}}`, Mistral
+    `[{"name": ..., "arguments": {...}}]`; their marker tokens are special and dropped in
+    decoding, or stripped here). "parameters" is read as "arguments", and arguments written as a
+    JSON string are decoded; a tagged call cut off by the token limit is read to the end of the
+    text. A bare JSON answer without a "name" and "arguments"/"parameters" is an answer, not a call.
+    """
+    tagged = _TOOL_CALL.findall(text)
+    if not tagged:
+        return _bare_calls(text)
     calls: list[tuple[str, dict[str, Any]] | str] = []
-    for body in _TOOL_CALL.findall(text):
+    for body in tagged:
         try:
             call = json.loads(body.strip())
         except json.JSONDecodeError as e:
             calls.append(f"malformed tool call, not JSON ({e.msg})")
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append('malformed tool call, expected {"name": ..., "arguments": {...}}')
-            continue
-        args = call.get("arguments", call.get("parameters", {}))
-        if isinstance(args, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                args = json.loads(args)
-        if not isinstance(args, dict):
-            calls.append(f"malformed tool call to {call['name']}: its arguments must be an object")
-            continue
-        calls.append((call["name"], args))
+        calls.append(_read_call(call))
     return calls
+
+
+def _bare_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+    body = text.strip()
+    for prefix in _BARE_CALL_PREFIXES:
+        body = body.removeprefix(prefix).strip()
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        found = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    objs = found if isinstance(found, list) else [found]
+    looks_like_calls = objs and all(isinstance(o, dict) and "name" in o and ("arguments" in o or "parameters" in o)
+                                    for o in objs)
+    return [_read_call(o) for o in objs] if looks_like_calls else []
+
+
+def _read_call(call: Any) -> tuple[str, dict[str, Any]] | str:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return 'malformed tool call, expected {"name": ..., "arguments": {...}}'
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            args = json.loads(args)
+    if not isinstance(args, dict):
+        return f"malformed tool call to {call['name']}: its arguments must be an object"
+    return call["name"], args
 
 
 class RewardFunctionEnvironment(PerSampleEnvironment):

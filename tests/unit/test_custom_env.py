@@ -266,6 +266,22 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     assert ret.terminateds[0] and ret.rewards.tolist() == [0.0] and ret.observations[0]["role"] == "environment"
 
 
+def test_bare_json_tool_calls_of_llama_and_mistral():
+    from posttrain.environments.custom import parse_tool_calls
+
+    llama = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    assert parse_tool_calls(llama) == [("add", {"a": 1, "b": 2})]
+    assert parse_tool_calls(' {"name": "add", "parameters": "{\\"a\\": 3}"}\n') == [("add", {"a": 3})]
+    mistral = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "div", "arguments": [1]}]'
+    assert parse_tool_calls(mistral) == [("add", {"a": 1}), "malformed tool call to div: its arguments must be an object"]
+    # answers, not calls: JSON without a name and arguments, prose around JSON, broken JSON
+    for answer in ('{"answer": 3}', '{"name": "Ada"}', '[1, 2]', 'It is {"name": "add", "arguments": {}}',
+                   '{"name": "add", "arguments": {', "42", ""):
+        assert parse_tool_calls(answer) == [], answer
+    # a tagged call wins: the JSON around it is not read again
+    assert parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>') == [("a", {})]
+
+
 def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_file):
     from posttrain.environments import with_tool_schemas
     from posttrain.schemas import EnvConfig
