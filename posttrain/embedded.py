@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 EMBEDDED_PREFIX = "embedded:"
-_VERSION = "v1"  # bump when the recipe changes so cached folders are rebuilt
+_VERSION = "v2"  # bump when the recipe changes so cached folders are rebuilt (v2: small's 1024 positions)
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABET = string.digits + "+-*/=()., ?!:;'\"\n" + string.ascii_letters + "#<>[]{}_|\\@$%^&~`"
@@ -41,7 +41,9 @@ CHAT_TEMPLATE = (
 # name -> (hidden, layers, heads, kv_heads, intermediate, max_positions)
 MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 176, 256),  # ~0.1M params: unit tests
-    "small": (128, 4, 4, 2, 352, 256),  # ~0.75M params: the quickstart
+    # ~0.75M params: the quickstart. 1024 positions for the sliding puzzle's multi-turn games
+    # (RoPE: the weights are those of 256 positions, which v1 had).
+    "small": (128, 4, 4, 2, 352, 1024),
     "medium": (256, 4, 8, 4, 688, 256),  # ~2.7M params
     "1m": (160, 4, 4, 4, 448, 512),  # ~1.2M params: benchmarks
     "30m": (512, 9, 8, 8, 1536, 512),  # ~31M params: benchmarks

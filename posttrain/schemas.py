@@ -310,9 +310,12 @@ class PolicyConfig(Section):
     logprob_chunk_size: int | None = None
     # "auto" picks CUDA when present, else CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # transformers attention kernel of the policy (and reference) model. "auto": eager on CPU,
-    # where it was faster than sdpa for a bf16 30M model's training step (3.9 vs 5.2-5.8 s)
-    # and for masked shared-prefix rows (45 vs 71 ms), and sdpa elsewhere.
+    # transformers attention kernel of the policy (and reference) model. "auto": on CPU eager up
+    # to a max_total_sequence_length of 256, where it was faster than sdpa for a bf16 30M model's
+    # training step (3.9 vs 5.2-5.8 s at 128 tokens) and for masked shared-prefix rows (45 vs 71
+    # ms), and sdpa above it, where eager's length^2 score tensors cost more than they save (a
+    # bf16 0.77M model's forward + backward at 512 tokens: 1.93 vs 0.96 s; 256: 1.04 vs 0.76 s;
+    # 128: 0.60 vs 0.78 s); sdpa on GPUs.
     attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     # FSDP2 and tensor-parallel settings of the policy workers (NeMo RL's DTensor policy).
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
@@ -540,6 +543,9 @@ class DataConfig(Section):
     # calculator tool of its operation (add, subtract, multiply: examples/tools/calculator.py),
     # gets the result back and answers with it; the carry errors above apply to the others.
     demo_tool_rate: float = Field(0.0, ge=0, le=1)
+    # sliding_puzzle: how often the warm-up teacher, which otherwise plays shortest solutions,
+    # moves the blank another way where the shortest move is `left` (its blind spot).
+    demo_puzzle_error_rate: float = Field(0.0, ge=0, le=1)
     # Extra keys of a dataset adapter (e.g. {"question_key": "q"}).
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
 

@@ -190,13 +190,13 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
 def _demonstration(row: dict) -> list[dict]:
     """The messages the warm-up imitates after a row's prompt: its `demonstration` (one answer,
     or a list of messages, e.g. tool calls, their results and the answer), else its `answer`."""
-    demo = row.get("demonstration", row.get("answer"))
+    demo = row["demonstration"] if row.get("demonstration") is not None else row.get("answer")
     return [dict(m) for m in demo] if isinstance(demo, list) else [{"role": "assistant", "content": str(demo)}]
 
 
 def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
-    if any("answer" not in r and "demonstration" not in r for r in rows):
+    if any(r.get("answer") is None and r.get("demonstration") is None for r in rows):
         raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` (or a `demonstration`) in every training row "
                          "to imitate")
     started = time.monotonic()

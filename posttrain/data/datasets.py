@@ -244,13 +244,14 @@ REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
 
 def _sliding_puzzle(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """Seeded puzzles (`data.dataset_kwargs` = the puzzle settings, as `env.sliding_puzzle.cfg`);
-    validation puzzles come from another seed."""
+    validation puzzles come from another seed. The training rows' demonstrations have the
+    teacher's blind spot (`data.demo_puzzle_error_rate`)."""
     from posttrain.environments.sliding_puzzle import make_sliding_puzzle_rows
     from posttrain.schemas import SlidingPuzzleEnvConfig
 
     puzzle = SlidingPuzzleEnvConfig.model_validate(cfg.dataset_kwargs)
     if split == "train":
-        return make_sliding_puzzle_rows(cfg.num_train, puzzle, cfg.seed)
+        return make_sliding_puzzle_rows(cfg.num_train, puzzle, cfg.seed, cfg.demo_puzzle_error_rate)
     return make_sliding_puzzle_rows(cfg.num_val, puzzle, cfg.seed + 1_000_003)
 
 

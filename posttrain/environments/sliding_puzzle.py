@@ -21,10 +21,19 @@ board, never undoing the previous move, continued while the board is still solve
 The game state lives in the sample's metadata: {"seed", "board" (list of rows, 0 = blank),
 "moves"}; a sample without "board" starts from its seed's puzzle. `make_sliding_puzzle_rows`
 makes the dataset rows (first message = rules + starting board).
+
+Every row also carries a `demonstration` for `grpo.warmup_sft_steps` to imitate: a game played
+by a teacher who always moves along a shortest solution (breadth-first search from the solved
+board), except that it has a blind spot when `demo_error_rate` > 0: where the shortest move is
+`left`, it moves another way with that probability. A model that imitates it solves the puzzles
+whose solution never moves left and loops on the others, until RL finds the move the teacher
+missed (examples/configs/grpo_sliding_puzzle.yaml).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import random
 import re
 from typing import Any
@@ -40,6 +49,9 @@ _ACTION_TAG = re.compile(r"<action>\s*([A-Za-z]+)\s*(?:</action>|$)", re.IGNOREC
 STOP_STRINGS = ["</action>"]
 
 Board = list[list[int]]
+log = logging.getLogger(__name__)
+# Boards the teacher's distance table may hold before it gives up (~2 s and ~50 MB to build).
+_MAX_TABLE_BOARDS = 200_000
 
 
 def solved_board(size: int) -> Board:
@@ -79,6 +91,86 @@ def shuffled_board(size: int, shuffle_moves: int, seed: int) -> Board:
     return board
 
 
+class _Distances:
+    """Moves from a board to the solved one: a breadth-first search from the solved board, one
+    level deeper each time a board beyond the levels searched so far is asked for."""
+
+    def __init__(self, size: int):
+        goal = solved_board(size)
+        self.size, self.table, self.frontier = size, {_key(goal): 0}, [goal]
+
+    def __call__(self, board: Board) -> int:
+        while _key(board) not in self.table:
+            if len(self.table) > _MAX_TABLE_BOARDS:
+                raise ValueError(f"the teacher's search from the solved {self.size}x{self.size} board passed "
+                                 f"{len(self.table):,} boards; lower env.sliding_puzzle.cfg.shuffle_moves or max_moves")
+            depth, frontier = self.table[_key(self.frontier[0])] + 1, []
+            for b in self.frontier:
+                for action in ACTIONS:
+                    nb = apply_move(b, action)
+                    if nb is not None and _key(nb) not in self.table:
+                        self.table[_key(nb)] = depth
+                        frontier.append(nb)
+            self.frontier = frontier
+        return self.table[_key(board)]
+
+
+def _key(board: Board) -> tuple[int, ...]:
+    return tuple(v for row in board for v in row)
+
+
+@functools.cache
+def _distances(size: int) -> _Distances:
+    return _Distances(size)
+
+
+def shortest_move(board: Board) -> str | None:
+    """The first move (in `ACTIONS` order) of a shortest solution of `board`; None if solved."""
+    distance = _distances(len(board))
+    here = distance(board)
+    if here == 0:
+        return None
+    return next(a for a in ACTIONS if (nb := apply_move(board, a)) is not None and distance(nb) == here - 1)
+
+
+def teacher_game(board: Board, cfg: SlidingPuzzleEnvConfig, error_rate: float, rng: random.Random) -> list[dict]:
+    """The messages of a game the teacher plays from `board` (its moves and the environment's
+    answers, up to its last move): shortest moves, except that a `left` becomes the first valid
+    of up, down, right with probability `error_rate`."""
+    messages: list[dict[str, str]] = []
+    moves = 0
+    while True:
+        action = shortest_move(board)
+        if action == "left" and rng.random() < error_rate:
+            action = next(a for a in ("up", "down", "right") if apply_move(board, a) is not None)
+        messages.append({"role": "assistant", "content": f"<action>{action}</action>"})
+        result = play(board, moves, action, cfg, {})
+        if result.terminated:
+            return messages
+        messages.append({"role": "user", "content": result.observation})
+        board, moves = result.metadata["board"], result.metadata["moves"]
+
+
+def play(board: Board, moves: int, action: str | None, cfg: SlidingPuzzleEnvConfig,
+         metadata: dict[str, Any]) -> StepResult:
+    """One turn: `action` (None: unreadable) on `board` after `moves` moves; the new state is
+    `metadata` updated with board, moves and solved."""
+    new_board = apply_move(board, action) if action is not None else None
+    moves += 1
+    if new_board is None:
+        ended = cfg.terminate_on_invalid or moves >= cfg.max_moves
+        text = f"Invalid move. Board:\n{render_board(board)}"
+        state = {**metadata, "board": board, "moves": moves, "solved": False}
+        return StepResult(text, 0.0, ended, state, action, None if ended else STOP_STRINGS)
+    solved = new_board == solved_board(len(new_board))
+    state = {**metadata, "board": new_board, "moves": moves, "solved": solved}
+    if solved:
+        return StepResult("Solved!", 1.0, True, state, action)
+    if moves >= cfg.max_moves:
+        return StepResult(f"Out of moves. Board:\n{render_board(new_board)}", 0.0, True, state, action)
+    return StepResult(f"Board:\n{render_board(new_board)}", 0.0, False, state, action, STOP_STRINGS)
+
+
 def render_board(board: Board) -> str:
     return "\n".join(" ".join(str(v) if v else "_" for v in row) for row in board)
 
@@ -101,10 +193,13 @@ def puzzle_prompt(board: Board) -> str:
     )
 
 
-def make_sliding_puzzle_rows(num_rows: int, cfg: SlidingPuzzleEnvConfig, seed: int) -> list[dict[str, Any]]:
+def make_sliding_puzzle_rows(num_rows: int, cfg: SlidingPuzzleEnvConfig, seed: int,
+                             demo_error_rate: float = 0.0) -> list[dict[str, Any]]:
     """`num_rows` RL rows, each a seeded puzzle: {"messages", "task_name", "answer": None,
-    "metadata", "stop_strings"} (the first turn stops at "</action>" like the later ones)."""
+    "metadata", "stop_strings", "demonstration"} (the first turn stops at "</action>" like the
+    later ones; the demonstration is the teacher's game, see the module docstring)."""
     rng = random.Random(seed)
+    teacher = random.Random(seed + 1)  # its own stream: the puzzles do not depend on the error rate
     rows = []
     for _ in range(num_rows):
         puzzle_seed = rng.randrange(2**31)
@@ -118,6 +213,13 @@ def make_sliding_puzzle_rows(num_rows: int, cfg: SlidingPuzzleEnvConfig, seed: i
                 "stop_strings": list(STOP_STRINGS),
             }
         )
+    try:
+        for row in rows:
+            row["demonstration"] = teacher_game(row["metadata"]["board"], cfg, demo_error_rate, teacher)
+    except ValueError as e:  # puzzles too far from solved for the teacher: fine unless a warm-up needs them
+        log.warning("sliding_puzzle rows have no demonstrations for grpo.warmup_sft_steps: %s", e)
+        for row in rows:
+            row.pop("demonstration", None)
     return rows
 
 
@@ -142,18 +244,4 @@ class SlidingPuzzleEnvironment(PerSampleEnvironment):
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         board, moves = self._state(metadata)
-        action = parse_action(last_assistant_text(messages))
-        new_board = apply_move(board, action) if action is not None else None
-        moves += 1
-        if new_board is None:
-            ended = self.cfg.terminate_on_invalid or moves >= self.cfg.max_moves
-            text = f"Invalid move. Board:\n{render_board(board)}"
-            state = {**metadata, "board": board, "moves": moves, "solved": False}
-            return StepResult(text, 0.0, ended, state, action, None if ended else STOP_STRINGS)
-        solved = new_board == solved_board(len(new_board))
-        state = {**metadata, "board": new_board, "moves": moves, "solved": solved}
-        if solved:
-            return StepResult("Solved!", 1.0, True, state, action)
-        if moves >= self.cfg.max_moves:
-            return StepResult(f"Out of moves. Board:\n{render_board(new_board)}", 0.0, True, state, action)
-        return StepResult(f"Board:\n{render_board(new_board)}", 0.0, False, state, action, STOP_STRINGS)
+        return play(board, moves, parse_action(last_assistant_text(messages)), self.cfg, metadata)

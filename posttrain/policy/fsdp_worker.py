@@ -44,6 +44,16 @@ from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
 
 log = logging.getLogger(__name__)
+# policy.attn_implementation=auto: eager attention on CPU up to this policy.max_total_sequence_length.
+_CPU_EAGER_MAX_TOKENS = 256
+
+
+def attention_kernel(cfg: PolicyConfig, device_type: str) -> str:
+    """The transformers attention implementation of `policy.attn_implementation` on `device_type`
+    ("auto": see the key's comment in schemas.py for the measurements)."""
+    if cfg.attn_implementation != "auto":
+        return cfg.attn_implementation
+    return "eager" if device_type == "cpu" and cfg.max_total_sequence_length <= _CPU_EAGER_MAX_TOKENS else "sdpa"
 
 
 def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -248,8 +258,7 @@ class FSDPPolicyWorker:
 
         cfg = self.cfg
         kwargs = {"num_labels": 1} if self.model_kind == "sequence_classification" else {}
-        attn = cfg.attn_implementation
-        kwargs["attn_implementation"] = ("eager" if self.device.type == "cpu" else "sdpa") if attn == "auto" else attn
+        kwargs["attn_implementation"] = attention_kernel(cfg, self.device.type)
         # Weights that are not in the checkpoint (a reward model's score head, LoRA's A) are
         # initialised randomly: the same seed on every rank gives every rank the same model.
         torch.manual_seed(0)

@@ -140,11 +140,15 @@ def test_resume_continues_from_the_latest_checkpoint(arithmetic_run):
 
 
 def test_multi_turn_sliding_puzzle(ray_session, tmp_path):
+    # 2x2 puzzles keep it short; the warm-up imitates the teacher's games (demonstrations).
     cfg = load_config("grpo", "examples/configs/grpo_sliding_puzzle.yaml", _tiny(
-        tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
-        "grpo.val_at_start=false", "policy.max_total_sequence_length=256",
+        tmp_path, "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_start=false",
+        "policy.max_total_sequence_length=320", "env.sliding_puzzle.cfg.size=2", "grpo.max_rollout_turns=4",
+        "env.sliding_puzzle.cfg.shuffle_moves=3", "env.sliding_puzzle.cfg.max_moves=4", "data.num_train=64",
     ))
     run(cfg)
+    (warmup,) = _records(tmp_path / "logs", "data/warmup_sft")
+    assert warmup["kept"] == cfg.data.num_train and warmup["no_loss"] == 0
     train = _records(tmp_path / "logs", "train")
     assert len(train) == 2
     for r in train:

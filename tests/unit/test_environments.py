@@ -22,6 +22,7 @@ from posttrain.environments.sliding_puzzle import (
     apply_move,
     parse_action,
     render_board,
+    shortest_move,
     shuffled_board,
     solved_board,
 )
@@ -173,13 +174,13 @@ def test_board_mechanics():
 
 
 def _solution(board):
-    """Moves of the blank that solve a 2x2 board (breadth-first search)."""
+    """Moves of the blank that solve a board (breadth-first search from it)."""
     from collections import deque
 
     seen, queue = {str(board)}, deque([(board, [])])
     while queue:
         b, path = queue.popleft()
-        if b == solved_board(2):
+        if b == solved_board(len(board)):
             return path
         for a in ("up", "down", "left", "right"):
             nb = apply_move(b, a)
@@ -209,6 +210,71 @@ def test_sliding_puzzle_game_is_won_turn_by_turn():
             assert ret.observations[0]["content"] == "Board:\n" + render_board(meta["board"])
             messages.append(ret.observations[0])
     assert ret.observations[0]["content"] == "Solved!" and meta["solved"]
+
+
+def _replay(env, row):
+    """Play a row's demonstration in the environment, checking each observation against the
+    demonstration's; returns (moves played, reward of the last)."""
+    demo, messages, meta = row["demonstration"], list(row["messages"]), dict(row["metadata"])
+    for k in range(0, len(demo), 2):
+        messages.append(demo[k])
+        ret = env.step([messages], [meta])
+        meta = ret.metadata[0]
+        if k + 1 < len(demo):
+            assert not ret.terminateds[0] and demo[k + 1] == {"role": "user", "content": ret.observations[0]["content"]}
+            messages.append(demo[k + 1])
+    assert ret.terminateds[0] and ret.num_errors == 0  # the demonstration ends with the game
+    return meta["moves"], float(ret.rewards[0])
+
+
+def test_teacher_demonstrations_play_shortest_solutions_with_a_blind_spot():
+    cfg = SlidingPuzzleEnvConfig(size=3, shuffle_moves=6, max_moves=8)
+    env = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg=cfg.model_dump()))
+    perfect = make_sliding_puzzle_rows(30, cfg, seed=5)
+    blind = make_sliding_puzzle_rows(30, cfg, seed=5, demo_error_rate=1.0)
+    assert [r["metadata"] for r in perfect] == [r["metadata"] for r in blind]  # the same puzzles
+    needs_left = 0
+    for p, b in zip(perfect, blind):
+        board = p["metadata"]["board"]
+        assert _replay(env, p) == (len(_solution(board)), 1.0)  # shortest, by an independent search
+        path = []
+        while (move := shortest_move(board)) is not None:
+            path.append(move)
+            board = apply_move(board, move)
+        moves, reward = _replay(env, b)
+        assert "left" not in str(b["demonstration"])
+        if "left" in path:
+            needs_left += 1
+            assert reward == 0.0 and moves == cfg.max_moves  # it walks back and forth until out of moves
+        else:
+            assert b["demonstration"] == p["demonstration"]
+    assert 10 <= needs_left <= 29
+    half = make_sliding_puzzle_rows(30, cfg, seed=5, demo_error_rate=0.5)
+    solved = sum(_replay(env, r)[1] for r in half)
+    assert 30 - needs_left < solved < 30  # some blind-spot puzzles solved, not all
+
+
+def test_teacher_distance_table_is_bounded(monkeypatch):
+    from posttrain.environments import sliding_puzzle
+
+    sliding_puzzle._distances.cache_clear()
+    monkeypatch.setattr(sliding_puzzle, "_MAX_TABLE_BOARDS", 50)
+    try:
+        assert shortest_move(apply_move(solved_board(3), "up")) == "down"
+        with pytest.raises(ValueError, match=r"passed \d+ boards; lower env.sliding_puzzle.cfg.shuffle_moves or max_moves"):
+            shortest_move(shuffled_board(3, 12, seed=1))
+        # Rows of puzzles too far for the teacher come without demonstrations (a warm-up then
+        # fails, naming what it needs); the puzzles themselves are unchanged.
+        far = SlidingPuzzleEnvConfig(size=3, shuffle_moves=12, max_moves=12)
+        rows = make_sliding_puzzle_rows(3, far, seed=1)
+        assert all("demonstration" not in r for r in rows) and rows[0]["metadata"]["board"] != solved_board(3)
+        from posttrain.algorithms.grpo import _warmup_sft
+        from posttrain.config import InputError
+
+        with pytest.raises(InputError, match="grpo.warmup_sft_steps > 0 needs an `answer`"):
+            _warmup_sft(None, None, None, rows, None)  # their answer is None: nothing to imitate
+    finally:
+        sliding_puzzle._distances.cache_clear()
 
 
 def test_sliding_puzzle_invalid_moves_and_move_limit():

@@ -1,4 +1,5 @@
-"""Token-aligned logprobs from logits, and how loss metrics combine over micro-batches."""
+"""Token-aligned logprobs from logits, how loss metrics combine over micro-batches, and the
+attention kernel the policy picks."""
 
 import torch
 
@@ -34,3 +35,16 @@ def test_token_logprobs_temperature_scales_the_logits():
     expected = torch.log_softmax(logits[:, :-1] * 2.0, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert torch.allclose(got[:, 1:], expected, atol=1e-6)
     assert torch.equal(got[:, 0], torch.zeros(2))
+
+
+def test_auto_attention_kernel_is_eager_for_short_cpu_sequences_only():
+    from posttrain.policy.fsdp_worker import attention_kernel
+    from posttrain.schemas import PolicyConfig
+
+    def kernel(device, **kw):
+        return attention_kernel(PolicyConfig(model_name="embedded:tiny", **kw), device)
+
+    assert kernel("cpu", max_total_sequence_length=256) == "eager"
+    assert kernel("cpu", max_total_sequence_length=257) == "sdpa"  # eager's length^2 scores cost more
+    assert kernel("cuda", max_total_sequence_length=64) == "sdpa"
+    assert kernel("cpu", max_total_sequence_length=4096, attn_implementation="eager") == "eager"
