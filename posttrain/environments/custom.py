@@ -340,15 +340,20 @@ def _reward_function(obj: Any, spec: str, key: str) -> Callable[..., float]:
 
 
 def load_tools(name: str, cfg: EnvWorkerConfig) -> tuple[dict[str, Callable[..., Any]], list[dict[str, Any]]]:
-    """The functions `env.<name>.tools` names, by name, and their JSON schemas (transformers'
-    `get_json_schema`: from the type hints and the docstring's Args section)."""
+    """The functions `env.<name>.tools` names, by name, and their JSON schemas."""
+    key = f"env.{name}.tools"
+    return describe_tools([(spec, load_target(spec, key)) for spec in cfg.tools or []], key)
+
+
+def describe_tools(named: list[tuple[str, Any]], key: str) -> tuple[dict[str, Callable[..., Any]], list[dict[str, Any]]]:
+    """Tool functions (each given as (what names it, the function)) by name, and their JSON
+    schemas (transformers' `get_json_schema`: from the type hints and the docstring's Args
+    section); errors name `key`."""
     from transformers.utils import get_json_schema
 
-    key = f"env.{name}.tools"
     tools: dict[str, Callable[..., Any]] = {}
     schemas = []
-    for spec in cfg.tools or []:
-        fn = load_target(spec, key)
+    for spec, fn in named:
         if inspect.isclass(fn) or not callable(fn):
             raise ConfigError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
         try:
@@ -379,7 +384,7 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
                               "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
         if cfg.tools:
             raise ConfigError(f"env.{name}.tools: tools go with reward functions; the environment class "
-                              f"{objs[0].__name__} runs its own")
+                              f"{objs[0].__name__} runs its own (its `tools` attribute)")
         return objs[0]
     fns: dict[str, Callable[..., float]] = {}
     for spec, obj in zip(specs, objs):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,6 +70,12 @@ class EnvironmentReturn:
 
 
 class EnvironmentInterface(ABC):
+    # Python functions the model may call, each with type hints and a docstring with an Args:
+    # section: their JSON schemas go to the chat template with every prompt of the environment's
+    # rows (`with_tool_schemas`). The environment reads and runs the calls itself
+    # (`posttrain.environments.custom.parse_tool_calls` reads the usual formats).
+    tools: ClassVar[tuple[Callable[..., Any], ...]] = ()
+
     @abstractmethod
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         """Score the last assistant message of each conversation; see the module docstring."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from posttrain.config import ConfigError
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
-from posttrain.environments.custom import env_factory, load_tools
+from posttrain.environments.custom import describe_tools, env_factory, load_tools
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -65,14 +66,24 @@ def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None) -> Environm
 
 
 def with_tool_schemas(rows: list[dict], env_cfg) -> list[dict]:
-    """`rows`, those of an environment with tools (`env.<name>.tools`) carrying the tools' JSON
-    schemas under "tools", which every rendering of their conversations gives the chat template."""
-    schemas: dict[str, list[dict] | None] = {}
+    """`rows`, those of an environment with tools (`env.<name>.tools`, or an environment class's
+    `tools` attribute) carrying the tools' JSON schemas under "tools", which every rendering of
+    their conversations gives the chat template."""
+    schemas: dict[str, list[dict]] = {}
     out = []
     for row in rows:
         name = row.get("task_name", "math")
         if name not in schemas:
-            cfg = env_cfg.get_worker_cfg(name)
-            schemas[name] = load_tools(name, cfg)[1] if cfg.tools else None
+            schemas[name] = _tool_schemas(name, env_cfg.get_worker_cfg(name))
         out.append({**row, "tools": schemas[name]} if schemas[name] else row)
     return out
+
+
+def _tool_schemas(name: str, cfg: EnvWorkerConfig) -> list[dict]:
+    if cfg.tools:
+        return load_tools(name, cfg)[1]
+    factory = resolve_env(name, cfg)
+    if not (inspect.isclass(factory) and factory.tools):
+        return []
+    key = f"{factory.__name__}.tools (environment {name!r})"
+    return describe_tools([(getattr(fn, "__name__", repr(fn)), fn) for fn in factory.tools], key)[1]

@@ -94,6 +94,14 @@ class Echo(PerSampleEnvironment):
             return StepResult("once more", 0.0, False, metadata)
         return StepResult("", self.scale * len(messages[-1]["content"]), True, metadata)
 
+class Calculator(Echo):
+    """An environment class with a tool the model may call."""
+
+    tools = (add,)
+
+class BadTools(Echo):
+    tools = (undocumented,)
+
 class NotAnEnvironment:
     pass
 '''
@@ -302,6 +310,13 @@ def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_f
         resolve_env("x", _cfg(f"{rewards_file}:Echo", tools=[f"{rewards_file}:add"]))
     with pytest.raises(ValueError, match=r"tools: a non-empty list of tool functions, for the reward functions"):
         _cfg(None, tools=[f"{rewards_file}:add"])
+    # An environment class declares its tools in its `tools` attribute.
+    env_cfg = EnvConfig.model_validate({"calc": {"target": f"{rewards_file}:Calculator"},
+                                        "bad": {"target": f"{rewards_file}:BadTools"}})
+    (row,) = with_tool_schemas([{"messages": [], "task_name": "calc"}], env_cfg)
+    assert row["tools"] == [schema]
+    with pytest.raises(ConfigError, match=r"BadTools.tools \(environment 'bad'\): 'undocumented' has no JSON schema"):
+        with_tool_schemas([{"messages": [], "task_name": "bad"}], env_cfg)
 
 
 def test_too_few_rollout_turns_for_the_tool_calls_fail_at_config_load(rewards_file):
