@@ -577,7 +577,9 @@ class EnvWorkerConfig(Section):
     # Python functions ("file.py:fn" or "module:fn", with type hints and a docstring) the model may
     # call before the reward functions in `target` score its final answer: the chat template is
     # given their JSON schemas, a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    # and its result comes back as a tool message (one turn each: raise grpo.max_rollout_turns).
+    # or an answer that is only the JSON call (Llama 3.x, Mistral), and its result comes back as a
+    # tool message (one turn each: raise grpo.max_rollout_turns). An environment class lists its
+    # tools in its `tools` attribute instead.
     tools: list[str] | None = None
     # Turns with tool calls per conversation; the answer after the last one is scored as final.
     max_tool_calls: int = Field(4, ge=1)
@@ -590,7 +592,8 @@ class EnvWorkerConfig(Section):
     def _tools_and_weights_need_reward_functions(self) -> "EnvWorkerConfig":
         if self.tools is not None and (self.target is None or not self.tools):
             raise ValueError("tools: a non-empty list of tool functions, for the reward functions in target "
-                             "(a built-in environment or an environment class calls no tools)")
+                             "(a built-in environment runs none; an environment class lists its own in its `tools` "
+                             "attribute)")
         if self.reward_weights is None:
             return self
         if not isinstance(self.target, list) or len(self.target) != len(self.reward_weights):
