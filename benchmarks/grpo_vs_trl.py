@@ -14,7 +14,9 @@ script's `_trl` sub-command. Both get the same torch thread count.
 Speed part: the embedded 30m model (~31M parameters, random weights), 16 prompts x 8
 generations, every completion forced to the full 64 new tokens (posttrain:
 `policy.generation.ignore_eos=true`; TRL: `min_new_tokens` = `max_new_tokens`, so EOS is
-never sampled), no validation, no checkpoints. Reported: the median of the per-step wall
+never sampled), no validation, no checkpoints, every row trained (posttrain
+`policy.skip_zero_gradient_samples=false`: the random weights score 0 on every row, so every
+row has a zero advantage and posttrain would otherwise skip the training passes). Reported: the median of the per-step wall
 times, the first step (warm-up) excluded on both sides, and the step's matmul floor on this
 machine (`matmul_floor`), which bounds the ratio any implementation could reach.
 
@@ -103,6 +105,10 @@ class Settings:
     # TRL's model attention kernel (`attn_implementation`); null: transformers' default (sdpa).
     # posttrain's default on CPU is eager (policy.attn_implementation=auto), faster for training here.
     trl_attn: str | None = None
+    # posttrain policy.skip_zero_gradient_samples: leave the rows of groups with one reward for all
+    # their samples out of the training passes (exact; TRL trains them). Off in the speed part,
+    # whose random-weight model scores 0 on every row: there it would leave nothing to train.
+    skip_zero_gradient_samples: bool = True
     # posttrain-only extras from the quickstart (its own tuning: placement, batch splits)
     posttrain_config: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -124,7 +130,7 @@ def speed_settings(quick: bool, steps: int, precision: str) -> Settings:
         max_total_sequence_length=128,
         lr=1e-5, betas=[0.9, 0.999], weight_decay=0.0, max_grad_norm=1.0,
         clip_low=0.2, clip_high=0.2, temperature=1.0, val_period=0,
-        num_val=200, seed=42, threads=2, precision=precision,
+        num_val=200, seed=42, threads=2, precision=precision, skip_zero_gradient_samples=False,
         data=DataConfig(dataset_name="arithmetic", num_digits=2, operations=["+"], num_train=20000, num_val=200,
                         seed=42).model_dump(mode="json"),
     )
@@ -203,6 +209,7 @@ def posttrain_command(s: Settings, log_dir: Path) -> list[str]:
         "policy.logprob_batch_size": s.num_prompts * s.num_generations,
         "policy.max_total_sequence_length": s.max_total_sequence_length,
         "policy.precision": s.precision,
+        "policy.skip_zero_gradient_samples": "true" if s.skip_zero_gradient_samples else "false",
         "policy.max_grad_norm": s.max_grad_norm,
         "policy.optimizer.name": "torch.optim.AdamW",
         "policy.optimizer.kwargs": json.dumps({"lr": s.lr, "weight_decay": s.weight_decay, "betas": s.betas}),
@@ -589,7 +596,8 @@ def versions() -> str:
 def settings_table(s: dict[str, Any]) -> list[str]:
     keys = ["model_path", "steps", "num_prompts", "num_generations", "max_new_tokens", "ignore_eos",
             "max_total_sequence_length", "lr", "betas", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
-            "temperature", "val_period", "num_val", "seed", "threads", "train_batch", "precision", "trl_attn"]
+            "temperature", "val_period", "num_val", "seed", "threads", "train_batch", "precision", "trl_attn",
+            "skip_zero_gradient_samples"]
     data = {k: v for k, v in s["data"].items() if k in ("dataset_name", "num_digits", "operations", "num_train",
                                                          "seed", "add_bos", "zero_pad", "demo_carry_error_rate")}
     return ["| setting | value |", "|---|---|"] + [f"| {k} | `{s[k]}` |" for k in keys] + [f"| data | `{data}` |"]

@@ -328,6 +328,14 @@ class PolicyConfig(Section):
     # Unpacked micro-batches are cut (or padded) to their longest row rounded up to a multiple
     # of this many tokens.
     make_sequence_length_divisible_by: int = Field(1, ge=1)
+    # Leave the rows whose loss gradient is exactly 0 out of the training forward and backward
+    # passes: with GRPO's clipped_pg loss and no KL penalty, the samples of a group that all got
+    # the same reward (zero advantage), and samples masked out by overlong filtering. The update
+    # is the same (the loss still divides by the whole batch's counts; train/loss is the whole
+    # batch's); the loss's metrics (ratios, clip fraction, entropy, ...) are then over the trained
+    # rows, and train/zero_gradient_fraction is the share of rows left out. TRL and NeMo RL
+    # train them.
+    skip_zero_gradient_samples: bool = True
     # Clip the global L2 norm of the gradients to this before each optimizer step; null: no
     # clipping (the norm is logged as grad_norm either way).
     max_grad_norm: float | None = 1.0

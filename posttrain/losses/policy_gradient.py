@@ -210,6 +210,17 @@ class ClippedPGLoss:
             }
         return loss, metrics
 
+    def zero_gradient_rows(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`[B]` bool: the rows whose loss term and gradient are exactly 0 whatever the logprobs, which
+        the policy worker can leave out of the forward and backward passes (still counting them in
+        the global normalization) without changing the update: rows with sample_mask 0, and without
+        a KL penalty, rows whose advantage is 0 at every token of their token_mask (a GRPO group
+        whose samples all got the same reward). Every variant's per-token term is a multiple of A."""
+        out = batch["sample_mask"] == 0
+        if self.cfg.reference_policy_kl_penalty == 0:
+            out = out | ((batch["advantages"] * batch["token_mask"]) == 0).all(dim=1)
+        return out
+
     @staticmethod
     def _check(curr: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> None:
         missing = [k for k in _REQUIRED if k not in batch]

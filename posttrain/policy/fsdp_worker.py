@@ -491,15 +491,21 @@ class FSDPPolicyWorker:
     def _train_step(self, batch: BatchedDataDict, loss_fn: Callable, lr_override: float | None) -> dict[str, float]:
         t0 = time.perf_counter()
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
-        n = batch.size
-        sample_mask = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(n)
-        if "token_mask" in batch:
-            valid_toks, _ = valid_counts({"token_mask": batch["token_mask"], "sample_mask": sample_mask})
-        else:
-            valid_toks = (batch["input_lengths"].float() * sample_mask).sum()
-        counts = torch.stack([valid_toks, sample_mask.sum()]).to(self.device)
+        full = batch
+        batch = self._rows_to_train(batch, loss_fn, group)
+        # One all-reduce: the global batch's counts (the loss's normalization) and the trained rows'.
+        counts = torch.cat([self._valid_counts(full), self._valid_counts(batch),
+                            torch.tensor([float(full.size - batch.size), float(full.size)])]).to(self.device)
         dist.all_reduce(counts)
-        global_toks, global_seqs = counts[0] / self.tp, counts[1] / self.tp
+        counts /= self.tp
+        global_toks, global_seqs = counts[0], counts[1]
+        # Rows with an exactly zero gradient left out (_rows_to_train): the loss normalizes by the
+        # trained rows' counts, so its metrics are means over them, and `scale` turns it back into
+        # the global batch's loss, sum over rows / global count: the same gradient up to rounding.
+        norm_toks, norm_seqs = counts[2], counts[3]
+        by_tokens = getattr(loss_fn, "loss_type", "token") == "token"
+        done, total = (norm_toks, global_toks) if by_tokens else (norm_seqs, global_seqs)
+        scale = float(done / total) if total > 0 else 1.0
 
         mbs, packed = self._microbatches(batch, train=True, group=group)
         # Every rank must run the same number of forward/backward passes (FSDP collectives):
@@ -515,7 +521,8 @@ class FSDPPolicyWorker:
             real = i < len(mbs)
             mb = batch.select_indices(mbs[i] if real else mbs[0]).to(self.device)
             curr = self._forward(model, mb, packed[i if real else 0] if packed else None)
-            loss, mb_metrics = loss_fn(curr, mb, global_toks, global_seqs)
+            loss, mb_metrics = loss_fn(curr, mb, norm_toks, norm_seqs)
+            loss = loss * scale
             (loss if real else loss * 0.0).backward()
             if self._twin is not None:
                 self._twin.accumulate_grads()
@@ -559,9 +566,33 @@ class FSDPPolicyWorker:
         # packing make it smaller than num_tokens; padding larger).
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]),
                    model_tokens=float(tok[1]), global_valid_toks=float(global_toks),
-                   global_valid_seqs=float(global_seqs), num_microbatches=float(n_mb),
+                   global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(counts[4] / counts[5]),
+                   num_microbatches=float(n_mb),
                    step_time_s=time.perf_counter() - t0)
         return out
+
+    @staticmethod
+    def _valid_counts(batch: BatchedDataDict) -> torch.Tensor:
+        """[valid tokens, valid sequences] of `batch` (rows without a token_mask: all their tokens)."""
+        sample_mask = batch["sample_mask"].float() if "sample_mask" in batch else torch.ones(batch.size)
+        if "token_mask" in batch:
+            toks, _ = valid_counts({"token_mask": batch["token_mask"], "sample_mask": sample_mask})
+        else:
+            toks = (batch["input_lengths"].float() * sample_mask).sum()
+        return torch.stack([toks, sample_mask.sum()])
+
+    def _rows_to_train(self, batch: BatchedDataDict, loss_fn: Callable, group: int) -> BatchedDataDict:
+        """`batch` without the rows whose gradient is exactly 0 (`loss_fn.zero_gradient_rows`, e.g. a
+        GRPO group whose samples all got the same reward) when policy.skip_zero_gradient_samples.
+        At least one row stays, so that every rank runs its passes and the optimizer steps on a
+        zero gradient as it would have (Adam's moments still decay and move the weights)."""
+        zero_rows = getattr(loss_fn, "zero_gradient_rows", None)
+        if not self.cfg.skip_zero_gradient_samples or zero_rows is None or group != 1:
+            return batch
+        keep = (~zero_rows(batch)).nonzero().flatten()
+        if len(keep) == batch.size:
+            return batch
+        return batch.select_indices(keep if len(keep) else torch.tensor([0]))
 
     def _clip_grads(self) -> float:
         """Global L2 grad norm over all shards (DTensor-aware); clips to policy.max_grad_norm."""

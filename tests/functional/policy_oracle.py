@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.data.batch import BatchedDataDict
+from posttrain.losses import valid_counts
 
 SEQ = 16
 LENGTHS = [16, 9, 12, 5]
@@ -46,14 +47,19 @@ def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
     return out
 
 
-def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float, max_grad_norm: float | None = None):
-    """NLL over all masked tokens / their count, one plain SGD step with optional grad-norm
-    clipping (coefficient min(1, max / (norm + 1e-6)), as torch): (loss, grad_norm, new state dict)."""
+def sgd_step_reference(model_path: str, batch: BatchedDataDict, lr: float, max_grad_norm: float | None = None,
+                       loss_fn: Callable | None = None):
+    """`loss_fn` over the whole batch (default: NLL over all masked tokens / their count), one
+    plain SGD step with optional grad-norm clipping (coefficient min(1, max / (norm + 1e-6)), as
+    torch): (loss, grad_norm, new state dict)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     curr = reference_logprobs(model, batch)
-    mask = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
-    loss = -(curr * mask).sum() / mask.sum()
+    if loss_fn is None:
+        mask = batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)
+        loss = -(curr * mask).sum() / mask.sum()
+    else:
+        loss, _ = loss_fn(curr, batch, *valid_counts(batch))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))

@@ -277,6 +277,37 @@ def test_microbatches_sum_to_the_global_loss(cfg):
         assert v == pytest.approx(full_metrics[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"ratio_clip_c": 100.0, "use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True},
+        {"use_cispo": True},
+        {"disable_ppo_ratio": True},
+        {"force_on_policy_ratio": True},
+        {"reference_policy_kl_penalty": 0.05},
+    ],
+)
+def test_zero_gradient_rows_have_exactly_zero_gradient(cfg):
+    """The rows zero_gradient_rows names (the policy worker leaves them out of training) get a
+    gradient of exactly 0 under every variant, and the others do not: row 0 has a zero advantage,
+    row 2 sample_mask 0 (with a nonzero advantage), the rest random advantages. Clipping bounds
+    wide enough that no trained row is clipped to a zero gradient."""
+    curr, batch = _random_batch()
+    batch["advantages"][0] = 0.0
+    batch["advantages"][3, 2:] = 0.0  # zero on some tokens only: still trained
+    loss_fn = ClippedPGLoss({"ratio_clip_min": 0.99, "ratio_clip_max": 100.0, **cfg})
+    curr.requires_grad_()
+    loss, _ = loss_fn(curr, batch, *valid_counts(batch))
+    loss.backward()
+    zero = loss_fn.zero_gradient_rows(batch)
+    kl = cfg.get("reference_policy_kl_penalty", 0) > 0
+    assert zero.tolist() == [not kl, False, True, False, False, False]  # the KL penalty trains every row
+    assert (curr.grad[zero] == 0).all()
+    assert (curr.grad[~zero].abs().sum(dim=1) > 0).all()
+
+
 def test_config_defaults_validation_and_pickling():
     import pickle
 

@@ -1,0 +1,62 @@
+"""policy.skip_zero_gradient_samples: rows whose gradient is exactly zero (a GRPO group with one
+reward for all its samples, a masked-out sample) are left out of the training passes, and the
+update is still the whole batch's. Checked against a plain transformers SGD step over every row,
+with the skip off (1 worker) and on (2 workers, one of which has only zero-gradient rows).
+
+Tolerances as in test_policy.py (fp32): loss and grad norm 1e-5 relative, parameters 2e-6 absolute.
+"""
+
+import pytest
+import torch
+
+from policy_oracle import full_state, make_batch, one_and_two_workers, sgd_step_reference
+from posttrain.losses import ClippedPGLoss
+from posttrain.schemas import PolicyConfig
+
+LR = 0.5
+
+
+def _cfg(workers: int) -> PolicyConfig:
+    return PolicyConfig(model_name="embedded:tiny", precision="float32", train_global_batch_size=8,
+                        train_micro_batch_size=2, logprob_batch_size=8, max_total_sequence_length=32,
+                        max_grad_norm=None, optimizer={"name": "sgd", "kwargs": {"lr": LR}},
+                        skip_zero_gradient_samples=workers == 2)
+
+
+def _grpo_batch():
+    """8 rows in two contiguous worker shards: rows 0-3 all have a zero advantage; of rows 4-7,
+    row 5 has sample_mask 0 (overlong filtering) and rows 4, 6, 7 are trained. No prev_logprobs:
+    one optimizer step on-policy, prev = the current logprobs detached on both sides."""
+    batch = make_batch(lengths=[16, 9, 12, 5, 7, 14, 10, 16], seed=3)
+    zeros = torch.zeros_like(batch["token_mask"])
+    adv = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.3, -0.7, -0.4, 0.9])[:, None] * batch["token_mask"]
+    batch.update(generation_logprobs=zeros, advantages=adv)
+    batch["sample_mask"][5] = 0.0
+    return batch
+
+
+@pytest.fixture(scope="module")
+def policies(ray_session):
+    with one_and_two_workers(_cfg, "zerograd") as pair:
+        yield pair
+
+
+def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
+    batch = _grpo_batch()
+    loss_fn = ClippedPGLoss({})
+    assert loss_fn.zero_gradient_rows(batch).tolist() == [True] * 4 + [False, True, False, False]
+    loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, loss_fn=loss_fn)
+    assert grad_norm > 0
+    for policy, skipped in zip(policies, (0.0, 4 / 8)):
+        m = policy.train(batch, loss_fn)
+        assert m["loss"] == pytest.approx(loss, rel=1e-5)
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        # Skip on: the first worker keeps one of its zero-gradient rows (every rank runs a pass)
+        # and the second leaves out row 5; the loss's metrics are over the trained rows.
+        assert m["zero_gradient_fraction"] == skipped
+        assert m["num_valid_samples"] == (7 if not skipped else 4)
+        assert m["global_valid_seqs"] == 7 and m["global_valid_toks"] == float(
+            (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum())
+        state = full_state(policy)
+        for k, v in expected.items():
+            torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
