@@ -38,6 +38,7 @@ class Conversation:
     task_name: str
     tokens: list[int]
     prompt_length: int
+    prompt_messages: int = 0  # messages[:prompt_messages] are the row's prompt (a system prompt included)
     generated_mask: list[int] = field(default_factory=list)
     generation_logprobs: list[float] = field(default_factory=list)
     stop_strings: list[str] | None = None
@@ -48,6 +49,21 @@ class Conversation:
     turns: int = 0
     response_tokens: int = 0
     env_errors: int = 0
+
+    @property
+    def question(self) -> str:
+        """The prompt's last message: the question, without the system prompt or earlier turns."""
+        return self.messages[self.prompt_messages - 1]["content"] if self.prompt_messages else ""
+
+    @property
+    def exchange(self) -> list[dict[str, str]]:
+        """The messages after the prompt: the model's turns and the environment's observations."""
+        return self.messages[self.prompt_messages:]
+
+    @property
+    def response(self) -> str:
+        """The model's turns after the prompt, one per line."""
+        return "\n".join(m["content"] for m in self.exchange if m["role"] == "assistant")
 
 
 @dataclass
@@ -71,16 +87,17 @@ def render_prompt(
 
 
 def _observation_tokens(
-    tokenizer, before: list[dict[str, str]], observation: dict[str, str], *, add_generation_prompt: bool = True,
+    tokenizer, before: list[dict[str, str]], observation: list[dict[str, str]], *, add_generation_prompt: bool = True,
     last_token: int, tools: list[dict] | None = None,
 ) -> list[int]:
-    """Tokens that follow the model's last turn for `observation`: the rest of that turn's
-    closing, the observation, and the next generation prompt when `add_generation_prompt`
+    """Tokens that follow the model's last turn for `observation` (its messages): the rest of that
+    turn's closing, the observation, and the next generation prompt when `add_generation_prompt`
     (`data.add_generation_prompt`).
 
     The observation is rendered as the difference between the template over the conversation
-    with and without it, so templates that inject text between turns stay exact. Chat templates
-    know user/assistant/system/tool roles; an environment's message is shown as a user turn.
+    with and without it, so templates that inject text between turns (or group consecutive tool
+    results into one turn) stay exact. Chat templates know user/assistant/system/tool roles; an
+    environment's message is shown as a user turn.
 
     The closing is what the template writes after the assistant's content (e.g. "<|end|>", or
     "<|im_end|>\n"): a turn cut by a stop string ends before it, and one the model ended with
@@ -88,12 +105,12 @@ def _observation_tokens(
     Without the rest the next turns would see a conversation no template (and no warm-up or
     SFT row) ever renders.
     """
-    role = observation.get("role", "user")
-    message = {"role": "user" if role == "environment" else role, "content": observation["content"]}
+    roles = [m.get("role", "user") for m in observation]
+    shown = [{**m, "role": "user" if r == "environment" else r} for m, r in zip(observation, roles)]
     prev = render_chat(tokenizer, before, add_generation_prompt=False, tools=tools)
-    full = render_chat(tokenizer, before + [message], add_generation_prompt=add_generation_prompt, tools=tools)
+    full = render_chat(tokenizer, before + shown, add_generation_prompt=add_generation_prompt, tools=tools)
     delta = full[len(prev):] if full.startswith(prev) else render_chat(
-        tokenizer, [message], add_generation_prompt=add_generation_prompt
+        tokenizer, shown, add_generation_prompt=add_generation_prompt
     )
     return tokenizer(_turn_closing(tokenizer, before, last_token, tools) + delta, add_special_tokens=False)["input_ids"]
 
@@ -144,6 +161,7 @@ def start_conversations(
                 task_name=row.get("task_name", "math"),
                 tokens=tokens,
                 prompt_length=len(tokens),
+                prompt_messages=len(messages),
                 generated_mask=[0] * len(tokens),
                 generation_logprobs=[0.0] * len(tokens),
                 stop_strings=row.get("stop_strings"),
@@ -229,13 +247,15 @@ def run_rollouts(
                 if bool(ret.terminateds[k]) or last_turn or c.truncated:
                     c.done = True
                     continue
-                obs_tokens = _observation_tokens(tokenizer, c.messages, ret.observations[k],
+                obs = ret.observations[k]
+                obs = obs if isinstance(obs, list) else [obs]  # several: one tool result per call
+                obs_tokens = _observation_tokens(tokenizer, c.messages, obs,
                                                  add_generation_prompt=add_generation_prompt, tools=c.tools,
                                                  last_token=c.tokens[-1])
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue
-                c.messages.append(ret.observations[k])
+                c.messages += obs
                 c.tokens += obs_tokens
                 c.generated_mask += [0] * len(obs_tokens)
                 c.generation_logprobs += [0.0] * len(obs_tokens)

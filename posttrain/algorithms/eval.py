@@ -150,12 +150,11 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
 
 
 def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dict[str, Any]:
-    prompt_len = len(row["messages"])
     return {
         "prompt_index": prompt_index,
         "sample_index": sample_index,
         "prompt": row["messages"],
-        "response": "\n".join(m["content"] for m in conv.messages[prompt_len:] if m["role"] == "assistant"),
+        "response": conv.response,
         "extracted_answer": conv.metadata.get(ANSWER_KEY),
         "reference_answer": row.get("answer"),  # None for rows scored by tests (code)
         "reward": conv.reward,
@@ -166,7 +165,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "task_name": conv.task_name,
         # With tools: the turns that called them, and the whole exchange (calls, results, answer).
         **({"tool_calls": conv.metadata.get(TOOL_CALLS_KEY, 0)} if conv.tools else {}),
-        **({"conversation": conv.messages[prompt_len:]} if conv.turns > 1 else {}),
+        **({"conversation": conv.exchange} if conv.turns > 1 else {}),
     }
 
 

@@ -252,7 +252,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         for k in sorted({1, n}):
             metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
     s.logger.print_samples([
-        {"prompt": c.messages[0]["content"], "response": c.messages[-1]["content"], "reward": c.reward}
+        {"prompt": c.question, "response": c.response, "reward": c.reward}
         for c in convs[: s.cfg.logger.num_val_samples_to_print]
     ], title=f"validation samples (step {step})")
     return metrics
@@ -556,9 +556,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         }
         logger.log_metrics({**metrics, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
         logger.log_samples([
-            {"step": step, "prompt": c.messages[0]["content"], "response": c.messages[-1]["content"],
-             "reward": c.reward, "truncated": c.truncated,
-             **({"conversation": c.messages[1:]} if c.turns > 1 else {})}  # a multi-turn sample in full
+            {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
+             **({"conversation": c.exchange} if c.turns > 1 else {})}  # a multi-turn sample in full
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
         ], step=step)
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],

@@ -227,7 +227,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         used = int(metadata.get(TOOL_CALLS_KEY, 0))
         calls = parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
         if calls:
-            return StepResult(observation="\n".join(self._call_tool(c) for c in calls), reward=0.0,
+            return StepResult(observation=[self._call_tool(c) for c in calls], reward=0.0,
                               terminated=False, metadata={**metadata, TOOL_CALLS_KEY: used + 1},
                               observation_role="tool")
         context = {"prompt": _prompt_text(messages), "messages": messages}

@@ -32,7 +32,9 @@ TOOL_CALLS_KEY = "tool_calls"
 
 @dataclass
 class EnvironmentReturn:
-    observations: list[dict[str, str]]  # {"role": "environment"|"user", "content": str}, one per sample
+    # One per sample: a message {"role": "environment"|"user"|"tool", "content": str}, or a list of
+    # messages (one tool result per call of the model's turn, as chat templates expect them).
+    observations: list[dict[str, str] | list[dict[str, str]]]
     metadata: list[dict[str, Any]]  # per sample; passed to the next step of a multi-turn conversation
     next_stop_strings: list[list[str] | None]  # stop strings of the next generation turn (None: defaults)
     rewards: torch.Tensor  # [B] float
@@ -92,7 +94,7 @@ class EnvironmentInterface(ABC):
 class StepResult:
     """What a `PerSampleEnvironment` returns for one sample."""
 
-    observation: str
+    observation: str | list[str]  # a list: one message per item (e.g. one per tool call)
     reward: float
     terminated: bool
     metadata: dict[str, Any]
@@ -136,7 +138,9 @@ class PerSampleEnvironment(EnvironmentInterface):
         else:
             results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
         return EnvironmentReturn(
-            observations=[{"role": r.observation_role, "content": r.observation} for r in results],
+            observations=[{"role": r.observation_role, "content": r.observation} if isinstance(r.observation, str)
+                          else [{"role": r.observation_role, "content": o} for o in r.observation]
+                          for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
             rewards=torch.tensor([float(r.reward) for r in results], dtype=torch.float32),

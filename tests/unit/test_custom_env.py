@@ -253,9 +253,9 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     env = resolve_env("calc", cfg)(cfg)
     first = convo("Let me add. " + _call("add", a=40, b=2))
     ret = env.step([first], [{"answer": "42"}])
-    assert ret.observations == [{"role": "tool", "content": "42"}] and ret.rewards.tolist() == [0.0]
+    assert ret.observations == [[{"role": "tool", "content": "42"}]] and ret.rewards.tolist() == [0.0]
     assert not ret.terminateds[0] and ret.metadata[0]["tool_calls"] == 1 and ret.num_errors == 0
-    final = first + [ret.observations[0], {"role": "assistant", "content": "42"}]
+    final = first + [*ret.observations[0], {"role": "assistant", "content": "42"}]
     ret = env.step([final], ret.metadata)
     assert ret.rewards.tolist() == [1.0] and ret.terminateds[0]  # no call: the final answer, scored
     # What goes wrong in a call is the model's to see; it is no environment error.
@@ -263,7 +263,7 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
                 + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>'
                 + '<tool_call>{"name": "add", "parameters": {"a": 1, "b": "x"}}')  # cut off by the token limit
     ret = env.step([bad], [{}])
-    lines = ret.observations[0]["content"].split("\n")
+    lines = [m["content"] for m in ret.observations[0]]  # one tool message per call
     assert lines[0] == "error: divide raised ZeroDivisionError: division by zero"
     assert lines[1] == "error: there is no tool 'mul'; the tools are add, divide"
     assert lines[2].startswith("error: malformed tool call, not JSON") and lines[3] == "2"
@@ -339,11 +339,11 @@ def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards
         # The file is not importable in the child by the name it was loaded under: the tools go
         # there pickled by value, module globals and all.
         ret = env.step([convo(_call("sleepy", seconds=0.1) + _call("add", a=2, b=3))], [{}])
-        assert ret.observations[0]["content"] == "slept 0.1 s\n5"
+        assert [m["content"] for m in ret.observations[0]] == ["slept 0.1 s", "5"]
         start = time.monotonic()
         ret = env.step([convo(_call("sleepy", seconds=60) + _call("add", a=1, b=1))], [{}])
         assert time.monotonic() - start < 30  # killed at 2 s; the next call waits for a fresh child
-        assert ret.observations[0]["content"] == "error: sleepy timed out after 2 s\n2"
+        assert [m["content"] for m in ret.observations[0]] == ["error: sleepy timed out after 2 s", "2"]
         assert ret.num_errors == 0 and not ret.terminateds[0]
     finally:
         env.close()

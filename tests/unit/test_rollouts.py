@@ -33,18 +33,18 @@ def test_generation_prompt_is_the_prefix_of_the_training_row(tok, add_bos, add_g
 def test_observation_tokens_continue_the_conversation(tok):
     before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "up"}]
     eos = tok.eos_token_id  # the model ended its turn itself
-    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, last_token=eos)
+    obs = _observation_tokens(tok, before, [{"role": "environment", "content": "Board"}], last_token=eos)
     # An environment message is shown as a user turn, followed by the next generation prompt.
     assert tok.decode(obs) == "<|user|>Board<|end|><|assistant|>"
     # data.add_generation_prompt=false: without it (the model writes its header itself).
-    obs = _observation_tokens(tok, before, {"role": "environment", "content": "Board"}, add_generation_prompt=False,
+    obs = _observation_tokens(tok, before, [{"role": "environment", "content": "Board"}], add_generation_prompt=False,
                               last_token=eos)
     assert tok.decode(obs) == "<|user|>Board<|end|>"
 
 
 def test_observation_tokens_close_a_turn_cut_by_a_stop_string(tok):
     before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "<action>up</action>"}]
-    obs = {"role": "environment", "content": "Board"}
+    obs = [{"role": "environment", "content": "Board"}]
     stopped = tok.convert_tokens_to_ids(">")  # generation stopped at "</action>": no <|end|> yet
     assert tok.decode(_observation_tokens(tok, before, obs, last_token=stopped)) == "<|end|><|user|>Board<|end|><|assistant|>"
     assert tok.decode(_observation_tokens(tok, before, obs, last_token=tok.eos_token_id)) == "<|user|>Board<|end|><|assistant|>"
@@ -134,8 +134,21 @@ def test_multi_turn_tokens_are_the_chat_template_of_the_conversation(tok, eos):
     assert tokens == second + tok.encode("<action>left</action>", add_special_tokens=False) + closing
 
 
+def test_conversation_separates_the_prompt_from_the_exchange(tok):
+    # What samples.jsonl and the validation table show: the question (not the system prompt),
+    # and every model turn after the prompt (not only the last message).
+    gen = _EchoGeneration(tok, replies=["up", "left"])
+    rows = [{"messages": [{"role": "system", "content": "Play."}, {"role": "user", "content": "go"}],
+             "task_name": "t"}]
+    (conv,) = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv()}, tok, max_turns=2, max_seq_len=200).conversations
+    assert conv.question == "go"
+    assert conv.response == "up\nleft"
+    assert [m["content"] for m in conv.exchange] == ["up", "again", "left"]
+
+
 def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path):
-    # A chat template that lists the tools' names; the tool's answer comes back as a tool turn.
+    # A chat template that lists the tools' names; each call's answer comes back as a tool turn of
+    # its own (as templates that group a turn's tool results, e.g. Qwen2.5's, expect them).
     from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
     from posttrain.environments import resolve_env, with_tool_schemas
     from posttrain.schemas import EnvConfig
@@ -149,7 +162,8 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path
     tools_tok = build_tokenizer()
     tools_tok.chat_template = ("{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }};"
                                "{% endfor %}<|end|>{% endif %}" + CHAT_TEMPLATE)
-    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 0}}</tool_call>'
+    call = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 0}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 0}}</tool_call>')
     gen = _EchoGeneration(tools_tok, replies=[call, "1"])
     rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+0="}], "task_name": "calc",
                                "answer": "1"}], env_cfg)
@@ -157,6 +171,7 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path
     result = run_rollouts(gen, rows, {"calc": env}, tools_tok, max_turns=3, max_seq_len=400)
     first, second = (tools_tok.decode(p) for p in gen.prompts)
     assert first == "<s><|system|>add;<|end|><|user|>1+0=<|end|><|assistant|>"
-    assert second == f"{first}{call}<|end|><|tool|>1<|end|><|assistant|>"
+    assert second == f"{first}{call}<|end|><|tool|>1<|end|><|tool|>2<|end|><|assistant|>"
     (conv,) = result.conversations
     assert conv.reward == 1.0 and conv.turns == 2 and result.metrics["tool_calls_mean"] == 1.0
+    assert [m["role"] for m in conv.exchange] == ["assistant", "tool", "tool", "assistant"]
