@@ -16,8 +16,8 @@ paths). It names either
 Reward functions may come with tools (`env.<name>.tools`): Python functions the model calls as
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen format), or with an
 answer that is nothing but the JSON call (Llama 3.x, Mistral; `parse_tool_calls`). Each
-turn with calls gets their results back as one tool message (an error text for a malformed
-call, an unknown tool or one that raised, so the model can recover); the first turn without
+turn with calls gets their results back as one tool message per call (an error text for a
+malformed call, an unknown tool or one that raised, so the model can recover); the first turn without
 calls, or the turn after `max_tool_calls` turns with calls, is the final answer the reward
 functions score. The tools' JSON schemas (from their type hints and docstrings) go to the chat
 template with every prompt of the environment's rows (`with_tool_schemas`).
