@@ -12,7 +12,8 @@ How they are made:
   punctuation, space, newline) plus the specials `<pad> <s> </s> <unk>` and the chat-role
   markers `<|system|> <|user|> <|assistant|> <|end|>`. Chat template:
   `<|role|>content<|end|>` per message, `<|assistant|>` as the generation prompt; `<|end|>`
-  is the EOS token, so an assistant turn ends where its message ends.
+  is the EOS token, so an assistant turn ends where its message ends. An assistant message's
+  `tool_calls` follow its content as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
 - Models: `LlamaConfig` with the sizes in `MODEL_SIZES`, initialised by transformers'
   own init under `torch.manual_seed(0)`; untrained (the quickstart warm-starts them with
   a short SFT on the task's reference answers before GRPO).
@@ -29,12 +30,19 @@ import tempfile
 from pathlib import Path
 
 EMBEDDED_PREFIX = "embedded:"
-_VERSION = "v2"  # bump when the recipe changes so cached folders are rebuilt (v2: small's 1024 positions)
+# Bump when the recipe changes so cached folders are rebuilt (v2: small's 1024 positions; v3: the
+# chat template writes structured tool calls).
+_VERSION = "v3"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABET = string.digits + "+-*/=()., ?!:;'\"\n" + string.ascii_letters + "#<>[]{}_|\\@$%^&~`"
+# An assistant message's structured `tool_calls` (OpenAI form, as SFT data has them) are written
+# after its content in the Hermes format the tool environments read: <tool_call>{json}</tool_call>.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% for c in (m['tool_calls'] if m['tool_calls'] is defined and m['tool_calls'] else []) %}"
+    "{{ '<tool_call>' + {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson"
+    " + '</tool_call>' }}{% endfor %}{{ '<|end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 

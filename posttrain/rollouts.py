@@ -22,7 +22,7 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import render_chat, with_bos
-from posttrain.environments.interfaces import REWARD_COMPONENTS_KEY, TOOL_CALLS_KEY
+from posttrain.environments.interfaces import ENV_METRICS_KEY, REWARD_COMPONENTS_KEY, ROLLOUT_KEY, TOOL_CALLS_KEY
 
 
 class _EnvGroup(Protocol):
@@ -125,6 +125,8 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
     special token (EOS) that ended the turn. "" when the last message is not the assistant's."""
     if not before or before[-1].get("role") != "assistant":
         return ""
+    # Without the turn's `tool_calls`: a template that writes them after the content (Qwen2.5's)
+    # would put a second copy of calls the model already wrote into the closing.
     stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": _CONTENT_SENTINEL}],
                            add_generation_prompt=False, tools=tools)
     at = stand_in.rfind(_CONTENT_SENTINEL)
@@ -190,6 +192,8 @@ def run_rollouts(
     greedy: bool = False,
     add_bos: bool = True,
     add_generation_prompt: bool = True,
+    global_step: int | None = None,
+    max_steps: int | None = None,
 ) -> RolloutResult:
     """Roll out every row to termination (or `max_turns` / `max_seq_len`) and score it.
 
@@ -198,12 +202,14 @@ def run_rollouts(
     `input_ids [B, S]`, `input_lengths [B]`, `token_mask [B, S]` (1 on generated tokens),
     `generation_logprobs [B, S]`, `rewards [B]`, `truncated [B]`, `response_lengths [B]`.
     `add_bos` and `add_generation_prompt` must be what the model was trained with
-    (`data.add_bos`, `data.add_generation_prompt`).
+    (`data.add_bos`, `data.add_generation_prompt`). `global_step` (the training steps done) and
+    `max_steps` reach the environments with each sample's tokens (`ROLLOUT_KEY`).
     """
     missing = sorted({r.get("task_name", "math") for r in rows} - set(envs))
     if missing:
         raise ValueError(f"rows name task(s) {missing} but only environments {sorted(envs)} are configured (env section)")
     convs = start_conversations(tokenizer, rows, add_bos, add_generation_prompt=add_generation_prompt)
+    progress = {"global_step": global_step, "max_steps": max_steps}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for turn in range(max_turns):
         active = [c for c in convs if not c.done]
@@ -237,12 +243,17 @@ def run_rollouts(
         for c in active:
             by_task[c.task_name].append(c)
         for task, group in by_task.items():
-            ret = envs[task].step([c.messages for c in group], [c.metadata for c in group])
+            ret = envs[task].step([c.messages for c in group],
+                                  [{**c.metadata, ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress}}
+                                   for c in group])
             for k, c in enumerate(group):
                 c.reward += float(ret.rewards[k])
-                c.metadata = ret.metadata[k] if ret.metadata[k] is not None else c.metadata
+                if ret.metadata[k] is not None:
+                    c.metadata = {key: v for key, v in ret.metadata[k].items() if key != ROLLOUT_KEY}
                 if c.metadata.get("env_error"):
                     c.env_errors += 1
+                if ret.tool_calls is not None and ret.tool_calls[k]:
+                    c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 last_turn = turn == max_turns - 1
                 if bool(ret.terminateds[k]) or last_turn or c.truncated:
                     c.done = True
@@ -275,14 +286,18 @@ def run_rollouts(
 
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     """Means over conversations (a step's rollouts, over all its generation rounds), plus each
-    reward component's mean as reward/<name> (samples scored by a list of reward functions) and,
-    when the model had tools, the turns with tool calls per conversation (tool_calls_mean)."""
+    reward component's mean as reward/<name> (samples scored by a list of reward functions), each
+    environment metric's mean as env/<name> (over the samples that have it) and, when the model
+    had tools, the turns with tool calls per conversation (tool_calls_mean)."""
     n = len(convs)
     lengths = [c.response_tokens for c in convs]
     components: dict[str, list[float]] = defaultdict(list)
+    env_metrics: dict[str, list[float]] = defaultdict(list)
     for c in convs:
         for name, value in (c.metadata or {}).get(REWARD_COMPONENTS_KEY, {}).items():
             components[name].append(value)
+        for name, value in (c.metadata or {}).get(ENV_METRICS_KEY, {}).items():
+            env_metrics[name].append(value)
     return {
         "reward": sum(c.reward for c in convs) / n,
         "response_length_mean": sum(lengths) / n,
@@ -292,6 +307,7 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
         "env_errors": float(sum(c.env_errors for c in convs)),
         "generated_tokens": float(sum(lengths)),
         **{f"reward/{name}": sum(v) / len(v) for name, v in components.items()},
+        **{f"env/{name}": sum(v) / len(v) for name, v in env_metrics.items()},
         **({"tool_calls_mean": sum((c.metadata or {}).get(TOOL_CALLS_KEY, 0) for c in convs) / n}
            if any(c.tools for c in convs) else {}),
     }

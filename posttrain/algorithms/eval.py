@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from posttrain.config import InputError
-from posttrain.environments.interfaces import TOOL_CALLS_KEY
+from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import aggregate
 from posttrain.schemas import EvalMasterConfig
 
@@ -166,6 +166,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         # With tools: the turns that called them, and the whole exchange (calls, results, answer).
         **({"tool_calls": conv.metadata.get(TOOL_CALLS_KEY, 0)} if conv.tools else {}),
         **({"conversation": conv.exchange} if conv.turns > 1 else {}),
+        **({"extra": conv.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in conv.metadata else {}),  # log_extra
     }
 
 

@@ -41,6 +41,7 @@ from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
+from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import pass_at_k
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -236,7 +237,8 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         out = run_rollouts(s.generation, rows[i : i + g.val_batch_size], s.envs, s.tokenizer,
                            max_turns=g.max_rollout_turns, max_seq_len=s.cfg.policy.max_total_sequence_length,
                            greedy=g.val_greedy, add_bos=s.cfg.data.add_bos,
-                           add_generation_prompt=s.cfg.data.add_generation_prompt)
+                           add_generation_prompt=s.cfg.data.add_generation_prompt, global_step=step,
+                           max_steps=g.max_num_steps)
         rewards.append(out.batch["rewards"])
         convs += out.conversations
     if colocated:
@@ -246,7 +248,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     # In float64: a float32 mean of 180 of 200 is 0.8999999762, which misses a 0.9 threshold.
     metrics = {"accuracy": float(correct.double().mean()), "reward": float(r.double().mean()),
                **{k: v for k, v in summarize_rollouts(convs).items()
-                  if k.startswith("reward/") or k == "tool_calls_mean"}}
+                  if k.startswith(("reward/", "env/")) or k == "tool_calls_mean"}}
     if n > 1:
         counts = correct.sum(dim=1).tolist()
         for k in sorted({1, n}):
@@ -397,11 +399,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
     pad_id = s.tokenizer.pad_token_id
     step = s.start_step
 
-    def rollouts_of(prompts: list[dict]) -> RolloutResult:
+    def rollouts_of(prompts: list[dict], version: int) -> RolloutResult:
+        """`prompts`' rollouts, generated with the weights after `version` steps."""
         rows = [r for r in prompts for _ in range(g.num_generations_per_prompt)]
         return run_rollouts(s.generation, rows, s.envs, s.tokenizer, max_turns=g.max_rollout_turns,
                             max_seq_len=cfg.policy.max_total_sequence_length, add_bos=cfg.data.add_bos,
-                            add_generation_prompt=cfg.data.add_generation_prompt)
+                            add_generation_prompt=cfg.data.add_generation_prompt, global_step=version,
+                            max_steps=g.max_num_steps)
 
     def queue_rollouts(prompts: list[dict], loader_state: dict) -> None:
         """async: `prompts`' rollouts behind the queued ones, on the weights after `step` updates."""
@@ -411,7 +415,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         def task() -> tuple[RolloutResult, dict[str, float]]:  # in the pipeline's thread: its own clock
             refit = {} if snapshot is None else s.generation.update_weights(snapshot, version=version)
             start = time.perf_counter()
-            result = rollouts_of(prompts)
+            result = rollouts_of(prompts, version)
             result.metrics["rollout_s"] = time.perf_counter() - start
             return result, refit
 
@@ -457,7 +461,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
                         break
                 with timer.time("generation"):
                     refit = policy.prepare_for_generation() if s.generation is policy else {}
-                    rollout = rollouts_of(prompts)
+                    rollout = rollouts_of(prompts, step)
                     policy.finish_generation()
             step_convs += rollout.conversations
             for k, v in refit.items():  # seconds and counts add up over the rounds
@@ -557,7 +561,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         logger.log_metrics({**metrics, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
         logger.log_samples([
             {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
-             **({"conversation": c.exchange} if c.turns > 1 else {})}  # a multi-turn sample in full
+             **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
+             **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
         ], step=step)
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],

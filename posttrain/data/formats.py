@@ -10,7 +10,12 @@ message). Roles are "system", "user", "assistant" and "tool".
 Accepted input formats (`data.format`, auto-detected from the first row's keys when null):
     messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI); with a
                         `task_name` it is an RL/eval row kept as is (prompt messages, `answer`,
-                        `demonstration`, `metadata`, `stop_strings`, `tools`)
+                        `demonstration`, `metadata`, `stop_strings`, `tools`). Tool calling as
+                        OpenAI writes it: an assistant message's `tool_calls` ([{"id"?, "type":
+                        "function", "function": {"name", "arguments"}}], its `content` may then be
+                        null; arguments as a JSON string are decoded) and a tool message's
+                        `tool_call_id` and `name` are kept for the chat template, which renders
+                        the calls (and trains on them) in the model's own format
     sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
     prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
@@ -34,6 +39,7 @@ Every error names the source (file) and the 1-based row number.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from posttrain.config import InputError
@@ -144,8 +150,45 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
         raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
     if role not in _ROLES:
         raise DataFormatError(f"{loc}: {what} has unknown role {role!r}; valid: {', '.join(_ROLES)}")
+    calls = _tool_calls(m.get("tool_calls"), loc, f"{what}.tool_calls") if role == "assistant" else None
+    if content is None and calls:
+        content = ""  # OpenAI's tool-calling turn: `content: null`, the calls in `tool_calls`
     # An assistant turn may be empty (e.g. a tool call carried elsewhere); others may not.
-    return {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=role == "assistant")}
+    out = {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=role == "assistant")}
+    if calls:
+        out["tool_calls"] = calls
+    if role == "tool":  # which call the result answers and the tool's name, for templates that show them
+        out.update({k: _text(m[k], loc, f"{what}.{k}") for k in ("tool_call_id", "name") if m.get(k) is not None})
+    return out
+
+
+def _tool_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]] | None:
+    """An assistant message's `tool_calls` in the OpenAI form {"id"?, "type": "function",
+    "function": {"name", "arguments"}} (a flat {"name", "arguments"} is read too). Arguments
+    written as a JSON string are decoded: chat templates write them with `tojson`."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise DataFormatError(f"{loc}: `{what}` must be a list of calls, got {type(value).__name__}: {value!r:.80}")
+    calls = []
+    for i, call in enumerate(value):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataFormatError(f'{loc}: `{what}[{i}]` must be {{"function": {{"name": ..., "arguments": {{...}}}}}}, '
+                                  f"got {call!r:.80}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{loc}: `{what}[{i}].function.arguments` is not JSON ({e.msg}): {args!r:.80}")
+        if not isinstance(args, dict):
+            raise DataFormatError(f"{loc}: `{what}[{i}].function.arguments` must be an object, got {args!r:.80}")
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call, dict) and call.get("id") is not None:
+            out = {"id": _text(call["id"], loc, f"{what}[{i}].id"), **out}
+        calls.append(out)
+    return calls
 
 
 def _messages(value: Any, loc: str, what: str) -> list[dict[str, str]]:

@@ -53,7 +53,8 @@ def _contract_violation(ret: Any, n: int) -> str | None:
         return f"a {type(ret).__name__}, not an EnvironmentReturn"
     sizes = {"observations": len(ret.observations), "metadata": len(ret.metadata),
              "next_stop_strings": len(ret.next_stop_strings), "rewards": len(ret.rewards),
-             "terminateds": len(ret.terminateds), "answers": len(ret.answers)}
+             "terminateds": len(ret.terminateds), "answers": len(ret.answers),
+             **({"tool_calls": len(ret.tool_calls)} if ret.tool_calls is not None else {})}
     wrong = {k: v for k, v in sizes.items() if v != n}
     return f"{wrong} entries for {n} samples" if wrong else None
 

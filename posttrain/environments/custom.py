@@ -17,7 +17,9 @@ Reward functions may come with tools (`env.<name>.tools`): Python functions the 
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen format), or with an
 answer that is nothing but the JSON call (Llama 3.x, Mistral; `parse_tool_calls`). Each
 turn with calls gets their results back as one tool message per call (an error text for a
-malformed call, an unknown tool or one that raised, so the model can recover); the first turn without
+malformed call, an unknown tool or one that raised, so the model can recover), each naming its
+call by `tool_call_id`, and the calls are set on the model's message as OpenAI-form `tool_calls`
+(`StepResult.tool_calls`), as templates that render results against calls need; the first turn without
 calls, or the turn after `max_tool_calls` turns with calls, is the final answer the reward
 functions score. The tools' JSON schemas (from their type hints and docstrings) go to the chat
 template with every prompt of the environment's rows (`with_tool_schemas`).
@@ -39,13 +41,19 @@ import json
 import numbers
 import os
 import re
+import string
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from posttrain.config import ConfigError, MissingInputError
 from posttrain.environments.interfaces import (
+    ENV_METRICS_KEY,
+    LOG_EXTRA_KEY,
     REWARD_COMPONENTS_KEY,
+    ROLLOUT_KEY,
     TOOL_CALLS_KEY,
     EnvironmentInterface,
     EnvironmentReturn,
@@ -114,34 +122,68 @@ def load_target(spec: str, key: str) -> Any:
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 # Markers some templates put before a bare JSON call, when they survive decoding.
 _BARE_CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
+# Mistral's templates refuse any other tool call id; the others take any string.
+_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ID_ALPHABET = string.ascii_letters + string.digits
 
 
-def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
-    """The tool calls of `text`, each as (name, arguments) or as the error text of a malformed one.
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a model's turn. `error` says why it cannot run (a malformed call, shown
+    to the model); `name` is then what could be read of it, possibly ""."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None  # the id the model wrote with the call (Mistral's format has one)
+    error: str | None = None
+
+    def message(self, call_id: str) -> dict[str, Any]:
+        """The call in the OpenAI message format that chat templates read from an assistant
+        message's `tool_calls`."""
+        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def tool_call_ids(calls: list[ToolCall], seed: str) -> list[str]:
+    """An id per call: the model's own when it wrote a valid one, else 9 letters and digits
+    derived from `seed` (the turn) and the call's position, so reruns give the same ids and
+    no two calls of a conversation share one. Nine alphanumerics is the one shape every
+    template accepts (Mistral's reject any other)."""
+    ids = []
+    for i, call in enumerate(calls):
+        if call.id is not None and _CALL_ID.fullmatch(call.id):
+            ids.append(call.id)
+            continue
+        n = int.from_bytes(hashlib.sha1(f"{seed}\0{i}".encode()).digest()[:8], "big")
+        ids.append("".join(_ID_ALPHABET[(n // len(_ID_ALPHABET) ** k) % len(_ID_ALPHABET)] for k in range(9)))
+    return ids
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of `text`, malformed ones included (with their `error`).
 
     Two formats: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text
     (Hermes: Qwen2.5, Qwen3), or, without those tags, a whole answer that is one JSON call object
     or a list of them (Llama 3.1-3.3 `{"name": ..., "parameters": {...}}`, Mistral
-    `[{"name": ..., "arguments": {...}}]`; their marker tokens are special and dropped in
-    decoding, or stripped here). "parameters" is read as "arguments", and arguments written as a
-    JSON string are decoded; a tagged call cut off by the token limit is read to the end of the
+    `[{"name": ..., "arguments": {...}, "id": ...}]`; their marker tokens are special and dropped
+    in decoding, or stripped here). "parameters" is read as "arguments", and arguments written as
+    a JSON string are decoded; a tagged call cut off by the token limit is read to the end of the
     text. A bare JSON answer without a "name" and "arguments"/"parameters" is an answer, not a call.
     """
     tagged = _TOOL_CALL.findall(text)
     if not tagged:
         return _bare_calls(text)
-    calls: list[tuple[str, dict[str, Any]] | str] = []
+    calls: list[ToolCall] = []
     for body in tagged:
         try:
             call = json.loads(body.strip())
         except json.JSONDecodeError as e:
-            calls.append(f"malformed tool call, not JSON ({e.msg})")
+            calls.append(ToolCall("", error=f"malformed tool call, not JSON ({e.msg})"))
             continue
         calls.append(_read_call(call))
     return calls
 
 
-def _bare_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
+def _bare_calls(text: str) -> list[ToolCall]:
     body = text.strip()
     for prefix in _BARE_CALL_PREFIXES:
         body = body.removeprefix(prefix).strip()
@@ -157,16 +199,17 @@ def _bare_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
     return [_read_call(o) for o in objs] if looks_like_calls else []
 
 
-def _read_call(call: Any) -> tuple[str, dict[str, Any]] | str:
+def _read_call(call: Any) -> ToolCall:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return 'malformed tool call, expected {"name": ..., "arguments": {...}}'
+        return ToolCall("", error='malformed tool call, expected {"name": ..., "arguments": {...}}')
+    name, call_id = call["name"], call.get("id") if isinstance(call.get("id"), str) else None
     args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):
         with contextlib.suppress(json.JSONDecodeError):
             args = json.loads(args)
     if not isinstance(args, dict):
-        return f"malformed tool call to {call['name']}: its arguments must be an object"
-    return call["name"], args
+        return ToolCall(name, id=call_id, error=f"malformed tool call to {name}: its arguments must be an object")
+    return ToolCall(name, args, call_id)
 
 
 class RewardFunctionEnvironment(PerSampleEnvironment):
@@ -188,11 +231,11 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         self._runner = SubprocessRunner(warmup=import_cloudpickle) if self.tools and self.tool_timeout_s else None
         self._pickled: dict[str, bytes] = {}
 
-    def _call_tool(self, call: tuple[str, dict[str, Any]] | str) -> str:
+    def _call_tool(self, call: ToolCall) -> str:
         """The tool's result as text (JSON unless it returned a string), or what went wrong."""
-        if isinstance(call, str):
-            return f"error: {call}"
-        name, args = call
+        if call.error is not None:
+            return f"error: {call.error}"
+        name, args = call.name, call.arguments
         if name not in self.tools:
             return f"error: there is no tool {name!r}; the tools are {', '.join(self.tools)}"
         try:
@@ -216,8 +259,8 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
 
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         if self.trl:  # TRL reward functions score the whole batch at once; step_one reads their values
-            per_sample = _trl_values({label: self.fns[label] for label in self.trl}, message_logs, metadata)
-            metadata = [{**m, _TRL_VALUES_KEY: v} for m, v in zip(metadata, per_sample)]
+            per_sample, logged = _trl_values({label: self.fns[label] for label in self.trl}, message_logs, metadata)
+            metadata = [{**m, **extra, _TRL_VALUES_KEY: v} for m, v, extra in zip(metadata, per_sample, logged)]
         return super().step(message_logs, metadata)
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
@@ -227,9 +270,12 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         used = int(metadata.get(TOOL_CALLS_KEY, 0))
         calls = parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
         if calls:
-            return StepResult(observation=[self._call_tool(c) for c in calls], reward=0.0,
-                              terminated=False, metadata={**metadata, TOOL_CALLS_KEY: used + 1},
-                              observation_role="tool")
+            ids = tool_call_ids(calls, seed=f"{used}\0{response}")
+            results = [{"role": "tool", "content": self._call_tool(c), "name": c.name, "tool_call_id": i}
+                       for c, i in zip(calls, ids)]
+            return StepResult(observation=results, reward=0.0, terminated=False,
+                              metadata={**metadata, TOOL_CALLS_KEY: used + 1},
+                              tool_calls=[c.message(i) for c, i in zip(calls, ids)])
         context = {"prompt": _prompt_text(messages), "messages": messages}
         values = {}
         for label, fn in self.fns.items():
@@ -263,16 +309,35 @@ def is_trl_reward_function(fn: Callable) -> bool:
 
 
 def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]]],
-                metadata: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each sample's value of each TRL reward function: `fn(prompts=..., completions=..., **columns)`
-    as TRL calls it for conversational data. `prompts`: each sample's messages before its first
-    answer; `completions`: its messages from there on (assistant turns, and tool or environment
-    turns between them); the columns: every metadata key of the batch (the row's `answer` among
-    them) as a list, None where a sample lacks it. A function that raises or returns the wrong
-    count of values gives every sample its exception (they score 0, recorded)."""
+                metadata: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each sample's value of each TRL reward function, called as TRL's GRPOTrainer calls it for
+    conversational data, and what the functions logged for each sample.
+
+    Keywords: `prompts` (each sample's messages before its first answer), `completions` (its
+    messages from there on: assistant turns, and tool or environment turns between them),
+    `completion_ids` (its tokens after the prompt), `trainer_state` (`global_step`: GRPO steps
+    done, `max_steps`), `log_metric(name, value)` (logged as env/<name>), `log_extra(column,
+    values)` (one value per sample, shown in samples.jsonl), and every metadata key of the
+    batch (the row's `answer` among them) as a list, None where a sample lacks it. A function
+    gets those it names (all with **kwargs). One that raises or returns the wrong count of
+    values gives every sample its exception (they score 0, recorded)."""
     starts = [next((i for i, m in enumerate(log) if m.get("role") == "assistant"), len(log)) for log in message_logs]
+    rollout = [m.get(ROLLOUT_KEY) or {} for m in metadata]
+    metrics: dict[str, list[float]] = {}
+    extras: dict[str, list[Any]] = {}
+
+    def log_metric(name: str, value: float) -> None:
+        metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(column: str, values: list[Any]) -> None:
+        extras[column] = list(values)
+
     batch = {"prompts": [log[:i] for log, i in zip(message_logs, starts)],
-             "completions": [log[i:] for log, i in zip(message_logs, starts)]}
+             "completions": [log[i:] for log, i in zip(message_logs, starts)],
+             "completion_ids": [r.get("completion_ids") for r in rollout],
+             "trainer_state": SimpleNamespace(global_step=(rollout[0].get("global_step") if rollout else None) or 0,
+                                              max_steps=rollout[0].get("max_steps") if rollout else None),
+             "log_metric": log_metric, "log_extra": log_extra}
     keys = sorted({k for m in metadata for k in m if k not in batch and not k.startswith("_")})
     columns = {k: [m.get(k) for m in metadata] for k in keys}
     out: list[dict[str, Any]] = [{} for _ in message_logs]
@@ -291,7 +356,15 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             values = [error] * len(message_logs)
         for sample, value in zip(out, values):
             sample[label] = value
-    return out
+    logged: list[dict[str, Any]] = [{} for _ in message_logs]
+    if metrics:  # a value per call: every sample of the batch carries the batch's mean
+        means = {name: sum(v) / len(v) for name, v in metrics.items()}
+        for sample in logged:
+            sample[ENV_METRICS_KEY] = means
+    for column, values in extras.items():
+        for sample, value in zip(logged, values):
+            sample.setdefault(LOG_EXTRA_KEY, {})[column] = value
+    return out, logged
 
 
 def _keywords_taken(fn: Callable, names: tuple[str, ...]) -> tuple[str, ...]:

@@ -28,18 +28,34 @@ REWARD_COMPONENTS_KEY = "reward_components"
 # Metadata key of a sample's turns with tool calls so far (reward functions with tools,
 # posttrain.environments.custom), logged as tool_calls_mean.
 TOOL_CALLS_KEY = "tool_calls"
+# Metadata key the rollout sets on every sample for the environment's step (and removes from
+# what comes back): {"completion_ids": the conversation's tokens after its prompt, "global_step":
+# the GRPO steps done, "max_steps": grpo.max_num_steps} (the steps are None outside GRPO). TRL
+# reward functions get them as `completion_ids` and `trainer_state`.
+ROLLOUT_KEY = "_rollout"
+# Metadata keys of a sample's metrics ({name: number}, logged as env/<name> means over the
+# samples that have them) and of extra values shown with it in samples.jsonl ({column: value});
+# TRL reward functions write them with `log_metric` and `log_extra`.
+ENV_METRICS_KEY = "env_metrics"
+LOG_EXTRA_KEY = "log_extra"
 
 
 @dataclass
 class EnvironmentReturn:
     # One per sample: a message {"role": "environment"|"user"|"tool", "content": str}, or a list of
-    # messages (one tool result per call of the model's turn, as chat templates expect them).
-    observations: list[dict[str, str] | list[dict[str, str]]]
+    # messages (one tool result per call of the model's turn, as chat templates expect them; a
+    # tool message may name its call: "tool_call_id", and its tool: "name").
+    observations: list[dict[str, Any] | list[dict[str, Any]]]
     metadata: list[dict[str, Any]]  # per sample; passed to the next step of a multi-turn conversation
     next_stop_strings: list[list[str] | None]  # stop strings of the next generation turn (None: defaults)
     rewards: torch.Tensor  # [B] float
     terminateds: torch.Tensor  # [B] bool
     answers: list[str | None]  # the answer the environment extracted (for logs), None if none
+    # Per sample, the tool calls the environment read from the model's last turn, in the OpenAI
+    # message format ({"id", "type": "function", "function": {"name", "arguments"}}), or None.
+    # The rollout sets them as that assistant message's `tool_calls`: chat templates that
+    # render tool results against the calls (Mistral's) need them. None: no sample has any.
+    tool_calls: list[list[dict[str, Any]] | None] | None = None
 
     @property
     def num_errors(self) -> int:
@@ -55,6 +71,8 @@ class EnvironmentReturn:
             rewards=torch.cat([p.rewards.float() for p in parts]) if parts else torch.zeros(0),
             terminateds=torch.cat([p.terminateds.bool() for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
             answers=[a for p in parts for a in p.answers],
+            tool_calls=([c for p in parts for c in (p.tool_calls or [None] * len(p.metadata))]
+                        if any(p.tool_calls for p in parts) else None),
         )
 
     @staticmethod
@@ -94,14 +112,18 @@ class EnvironmentInterface(ABC):
 class StepResult:
     """What a `PerSampleEnvironment` returns for one sample."""
 
-    observation: str | list[str]  # a list: one message per item (e.g. one per tool call)
+    # A text, or a list: one message per item (e.g. one per tool call), each a text or a whole
+    # message (a tool result with its "tool_call_id" and "name").
+    observation: str | list[str | dict[str, Any]]
     reward: float
     terminated: bool
     metadata: dict[str, Any]
     answer: str | None = None
     next_stop_strings: list[str] | None = None
-    # The observation's chat role: "environment" (shown as a user turn) or e.g. "tool".
+    # The chat role of the observation's texts: "environment" (shown as a user turn) or e.g. "tool".
     observation_role: str = "environment"
+    # The calls read from the model's turn (OpenAI message format; EnvironmentReturn.tool_calls).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class PerSampleEnvironment(EnvironmentInterface):
@@ -138,15 +160,19 @@ class PerSampleEnvironment(EnvironmentInterface):
         else:
             results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
         return EnvironmentReturn(
-            observations=[{"role": r.observation_role, "content": r.observation} if isinstance(r.observation, str)
-                          else [{"role": r.observation_role, "content": o} for o in r.observation]
-                          for r in results],
+            observations=[_message(r.observation, r.observation_role) if isinstance(r.observation, str)
+                          else [_message(o, r.observation_role) for o in r.observation] for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
             rewards=torch.tensor([float(r.reward) for r in results], dtype=torch.float32),
             terminateds=torch.tensor([bool(r.terminated) for r in results], dtype=torch.bool),
             answers=[r.answer for r in results],
+            tool_calls=[r.tool_calls for r in results] if any(r.tool_calls for r in results) else None,
         )
+
+
+def _message(observation: str | dict[str, Any], role: str) -> dict[str, Any]:
+    return {"role": role, "content": observation} if isinstance(observation, str) else observation
 
 
 def last_assistant_text(messages: list[dict[str, str]]) -> str:

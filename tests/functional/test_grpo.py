@@ -242,6 +242,8 @@ def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
         if "conversation" in s:
             call, result = s["conversation"][0]["content"], s["conversation"][1]
             assert result["role"] == "tool" and call.startswith("<tool_call>")
+            # The calling turn keeps its call structured; the result names it by id.
+            assert result["tool_call_id"] == s["conversation"][0]["tool_calls"][0]["id"]
             results.append((call, result["content"]))
     # Some calls were well formed, and their results are the sums of their arguments.
     good = [(json.loads(c[len("<tool_call>"):-len("</tool_call>")]), r) for c, r in results if not r.startswith("error")]

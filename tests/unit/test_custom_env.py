@@ -71,6 +71,13 @@ def trl_prompt_length(prompts, completions, **kwargs):
 def trl_wrong_count(completions, **kwargs):
     return [1.0]
 
+def trl_shorter_later(prompts, completions, completion_ids, trainer_state, log_metric, log_extra):
+    # TRL's documented signature: token ids, the run's progress, and logging of its own.
+    lengths = [len(ids) for ids in completion_ids]
+    log_metric("mean_tokens", sum(lengths) / len(lengths))
+    log_extra("tokens", lengths)
+    return [trainer_state.global_step / trainer_state.max_steps - n for n in lengths]
+
 def sleepy(seconds: float) -> str:
     """Sleep.
 
@@ -253,7 +260,11 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     env = resolve_env("calc", cfg)(cfg)
     first = convo("Let me add. " + _call("add", a=40, b=2))
     ret = env.step([first], [{"answer": "42"}])
-    assert ret.observations == [[{"role": "tool", "content": "42"}]] and ret.rewards.tolist() == [0.0]
+    # The result answers its call by id; the call itself comes back structured for the assistant message.
+    (call,) = ret.tool_calls[0]
+    assert call == {"id": call["id"], "type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
+    assert ret.observations == [[{"role": "tool", "content": "42", "name": "add", "tool_call_id": call["id"]}]]
+    assert ret.rewards.tolist() == [0.0]
     assert not ret.terminateds[0] and ret.metadata[0]["tool_calls"] == 1 and ret.num_errors == 0
     final = first + [*ret.observations[0], {"role": "assistant", "content": "42"}]
     ret = env.step([final], ret.metadata)
@@ -264,6 +275,9 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
                 + '<tool_call>{"name": "add", "parameters": {"a": 1, "b": "x"}}')  # cut off by the token limit
     ret = env.step([bad], [{}])
     lines = [m["content"] for m in ret.observations[0]]  # one tool message per call
+    assert [c["function"]["name"] for c in ret.tool_calls[0]] == ["divide", "mul", "", "add", "add"]
+    ids = [m["tool_call_id"] for m in ret.observations[0]]
+    assert ids == [c["id"] for c in ret.tool_calls[0]] and len(set(ids)) == 5
     assert lines[0] == "error: divide raised ZeroDivisionError: division by zero"
     assert lines[1] == "error: there is no tool 'mul'; the tools are add, divide"
     assert lines[2].startswith("error: malformed tool call, not JSON") and lines[3] == "2"
@@ -272,22 +286,43 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     # After max_tool_calls turns with calls the next answer is final, calls or not.
     ret = env.step([convo(_call("add", a=1, b=1))], [{"answer": "2", "tool_calls": 2}])
     assert ret.terminateds[0] and ret.rewards.tolist() == [0.0] and ret.observations[0]["role"] == "environment"
+    assert ret.tool_calls is None
+
+
+def test_tool_call_ids_are_the_models_own_or_nine_stable_alphanumerics():
+    from posttrain.environments.custom import ToolCall, parse_tool_calls, tool_call_ids
+
+    # Mistral's format carries an id; a valid one is kept, anything else is replaced.
+    calls = parse_tool_calls('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "Ab3dE6gH9"}, '
+                             '{"name": "add", "arguments": {"a": 2}, "id": "call_1"}, {"name": "add", "arguments": {}}]')
+    assert [c.id for c in calls] == ["Ab3dE6gH9", "call_1", None]
+    ids = tool_call_ids(calls, seed="0\0turn")
+    assert ids[0] == "Ab3dE6gH9" and len(set(ids)) == 3
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    assert tool_call_ids(calls, seed="0\0turn") == ids  # reruns give the same ids
+    assert tool_call_ids(calls, seed="1\0turn")[1:] != ids[1:]  # another turn of the conversation: others
+    assert ToolCall("add", {"a": 1}).message("x") == {"id": "x", "type": "function",
+                                                      "function": {"name": "add", "arguments": {"a": 1}}}
 
 
 def test_bare_json_tool_calls_of_llama_and_mistral():
     from posttrain.environments.custom import parse_tool_calls
 
+    def read(text):
+        return [(c.name, c.arguments) if c.error is None else c.error for c in parse_tool_calls(text)]
+
     llama = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}'
-    assert parse_tool_calls(llama) == [("add", {"a": 1, "b": 2})]
-    assert parse_tool_calls(' {"name": "add", "parameters": "{\\"a\\": 3}"}\n') == [("add", {"a": 3})]
+    assert read(llama) == [("add", {"a": 1, "b": 2})]
+    assert read(' {"name": "add", "parameters": "{\\"a\\": 3}"}\n') == [("add", {"a": 3})]
     mistral = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "div", "arguments": [1]}]'
-    assert parse_tool_calls(mistral) == [("add", {"a": 1}), "malformed tool call to div: its arguments must be an object"]
+    assert read(mistral) == [("add", {"a": 1}), "malformed tool call to div: its arguments must be an object"]
+    assert parse_tool_calls(mistral)[1].name == "div"  # named, so its result can say which call failed
     # answers, not calls: JSON without a name and arguments, prose around JSON, broken JSON
     for answer in ('{"answer": 3}', '{"name": "Ada"}', '[1, 2]', 'It is {"name": "add", "arguments": {}}',
                    '{"name": "add", "arguments": {', "42", ""):
         assert parse_tool_calls(answer) == [], answer
     # a tagged call wins: the JSON around it is not read again
-    assert parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call>') == [("a", {})]
+    assert read('<tool_call>{"name": "a", "arguments": {}}</tool_call>') == [("a", {})]
 
 
 def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_file):
@@ -364,3 +399,16 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
     assert "TRL reward function 'trl_wrong_count': ValueError: returned 1 values for 2 completions" in \
         ret.metadata[0]["env_error"]
+
+
+def test_trl_reward_functions_get_completion_ids_trainer_state_and_logging(rewards_file):
+    from posttrain.environments.interfaces import ROLLOUT_KEY
+
+    cfg = _cfg(f"{rewards_file}:trl_shorter_later")
+    env = resolve_env("trl", cfg)(cfg)
+    meta = [{"answer": "1", ROLLOUT_KEY: {"completion_ids": ids, "global_step": 3, "max_steps": 4}}
+            for ids in ([5, 6], [7, 8, 9, 10])]
+    ret = env.step([convo("ab"), convo("abcd")], meta)
+    assert ret.rewards.tolist() == [0.75 - 2, 0.75 - 4] and ret.num_errors == 0
+    assert [m["env_metrics"] for m in ret.metadata] == [{"mean_tokens": 3.0}] * 2
+    assert [m["log_extra"] for m in ret.metadata] == [{"tokens": 2}, {"tokens": 4}]

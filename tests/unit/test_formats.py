@@ -56,6 +56,44 @@ def test_sharegpt_toolcall_sample(shared_data):
     assert all("tools" in r for r in rows if r.get("tools"))
 
 
+def test_openai_tool_calling_rows_keep_their_calls_and_train_on_them(tmp_path):
+    # OpenAI's function-calling layout: a calling turn with `content: null` and structured
+    # `tool_calls` (arguments as an object or as a JSON string), results naming their call.
+    from posttrain.data.processors import tokenize_messages
+    from posttrain.embedded import build_tokenizer
+
+    call = {"id": "abc123def", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    row = {"messages": [{"role": "user", "content": "1+2="},
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "content": "3", "tool_call_id": "abc123def", "name": "add"},
+                        {"role": "assistant", "content": "3"}]}
+    flat = {"messages": [{"role": "user", "content": "2+2="},
+                         {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 2}}]},
+                         {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]}
+    path = _write_jsonl(tmp_path / "t.jsonl", [row, flat])
+    got, got_flat = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    assert got["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abc123def", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    assert got["messages"][2] == {"role": "tool", "content": "3", "tool_call_id": "abc123def", "name": "add"}
+    assert got_flat["messages"][1]["tool_calls"] == [{"type": "function", "function": {"name": "add",
+                                                                                       "arguments": {"a": 2, "b": 2}}}]
+    # The calling turn is trained as the template writes it (the embedded one: Hermes tags); the result is not.
+    tok = build_tokenizer()
+    ex = tokenize_messages(got["messages"], tok, add_bos=False)
+    trained = tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    assert trained == '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|end|>3<|end|>'
+    # Malformed calls name the row and the key.
+    bad = [(None, "`messages[1].tool_calls[0]` must be"), ({"name": "add", "arguments": "{oops"}, "is not JSON"),
+           ({"function": {"name": "add", "arguments": [1]}}, "must be an object")]
+    for i, (c, message) in enumerate(bad):
+        broken = json.loads(json.dumps(row))
+        broken["messages"][1]["tool_calls"] = [c]
+        path = _write_jsonl(tmp_path / f"bad{i}.jsonl", [row, broken])
+        with pytest.raises(DataFormatError, match="row 2") as e:
+            load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+        assert message in str(e.value)
+
+
 def test_messages_sample(shared_data):
     rows = load_rows(_cfg(f"{shared_data}/llamafactory_demo/kto_en_demo.json"), "train")
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)

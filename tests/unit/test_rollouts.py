@@ -146,11 +146,10 @@ def test_conversation_separates_the_prompt_from_the_exchange(tok):
     assert [m["content"] for m in conv.exchange] == ["up", "again", "left"]
 
 
-def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path):
-    # A chat template that lists the tools' names; each call's answer comes back as a tool turn of
-    # its own (as templates that group a turn's tool results, e.g. Qwen2.5's, expect them).
-    from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
-    from posttrain.environments import resolve_env, with_tool_schemas
+@pytest.fixture
+def calc(tmp_path):
+    """The `calc` environment's config (exact answer, an `add` tool) and a built environment."""
+    from posttrain.environments import resolve_env
     from posttrain.schemas import EnvConfig
 
     (tmp_path / "calc.py").write_text(
@@ -159,6 +158,16 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path
         "    return a + b\n")
     env_cfg = EnvConfig.model_validate({"calc": {"target": f"{tmp_path}/calc.py:exact",
                                                  "tools": [f"{tmp_path}/calc.py:add"]}})
+    return env_cfg, resolve_env("calc", env_cfg.get_worker_cfg("calc"))(env_cfg.get_worker_cfg("calc"))
+
+
+def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, calc):
+    # A chat template that lists the tools' names; each call's answer comes back as a tool turn of
+    # its own (as templates that group a turn's tool results, e.g. Qwen2.5's, expect them).
+    from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
+    from posttrain.environments import with_tool_schemas
+
+    env_cfg, env = calc
     tools_tok = build_tokenizer()
     tools_tok.chat_template = ("{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }};"
                                "{% endfor %}<|end|>{% endif %}" + CHAT_TEMPLATE)
@@ -167,7 +176,6 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path
     gen = _EchoGeneration(tools_tok, replies=[call, "1"])
     rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+0="}], "task_name": "calc",
                                "answer": "1"}], env_cfg)
-    env = resolve_env("calc", env_cfg.get_worker_cfg("calc"))(env_cfg.get_worker_cfg("calc"))
     result = run_rollouts(gen, rows, {"calc": env}, tools_tok, max_turns=3, max_seq_len=400)
     first, second = (tools_tok.decode(p) for p in gen.prompts)
     assert first == "<s><|system|>add;<|end|><|user|>1+0=<|end|><|assistant|>"
@@ -175,3 +183,95 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, tmp_path
     (conv,) = result.conversations
     assert conv.reward == 1.0 and conv.turns == 2 and result.metrics["tool_calls_mean"] == 1.0
     assert [m["role"] for m in conv.exchange] == ["assistant", "tool", "tool", "assistant"]
+    # The calling turn carries its calls structured, and each result names the call it answers.
+    # This template writes `tool_calls` after the content: the tokens keep the model's own text
+    # once (the closing above has no second copy of the calls).
+    calls = conv.exchange[0]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"a": 1, "b": 0}, {"a": 2, "b": 0}]
+    assert [m["tool_call_id"] for m in conv.exchange[1:3]] == [c["id"] for c in calls]
+    assert "tool_calls" not in conv.exchange[3]
+
+
+# Tool calls as Mistral's templates treat them, in a template of this test's own: a calling turn
+# is rendered from its structured `tool_calls` (not its content), every call and result needs a
+# 9-character id, and a result must answer a call of the turn before it.
+_STRICT_TOOL_TEMPLATE = (
+    "{%- set ns = namespace(ids='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}<|user|>{{ m['content'] }}<|end|>"
+    "{%- elif m['role'] == 'assistant' and m['tool_calls'] is defined -%}<|assistant|>[CALLS]"
+    "{%- set ns.ids = '' -%}"
+    "{%- for c in m['tool_calls'] -%}"
+    "{%- if c['id'] is not defined or c['id'] | length != 9 -%}{{ raise_exception('call ids have 9 characters') }}"
+    "{%- endif -%}{%- set ns.ids = ns.ids + c['id'] + ',' -%}"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments'], 'id': c['id']} | tojson }}"
+    "{%- endfor -%}<|end|>"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>{{ m['content'] }}<|end|>"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if m['tool_call_id'] is not defined or (m['tool_call_id'] + ',') not in ns.ids -%}"
+    "{{ raise_exception('a tool result must answer a call of the turn before') }}{%- endif -%}"
+    "[RESULT]{{ m['tool_call_id'] }}={{ m['content'] }}[/RESULT]"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def test_rollouts_with_tools_under_a_template_that_needs_call_ids(calc):
+    from posttrain.embedded import build_tokenizer
+    from posttrain.environments import with_tool_schemas
+
+    env_cfg, env = calc
+    strict = build_tokenizer()
+    strict.chat_template = _STRICT_TOOL_TEMPLATE
+    # The model writes Mistral's bare JSON list, the first call with an id of its own.
+    call = '[{"name": "add", "arguments": {"a": 1, "b": 2}, "id": "Ab3dE6gH9"}, {"name": "add", "arguments": {"a": 3, "b": 4}}]'
+    gen = _EchoGeneration(strict, replies=[call, "3"])
+    rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+2="}], "task_name": "calc",
+                               "answer": "3"}], env_cfg)
+    result = run_rollouts(gen, rows, {"calc": env}, strict, max_turns=3, max_seq_len=600)
+    (conv,) = result.conversations
+    ids = [c["id"] for c in conv.exchange[0]["tool_calls"]]
+    assert ids[0] == "Ab3dE6gH9" and len(ids[1]) == 9 and ids[1].isalnum()
+    first, second = (strict.decode(p) for p in gen.prompts)
+    # The model's turn stays its own tokens; the results follow it as the template renders them.
+    assert second == f"{first}{call}<|end|>[RESULT]{ids[0]}=3[/RESULT][RESULT]{ids[1]}=7[/RESULT]<|assistant|>"
+    assert conv.reward == 1.0 and conv.turns == 2 and conv.env_errors == 0
+    # Without the structured calls the template refuses the conversation.
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conv.messages]
+    with pytest.raises(Exception, match="must answer a call"):
+        strict.apply_chat_template(bare, tokenize=False)
+
+
+def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
+    # What TRL reward functions read as completion_ids and trainer_state; none of it stays in
+    # the conversation's metadata, while the metrics an environment reports are averaged.
+    import torch
+
+    from posttrain.environments.interfaces import (
+        ENV_METRICS_KEY,
+        ROLLOUT_KEY,
+        EnvironmentReturn,
+    )
+
+    seen = []
+
+    class Recording:
+        def step(self, message_logs, metadata):
+            seen.append([m[ROLLOUT_KEY] for m in metadata])
+            n = len(metadata)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "again"}] * n,
+                metadata=[{**m, ENV_METRICS_KEY: {"turn": float(len(seen))}} for m in metadata],
+                next_stop_strings=[None] * n, rewards=torch.zeros(n),
+                terminateds=torch.tensor([len(seen) == 2] * n), answers=[None] * n)
+
+    gen = _EchoGeneration(tok, replies=["12", "3"])
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(gen, rows, {"t": Recording()}, tok, max_turns=2, max_seq_len=100, global_step=7, max_steps=9)
+    first, second = (s[0] for s in seen)
+    assert first == {"completion_ids": tok.encode("12", add_special_tokens=False) + [tok.eos_token_id],
+                     "global_step": 7, "max_steps": 9}
+    # The second turn's ids run from the end of the prompt: the first answer, the observation, the second answer.
+    (conv,) = result.conversations
+    assert second["completion_ids"] == conv.tokens[conv.prompt_length:] and len(second["completion_ids"]) > 6
+    assert ROLLOUT_KEY not in conv.metadata and result.metrics["env/turn"] == 2.0
