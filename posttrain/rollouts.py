@@ -140,6 +140,24 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
     return closing
 
 
+def _next_turn_tokens(tokenizer, c: Conversation, observation: list[dict], add_generation_prompt: bool) -> list[int]:
+    """`_observation_tokens` after `c`'s last turn. A template that refuses that turn's calls as
+    structured `tool_calls` (Llama 3.1's takes one call per turn) gets the turn without them, as
+    the model wrote it: the calls stay in its content, and the results still name them."""
+    from jinja2 import TemplateError
+
+    def tokens() -> list[int]:
+        return _observation_tokens(tokenizer, c.messages, observation, add_generation_prompt=add_generation_prompt,
+                                   tools=c.tools, last_token=c.tokens[-1])
+
+    try:
+        return tokens()
+    except TemplateError:
+        if not c.messages[-1].pop("tool_calls", None):
+            raise
+        return tokens()
+
+
 def start_conversations(
     tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True, *, add_generation_prompt: bool = True
 ) -> list[Conversation]:
@@ -260,9 +278,7 @@ def run_rollouts(
                     continue
                 obs = ret.observations[k]
                 obs = obs if isinstance(obs, list) else [obs]  # several: one tool result per call
-                obs_tokens = _observation_tokens(tokenizer, c.messages, obs,
-                                                 add_generation_prompt=add_generation_prompt, tools=c.tools,
-                                                 last_token=c.tokens[-1])
+                obs_tokens = _next_turn_tokens(tokenizer, c, obs, add_generation_prompt)
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue

@@ -242,6 +242,34 @@ def test_rollouts_with_tools_under_a_template_that_needs_call_ids(calc):
         strict.apply_chat_template(bare, tokenize=False)
 
 
+def test_a_template_that_refuses_the_structured_calls_gets_the_turn_as_written(calc):
+    # As Llama 3.1's template: one structured call per turn, else it raises.
+    from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
+    from posttrain.environments import with_tool_schemas
+
+    env_cfg, env = calc
+    one_call = build_tokenizer()
+    one_call.chat_template = ("{%- for m in messages -%}{%- if m['tool_calls'] is defined and m['tool_calls'] | length"
+                              " != 1 -%}{{ raise_exception('only single tool calls') }}{%- endif -%}{%- endfor -%}"
+                              + CHAT_TEMPLATE)
+    single = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+    double = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "add", "parameters": {"a": 0, "b": 3}}]'
+    convs = []
+    for reply in (single, double):
+        gen = _EchoGeneration(one_call, replies=[reply, "3"])
+        rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+2="}], "task_name": "calc",
+                                   "answer": "3"}], env_cfg)
+        (conv,) = run_rollouts(gen, rows, {"calc": env}, one_call, max_turns=3, max_seq_len=600).conversations
+        first, second = (one_call.decode(p) for p in gen.prompts)
+        results = "".join(f"<|tool|>{r}<|end|>" for r in (["3"] if reply == single else ["3", "3"]))
+        assert second == f"{first}{reply}<|end|>{results}<|assistant|>"
+        assert conv.reward == 1.0 and conv.turns == 2
+        convs.append(conv)
+    assert len(convs[0].exchange[0]["tool_calls"]) == 1
+    assert "tool_calls" not in convs[1].exchange[0]  # the template refused two: the turn as written
+    assert all("tool_call_id" in m for m in convs[1].exchange[1:3])
+
+
 def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     # What TRL reward functions read as completion_ids and trainer_state; none of it stays in
     # the conversation's metadata, while the metrics an environment reports are averaged.
