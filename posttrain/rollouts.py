@@ -22,7 +22,12 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import render_chat, with_bos
-from posttrain.environments.interfaces import ENV_METRICS_KEY, REWARD_COMPONENTS_KEY, ROLLOUT_KEY, TOOL_CALLS_KEY
+from posttrain.environments.interfaces import (
+    ENV_METRICS_KEY,
+    REWARD_COMPONENTS_KEY,
+    ROLLOUT_KEY,
+    TOOL_CALLS_KEY,
+)
 
 
 class _EnvGroup(Protocol):
