@@ -15,8 +15,12 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         "function", "function": {"name", "arguments"}}], its `content` may then be
                         null; arguments as a JSON string are decoded) and a tool message's
                         `tool_call_id` and `name` are kept for the chat template, which renders
-                        the calls (and trains on them) in the model's own format
-    sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT)
+                        the calls (and trains on them) in the model's own format. Calls without
+                        an id get one, and a result naming no call answers the next call of the
+                        turn before it. A row's `tools` (a list of function schemas, or a JSON
+                        string of one, as LLaMA-Factory writes it) become OpenAI schemas
+    sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT; a
+                        `function_call` turn's JSON call(s) become the assistant's `tool_calls`)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
     prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
     squad               {"context", "question", "answers": {"text": [...]}}      (a flattened
@@ -146,6 +150,8 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
                 f"{loc}: {what} has unknown speaker `from: {speaker!r}`; valid: {', '.join(_SHAREGPT_ROLES)}"
             )
         role, content = _SHAREGPT_ROLES[speaker], m.get("value")
+        if speaker == "function_call":  # LLaMA-Factory: the call(s) as JSON text; templates want them structured
+            return {"role": "assistant", "content": "", "tool_calls": _written_calls(content, loc, what)}
     else:
         raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
     if role not in _ROLES:
@@ -162,6 +168,15 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
     return out
 
 
+def _named_function(item: Any, loc: str, what: str, shape: str) -> dict[str, Any]:
+    """`item["function"]` (OpenAI's wrapper of a call or a tool schema) or `item` itself, which
+    must name a function."""
+    fn = item.get("function", item) if isinstance(item, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataFormatError(f"{loc}: `{what}` must be {shape}, got {item!r:.80}")
+    return fn
+
+
 def _tool_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]] | None:
     """An assistant message's `tool_calls` in the OpenAI form {"id"?, "type": "function",
     "function": {"name", "arguments"}} (a flat {"name", "arguments"} is read too). Arguments
@@ -172,10 +187,7 @@ def _tool_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]] | None:
         raise DataFormatError(f"{loc}: `{what}` must be a list of calls, got {type(value).__name__}: {value!r:.80}")
     calls = []
     for i, call in enumerate(value):
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise DataFormatError(f'{loc}: `{what}[{i}]` must be {{"function": {{"name": ..., "arguments": {{...}}}}}}, '
-                                  f"got {call!r:.80}")
+        fn = _named_function(call, loc, f"{what}[{i}]", '{"function": {"name": ..., "arguments": {...}}}')
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
@@ -191,10 +203,47 @@ def _tool_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]] | None:
     return calls
 
 
+def _written_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]]:
+    """Tool calls written as JSON text ({"name", "arguments"}, or a list of them) in OpenAI form."""
+    from posttrain.environments.tool_calls import parse_tool_calls
+
+    calls = parse_tool_calls(_text(value, loc, f"{what}.value"))
+    bad = next((c.error for c in calls if c.error), None) if calls else "no JSON call"
+    if bad:
+        raise DataFormatError(f'{loc}: {what} is a function_call but not {{"name": ..., "arguments": {{...}}}} '
+                              f"({bad}): {value!r:.80}")
+    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
 def _messages(value: Any, loc: str, what: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise DataFormatError(f"{loc}: `{what}` must be a non-empty list of messages, got {value!r:.80}")
-    return [_message(m, loc, f"{what}[{i}]") for i, m in enumerate(value)]
+    return _link_tool_results([_message(m, loc, f"{what}[{i}]") for i, m in enumerate(value)])
+
+
+def _link_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every tool call gets an id (its own, else `tool_call_ids`'s from the calls), and each tool
+    result that names no call answers the next unanswered call of the turn before it, taking its
+    id and tool name: templates such as Mistral's render results only against their calls."""
+    from posttrain.environments.tool_calls import ToolCall, tool_call_ids
+
+    pending: list[tuple[str, str]] = []  # (id, name) of the last calling turn's unanswered calls
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = m["tool_calls"]
+            ids = tool_call_ids([ToolCall(c["function"]["name"], id=c.get("id")) for c in calls],
+                                seed=f"{i}\0{json.dumps(calls, sort_keys=True, default=str)}")
+            m["tool_calls"] = [{**c, "id": c.get("id") or call_id} for c, call_id in zip(calls, ids)]
+            pending = [(c["id"], c["function"]["name"]) for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            answered = next((p for p in pending if p[0] == m.get("tool_call_id")), pending[0] if pending else None)
+            if answered is not None:
+                pending.remove(answered)
+                m.setdefault("tool_call_id", answered[0])
+                m.setdefault("name", answered[1])
+        else:
+            pending = []
+    return messages
 
 
 def _require_assistant(messages: list[dict[str, str]], loc: str, what: str) -> None:
@@ -211,10 +260,29 @@ def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
     return _messages(value, loc, what)
 
 
-def _with_tools(out: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+def _with_tools(out: dict[str, Any], row: dict[str, Any], loc: str) -> dict[str, Any]:
     if row.get("tools"):
-        out["tools"] = row["tools"]
+        out["tools"] = _tool_schemas(row["tools"], loc)
     return out
+
+
+def _tool_schemas(value: Any, loc: str) -> list[dict[str, Any]]:
+    """A row's `tools` as chat templates take them: a list of OpenAI function schemas
+    ({"type": "function", "function": {"name", "description", "parameters"}}). LLaMA-Factory
+    writes them as a JSON string of bare function schemas; both are read."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{loc}: `tools` is a string but not JSON ({e.msg}): {value!r:.80}") from None
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list):
+        raise DataFormatError(f"{loc}: `tools` must be a list of function schemas, got {value!r:.80}")
+    schemas = []
+    for i, tool in enumerate(value):
+        fn = _named_function(tool, loc, f"tools[{i}]", 'a function schema {"name": ..., "parameters": ...}')
+        schemas.append({"type": "function", "function": fn})
+    return schemas
 
 
 # --------------------------------------------------------------------------- formats
@@ -226,10 +294,11 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
-        keep = ("answer", "demonstration", "metadata", "stop_strings", "tools")
-        return {"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}}
+        keep = ("answer", "demonstration", "metadata", "stop_strings")
+        return _with_tools({"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}},
+                           row, loc)
     _require_assistant(messages, loc, "messages")
-    return _with_tools({"messages": messages}, row)
+    return _with_tools({"messages": messages}, row, loc)
 
 
 def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
@@ -237,7 +306,7 @@ def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
     if row.get("system"):
         messages.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
     _require_assistant(messages, loc, "conversations")
-    return _with_tools({"messages": messages}, row)
+    return _with_tools({"messages": messages}, row, loc)
 
 
 def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:

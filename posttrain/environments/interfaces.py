@@ -93,7 +93,7 @@ class EnvironmentInterface(ABC):
     # Python functions the model may call, each with type hints and a docstring with an Args:
     # section: their JSON schemas go to the chat template with every prompt of the environment's
     # rows (`with_tool_schemas`). The environment reads and runs the calls itself
-    # (`posttrain.environments.custom.parse_tool_calls` reads the usual formats).
+    # (`posttrain.environments.tool_calls.parse_tool_calls` reads the usual formats).
     tools: ClassVar[tuple[Callable[..., Any], ...]] = ()
 
     @abstractmethod

@@ -290,7 +290,7 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
 
 
 def test_tool_call_ids_are_the_models_own_or_nine_stable_alphanumerics():
-    from posttrain.environments.custom import ToolCall, parse_tool_calls, tool_call_ids
+    from posttrain.environments.tool_calls import ToolCall, parse_tool_calls, tool_call_ids
 
     # Mistral's format carries an id; a valid one is kept, anything else is replaced.
     calls = parse_tool_calls('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "Ab3dE6gH9"}, '
@@ -306,7 +306,7 @@ def test_tool_call_ids_are_the_models_own_or_nine_stable_alphanumerics():
 
 
 def test_bare_json_tool_calls_of_llama_and_mistral():
-    from posttrain.environments.custom import parse_tool_calls
+    from posttrain.environments.tool_calls import parse_tool_calls
 
     def read(text):
         return [(c.name, c.arguments) if c.error is None else c.error for c in parse_tool_calls(text)]

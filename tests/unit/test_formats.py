@@ -2,6 +2,7 @@
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -50,10 +51,31 @@ def test_alpaca_sample(shared_data):
 
 
 def test_sharegpt_toolcall_sample(shared_data):
-    rows = load_rows(_cfg(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json"), "train")
-    roles = {m["role"] for r in rows for m in r["messages"]}
-    assert roles == {"user", "assistant", "tool"}
-    assert all("tools" in r for r in rows if r.get("tools"))
+    # LLaMA-Factory's layout: `tools` a JSON string of bare function schemas, each call a
+    # `function_call` turn of JSON text, each result an `observation`.
+    from posttrain.data.processors import tokenize_messages
+    from posttrain.embedded import build_tokenizer
+
+    cfg = _cfg(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json")
+    rows = load_rows(cfg, "train") + load_rows(cfg, "val")
+    raw = json.loads(Path(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json").read_text())
+    assert {m["role"] for r in rows for m in r["messages"]} == {"user", "assistant", "tool"}
+    # The schemas as templates take them, in OpenAI's form.
+    assert sum(len(r["tools"]) for r in rows) == sum(len(json.loads(r["tools"])) for r in raw)
+    assert all(t["type"] == "function" and t["function"]["name"] for r in rows for t in r["tools"])
+    # Every function_call is an assistant turn with the call structured; every result names it.
+    calls = [m for r in rows for m in r["messages"] if m.get("tool_calls")]
+    assert len(calls) == sum(m["from"] == "function_call" for r in raw for m in r["conversations"]) == 211
+    for r in rows:
+        for before, m in zip(r["messages"], r["messages"][1:]):
+            if m["role"] == "tool":
+                (call,) = before["tool_calls"]
+                assert m["tool_call_id"] == call["id"] and m["name"] == call["function"]["name"]
+    # Rows with a tools list tokenize (they used to fail in the chat template), the calls trained.
+    tok = build_tokenizer()
+    row = next(r for r in rows if any(m.get("tool_calls") for m in r["messages"]))
+    ex = tokenize_messages(row["messages"], tok, tools=row["tools"])
+    assert "<tool_call>{\"name\": " in tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
 
 
 def test_openai_tool_calling_rows_keep_their_calls_and_train_on_them(tmp_path):
@@ -75,23 +97,43 @@ def test_openai_tool_calling_rows_keep_their_calls_and_train_on_them(tmp_path):
     assert got["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "abc123def", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
     assert got["messages"][2] == {"role": "tool", "content": "3", "tool_call_id": "abc123def", "name": "add"}
-    assert got_flat["messages"][1]["tool_calls"] == [{"type": "function", "function": {"name": "add",
-                                                                                       "arguments": {"a": 2, "b": 2}}}]
+    # Calls without an id get one, and a result naming no call answers the call before it.
+    (flat_call,) = got_flat["messages"][1]["tool_calls"]
+    assert flat_call == {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}},
+                         "id": flat_call["id"]} and len(flat_call["id"]) == 9
+    assert got_flat["messages"][2] == {"role": "tool", "content": "4", "tool_call_id": flat_call["id"], "name": "add"}
     # The calling turn is trained as the template writes it (the embedded one: Hermes tags); the result is not.
     tok = build_tokenizer()
     ex = tokenize_messages(got["messages"], tok, add_bos=False)
     trained = tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
     assert trained == '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|end|>3<|end|>'
-    # Malformed calls name the row and the key.
-    bad = [(None, "`messages[1].tool_calls[0]` must be"), ({"name": "add", "arguments": "{oops"}, "is not JSON"),
-           ({"function": {"name": "add", "arguments": [1]}}, "must be an object")]
-    for i, (c, message) in enumerate(bad):
+    # Malformed calls and tool schemas name the row and the key.
+    bad = [({"tool_calls": [None]}, "`messages[1].tool_calls[0]` must be"),
+           ({"tool_calls": [{"name": "add", "arguments": "{oops"}]}, "is not JSON"),
+           ({"tool_calls": [{"function": {"name": "add", "arguments": [1]}}]}, "must be an object"),
+           ({"tools": "[{oops"}, "`tools` is a string but not JSON"),
+           ({"tools": [{"description": "no name"}]}, "`tools[0]` must be a function schema")]
+    for i, (change, message) in enumerate(bad):
         broken = json.loads(json.dumps(row))
-        broken["messages"][1]["tool_calls"] = [c]
+        if "tools" in change:
+            broken["tools"] = change["tools"]
+        else:
+            broken["messages"][1]["tool_calls"] = change["tool_calls"]
         path = _write_jsonl(tmp_path / f"bad{i}.jsonl", [row, broken])
         with pytest.raises(DataFormatError, match="row 2") as e:
             load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
         assert message in str(e.value)
+
+
+def test_sharegpt_function_call_that_is_no_call_names_the_row(tmp_path):
+    good = {"conversations": [{"from": "human", "value": "1+2="},
+                              {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 1, "b": 2}}'},
+                              {"from": "observation", "value": "3"}, {"from": "gpt", "value": "3"}]}
+    bad = json.loads(json.dumps(good))
+    bad["conversations"][1]["value"] = "I will add them."
+    path = _write_jsonl(tmp_path / "calls.jsonl", [good, bad])
+    with pytest.raises(DataFormatError, match=r"row 2: conversations\[1\] is a function_call but not"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
 
 
 def test_messages_sample(shared_data):

@@ -1,0 +1,110 @@
+"""Tool calls as models write them and as chat templates read them.
+
+`parse_tool_calls` reads the calls of a model's answer (Hermes tags, or a bare JSON call as Llama
+3.x and Mistral write them); `ToolCall.message` gives a call in the OpenAI message form that
+templates read from an assistant message's `tool_calls`; `tool_call_ids` names the calls. Used by
+the tool environments (`posttrain.environments.custom`) and by the data formats, which turn tool
+calls written as text (LLaMA-Factory's ShareGPT `function_call` turns) into that form. No torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Any
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# Markers some templates put before a bare JSON call, when they survive decoding.
+_BARE_CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
+# Mistral's templates refuse any other tool call id; the others take any string.
+_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a model's turn. `error` says why it cannot run (a malformed call, shown
+    to the model); `name` is then what could be read of it, possibly ""."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None  # the id the model wrote with the call (Mistral's format has one)
+    error: str | None = None
+
+    def message(self, call_id: str) -> dict[str, Any]:
+        """The call in the OpenAI message format that chat templates read from an assistant
+        message's `tool_calls`."""
+        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def tool_call_ids(calls: list[ToolCall], seed: str) -> list[str]:
+    """An id per call: the model's own when it wrote a valid one, else 9 letters and digits
+    derived from `seed` (the turn) and the call's position, so reruns give the same ids and
+    no two calls of a conversation share one. Nine alphanumerics is the one shape every
+    template accepts (Mistral's reject any other)."""
+    ids = []
+    for i, call in enumerate(calls):
+        if call.id is not None and _CALL_ID.fullmatch(call.id):
+            ids.append(call.id)
+            continue
+        n = int.from_bytes(hashlib.sha1(f"{seed}\0{i}".encode()).digest()[:8], "big")
+        ids.append("".join(_ID_ALPHABET[(n // len(_ID_ALPHABET) ** k) % len(_ID_ALPHABET)] for k in range(9)))
+    return ids
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of `text`, malformed ones included (with their `error`).
+
+    Two formats: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text
+    (Hermes: Qwen2.5, Qwen3), or, without those tags, a whole answer that is one JSON call object
+    or a list of them (Llama 3.1-3.3 `{"name": ..., "parameters": {...}}`, Mistral
+    `[{"name": ..., "arguments": {...}, "id": ...}]`; their marker tokens are special and dropped
+    in decoding, or stripped here). "parameters" is read as "arguments", and arguments written as
+    a JSON string are decoded; a tagged call cut off by the token limit is read to the end of the
+    text. A bare JSON answer without a "name" and "arguments"/"parameters" is an answer, not a call.
+    """
+    tagged = _TOOL_CALL.findall(text)
+    if not tagged:
+        return _bare_calls(text)
+    calls: list[ToolCall] = []
+    for body in tagged:
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", error=f"malformed tool call, not JSON ({e.msg})"))
+            continue
+        calls.append(_read_call(call))
+    return calls
+
+
+def _bare_calls(text: str) -> list[ToolCall]:
+    body = text.strip()
+    for prefix in _BARE_CALL_PREFIXES:
+        body = body.removeprefix(prefix).strip()
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        found = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    objs = found if isinstance(found, list) else [found]
+    looks_like_calls = objs and all(isinstance(o, dict) and "name" in o and ("arguments" in o or "parameters" in o)
+                                    for o in objs)
+    return [_read_call(o) for o in objs] if looks_like_calls else []
+
+
+def _read_call(call: Any) -> ToolCall:
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall("", error='malformed tool call, expected {"name": ..., "arguments": {...}}')
+    name, call_id = call["name"], call.get("id") if isinstance(call.get("id"), str) else None
+    args = call.get("arguments", call.get("parameters", {}))
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            args = json.loads(args)
+    if not isinstance(args, dict):
+        return ToolCall(name, id=call_id, error=f"malformed tool call to {name}: its arguments must be an object")
+    return ToolCall(name, args, call_id)
