@@ -915,6 +915,10 @@ class GRPOConfig(Section):
     # first step of a run: when mean exp(|generation - policy|) exceeds 1.001 (float32) or 1.005
     # (bf16/fp16) the run warns and recomputes them from then on.
     prev_logprobs_from_generation: bool = False
+    # Passes of optimizer steps over each step's rollouts (GRPO's mu, TRL's num_iterations): more
+    # than 1 reuses expensive samples, the PPO ratio (denominator: the policy before the first
+    # pass) and its clipping keeping the later passes near the sampling policy.
+    num_iterations: int = Field(1, ge=1)
     # With several optimizer steps per step (more rollouts than policy.train_global_batch_size),
     # how the rollouts are split: false (default) deals each prompt group's samples round-robin
     # over the optimizer steps, so every optimizer step holds a share of every prompt (a

@@ -497,9 +497,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
             # forward runs, so the loss takes prev = its own logprobs detached (the same loss and
             # gradient up to rounding) and this forward pass over the whole batch is skipped.
             # grpo.prev_logprobs_from_generation: None = not verified yet in this run.
-            if batch.size > gbs and reuse_generation_logprobs:
+            several_steps = batch.size > gbs or g.num_iterations > 1
+            if several_steps and reuse_generation_logprobs:
                 batch["prev_logprobs"] = batch["generation_logprobs"]
-            elif batch.size > gbs:
+            elif several_steps:
                 with timer.time("prev"):
                     batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
                 if reuse_generation_logprobs is None:
@@ -513,10 +514,14 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
 
         # ---- policy update
         with timer.time("training"):
-            if batch.size > gbs:
-                batch = batch.select_indices(minibatch_permutation(batch.size, g.seed, step) if g.shuffle_minibatches
-                                             else interleaved_order(groups))
-            train_metrics = policy.train(batch, s.loss_fn)
+            passes = []
+            for i in range(g.num_iterations):  # each pass in an order of its own when shuffled
+                order = (minibatch_permutation(batch.size, g.seed, step * g.num_iterations + i) if g.shuffle_minibatches
+                         else interleaved_order(groups))
+                passes.append(batch.select_indices(order) if batch.size > gbs else batch)
+            # One call: the workers run every pass's optimizer steps back to back.
+            train_metrics = policy.train(passes[0] if len(passes) == 1 else BatchedDataDict.from_batches(passes),
+                                         s.loss_fn)
         # The worker's step_time_s is the mean of its optimizer steps; this loop's is the GRPO step's.
         train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
 
