@@ -504,6 +504,7 @@ class DataConfig(Section):
     system_prompt_file: str | None = None
     # GRPO/eval: the environment that scores every row (replaces the rows' own task_name, e.g.
     # "math" of the math format): a built-in one or one of yours in env.<name>.target; null: the rows'.
+    # A `messages` row is then a prompt (no assistant turn needed), with its answer and metadata.
     task_name: str | None = Field(None, min_length=1)
     # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed).
     shuffle: bool = True
@@ -1059,6 +1060,16 @@ class _MasterBase(Section):
                 f"policy.reward_model_cfg.enabled=true, but `posttrain {command}` {verb} a causal LM, not a "
                 "reward model (`posttrain rm` trains those); set it to false or leave it unset"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _task_name_needs_environments(self) -> "_MasterBase":
+        # data.task_name makes every `messages` row a prompt for an environment to score: the
+        # training loops without environments would get rows with nothing to train on.
+        if self.data.task_name is not None and "env" not in type(self).model_fields:
+            command = next((name for name, cls in MASTER_CONFIGS.items() if cls is type(self)), type(self).__name__)
+            raise ValueError(f"data.task_name={self.data.task_name!r} names the environment that scores GRPO and eval "
+                             f"rows; `posttrain {command}` has no environments: remove it")
         return self
 
 

@@ -165,7 +165,7 @@ def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[st
     rows, skipped, first_error = [], 0, None
     for n, r in enumerate(raw, start=1):
         try:
-            rows.append(normalize_row(r, fmt, where(source, n)))
+            rows.append(normalize_row(r, fmt, where(source, n), cfg.task_name))
         except DataFormatError as e:
             if cfg.on_malformed_row == "error":
                 raise

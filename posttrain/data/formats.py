@@ -107,12 +107,16 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
     )
 
 
-def normalize_row(row: dict[str, Any], fmt: str, loc: str) -> dict[str, Any]:
-    """Normalise one row of format `fmt` into its canonical row; `loc` is `where(file, n)`."""
+def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None = None) -> dict[str, Any]:
+    """Normalise one row of format `fmt` into its canonical row; `loc` is `where(file, n)`.
+    `task_name` (`data.task_name`): a `messages` row is then an RL/eval row scored by that
+    environment, as one with its own `task_name` is (its prompt needs no assistant message)."""
     if fmt not in _NORMALIZERS:
         raise ValueError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
     if not isinstance(row, dict):
         raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+    if task_name is not None and fmt == "messages":
+        row = {**row, "task_name": task_name}
     return _NORMALIZERS[fmt](row, loc)
 
 
@@ -290,14 +294,19 @@ def _tool_schemas(value: Any, loc: str) -> list[dict[str, Any]]:
 
 def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
     messages = _messages(_require(row, "messages", loc, "messages"), loc, "messages")
-    if "task_name" in row:
+    # A file read through `datasets` gives every row every key: a row without one has task_name None.
+    if row.get("task_name") is not None:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
         keep = ("answer", "demonstration", "metadata", "stop_strings")
         return _with_tools({"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}},
                            row, loc)
-    _require_assistant(messages, loc, "messages")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataFormatError(
+            f"{loc}: `messages` has no assistant message, so nothing to train on; for GRPO or eval, a prompt "
+            "row names the environment that scores it: give it a `task_name`, or set data.task_name"
+        )
     return _with_tools({"messages": messages}, row, loc)
 
 

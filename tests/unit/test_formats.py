@@ -201,6 +201,29 @@ def test_prompt_and_system_prompt_files(tmp_path):
                                        {"role": "user", "content": "Answer inside \\boxed{}: What is 1+1?"}]
 
 
+def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
+    # A GRPO prompt file in the messages format: a user turn and an answer, no assistant turn.
+    prompts = [{"messages": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1), "metadata": {"k": a}}
+               for a in range(4)]
+    path = _write_jsonl(tmp_path / "rl.jsonl", prompts + [{**prompts[0], "task_name": "math"}])
+    rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, task_name="exact"), "train")
+    assert [r["task_name"] for r in rows] == ["exact"] * 5  # every row, its own task_name replaced
+    assert rows[1] == {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "metadata": {"k": 1},
+                       "task_name": "exact"}
+    # Without data.task_name the same rows are SFT rows with nothing to train on; the error says what to set.
+    with pytest.raises(DataFormatError, match=rf"{path} row 1: `messages` has no assistant message.*data.task_name"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+
+
+def test_data_task_name_is_refused_where_no_environment_scores_rows():
+    from posttrain.config import ConfigError, load_config
+
+    for algo in ("sft", "dpo", "rm"):
+        with pytest.raises(ConfigError, match=rf"data.task_name='math' .*`posttrain {algo}` has no environments"):
+            load_config(algo, None, ["data.task_name=math"])
+    assert load_config("eval", None, ["data.task_name=math"]).data.task_name == "math"
+
+
 # --------------------------------------------------------------------------- malformed rows
 
 GOOD = {
