@@ -110,6 +110,38 @@ def _write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """"dotted.key: old -> new" for every leaf that differs; a section only one side has (an
+    environment added under env) is one entry, not one per default key inside it."""
+    out = []
+    for k in sorted(old.keys() | new.keys()):
+        a, b = old.get(k, _NOT_SET), new.get(k, _NOT_SET)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {_shown(a)} -> {_shown(b)}")
+    return out
+
+
+_NOT_SET = object()
+_SHOWN_CHARS = 80
+
+
+def _shown(value: Any) -> str:
+    if value is _NOT_SET:
+        return "(not set)"
+    text = json.dumps(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def resume_message(path: Path, step: int, changes: list[str]) -> str:
+    """The console line of a resume: where from, and the config keys that differ from that checkpoint's."""
+    if not changes:
+        return f"resumed from {path} at step {step}"
+    return (f"resumed from {path} at step {step}, with {len(changes)} config change(s) since that checkpoint: "
+            + "; ".join(changes))
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -254,6 +286,18 @@ class CheckpointManager:
     @staticmethod
     def load_info(path: str | Path) -> dict[str, Any]:
         return json.loads((Path(path) / INFO_FILE).read_text())
+
+    @staticmethod
+    def config_changes(path: str | Path, config_yaml: str) -> list[str]:
+        """What differs between the resolved config the checkpoint at `path` was saved with and
+        `config_yaml` (this run's), one "dotted.key: old -> new" per key, so that a resume shows
+        the overrides (or typos) that change the run it continues."""
+        import yaml
+
+        saved = Path(path) / CONFIG_FILE
+        if not saved.is_file():
+            return []
+        return _config_diff(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(config_yaml) or {})
 
     @staticmethod
     def load_rng_state(path: str | Path) -> dict[str, Any]:

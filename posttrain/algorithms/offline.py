@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.checkpoint import (CheckpointManager, restore_rng_state, resume_message, stop_message,
+                                  train_then_export)
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -97,7 +98,7 @@ def start_run(
     return OfflineRun(run_dir, logger, checkpointer, cluster, policy), latest
 
 
-def resume(run: OfflineRun, latest: Path | None, loader: RowLoader) -> int:
+def resume(run: OfflineRun, latest: Path | None, loader: RowLoader, cfg: Any) -> int:
     """Restore policy, optimizer, data position and RNGs from `latest`; the step to start at."""
     if latest is None:
         return 0
@@ -105,7 +106,7 @@ def resume(run: OfflineRun, latest: Path | None, loader: RowLoader) -> int:
     run.policy.load_checkpoint(latest / "policy")
     loader.load_state_dict(info["dataloader"])
     restore_rng_state(run.checkpointer.load_rng_state(latest))
-    run.logger.console(f"resumed from {latest} at step {info['step']}")
+    run.logger.console(resume_message(latest, info["step"], run.checkpointer.config_changes(latest, to_yaml(cfg))))
     return int(info["step"])
 
 
@@ -209,7 +210,7 @@ def offline_setup(
     run, latest = start_run(cfg, algorithm, policy_cfg, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:
-        start_step = resume(run, latest, data.loader)
+        start_step = resume(run, latest, data.loader, cfg)
     except BaseException:
         run.shutdown()
         raise
