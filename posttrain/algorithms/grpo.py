@@ -118,6 +118,8 @@ def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, Ray
             "workers_per_node": 1,
         }),
         name="generation",
+        purpose=" (the separate generation workers, policy.generation.colocated.enabled=false, each with "
+                "cluster.cpus_per_worker CPUs beside the policy workers' own)",
     )
     generation = GenerationWorkerGroup(
         cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,

@@ -17,6 +17,7 @@ import time
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from posttrain.config import InputError
 from posttrain.schemas import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,16 @@ def local_ray_node_lost() -> bool:
         return False
 
 
+class PlacementError(InputError, RuntimeError):
+    """Ray cannot place the workers a config asks for; the message names the keys and what Ray offers."""
+
+
 class RayVirtualCluster:
     """A placement group of one bundle per worker; `world_size` bundles in rank order."""
 
-    def __init__(self, cfg: ClusterConfig, name: str = "posttrain"):
+    def __init__(self, cfg: ClusterConfig, name: str = "posttrain", purpose: str = ""):
+        """`purpose`: what these workers are for, when the cluster's keys do not say it alone (in
+        the error when Ray cannot place them), e.g. separate generation workers beside the policy's."""
         init_ray(cfg)
         self.cfg = cfg
         self.use_gpus = cfg.gpus_per_node > 0
@@ -79,8 +86,8 @@ class RayVirtualCluster:
             total = ray.cluster_resources()
             remove_placement_group(self.placement_group)
             self.placement_group = None
-            raise RuntimeError(
-                f"the Ray cluster cannot hold the requested workers: asked for {self.world_size} bundles "
+            raise PlacementError(
+                f"the Ray cluster cannot hold the requested workers{purpose}: asked for {self.world_size} bundles "
                 f"of {bundle} (cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
                 f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker}); "
                 f"Ray offers {_fmt(offered)} available of {_fmt(total)} total "
