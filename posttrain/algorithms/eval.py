@@ -121,12 +121,13 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.data.processors import load_policy_tokenizer
     from posttrain.distributed.cluster import init_ray
     from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
-    from posttrain.generation import build_generation
+    from posttrain.generation import build_generation, check_backend_installed
     from posttrain.logging import Logger
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.eval.seed)
+    check_backend_installed(cfg.policy.generation)
 
     rows = load_eval_rows(cfg)
     task_names = resolve_task_envs(rows, cfg.env)  # a bad environment fails before the model loads

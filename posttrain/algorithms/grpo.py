@@ -44,6 +44,7 @@ from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import pass_at_k
+from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
@@ -134,6 +135,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     torch.manual_seed(g.seed)
     tokenizer = load_policy_tokenizer(cfg.policy)
     load_model_configs(cfg.policy, with_reference=cfg.needs_reference())  # a wrong name fails before Ray starts
+    check_backend_installed(cfg.policy.generation)
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")

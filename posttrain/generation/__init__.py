@@ -52,6 +52,23 @@ def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokeni
     return model, tokenizer
 
 
+def check_backend_installed(cfg) -> None:
+    """Fail at setup, before Ray or a model starts, when `cfg.backend` (policy.generation) needs a
+    package this environment lacks: vllm, unless its workers run another venv's Python
+    (`vllm_cfg.python`, checked on its own)."""
+    import importlib.util
+
+    from posttrain.config import InputError
+
+    if cfg.backend == "vllm" and cfg.vllm_cfg.python is None and importlib.util.find_spec("vllm") is None:
+        raise InputError(
+            "policy.generation.backend=vllm, but vllm is not installed in this environment: install it "
+            "(GPU: pip install 'posttrain[vllm]'; CPU: scripts/setup_vllm_cpu.sh makes a venv for "
+            "policy.generation.vllm_cfg.python with policy.generation.colocated.enabled=false), or set "
+            "policy.generation.backend=torch (posttrain's own engine, CPU or GPU)"
+        )
+
+
 def build_generation(backend: str, *, model=None, model_path: str | None = None, tokenizer=None, cfg,
                      max_total_sequence_length: int, precision: str = "float32",
                      device="cpu") -> GenerationInterface:
@@ -80,4 +97,5 @@ def build_generation(backend: str, *, model=None, model_path: str | None = None,
                              device=device)
 
 
-__all__ = ["BACKENDS", "GenerationInterface", "build_generation", "load_model_and_tokenizer"]
+__all__ = ["BACKENDS", "GenerationInterface", "build_generation", "check_backend_installed",
+           "load_model_and_tokenizer"]

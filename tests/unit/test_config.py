@@ -10,6 +10,7 @@ import yaml
 
 from posttrain.config import (
     ConfigError,
+    InputError,
     apply_overrides,
     load_config,
     load_yaml_with_defaults,
@@ -209,6 +210,22 @@ def test_union_and_cross_field_errors():
         load_config("grpo", None, ["policy.train_global_batch_size=6", "policy.train_micro_batch_size=4"])
     msg = str(e.value)
     assert "policy: policy.train_global_batch_size (6) must be a multiple of policy.train_micro_batch_size (4)" in msg
+
+
+def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices(monkeypatch):
+    import importlib.util
+
+    from posttrain.generation import check_backend_installed
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(InputError, match=r"backend=vllm, but vllm is not installed .*backend=torch"):
+        check_backend_installed(load_config("grpo", None, ["policy.generation.backend=vllm"]).policy.generation)
+    check_backend_installed(load_config("grpo", None, []).policy.generation)  # torch: nothing to install
+    # Separate workers under another venv's Python: that venv is checked instead (vllm_cfg.python).
+    other = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
+                                       f"policy.generation.vllm_cfg.python={sys.executable}"])
+    check_backend_installed(other.policy.generation)
 
 
 def test_vllm_python_is_checked_at_load(tmp_path):
