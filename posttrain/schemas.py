@@ -1041,10 +1041,14 @@ class _MasterBase(Section):
     # Free-form note stored with the run (e.g. what this config is for).
     description: str | None = None
 
+    def _command(self) -> str:
+        """The `posttrain` command this config is for (its class's name when none is)."""
+        return next((name for name, cls in MASTER_CONFIGS.items() if cls is type(self)), type(self).__name__)
+
     @model_validator(mode="after")
     def _reward_model_by_command(self) -> "_MasterBase":
         # Only `posttrain rm` trains a reward model; the others train or evaluate a causal LM.
-        command = next((name for name, cls in MASTER_CONFIGS.items() if cls is type(self)), type(self).__name__)
+        command = self._command()
         trains_rm = isinstance(self, RMMasterConfig)
         rm_cfg = self.policy.reward_model_cfg
         if rm_cfg.enabled is None:
@@ -1067,9 +1071,8 @@ class _MasterBase(Section):
         # data.task_name makes every `messages` row a prompt for an environment to score: the
         # training loops without environments would get rows with nothing to train on.
         if self.data.task_name is not None and "env" not in type(self).model_fields:
-            command = next((name for name, cls in MASTER_CONFIGS.items() if cls is type(self)), type(self).__name__)
             raise ValueError(f"data.task_name={self.data.task_name!r} names the environment that scores GRPO and eval "
-                             f"rows; `posttrain {command}` has no environments: remove it")
+                             f"rows; `posttrain {self._command()}` has no environments: remove it")
         return self
 
 
