@@ -134,14 +134,6 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
-def resume_message(path: Path, step: int, changes: list[str]) -> str:
-    """The console line of a resume: where from, and the config keys that differ from that checkpoint's."""
-    if not changes:
-        return f"resumed from {path} at step {step}"
-    return (f"resumed from {path} at step {step}, with {len(changes)} config change(s) since that checkpoint: "
-            + "; ".join(changes))
-
-
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -298,6 +290,15 @@ class CheckpointManager:
         if not saved.is_file():
             return []
         return _config_diff(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(config_yaml) or {})
+
+    @classmethod
+    def resume_message(cls, path: str | Path, step: int, config_yaml: str) -> str:
+        """The console line of a resume from `path`: where from, and `config_changes`."""
+        changes = cls.config_changes(path, config_yaml)
+        if not changes:
+            return f"resumed from {path} at step {step}"
+        return (f"resumed from {path} at step {step}, with {len(changes)} config change(s) since that checkpoint: "
+                + "; ".join(changes))
 
     @staticmethod
     def load_rng_state(path: str | Path) -> dict[str, Any]:

@@ -33,8 +33,7 @@ from posttrain.advantages import (
     scale_rewards,
 )
 from posttrain.algorithms.offline import log_data_stats
-from posttrain.checkpoint import (CheckpointManager, restore_rng_state, resume_message, stop_message,
-                                  train_then_export)
+from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -178,7 +177,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             loader.load_state_dict(info["dataloader"])
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
-            logger.console(resume_message(latest, start_step, checkpointer.config_changes(latest, to_yaml(cfg))))
+            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg)))
         elif g.warmup_sft_steps:
             _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
         if generation is not policy and (latest is not None or g.warmup_sft_steps):

@@ -16,8 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import (CheckpointManager, restore_rng_state, resume_message, stop_message,
-                                  train_then_export)
+from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -106,7 +105,7 @@ def resume(run: OfflineRun, latest: Path | None, loader: RowLoader, cfg: Any) ->
     run.policy.load_checkpoint(latest / "policy")
     loader.load_state_dict(info["dataloader"])
     restore_rng_state(run.checkpointer.load_rng_state(latest))
-    run.logger.console(resume_message(latest, info["step"], run.checkpointer.config_changes(latest, to_yaml(cfg))))
+    run.logger.console(run.checkpointer.resume_message(latest, info["step"], to_yaml(cfg)))
     return int(info["step"])
 
 

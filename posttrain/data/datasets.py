@@ -67,7 +67,7 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
         if p.is_relative_to(shared_data_dir()):
             hint = (f"; registered datasets read $POSTTRAIN_SHARED_DATA (now {shared_data_dir()}): set it, or "
                     "name the files with data.train_data_path / data.val_data_path")
-        if not Path(os.path.expanduser(str(path))).is_absolute():  # a relative path: where it was looked for
+        if not p.is_absolute():  # a relative path (resolve_path returns it as given): where it was looked for
             hint = f" (looked in {' and '.join(dict.fromkeys(map(str, (Path.cwd(), _PROJECT_ROOT))))}){hint}"
         raise MissingInputError(f"{what}: file not found: {path}{hint}")
     return p

@@ -250,9 +250,9 @@ def _link_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _require_assistant(messages: list[dict[str, str]], loc: str, what: str) -> None:
+def _require_assistant(messages: list[dict[str, str]], loc: str, what: str, hint: str = "") -> None:
     if not any(m["role"] == "assistant" for m in messages):
-        raise DataFormatError(f"{loc}: `{what}` has no assistant message, so nothing to train on")
+        raise DataFormatError(f"{loc}: `{what}` has no assistant message, so nothing to train on{hint}")
 
 
 def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
@@ -302,11 +302,8 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         keep = ("answer", "demonstration", "metadata", "stop_strings")
         return _with_tools({"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}},
                            row, loc)
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataFormatError(
-            f"{loc}: `messages` has no assistant message, so nothing to train on; for GRPO or eval, a prompt "
-            "row names the environment that scores it: give it a `task_name`, or set data.task_name"
-        )
+    _require_assistant(messages, loc, "messages", hint="; for GRPO or eval, a prompt row names the environment "
+                       "that scores it: give it a `task_name`, or set data.task_name")
     return _with_tools({"messages": messages}, row, loc)
 
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.checkpoint import (CheckpointManager, capture_rng_state, restore_rng_state, resume_message,
-                                  stop_message)
+from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, stop_message
 from posttrain.config import ConfigError
 from posttrain.schemas import CheckpointingConfig
 
@@ -104,7 +103,7 @@ def test_resume_names_the_config_keys_that_changed_since_the_checkpoint(tmp_path
     tmp = mgr.begin_save(3)
     path = mgr.finish_save(tmp, 3, {"epoch": 0}, to_yaml(saved), None)
     assert mgr.config_changes(path, to_yaml(saved)) == []
-    assert resume_message(path, 3, []) == f"resumed from {path} at step 3"
+    assert mgr.resume_message(path, 3, to_yaml(saved)) == f"resumed from {path} at step 3"
     now = load_config("grpo", None, ["grpo.max_num_steps=5", "grpo.num_prompts_per_step=4",
                                      "policy.optimizer.kwargs={lr: 1e-4}", "+env.calc.target=tools.py:calc"])
     changes = mgr.config_changes(path, to_yaml(now))
@@ -113,8 +112,8 @@ def test_resume_names_the_config_keys_that_changed_since_the_checkpoint(tmp_path
                            "policy.optimizer.kwargs.weight_decay: 0.01 -> (not set)"]
     # An added section is one entry (cut to 80 characters), not one per default key inside it.
     assert changes[0].startswith('env.calc: (not set) -> {"num_workers": 1,') and changes[0].endswith("...")
-    assert resume_message(path, 3, changes).startswith(f"resumed from {path} at step 3, with {len(changes)} config "
-                                                       "change(s) since that checkpoint: ")
+    assert mgr.resume_message(path, 3, to_yaml(now)) == (f"resumed from {path} at step 3, with {len(changes)} config "
+                                                         "change(s) since that checkpoint: " + "; ".join(changes))
 
 
 def test_start_fresh_moves_old_checkpoints_aside(tmp_path):
