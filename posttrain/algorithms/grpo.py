@@ -156,6 +156,12 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             logger.log_metrics({"prompts_dropped_overlong": dropped}, step=0, prefix="data")
         clusters = [RayVirtualCluster(cfg.cluster)]
         undo.callback(clusters[0].shutdown)
+        envs = {}
+        for name in task_names:
+            # Started first and awaited after the policy: their imports run beside the policy
+            # workers' (~1.7 s of a run's start on 2 cores).
+            envs[name] = create_env(name, cfg.env.get_worker_cfg(name), wait=False)
+            undo.callback(envs[name].shutdown)
         policy = Policy(clusters[0], cfg.policy, init_reference=cfg.needs_reference())
         undo.callback(policy.shutdown)
         generation, gen_cluster = _generation_backend(cfg, policy)
@@ -164,10 +170,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             undo.callback(gen_cluster.shutdown)
         if generation is not policy:
             undo.callback(generation.shutdown)
-        envs = {}
-        for name in task_names:
-            envs[name] = create_env(name, cfg.env.get_worker_cfg(name))
-            undo.callback(envs[name].shutdown)
+        for env in envs.values():
+            env.wait_ready()
         freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
 
         start_step = 0

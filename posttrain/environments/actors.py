@@ -14,6 +14,7 @@ a crashed one, restarted by Ray (`max_restarts`). An actor that fails more often
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -74,10 +75,23 @@ def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentRe
     return replace(ret, rewards=rewards, metadata=metadata)
 
 
+def _creation_error(err: Exception) -> str:
+    """The exception an actor's constructor raised and where, from Ray's error (whose text is
+    Ray's framing, the traceback and terminal colour codes): "OSError: ... (file.py:12, in __init__)"."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    frames = [m for m in map(re.compile(r'File "(.+)", line (\d+), in (\S+)').match, lines) if m]
+    where = f" ({frames[-1][1]}:{frames[-1][2]}, in {frames[-1][3]})" if frames else ""
+    return lines[-1] + where
+
+
 class EnvironmentGroup:
     """Driver facade over `cfg.num_workers` actors of one environment (see the module docstring)."""
 
-    def __init__(self, name: str, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
+    def __init__(self, name: str, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig, wait: bool = True):
+        """Starts the actors; `wait=False` returns before they are up (call `wait_ready` before
+        the first step), so a caller can start other workers while they import."""
         import ray
 
         from posttrain.config import validate
@@ -93,11 +107,20 @@ class EnvironmentGroup:
         self._actors = [remote_cls.remote(env_cls, cfg) for _ in range(cfg.num_workers)]
         self._failures = [0] * cfg.num_workers
         self._restarting: set[int] = set()
+        self._starting = [a.ready.remote() for a in self._actors]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every actor has started; one that failed stops them all and raises."""
+        import ray
+
+        starting, self._starting = self._starting, []
         try:
-            ray.get([a.ready.remote() for a in self._actors])
+            ray.get(starting)
         except Exception as e:
             self.shutdown()
-            raise RuntimeError(f"environment {name!r} failed to start: {e}") from e
+            raise RuntimeError(f"environment {self.name!r} failed to start: {_creation_error(e)}") from e
 
     def _slice_timeout(self, n: int) -> float:
         if self.cfg.step_timeout_s is not None:
@@ -111,6 +134,8 @@ class EnvironmentGroup:
 
         if len(message_logs) != len(metadata):
             raise ValueError(f"env {self.name}: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
+        if self._starting:
+            self.wait_ready()
         for i in sorted(self._restarting):
             self._await_restart(i)
         n = len(message_logs)
@@ -172,6 +197,8 @@ class EnvironmentGroup:
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         import ray
 
+        if self._starting:
+            self.wait_ready()
         return ray.get(self._actors[0].global_post_process_and_metrics.remote(batch))
 
     def shutdown(self) -> None:

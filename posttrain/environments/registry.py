@@ -57,12 +57,13 @@ def resolve_task_envs(rows: list[dict], env_cfg) -> list[str]:
     return names
 
 
-def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None) -> EnvironmentGroup:
+def create_env(name: str, cfg: EnvWorkerConfig | dict | None = None, wait: bool = True) -> EnvironmentGroup:
     """Start environment `name` as `cfg.num_workers` Ray actors behind an `EnvironmentGroup`
-    (its `step` follows `EnvironmentInterface`); unknown names list the valid ones."""
+    (its `step` follows `EnvironmentInterface`); unknown names list the valid ones. `wait=False`:
+    return while the actors start (`EnvironmentGroup.wait_ready`)."""
     if not isinstance(cfg, EnvWorkerConfig):
         cfg = EnvWorkerConfig.model_validate(cfg or {})
-    return EnvironmentGroup(name, resolve_env(name, cfg), cfg)
+    return EnvironmentGroup(name, resolve_env(name, cfg), cfg, wait=wait)
 
 
 def with_tool_schemas(rows: list[dict], env_cfg) -> list[dict]:

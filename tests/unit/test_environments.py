@@ -399,6 +399,27 @@ def test_stuck_and_crashing_actors_score_zero_and_are_restarted(ray_session):
         group.shutdown()
 
 
+def test_an_environment_that_cannot_start_is_named_and_stopped(ray_session):
+    class Broken(PerSampleEnvironment):
+        def __init__(self, cfg):
+            raise OSError("no verifier binary")
+
+        def step_one(self, messages, metadata):
+            return StepResult("ok", 1.0, True, metadata)
+
+    with pytest.raises(RuntimeError) as raised:
+        EnvironmentGroup("broken", Broken, EnvWorkerConfig(num_workers=2))
+    # The constructor's own error and where it was raised, not Ray's traceback in colour codes.
+    assert str(raised.value) == (f"environment 'broken' failed to start: OSError: no verifier binary "
+                                 f"({__file__}:{Broken.__init__.__code__.co_firstlineno + 1}, in __init__)")
+    # Not waiting (GRPO starts its environments beside the policy workers): the first step
+    # raises the same error, and the actors are gone.
+    group = EnvironmentGroup("broken", Broken, EnvWorkerConfig(num_workers=2), wait=False)
+    with pytest.raises(RuntimeError, match="environment 'broken' failed to start: .*no verifier binary"):
+        group.step([convo("ok")], [{}])
+    assert group._actors == []
+
+
 def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_session):
     class Sloppy(PerSampleEnvironment):
         def __init__(self, cfg):
