@@ -972,9 +972,11 @@ class SFTConfig(Section):
 class DPOConfig(SFTConfig):
     # beta of DPO: strength of the implicit KL to the reference.
     reference_policy_kl_penalty: float = Field(0.05, ge=0)
-    # Average (not sum) the sequence logprobs in the preference loss.
-    preference_average_log_probs: bool = False
-    # Average (not sum) the chosen responses' logprobs in the SFT term; null: preference_average_log_probs.
+    # Average (not sum) the sequence logprobs in the preference loss. null: the loss's own
+    # convention, sums for sigmoid (DPO), means for ipo (as TRL: IPO's squared loss on token sums
+    # of long responses reaches 1e5 and its gradients 1e6) and simpo (always means).
+    preference_average_log_probs: bool | None = None
+    # Average (not sum) the chosen responses' logprobs in the SFT term; null: as the preference loss.
     sft_average_log_probs: bool | None = None
     # Weight of the preference loss.
     preference_loss_weight: float = 1.0

@@ -70,9 +70,10 @@ class DPOLoss:
     Inputs: curr `[b, S]` token-aligned policy logprobs; mb["reference_logprobs"] `[b, S]`
     (not read by "simpo"), mb["token_mask"] `[b, S]` (response tokens), mb["sample_mask"]
     `[b]`. beta is `dpo.reference_policy_kl_penalty`. Sequence logprobs are token sums, or
-    means when `average_log_probs` (`dpo.preference_average_log_probs`); SimPO always uses
-    means (its length normalisation is the point of the method). The SFT term averages over
-    tokens when `sft_average_log_probs`.
+    means when `average_log_probs` (`dpo.preference_average_log_probs`; None: means for IPO,
+    as TRL computes it, whose squared loss on sums of hundreds of tokens explodes, sums for
+    DPO); SimPO always uses means (its length normalisation is the point of the method). The
+    SFT term averages over tokens when `sft_average_log_probs` (None: as the preference loss).
 
     Metrics (per pair, summing over micro-batches to the global mean): loss,
     preference_loss, sft_loss, accuracy (chosen reward > rejected reward), rewards_chosen_mean,
@@ -87,7 +88,7 @@ class DPOLoss:
         self,
         beta: float = 0.05,
         name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
-        average_log_probs: bool = False,
+        average_log_probs: bool | None = None,
         sft_average_log_probs: bool | None = None,
         preference_loss_weight: float = 1.0,
         sft_loss_weight: float = 0.0,
@@ -99,8 +100,10 @@ class DPOLoss:
             raise ValueError("IPO needs dpo.reference_policy_kl_penalty > 0 (its target margin is 1 / (2 beta))")
         self.beta = beta
         self.name = name
+        if average_log_probs is None:
+            average_log_probs = name != "sigmoid"
         self.average_log_probs = average_log_probs or name == "simpo"
-        self.sft_average_log_probs = average_log_probs if sft_average_log_probs is None else sft_average_log_probs
+        self.sft_average_log_probs = self.average_log_probs if sft_average_log_probs is None else sft_average_log_probs
         self.preference_loss_weight = preference_loss_weight
         self.sft_loss_weight = sft_loss_weight
         self.simpo_gamma = simpo_gamma

@@ -85,8 +85,11 @@ def test_dpo_average_logprobs_sft_term_and_weights():
 def test_ipo_and_simpo_hand_computed():
     curr, mb = _pair_batch(POLICY, REF, MASK)
     beta = 0.25
+    loss, _ = DPOLoss(beta=beta, name="ipo", average_log_probs=False)(curr, mb, *valid_counts(mb))
+    assert loss.item() == pytest.approx((2 - 1 / (2 * beta)) ** 2, abs=1e-6)  # sums: h = 2 for both pairs
+    # IPO's default is means (test_dpo_average_logprobs_sft_term_and_weights: h = 1 and 1.5).
     loss, _ = DPOLoss(beta=beta, name="ipo")(curr, mb, *valid_counts(mb))
-    assert loss.item() == pytest.approx((2 - 1 / (2 * beta)) ** 2, abs=1e-6)  # h = 2 for both pairs
+    assert loss.item() == pytest.approx(((1 - 2) ** 2 + (1.5 - 2) ** 2) / 2, abs=1e-6)
     # SimPO: reference-free, length-averaged: c0=-1, r0=-2 (d=1); c1=-1, r1=-0.5 (d=-0.5).
     mb_no_ref = BatchedDataDict({k: v for k, v in mb.items() if k != "reference_logprobs"})
     loss, m = DPOLoss(beta=2.0, name="simpo", simpo_gamma=0.5)(curr, mb_no_ref, *valid_counts(mb))
@@ -130,6 +133,12 @@ def test_bad_inputs_and_registry():
                            torch.tensor(2.0))
     dpo = build_loss("dpo", DPOConfig(reference_policy_kl_penalty=0.2, preference_average_log_probs=True))
     assert (dpo.beta, dpo.average_log_probs, dpo.sft_average_log_probs, dpo.name) == (0.2, True, True, "sigmoid")
+    # Unset: each loss's convention (sums for DPO, means for IPO and SimPO); the SFT term follows.
+    for name, average in (("sigmoid", False), ("ipo", True), ("simpo", True)):
+        fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": name}}))
+        assert (fn.average_log_probs, fn.sft_average_log_probs) == (average, average), name
+    fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": "ipo"}, "preference_average_log_probs": False}))
+    assert not fn.average_log_probs
     assert {"nll", "dpo", "bradley_terry"} <= set(LOSSES)
     for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
         assert fn.loss_type in ("token", "sequence")
