@@ -112,9 +112,12 @@ class EnvironmentGroup:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        """Block until every actor has started; one that failed stops them all and raises."""
+        """Block until every actor has started (returns at once when they have); one that failed
+        stops them all and raises."""
         import ray
 
+        if not self._starting:
+            return
         starting, self._starting = self._starting, []
         try:
             ray.get(starting)
@@ -134,8 +137,7 @@ class EnvironmentGroup:
 
         if len(message_logs) != len(metadata):
             raise ValueError(f"env {self.name}: {len(message_logs)} conversations but {len(metadata)} metadata dicts")
-        if self._starting:
-            self.wait_ready()
+        self.wait_ready()
         for i in sorted(self._restarting):
             self._await_restart(i)
         n = len(message_logs)
@@ -197,8 +199,7 @@ class EnvironmentGroup:
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         import ray
 
-        if self._starting:
-            self.wait_ready()
+        self.wait_ready()
         return ray.get(self._actors[0].global_post_process_and_metrics.remote(batch))
 
     def shutdown(self) -> None:
