@@ -30,6 +30,12 @@ from posttrain.environments.interfaces import (
 )
 
 
+# A row's prompt tokens as `render_prompt` gives them, under the run's data.add_bos and
+# data.add_generation_prompt (GRPO's setup renders every prompt once to check its length and
+# keeps the result here): a step then copies them instead of rendering the chat template again.
+PROMPT_IDS_KEY = "_prompt_ids"
+
+
 class _EnvGroup(Protocol):
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> Any: ...
 
@@ -171,11 +177,14 @@ def start_conversations(
     for row in rows:
         messages = [dict(m) for m in row["messages"]]
         tools = row.get("tools")
-        key = repr((messages, tools))
-        if key not in rendered:
-            rendered[key] = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt,
-                                          tools=tools)
-        tokens = list(rendered[key])
+        if PROMPT_IDS_KEY in row:
+            tokens = list(row[PROMPT_IDS_KEY])
+        else:
+            key = repr((messages, tools))
+            if key not in rendered:
+                rendered[key] = render_prompt(tokenizer, messages, add_bos, add_generation_prompt=add_generation_prompt,
+                                              tools=tools)
+            tokens = list(rendered[key])
         metadata = dict(row.get("metadata") or {})
         if "answer" in row:
             metadata.setdefault("answer", row["answer"])

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import socket
 import tempfile
 
 import pytest
@@ -56,9 +55,9 @@ def stories260k(shared_data, tmp_path_factory):
 @pytest.fixture
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a torch.distributed rendezvous in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from posttrain.distributed.worker_group import free_port as find
+
+    return find("127.0.0.1")
 
 
 @pytest.fixture(scope="session")

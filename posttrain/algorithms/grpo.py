@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from array import array
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
-from posttrain.rollouts import Conversation, RolloutResult, render_prompt, run_rollouts, summarize_rollouts
+from posttrain.rollouts import (PROMPT_IDS_KEY, Conversation, RolloutResult, render_prompt, run_rollouts,
+                                summarize_rollouts)
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
 
@@ -81,14 +83,16 @@ class GRPOSetup:
 
 
 def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str) -> tuple[list[dict], int]:
-    """Drop (and count) or reject rows whose prompt leaves no room to answer, per `data.truncation`."""
+    """Drop (and count) or reject rows whose prompt leaves no room to answer, per `data.truncation`.
+    The kept rows carry their rendered prompt (`PROMPT_IDS_KEY`), so no step renders it again."""
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
     for i, row in enumerate(rows):
-        n = len(render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
-                              add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools")))
+        ids = render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
+                            add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools"))
+        n = len(ids)
         if n <= limit:
-            kept.append(row)
+            kept.append({**row, PROMPT_IDS_KEY: array("i", ids)})  # 4 bytes a token, not a list's 8+
         elif cfg.data.truncation == "drop":
             dropped += 1
         else:

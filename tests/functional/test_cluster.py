@@ -133,3 +133,20 @@ def test_joins_a_running_ray_cluster_by_address():
         head.stdin.close()
         head.wait(timeout=60)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_rendezvous_ports_lie_outside_the_ephemeral_range():
+    # A port from the kernel's ephemeral range can become an outgoing connection's local port
+    # between the probe and the rendezvous (EADDRINUSE); free_port draws from below it.
+    import socket
+
+    from posttrain.distributed.worker_group import RENDEZVOUS_PORTS, free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(RENDEZVOUS_PORTS[0] <= p < min(RENDEZVOUS_PORTS[1], ephemeral_low) for p in ports)
+    assert len(ports) > 1  # drawn at random: two runs starting together do not pick the same port
+    port = ports.pop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free, as promised

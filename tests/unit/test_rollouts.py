@@ -303,3 +303,25 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     (conv,) = result.conversations
     assert second["completion_ids"] == conv.tokens[conv.prompt_length:] and len(second["completion_ids"]) > 6
     assert ROLLOUT_KEY not in conv.metadata and result.metrics["env/turn"] == 2.0
+
+
+def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
+    from posttrain.algorithms.grpo import _fit_prompts
+    from posttrain.config import load_config
+    from posttrain.rollouts import PROMPT_IDS_KEY
+
+    cfg = load_config("grpo", None, ["policy.max_total_sequence_length=12", "data.truncation=drop"])
+    rows = [{"messages": [{"role": "user", "content": "1+0="}], "task_name": "t"},
+            {"messages": [{"role": "user", "content": "1234567890+1234567890="}], "task_name": "t"}]
+    kept, dropped = _fit_prompts(rows, tok, cfg, "train")
+    # Kept rows carry the tokens the chat template gives; the over-long prompt is dropped.
+    assert dropped == 1 and len(kept) == 1
+    assert list(kept[0][PROMPT_IDS_KEY]) == render_prompt(tok, rows[0]["messages"], cfg.data.add_bos,
+                                                          add_generation_prompt=cfg.data.add_generation_prompt)
+    # A step starts its conversations from the stored tokens, not from a new rendering.
+    stored = [tok.bos_token_id, *tok.encode("9+9=", add_special_tokens=False)]
+    gen = _EchoGeneration(tok)
+    result = run_rollouts(gen, [{**kept[0], PROMPT_IDS_KEY: stored}], {"t": _OneMoreTurnEnv()}, tok, max_turns=1,
+                          max_seq_len=100)
+    assert gen.prompts == [stored]
+    assert result.conversations[0].tokens[: len(stored)] == stored
