@@ -660,8 +660,10 @@ class FSDPPolicyWorker:
         if self._single_rank_plain():
             # Nothing to gather: the module's own state dict (get_model_state_dict's walk over
             # the module took 2.3 ms of the quickstart's 3 ms in-process refit).
-            return {k: v.detach().to("cpu") for k, v in self.model.state_dict().items()}
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+            sd = self.model.state_dict()
+        else:
+            sd = get_model_state_dict(self.model,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
         return {k: v.detach().to("cpu") for k, v in sd.items()}
 
     def _base_weights(self, all_ranks: bool) -> dict[str, torch.Tensor]:
