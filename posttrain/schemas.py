@@ -833,6 +833,14 @@ class RewardScalingConfig(Section):
     # What source_max maps to.
     target_max: float = 1.0
 
+    @model_validator(mode="after")
+    def _source_range(self) -> "RewardScalingConfig":
+        # scale_rewards refuses an empty range; here it fails at load, not at the first step.
+        if self.enabled and self.source_max <= self.source_min:
+            raise ValueError(f"source_max ({self.source_max}) must exceed source_min ({self.source_min}): they are "
+                             "the range of the environment's rewards")
+        return self
+
 
 class AsyncGRPOConfig(Section):
     """NeMo RL's async GRPO: generation and training overlap."""
@@ -1109,6 +1117,22 @@ class GRPOMasterConfig(_MasterBase):
             needs.append("grpo.use_dynamic_sampling=false (a step's batch is one round of rollouts)")
         if needs:
             raise ValueError("grpo.async_grpo.enabled=true needs " + "; ".join(needs))
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> "GRPOMasterConfig":
+        # apply_overlong_reward_shaping refuses a buffer longer than the response length it ends
+        # at; here it fails at load, not at the first step after the setup and the warm-up.
+        rs = self.grpo.reward_shaping
+        if not rs.enabled:
+            return self
+        length, key = ((rs.max_response_length, "grpo.reward_shaping.max_response_length")
+                       if rs.max_response_length is not None else
+                       (self.policy.generation.max_new_tokens,
+                        "policy.generation.max_new_tokens, as grpo.reward_shaping.max_response_length is null"))
+        if rs.overlong_buffer_length > length:
+            raise ValueError(f"grpo.reward_shaping.overlong_buffer_length ({rs.overlong_buffer_length}) exceeds the "
+                             f"response length that gets the full penalty ({length}, {key}): lower it")
         return self
 
     @model_validator(mode="after")

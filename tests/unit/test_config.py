@@ -413,3 +413,20 @@ def test_unquoted_yaml_on_off_reads_as_the_word():
         assert cfg.policy.prefix_sharing.blockwise_attention == word
     with pytest.raises(ConfigError, match="blockwise_attention: got 'sometimes'"):
         load_config("grpo", None, ["policy.prefix_sharing.blockwise_attention=sometimes"])
+
+
+def test_reward_shaping_and_scaling_the_first_step_would_refuse_fail_at_load():
+    # Before: the first GRPO step raised, after the setup, the warm-up SFT and the first validation.
+    shaping = ["grpo.reward_shaping.enabled=true", "policy.generation.max_new_tokens=64"]
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, shaping)  # overlong_buffer_length defaults to 128
+    assert ("grpo.reward_shaping.overlong_buffer_length (128) exceeds the response length that gets the full "
+            "penalty (64, policy.generation.max_new_tokens") in str(e.value)
+    with pytest.raises(ConfigError, match=r"\(100, grpo.reward_shaping.max_response_length\)"):
+        load_config("grpo", None, [*shaping, "grpo.reward_shaping.max_response_length=100"])
+    cfg = load_config("grpo", None, [*shaping, "grpo.reward_shaping.overlong_buffer_length=64"])
+    assert cfg.grpo.reward_shaping.overlong_buffer_length == 64
+    assert load_config("grpo", None, ["policy.generation.max_new_tokens=64"]).grpo.reward_shaping.enabled is False
+    with pytest.raises(ConfigError, match=r"grpo.reward_scaling: source_max \(0.0\) must exceed source_min \(0.0\)"):
+        load_config("grpo", None, ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.source_max=0"])
+    assert load_config("grpo", None, ["grpo.reward_scaling.source_max=0"]).grpo.reward_scaling.source_max == 0
