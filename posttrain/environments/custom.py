@@ -11,7 +11,8 @@ paths). It names either
   that also names a `prompt` parameter gets the user's message the response answers, one that
   names `messages` the whole conversation (role/content dicts, the response last), as keywords.
   A function with a `completions` parameter is a TRL reward function and is called as TRL
-  calls it, once per batch (`_trl_values`), so TRL users' reward functions run unchanged.
+  calls it, once per batch on the final answers (`_trl_values`), so TRL users' reward functions
+  run unchanged.
 
 Reward functions may come with tools (`env.<name>.tools`): Python functions the model calls as
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen format), or with an
@@ -161,10 +162,25 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if self._runner is not None:
             self._runner.close()
 
+    def _tool_calls(self, response: str, metadata: dict[str, Any]) -> list[ToolCall]:
+        """The calls of the model's turn that the tools answer; none: the turn is the final answer."""
+        used = int(metadata.get(TOOL_CALLS_KEY, 0))
+        return parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
+
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        if self.trl:  # TRL reward functions score the whole batch at once; step_one reads their values
-            per_sample, logged = _trl_values({label: self.fns[label] for label in self.trl}, message_logs, metadata)
-            metadata = [{**m, **extra, _TRL_VALUES_KEY: v} for m, v, extra in zip(metadata, per_sample, logged)]
+        if self.trl:
+            # TRL reward functions score the batch's final answers at once (step_one reads their
+            # values). Like TRL, they never see a turn that calls tools: a function that reads a
+            # final answer would raise on one, and its error would score every sample of the batch.
+            final = [i for i, (log, m) in enumerate(zip(message_logs, metadata))
+                     if any(x.get("role") == "assistant" for x in log)
+                     and not self._tool_calls(last_assistant_text(log), m)]
+            if final:
+                per_sample, logged = _trl_values({label: self.fns[label] for label in self.trl},
+                                                 [message_logs[i] for i in final], [metadata[i] for i in final])
+                metadata = list(metadata)
+                for i, v, extra in zip(final, per_sample, logged):
+                    metadata[i] = {**metadata[i], **extra, _TRL_VALUES_KEY: v}
         return super().step(message_logs, metadata)
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
@@ -172,7 +188,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         metadata = dict(metadata)
         batch_values = metadata.pop(_TRL_VALUES_KEY, {})
         used = int(metadata.get(TOOL_CALLS_KEY, 0))
-        calls = parse_tool_calls(response) if self.tools and used < self.max_tool_calls else []
+        calls = self._tool_calls(response, metadata)
         if calls:
             ids = tool_call_ids(calls, seed=f"{used}\0{response}")
             results = [{"role": "tool", "content": self._call_tool(c), "name": c.name, "tool_call_id": i}

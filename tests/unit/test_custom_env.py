@@ -68,6 +68,11 @@ def trl_exact(completions, answer, **kwargs):
 def trl_prompt_length(prompts, completions, **kwargs):
     return [None if len(p[-1]["content"]) > 3 else len(p[-1]["content"]) for p in prompts]
 
+def trl_integer(completions, answer, log_metric, **kwargs):
+    # Reads a final answer: int() raises on a turn that calls a tool.
+    log_metric("scored", len(completions))
+    return [float(int(c[-1]["content"]) == int(a)) for c, a in zip(completions, answer)]
+
 def trl_wrong_count(completions, **kwargs):
     return [1.0]
 
@@ -412,3 +417,20 @@ def test_trl_reward_functions_get_completion_ids_trainer_state_and_logging(rewar
     assert ret.rewards.tolist() == [0.75 - 2, 0.75 - 4] and ret.num_errors == 0
     assert [m["env_metrics"] for m in ret.metadata] == [{"mean_tokens": 3.0}] * 2
     assert [m["log_extra"] for m in ret.metadata] == [{"tokens": 2}, {"tokens": 4}]
+
+
+def test_trl_reward_functions_with_tools_score_only_final_answers(rewards_file):
+    # As in TRL, which calls them once a conversation's tool calls are over. Before, they got the
+    # tool-calling turns too: one that reads a final answer raised on them, and the right answer
+    # of another sample of the batch scored 0 with that error.
+    cfg = _cfg(f"{rewards_file}:trl_integer", tools=[f"{rewards_file}:add"])
+    env = resolve_env("trl", cfg)(cfg)
+    call = convo('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    ret = env.step([convo("3"), call, convo("4")], [{"answer": "3"}] * 3)
+    assert ret.rewards.tolist() == [1.0, 0.0, 0.0] and ret.num_errors == 0
+    assert ret.terminateds.tolist() == [True, False, True]
+    assert ret.observations[1][0]["content"] == "3"
+    # log_metric counted the two final answers, not the call.
+    assert [m.get("env_metrics") for m in ret.metadata] == [{"scored": 2.0}, None, {"scored": 2.0}]
+    ret = env.step([call], [{"answer": "3"}])  # a batch of calls only: nothing to score
+    assert ret.num_errors == 0 and not ret.terminateds[0] and "env_metrics" not in ret.metadata[0]
