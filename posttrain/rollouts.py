@@ -315,10 +315,11 @@ def run_rollouts(
 
 
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
-    """Means over conversations (a step's rollouts, over all its generation rounds), plus each
-    reward component's mean as reward/<name> (samples scored by a list of reward functions), each
-    environment metric's mean as env/<name> (over the samples that have it) and, when the model
-    had tools, the turns with tool calls per conversation (tool_calls_mean)."""
+    """Means over conversations (a step's rollouts, over all its generation rounds): the reward and
+    the share with a reward > 0 (accuracy), lengths and turns, plus each reward component's mean
+    as reward/<name> (samples scored by a list of reward functions), each environment metric's
+    mean as env/<name> (over the samples that have it) and, when the model had tools, the turns
+    with tool calls per conversation (tool_calls_mean)."""
     n = len(convs)
     lengths = [c.response_tokens for c in convs]
     components: dict[str, list[float]] = defaultdict(list)
@@ -330,6 +331,7 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
             env_metrics[name].append(value)
     return {
         "reward": sum(c.reward for c in convs) / n,
+        "accuracy": sum(c.reward > 0 for c in convs) / n,
         "response_length_mean": sum(lengths) / n,
         "response_length_max": float(max(lengths)),
         "truncation_rate": sum(c.truncated for c in convs) / n,

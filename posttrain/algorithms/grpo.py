@@ -568,7 +568,6 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         metrics = {
             **rollout_metrics,
             **train_metrics,
-            "accuracy": float((batch["rewards"] > 0).double().mean()),
             # async: the rollouts' own time (most of it overlapped training; timing/generation is the wait)
             "generation_tokens_per_s": rollout_metrics["generated_tokens"]
             / rollout_metrics.get("rollout_s", timing["generation"]),

@@ -325,3 +325,16 @@ def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
                           max_seq_len=100)
     assert gen.prompts == [stored]
     assert result.conversations[0].tokens[: len(stored)] == stored
+
+
+def test_step_accuracy_is_over_the_same_conversations_as_the_reward():
+    # With dynamic sampling a step's conversations come from several generation rounds. The
+    # accuracy was the share over the rows kept for training, without the groups dropped for
+    # equal rewards, beside a reward over all of them (0.4375 and 0.375 for 0/1 rewards).
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    rewards = [1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0, -1.0]  # a first round's all-correct group, then a mixed one
+    convs = [Conversation(messages=[], metadata={}, task_name="t", tokens=[], prompt_length=0, reward=r)
+             for r in rewards]
+    metrics = summarize_rollouts(convs)
+    assert metrics["accuracy"] == 5 / 8 and metrics["reward"] == 3.5 / 8
