@@ -206,14 +206,28 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                 value = 0.0 if value is None else value  # TRL's None: not applicable, adds nothing
             else:
                 value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
-            if not isinstance(value, numbers.Real):
+            number = _real(value)
+            if number is None:
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
                                 "not a number")
-            values[label] = float(value)
+            values[label] = number
         reward = sum(w * v for w, v in zip(self.weights, values.values()))
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float when it is one real number: a Python number or bool, or a NumPy or torch
+    scalar of one (np.isclose gives a NumPy bool, which is no numbers.Real); else None."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "shape", None) == () and not isinstance(value, (str, bytes, numbers.Complex)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: torch's complex scalars
+            return None
+    return None
 
 
 # Metadata key of a sample's TRL reward function values, from `step` to `step_one` (removed there).
@@ -268,7 +282,7 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             values = list(fn(**kwargs))
             if len(values) != len(message_logs):
                 raise ValueError(f"returned {len(values)} values for {len(message_logs)} completions")
-            bad = next((v for v in values if v is not None and not isinstance(v, numbers.Real)), None)
+            bad = next((v for v in values if v is not None and _real(v) is None), None)
             if bad is not None:
                 raise TypeError(f"returned {bad!r}, not a number")
         except Exception as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it

@@ -25,6 +25,21 @@ def long_enough(response, metadata):
 def not_a_number(response, metadata):
     return "high"
 
+def close_enough(response, metadata):
+    import numpy as np
+
+    return np.isclose(float(response), float(metadata["answer"]))  # a NumPy bool
+
+def half_as_tensor(response, metadata):
+    import torch
+
+    return torch.tensor(0.5)
+
+def trl_close_enough(completions, answer, **kwargs):
+    import numpy as np
+
+    return list(np.array([float(c[-1]["content"]) for c in completions]) == np.array(answer, dtype=float))
+
 def one_argument(response):
     return 1.0
 
@@ -434,3 +449,24 @@ def test_trl_reward_functions_with_tools_score_only_final_answers(rewards_file):
     assert [m.get("env_metrics") for m in ret.metadata] == [{"scored": 2.0}, None, {"scored": 2.0}]
     ret = env.step([call], [{"answer": "3"}])  # a batch of calls only: nothing to score
     assert ret.num_errors == 0 and not ret.terminateds[0] and "env_metrics" not in ret.metadata[0]
+
+
+def test_numpy_and_torch_scalars_are_numbers(rewards_file):
+    # np.isclose gives a NumPy bool, which is no numbers.Real: every sample scored 0 with
+    # "returned True, not a number", although a bool counts as 0/1.
+    cfg = _cfg([f"{rewards_file}:close_enough", f"{rewards_file}:half_as_tensor", f"{rewards_file}:trl_close_enough"])
+    env = resolve_env("numeric", cfg)(cfg)
+    ret = env.step([convo("3.0"), convo("4")], [{"answer": "3"}, {"answer": "3"}])
+    assert ret.rewards.tolist() == [2.5, 0.5] and ret.num_errors == 0
+    assert ret.metadata[0]["reward_components"] == {"close_enough": 1.0, "half_as_tensor": 0.5,
+                                                    "trl_close_enough": 1.0}
+    assert all(type(v) is float for v in ret.metadata[0]["reward_components"].values())
+    # Text (NumPy's too, which float() would read), arrays and complex numbers are still no reward.
+    import numpy as np
+    import torch
+
+    from posttrain.environments.custom import _real
+
+    assert [_real(v) for v in (True, np.int64(2), np.float32(0.25), torch.tensor(1))] == [1.0, 2.0, 0.25, 1.0]
+    assert [_real(v) for v in ("1", np.str_("1"), None, [1.0], np.array([1.0]), np.complex128(1j),
+                               torch.tensor(1j), torch.ones(2))] == [None] * 8
