@@ -38,6 +38,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import numbers
 import os
 import sys
@@ -210,6 +211,10 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
             if number is None:
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
                                 "not a number")
+            if not math.isfinite(number):
+                # Scored 0 here, not only as a NaN sum by the actor: in the sample's reward
+                # components it made the step's logged reward/<function> mean NaN.
+                raise ValueError(f"reward function {label!r} of environment {self.name!r} returned {number}")
             values[label] = number
         reward = sum(w * v for w, v in zip(self.weights, values.values()))
         if len(values) > 1:

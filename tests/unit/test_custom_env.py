@@ -88,6 +88,9 @@ def trl_integer(completions, answer, log_metric, **kwargs):
     log_metric("scored", len(completions))
     return [float(int(c[-1]["content"]) == int(a)) for c, a in zip(completions, answer)]
 
+def trl_nan_for_short(completions, **kwargs):
+    return [float("nan") if len(c[-1]["content"]) < 2 else 1.0 for c in completions]
+
 def trl_wrong_count(completions, **kwargs):
     return [1.0]
 
@@ -470,3 +473,20 @@ def test_numpy_and_torch_scalars_are_numbers(rewards_file):
     assert [_real(v) for v in (True, np.int64(2), np.float32(0.25), torch.tensor(1))] == [1.0, 2.0, 0.25, 1.0]
     assert [_real(v) for v in ("1", np.str_("1"), None, [1.0], np.array([1.0]), np.complex128(1j),
                                torch.tensor(1j), torch.ones(2))] == [None] * 8
+
+
+def test_a_non_finite_value_scores_its_sample_0_without_reaching_the_logged_components(rewards_file):
+    # The sample's reward was NaN (scored 0 by the actor), but its components kept the NaN: the
+    # step's train/reward/<function> mean was NaN, and the other functions' means counted a
+    # sample that scored 0.
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    cfg = _cfg([f"{rewards_file}:exact", f"{rewards_file}:trl_nan_for_short"])
+    env = resolve_env("mix", cfg)(cfg)
+    ret = env.step([convo("42"), convo("4")], [{"answer": "42"}, {"answer": "4"}])
+    assert ret.rewards.tolist() == [2.0, 0.0] and ret.num_errors == 1
+    assert ret.metadata[1]["env_error"] == "ValueError: reward function 'trl_nan_for_short' of environment 'mix' returned nan"
+    convs = [Conversation(messages=[], metadata=m, task_name="mix", tokens=[], prompt_length=0, reward=float(r))
+             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+    metrics = summarize_rollouts(convs)
+    assert metrics["reward/trl_nan_for_short"] == 1.0 and metrics["reward/exact"] == 1.0 and metrics["reward"] == 1.0
