@@ -109,19 +109,33 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str]:
 
 
 def _top_level_is_object_with_data(path: Path) -> bool:
-    with open(path, encoding="utf-8") as f:
+    # A peek only: bytes that are not UTF-8 are reported by `_read_text`, with their line.
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         head = f.read(1 << 16).lstrip()
     if not head.startswith("{"):
         return False
     try:
-        top = json.loads(path.read_text(encoding="utf-8"))
+        top = json.loads(_read_text(path))
     except json.JSONDecodeError:
         return False  # JSON lines in a .json file
     return isinstance(top, dict) and isinstance(top.get("data"), list)
 
 
+def _read_text(path: Path) -> str:
+    """The text of a JSON/JSONL file: UTF-8, with or without the byte-order mark Windows editors write."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataFormatError(
+            f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); "
+            "save the file as UTF-8"
+        ) from None
+
+
 def _parse_json_rows(path: Path, field: str | None) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         top = json.loads(text)
         return top[field] if field else (top if isinstance(top, list) else [top])

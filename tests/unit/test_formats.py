@@ -285,6 +285,20 @@ def test_invalid_json_line_names_the_line(tmp_path):
         load_rows(_cfg(str(path)), "train")
 
 
+def test_non_utf8_file_names_the_line_and_a_byte_order_mark_is_read(tmp_path, shared_data):
+    # Latin-1 text used to stop with a bare UnicodeDecodeError naming no file.
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(GOOD["alpaca"]).encode() + b"\n" + '{"instruction": "caf\u00e9", "output": "a"}\n'
+                     .encode("latin-1"))
+    with pytest.raises(DataFormatError, match=rf"{path} line 2: not UTF-8 text \(byte 0xe9"):
+        load_rows(_cfg(str(path)), "train")
+    # A BOM (as Windows editors write) before SQuAD's official layout: it used to hide the
+    # `data` list, so the file read as one row of unknown format.
+    squad = tmp_path / "squad_bom.json"
+    squad.write_bytes(b"\xef\xbb\xbf" + Path(f"{shared_data}/squad/sample_v2_transformers_fixture.json").read_bytes())
+    assert load_rows(_cfg(str(squad)), "train") == load_rows(_cfg("squad"), "train")
+
+
 def test_mixed_types_fall_back_and_name_row(tmp_path):
     # Arrow cannot give these rows one schema; the row normaliser still names the bad one.
     rows = [GOOD["alpaca"], {"instruction": ["not", "a", "string"], "output": "a"}]
