@@ -39,7 +39,7 @@ from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import collate, load_policy_tokenizer, process_sft_rows
+from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
@@ -87,9 +87,10 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     The kept rows carry their rendered prompt (`PROMPT_IDS_KEY`), so no step renders it again."""
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
-    for i, row in enumerate(rows):
-        ids = render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
-                            add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools"))
+    for i, row in enumerate(rows, start=1):
+        with naming_row(f"{split} row {i}", row["messages"]):
+            ids = render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
+                                add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools"))
         n = len(ids)
         if n <= limit:
             kept.append({**row, PROMPT_IDS_KEY: array("i", ids)})  # 4 bytes a token, not a list's 8+

@@ -19,7 +19,8 @@ Preference batches interleave pairs: row 2i is chosen, row 2i+1 rejected.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -81,6 +82,21 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
+
+
+@contextlib.contextmanager
+def naming_row(row: str, messages: list[dict]) -> Iterator[None]:
+    """Errors of rendering one dataset row as InputErrors naming it (`row`, e.g. "row 3": 1-based,
+    within its split) and its roles: many chat templates raise on a conversation they refuse
+    (Mistral's and Gemma's on two user turns in a row, Gemma's on a system message), naming no row."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except (TemplateError, InputError) as e:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        what = f"the chat template rejects it: {e}" if isinstance(e, TemplateError) else str(e)
+        raise InputError(f"{row} (roles {roles}): {what}") from None
 
 
 def tokenize_messages(
@@ -182,11 +198,12 @@ def process_sft_rows(
     {rows, kept, truncated, dropped, no_loss} (see the module docstring)."""
     stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     out = []
-    for row in rows:
+    for n, row in enumerate(rows, start=1):
         if "messages" not in row:
             raise InputError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
-        ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                               tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
+        with naming_row(f"row {n}", row["messages"]):
+            ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                   tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)
         if status != "ok":
             stats[status] += 1
@@ -204,15 +221,16 @@ def process_preference_rows(
     responses only; a pair is dropped when either side is (counts as in `process_sft_rows`)."""
     stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     out = []
-    for row in rows:
+    for n, row in enumerate(rows, start=1):
         if "prompt_messages" not in row:
             raise InputError(f"DPO/RM need preference rows (`chosen`/`rejected`), got keys {sorted(row)}")
         prompt = row["prompt_messages"]
         pair, statuses = [], []
         for side in ("chosen", "rejected"):
-            ex = tokenize_messages(prompt + row[side], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                                   loss_start=len(prompt), tools=row.get("tools"),
-                                   add_generation_prompt=cfg.add_generation_prompt)
+            with naming_row(f"row {n}", prompt + row[side]):
+                ex = tokenize_messages(prompt + row[side], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                       loss_start=len(prompt), tools=row.get("tools"),
+                                       add_generation_prompt=cfg.add_generation_prompt)
             ex, status = _fit(ex, max_len, cfg.truncation)
             pair.append(ex)
             statuses.append(status)

@@ -133,6 +133,31 @@ def test_no_rows_left_after_truncation_is_an_error(tok):
         process_preference_rows(pairs, tok, DataConfig(), max_len=20)
 
 
+# Mistral's and Gemma's templates refuse a conversation whose roles do not alternate.
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def test_row_the_chat_template_rejects_is_named():
+    # It used to stop with the template's bare TemplateError, naming no row.
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = ALTERNATING_TEMPLATE
+    good = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    two_users = [{"role": "user", "content": "q"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(ValueError, match=r"^row 3 \(roles user, user, assistant\): the chat template rejects it: "
+                                         "Conversation roles must alternate"):
+        process_sft_rows([{"messages": good}] * 2 + [{"messages": two_users}], tok, DataConfig(), max_len=100)
+    pair = {"prompt_messages": two_users[:2], "chosen": good[1:], "rejected": good[1:]}
+    with pytest.raises(ValueError, match=r"^row 1 \(roles user, user, assistant\): the chat template rejects it"):
+        process_preference_rows([pair], tok, DataConfig(), max_len=100)
+
+
 def test_preference_pairs_mask_responses_only(tok, shared_data):
     cfg = DataConfig(dataset_name=f"{shared_data}/llamafactory_demo/dpo_en_demo.json", truncation="truncate")
     rows = load_rows(cfg, "train")

@@ -307,7 +307,7 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
 
 def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
     from posttrain.algorithms.grpo import _fit_prompts
-    from posttrain.config import load_config
+    from posttrain.config import InputError, load_config
     from posttrain.rollouts import PROMPT_IDS_KEY
 
     cfg = load_config("grpo", None, ["policy.max_total_sequence_length=12", "data.truncation=drop"])
@@ -316,6 +316,12 @@ def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
     kept, dropped = _fit_prompts(rows, tok, cfg, "train")
     # Kept rows carry the tokens the chat template gives; the over-long prompt is dropped.
     assert dropped == 1 and len(kept) == 1
+    # A prompt the chat template refuses is named (1-based, with its roles), not a bare TemplateError.
+    refusing = build_tokenizer()
+    refusing.chat_template = "{{ raise_exception('no system role') if messages[0]['role'] == 'system' else 'x' }}"
+    system = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}], "task_name": "t"}
+    with pytest.raises(InputError, match=r"^train row 2 \(roles system, user\): the chat template rejects it: no system"):
+        _fit_prompts([rows[0], system], refusing, cfg, "train")
     assert list(kept[0][PROMPT_IDS_KEY]) == render_prompt(tok, rows[0]["messages"], cfg.data.add_bos,
                                                           add_generation_prompt=cfg.data.add_generation_prompt)
     # A step starts its conversations from the stored tokens, not from a new rendering.
