@@ -143,7 +143,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
-    val_rows, _ = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
+    val_rows, val_dropped = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
                        seed=g.seed, max_epochs=g.max_num_epochs,
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
@@ -156,9 +156,11 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     # environment that cannot start, a warm-up interrupted), so an in-process caller can go on.
     with contextlib.ExitStack() as undo:
         undo.callback(logger.close)
-        if dropped:
-            logger.console(f"dropped {dropped} training prompts longer than the context (data.truncation=drop)")
-            logger.log_metrics({"prompts_dropped_overlong": dropped}, step=0, prefix="data")
+        if dropped or val_dropped:  # validation accuracy over fewer prompts than the data holds says so
+            logger.console(f"dropped {dropped} training and {val_dropped} validation prompts longer than the "
+                           "context (data.truncation=drop)")
+            logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
+                               step=0, prefix="data")
         clusters = [RayVirtualCluster(cfg.cluster)]
         undo.callback(clusters[0].shutdown)
         envs = {}

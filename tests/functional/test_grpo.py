@@ -334,14 +334,20 @@ def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_
         r["answer"] = "9" * 40  # prompt + this demonstration > the 32-token context
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows))
+    # A validation prompt longer than the context is dropped and counted too (it went uncounted).
+    val = tmp_path / "val.jsonl"
+    val.write_text("\n".join(json.dumps(r) for r in [*rows[6:10], {**rows[6], "messages": [
+        {"role": "user", "content": "1" * 40 + "+1="}]}]))
     cfg = load_config("grpo", QUICKSTART, _tiny(
-        tmp_path, f"data.train_data_path={train}", f"data.val_data_path={train}", "data.dataset_name=local",
+        tmp_path, f"data.train_data_path={train}", f"data.val_data_path={val}", "data.dataset_name=local",
         "grpo.warmup_sft_steps=3", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=true",
         "grpo.val_at_end=false", "checkpointing.enabled=false",
     ))
     run(cfg)
     # Step 0's validation line counts GRPO's steps, not the warm-up's (it said "0/3").
     assert any(line.startswith("val step 0/1 |") for line in capsys.readouterr().out.splitlines())
+    (dropped,) = _records(tmp_path / "logs", "data")
+    assert (dropped["prompts_dropped_overlong"], dropped["val_prompts_dropped_overlong"]) == (0, 1)
     (counts,) = _records(tmp_path / "logs", "data/warmup_sft")
     assert (counts["rows"], counts["kept"], counts["dropped"], counts["truncated"]) == (40, 34, 6, 0)
     warm = _records(tmp_path / "logs", "warmup_sft")
