@@ -38,6 +38,9 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         (chosen/rejected are full conversations sharing a prefix). Each
                         response may be a string, one message, or a list of messages.
 
+A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
+not to give) is malformed for SFT, which would train the model to imitate it.
+
 Every error names the source (file) and the 1-based row number.
 """
 
@@ -117,7 +120,13 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
     if task_name is not None and fmt == "messages":
         row = {**row, "task_name": task_name}
-    return _NORMALIZERS[fmt](row, loc)
+    out = _NORMALIZERS[fmt](row, loc)
+    if row.get("label") is False and "task_name" not in out and not is_preference(out):
+        raise DataFormatError(
+            f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "
+            "would train the model to imitate; remove such rows, or set data.on_malformed_row=skip (counted)"
+        )
+    return out
 
 
 def is_preference(row: dict[str, Any]) -> bool:

@@ -136,9 +136,21 @@ def test_sharegpt_function_call_that_is_no_call_names_the_row(tmp_path):
         load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
 
 
-def test_messages_sample(shared_data):
-    rows = load_rows(_cfg(f"{shared_data}/llamafactory_demo/kto_en_demo.json"), "train")
-    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+def test_messages_sample_of_kto_data_refuses_the_answers_not_to_give(shared_data, tmp_path):
+    # KTO rows with `label: false` are answers not to give: SFT used to train on them silently.
+    path = f"{shared_data}/llamafactory_demo/kto_en_demo.json"
+    raw = json.load(open(path))
+    first_bad = next(n for n, r in enumerate(raw, start=1) if r["label"] is False)
+    with pytest.raises(DataFormatError, match=rf"{path} row {first_bad}: `label` is false"):
+        load_rows(_cfg(path), "train")
+    kept = [r for r in raw if r["label"]]
+    rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, on_malformed_row="skip"), "train")
+    assert [r["messages"] for r in rows] == [r["messages"] for r in kept] and len(rows) == 150
+    # TRL's unpaired layout (prompt/completion/label) likewise; a true label is no matter.
+    trl = _write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "q", "completion": "a", "label": True},
+                                                 {"prompt": "q", "completion": "b", "label": False}])
+    with pytest.raises(DataFormatError, match=r"kto.jsonl row 2: `label` is false"):
+        load_rows(_cfg("local", train_data_path=trl, val_data_path=trl), "train")
 
 
 def test_squad_sample(shared_data):
