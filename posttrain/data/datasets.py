@@ -76,8 +76,10 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
 # --------------------------------------------------------------------------- raw rows from a file
 
 
-def read_file(path: Path) -> tuple[list[dict[str, Any]], str]:
-    """Raw rows of a .jsonl/.json/.parquet file and the label errors use to name it.
+def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """Raw rows of a .jsonl/.json/.parquet file, the label errors use to name it, and the number
+    errors give each row: its line in a JSON-lines file (whose blank lines are no rows), else
+    its 1-based position.
 
     A JSON file whose top level is an object holding a `data` list (SQuAD) is read from that
     list; SQuAD's official nested layout (data/paragraphs/qas) is flattened to one row per
@@ -103,9 +105,16 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str]:
         # Invalid JSON (name the line), or rows arrow cannot give one schema (mixed types):
         # the plain parse then hands them to the row normaliser, which names the bad row.
         rows = _parse_json_rows(path, kwargs.get("field"))
+    numbers = list(range(1, len(rows) + 1))
     if rows and "paragraphs" in rows[0]:
         rows = _flatten_squad(rows, path)
-    return rows, str(path)
+        numbers = list(range(1, len(rows) + 1))
+    elif builder == "json" and "field" not in kwargs:
+        text = _read_text(path)
+        if text.lstrip().startswith("{"):  # JSON lines, or one object
+            lines = [n for n, _ in _json_lines(text)]
+            numbers = lines if len(lines) == len(rows) else numbers
+    return rows, str(path), numbers
 
 
 def _top_level_is_object_with_data(path: Path) -> bool:
@@ -145,14 +154,18 @@ def _parse_json_rows(path: Path, field: str | None) -> list[Any]:
                 f"{path} line {whole_err.lineno}: invalid JSON: {whole_err.msg}"
             ) from None
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for lineno, line in _json_lines(text):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise DataFormatError(f"{where(str(path), lineno)}: invalid JSON: {e.msg} (line {lineno})") from None
     return rows
+
+
+def _json_lines(text: str) -> list[tuple[int, str]]:
+    """The non-blank lines of JSON-lines text with their 1-based numbers. Split at "\\n" only, as
+    JSON-lines readers split: `str.splitlines` also splits at U+2028 and others inside strings."""
+    return [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
 
 
 def _flatten_squad(articles: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
@@ -172,14 +185,18 @@ def _flatten_squad(articles: list[dict[str, Any]], path: Path) -> list[dict[str,
 # --------------------------------------------------------------------------- normalisation
 
 
-def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[str, Any]]:
+def normalize_rows(
+    raw: list[Any], source: str, cfg: DataConfig, numbers: list[int] | None = None
+) -> list[dict[str, Any]]:
     """Canonical rows from raw ones (format from `data.format` or the first row's keys);
-    malformed rows stop with the file and row, or are skipped and counted (`data.on_malformed_row`)."""
+    malformed rows stop with the file and row, or are skipped and counted (`data.on_malformed_row`).
+    `numbers`: each row's number in errors (`read_file`'s); null: its 1-based position."""
     if not raw:
         raise DataFormatError(f"{source}: the dataset is empty")
-    fmt = cfg.format or detect_format(raw[0], where(source, 1))
+    numbers = numbers or list(range(1, len(raw) + 1))
+    fmt = cfg.format or detect_format(raw[0], where(source, numbers[0]))
     rows, skipped, first_error = [], 0, None
-    for n, r in enumerate(raw, start=1):
+    for n, r in zip(numbers, raw):
         try:
             rows.append(normalize_row(r, fmt, where(source, n), cfg.task_name))
         except DataFormatError as e:
@@ -196,8 +213,8 @@ def normalize_rows(raw: list[Any], source: str, cfg: DataConfig) -> list[dict[st
 
 def load_file(path: str | os.PathLike, cfg: DataConfig, key: str) -> list[dict[str, Any]]:
     """Canonical rows of one local file; `key` is the config key that named it (for errors)."""
-    raw, source = read_file(_existing(path, key))
-    return normalize_rows(raw, source, cfg)
+    raw, source, numbers = read_file(_existing(path, key))
+    return normalize_rows(raw, source, cfg, numbers)
 
 
 def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: str) -> list[dict[str, Any]]:

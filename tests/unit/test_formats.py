@@ -311,6 +311,21 @@ def test_non_utf8_file_names_the_line_and_a_byte_order_mark_is_read(tmp_path, sh
     assert load_rows(_cfg(str(squad)), "train") == load_rows(_cfg("squad"), "train")
 
 
+def test_jsonl_errors_name_the_line_past_blank_lines(tmp_path):
+    # Blank lines are no rows: errors used to give the row's position, not its line.
+    bad, message = BAD["alpaca"]
+    path = tmp_path / "gaps.jsonl"
+    path.write_text("\n".join([json.dumps(GOOD["alpaca"]), "", json.dumps(GOOD["alpaca"]), "  ", "", json.dumps(bad)]))
+    with pytest.raises(DataFormatError, match=rf"{path} row 6: {message}"):
+        load_rows(_cfg(str(path)), "train")
+    # The same through the plain parse (mixed types), where a U+2028 inside a string is no line break.
+    mixed = {"instruction": ["not", "a", "string"], "output": "a"}
+    path.write_text("\n".join([json.dumps({**GOOD["alpaca"], "output": "a\u2028b"}, ensure_ascii=False), "",
+                               json.dumps(mixed)]))
+    with pytest.raises(DataFormatError, match=rf"{path} row 3: `instruction` must be a string"):
+        load_rows(_cfg(str(path)), "train")
+
+
 def test_mixed_types_fall_back_and_name_row(tmp_path):
     # Arrow cannot give these rows one schema; the row normaliser still names the bad one.
     rows = [GOOD["alpaca"], {"instruction": ["not", "a", "string"], "output": "a"}]
