@@ -397,6 +397,9 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     for key, resp in (("chosen", chosen), ("rejected", rejected)):
         if resp[0]["role"] != "assistant":
             raise DataFormatError(f"{loc}: `{key}` must start with an assistant message, got role {resp[0]['role']!r}")
+    if chosen == rejected:
+        # Its loss has no gradient, yet it counts in the batch's pairs and as a miss in the reward accuracy.
+        raise DataFormatError(f"{loc}: `chosen` and `rejected` are the same response, so the pair prefers nothing")
     return {"prompt_messages": prompt, "chosen": chosen, "rejected": rejected}
 
 

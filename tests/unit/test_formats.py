@@ -290,6 +290,17 @@ def test_preference_row_missing_rejected_key(tmp_path, shared_data):
         load_rows(_cfg(str(path)), "train")
 
 
+def test_preference_pair_with_the_same_response_on_both_sides_is_malformed(tmp_path, caplog):
+    # It used to load and count as a pair (and as a miss of the reward accuracy), teaching nothing.
+    same = {"prompt": "q", "chosen": "a", "rejected": "a"}
+    path = _write_jsonl(tmp_path / "pairs.jsonl", [GOOD["preference"], same, GOOD["preference"]])
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: `chosen` and `rejected` are the same response"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, on_malformed_row="skip"), "train")
+    assert len(rows) == 2 and "skipped 1 malformed preference rows of 3" in caplog.text
+
+
 def test_invalid_json_line_names_the_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps(GOOD["alpaca"]) + "\n" + '{"instruction": "q", "output": \n')
