@@ -184,10 +184,11 @@ def _fit(example: Example, max_len: int, policy: str) -> tuple[Example | None, s
 
 def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig, what: str) -> None:
     if kept == 0:
+        # Under "truncate" the rows went for prompts that fill the context: cutting cannot help.
+        other = " or use data.truncation=truncate" if cfg.truncation == "drop" else ""
         raise InputError(
             f"no {what} left after applying data.truncation={cfg.truncation!r} at {max_len} tokens "
-            f"({stats}); raise policy.max_total_sequence_length / data.max_input_seq_length or use "
-            "data.truncation=truncate"
+            f"({stats}); raise policy.max_total_sequence_length / data.max_input_seq_length{other}"
         )
 
 

@@ -125,8 +125,9 @@ def test_no_rows_left_after_truncation_is_an_error(tok):
     rows = [{"messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]}] * 3
     with pytest.raises(ValueError, match=r"no rows left after applying data.truncation='drop' at 20 tokens .*'dropped': 3"):
         process_sft_rows(rows, tok, DataConfig(truncation="drop"), max_len=20)
-    with pytest.raises(ValueError, match=r"no rows left .*'no_loss': 3"):
+    with pytest.raises(ValueError, match=r"no rows left .*'no_loss': 3") as e:
         process_sft_rows(rows, tok, DataConfig(truncation="truncate"), max_len=20)
+    assert str(e.value).endswith("data.max_input_seq_length")  # it also suggested the truncate already set
     pairs = [{"prompt_messages": [{"role": "user", "content": "q" * 50}], "chosen": [{"role": "assistant", "content": "a"}],
               "rejected": [{"role": "assistant", "content": "b"}]}]
     with pytest.raises(ValueError, match="no preference pairs left"):
