@@ -162,14 +162,17 @@ def test_squad_sample(shared_data):
     assert first["messages"][0]["content"].startswith("The Normans")
 
 
-def test_squad_official_nested_layout(tmp_path):
+def test_squad_official_nested_layout(tmp_path, caplog):
     nested = {"version": "v2.0", "data": [{"title": "T", "paragraphs": [{"context": "Paris is in France.", "qas": [
         {"id": "1", "question": "Where is Paris?", "answers": [{"text": "France", "answer_start": 12}]},
         {"id": "2", "question": "Unanswerable?", "answers": [], "is_impossible": True},
     ]}]}]}
     path = tmp_path / "squad.json"
     path.write_text(json.dumps(nested))
-    rows = load_rows(_cfg("local", train_data_path=str(path), val_data_path=str(path)), "train")
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        rows = load_rows(_cfg("local", train_data_path=str(path), val_data_path=str(path)), "train")
+    # The unanswerable question is skipped, and counted (it went uncounted).
+    assert f"{path}: skipped 1 unanswerable SQuAD questions (is_impossible) of 2" in caplog.text
     assert rows == [{"messages": [{"role": "system", "content": "Paris is in France."},
                                   {"role": "user", "content": "Where is Paris?"},
                                   {"role": "assistant", "content": "France"}]}]
