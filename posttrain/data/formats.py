@@ -9,8 +9,9 @@ message). Roles are "system", "user", "assistant" and "tool".
 
 Accepted input formats (`data.format`, auto-detected from the first row's keys when null):
     messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI); with a
-                        `task_name` it is an RL/eval row kept as is (prompt messages, `answer`,
-                        `demonstration`, `metadata`, `stop_strings`, `tools`). Tool calling as
+                        `task_name` it is an RL/eval row kept as is (prompt messages, which may
+                        not end with an assistant turn, `answer`, `demonstration`, `metadata`,
+                        `stop_strings`, `tools`). Tool calling as
                         OpenAI writes it: an assistant message's `tool_calls` ([{"id"?, "type":
                         "function", "function": {"name", "arguments"}}], its `content` may then be
                         null; arguments as a JSON string are decoded) and a tool message's
@@ -308,6 +309,11 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
+        if messages[-1]["role"] == "assistant":  # GRPO would reward copying it, eval score it as the model's
+            raise DataFormatError(
+                f"{loc}: an RL/eval row's prompt ends with an assistant message (its answer?), which the model "
+                "would see before answering: give the prompt only, the reference in `answer`"
+            )
         keep = ("answer", "demonstration", "metadata", "stop_strings")
         return _with_tools({"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}},
                            row, loc)
