@@ -9,9 +9,10 @@ message). Roles are "system", "user", "assistant" and "tool".
 
 Accepted input formats (`data.format`, auto-detected from the first row's keys when null):
     messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI); with a
-                        `task_name` it is an RL/eval row kept as is (prompt messages, which may
-                        not end with an assistant turn, `answer`, `demonstration`, `metadata`,
-                        `stop_strings`, `tools`). Tool calling as
+                        `task_name` it is an RL/eval row kept as is (prompt messages, `answer`,
+                        `demonstration`, `metadata`, `stop_strings`, `tools`); a final assistant
+                        message is the `answer` (NeMo RL's [user, assistant] math rows), refused
+                        beside an `answer`. Tool calling as
                         OpenAI writes it: an assistant message's `tool_calls` ([{"id"?, "type":
                         "function", "function": {"name", "arguments"}}], its `content` may then be
                         null; arguments as a JSON string are decoded) and a tool message's
@@ -309,14 +310,20 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
-        if messages[-1]["role"] == "assistant":  # GRPO would reward copying it, eval score it as the model's
-            raise DataFormatError(
-                f"{loc}: an RL/eval row's prompt ends with an assistant message (its answer?), which the model "
-                "would see before answering: give the prompt only, the reference in `answer`"
-            )
-        keep = ("answer", "demonstration", "metadata", "stop_strings")
-        return _with_tools({"messages": messages, "task_name": row["task_name"], **{k: row[k] for k in keep if k in row}},
-                           row, loc)
+        keep = {k: row[k] for k in ("answer", "demonstration", "metadata", "stop_strings") if k in row}
+        if messages[-1]["role"] == "assistant":
+            # Left in the prompt, GRPO would reward copying it and eval score it as the model's. A
+            # conversation without an `answer` ends with its reference, as NeMo RL's math rows
+            # ([user, assistant]) give the ground truth.
+            last = messages[-1]
+            if keep.get("answer") is not None or not isinstance(last.get("content"), str) or "tool_calls" in last:
+                raise DataFormatError(
+                    f"{loc}: an RL/eval row's prompt ends with an assistant message, which the model would see "
+                    "before answering: give the prompt only, the reference in `answer` (or the reference as the "
+                    "last message and no `answer`)"
+                )
+            messages, keep["answer"] = messages[:-1], last["content"]
+        return _with_tools({"messages": messages, "task_name": row["task_name"], **keep}, row, loc)
     _require_assistant(messages, loc, "messages", hint="; for GRPO or eval, a prompt row names the environment "
                        "that scores it: give it a `task_name`, or set data.task_name")
     return _with_tools({"messages": messages}, row, loc)

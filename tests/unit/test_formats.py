@@ -230,11 +230,16 @@ def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
         load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
 
 
-def test_rl_row_whose_prompt_ends_with_its_answer_is_malformed(tmp_path):
+def test_rl_row_ending_with_an_assistant_message_takes_it_as_the_answer(tmp_path):
     # An SFT conversation read as RL/eval rows (data.task_name) used to keep its assistant answer
-    # in the prompt: GRPO rewarded copying it and eval scored it as the model's.
-    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}], "answer": "2"}]
-    path = _write_jsonl(tmp_path / "sft.jsonl", rows)
+    # in the prompt: GRPO rewarded copying it and eval scored it as the model's. Without an
+    # `answer` it is the reference (NeMo RL's [user, assistant] math rows); beside one, an error.
+    user = {"role": "user", "content": "1+1="}
+    path = _write_jsonl(tmp_path / "sft.jsonl", [{"messages": [user, {"role": "assistant", "content": "#### 2"}]}])
+    (got,) = load_rows(_cfg("local", train_data_path=path, val_data_path=path, task_name="math"), "train")
+    assert got["messages"] == [user] and got["answer"] == "#### 2"
+    rows = [{"messages": [user, {"role": "assistant", "content": "2"}], "answer": "2"}]
+    path = _write_jsonl(tmp_path / "both.jsonl", rows)
     with pytest.raises(DataFormatError, match=rf"{path} row 1: an RL/eval row's prompt ends with an assistant message"):
         load_rows(_cfg("local", train_data_path=path, val_data_path=path, task_name="math"), "train")
     # Earlier assistant turns (few-shot, tool calls) stay part of the prompt.
