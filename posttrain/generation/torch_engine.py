@@ -435,7 +435,9 @@ class TorchGeneration:
             hit_id = torch.isin(tok, stop_ids)
             done = hit_id | (n_gen[rows] >= limit[rows])
             if cand_table is not None:
-                maybe = (cand_table[tok] & has_stop_str[rows] & ~done).nonzero().flatten().tolist()
+                # Rows at their token limit are checked too: a stop string completed by the last
+                # allowed token is a stop, not a truncation.
+                maybe = (cand_table[tok] & has_stop_str[rows] & ~hit_id).nonzero().flatten().tolist()
                 for j in maybe:
                     s = int(rows[j])
                     r = int(req[s])

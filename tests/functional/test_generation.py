@@ -68,6 +68,22 @@ def test_greedy_torch_equals_hf_with_stop_strings(model_tok):
     assert bool(out["truncated"].any())
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(model_tok, backend):
+    """A row whose stop string ends exactly at max_new_tokens stopped: it is not truncated."""
+    model, tok = model_tok
+    batch = make_batch(tok)
+    free = engine("hf", model, tok, max_new_tokens=8, ignore_eos=True).generate(batch, greedy=True)
+    a = int(batch["input_lengths"][0])
+    gen0 = free["output_ids"][0, a : a + 8]
+    stop = tok.decode(gen0[6:8])
+    assert stop not in tok.decode(gen0[:7])  # completed by the 8th token, not before
+    batch["stop_strings"] = [[stop]] + [None] * (batch.size - 1)
+    out = engine(backend, model, tok, max_new_tokens=8, ignore_eos=True).generate(batch, greedy=True)
+    assert out["generation_lengths"].tolist() == [8] * batch.size
+    assert out["truncated"].tolist() == [False] + [True] * (batch.size - 1)
+
+
 def test_continuous_batching_equals_one_batch(model_tok):
     """2 slots for 12 rows: slots are refilled and the cache compacted; greedy results are unchanged."""
     model, tok = model_tok
