@@ -99,21 +99,26 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
         self._token_texts: list[str] | None = None
-        self._candidate_cache: dict[frozenset[str], torch.Tensor] = {}
+        self._candidate_cache: dict[tuple[frozenset[str], int], torch.Tensor] = {}
 
     def stop_id_tensor(self, device) -> torch.Tensor:
         return torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
 
-    def candidates(self, stop_strings: set[str]) -> torch.Tensor:
-        """Bool `[V]`: tokens that may complete one of `stop_strings` (cached per set)."""
-        key = frozenset(stop_strings)
+    def candidates(self, stop_strings: set[str], vocab_size: int) -> torch.Tensor:
+        """Bool `[max(vocab_size, len(tokenizer))]`: tokens that may complete one of `stop_strings`
+        (cached per set). `vocab_size` is the model's: embeddings are often padded past the
+        tokenizer's vocabulary (Qwen2.5: 151,936 rows for 151,665 tokens), and such an id decodes to
+        nothing, so it can complete no stop string."""
+        key = (frozenset(stop_strings), vocab_size)
         if key not in self._candidate_cache:
             if self._token_texts is None:
                 vocab = len(self.tokenizer)
                 self._token_texts = self.tokenizer.batch_decode([[i] for i in range(vocab)])
-            last_chars = {s[-1] for s in key}
-            mask = [("\ufffd" in t) or any(c in t for c in last_chars) for t in self._token_texts]
-            self._candidate_cache[key] = torch.tensor(mask, dtype=torch.bool)
+            last_chars = {s[-1] for s in key[0]}
+            mask = torch.zeros(max(vocab_size, len(self._token_texts)), dtype=torch.bool)
+            mask[: len(self._token_texts)] = torch.tensor(
+                [("\ufffd" in t) or any(c in t for c in last_chars) for t in self._token_texts])
+            self._candidate_cache[key] = mask
         return self._candidate_cache[key]
 
     def ends_with_stop_string(self, generated: list[int], stop_strings: list[str]) -> bool:

@@ -406,7 +406,7 @@ class TorchGeneration:
         cache = _SlotCache(w, num, round_up(int(plen.max()) + 16, _CACHE_ROUND), slot_len)
         stop_ids = self.stop.stop_id_tensor(dev)
         all_stops = {s for row in stops for s in row}
-        cand_table = self.stop.candidates(all_stops).to(dev) if all_stops else None
+        cand_table = self.stop.candidates(all_stops, w.lm_head.shape[0]).to(dev) if all_stops else None
 
         req = torch.full((num,), -1, dtype=torch.long)  # request in each slot, -1 = free
         active = torch.zeros(num, dtype=torch.bool, device=dev)

@@ -314,6 +314,26 @@ def test_other_llama_family_models_match_hf(arch):
     torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
 
 
+def test_model_vocabulary_padded_past_the_tokenizer_with_stop_strings():
+    """Embeddings padded to a round size (Qwen2.5: 151,936 rows for 151,665 tokens): a sampled id
+    the tokenizer does not know is an ordinary token, also for the stop-string check."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok) + 24, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    perturb_(model, std=0.3, seed=4)
+    batch = make_batch(tok)
+    out = engine("torch", model, tok, max_new_tokens=30, stop_strings=["zz"]).generate(batch)
+    assert int((out["output_ids"] >= len(tok)).sum()) > 0  # such ids were sampled
+    assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
+
+
 def test_unsupported_architecture_points_to_hf():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -129,5 +129,6 @@ def test_stop_checker_matches_only_in_the_last_token():
     assert sc.ends_with_stop_string(ids[:4], ["<>"])
     assert not sc.ends_with_stop_string(ids[:5], ["<>"])  # completed one token earlier
     assert not sc.ends_with_stop_string(ids[:3], ["<>"])
-    cand = sc.candidates({"<>"})
+    cand = sc.candidates({"<>"}, len(tok) + 3)  # the model's embedding padded past the tokenizer
     assert bool(cand[tok.convert_tokens_to_ids(">")]) and not bool(cand[tok.convert_tokens_to_ids("<")])
+    assert cand.shape == (len(tok) + 3,) and not bool(cand[len(tok) :].any())
