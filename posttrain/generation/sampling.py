@@ -91,8 +91,8 @@ class StopChecker:
 
     Stop strings are matched on the decoded text of the generated tokens only. Decoding every
     row every step would dominate a small model's step time, so a row's tail is decoded only
-    when its new token could complete one of the stop strings: its own text contains a stop
-    string's last character, or it is a partial character (byte-level BPE).
+    when its new token could complete one of the stop strings: its text (as it reads after other
+    text) contains a stop string's last character, or it is a partial character (byte-level BPE).
     """
 
     def __init__(self, tokenizer, stop_token_ids: list[int]):
@@ -112,14 +112,22 @@ class StopChecker:
         key = (frozenset(stop_strings), vocab_size)
         if key not in self._candidate_cache:
             if self._token_texts is None:
-                vocab = len(self.tokenizer)
-                self._token_texts = self.tokenizer.batch_decode([[i] for i in range(vocab)])
+                self._token_texts = self._texts_after_text()
             last_chars = {s[-1] for s in key[0]}
             mask = torch.zeros(max(vocab_size, len(self._token_texts)), dtype=torch.bool)
             mask[: len(self._token_texts)] = torch.tensor(
                 [("\ufffd" in t) or any(c in t for c in last_chars) for t in self._token_texts])
             self._candidate_cache[key] = mask
         return self._candidate_cache[key]
+
+    def _texts_after_text(self) -> list[str]:
+        """Each token's text as it reads after other text (here after "a"): decoded alone, a
+        sentencepiece token drops the space it starts with ("\u2581was" -> "was"), which would hide
+        that it completes a stop string ending in a space."""
+        anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
+        prefix = self.tokenizer.decode(anchor)
+        texts = self.tokenizer.batch_decode([anchor + [i] for i in range(len(self.tokenizer))])
+        return [t[len(prefix) :] if t.startswith(prefix) else t for t in texts]
 
     def ends_with_stop_string(self, generated: list[int], stop_strings: list[str]) -> bool:
         """Whether the decoded `generated` tokens contain one of `stop_strings` ending in the last token."""

@@ -18,6 +18,7 @@ from test_generation_helpers import (
     token_mult_prob_error,
 )
 
+from posttrain.data.batch import BatchedDataDict
 from posttrain.generation import build_generation
 from posttrain.schemas import GenerationConfig
 
@@ -82,6 +83,22 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(model_tok, ba
     out = engine(backend, model, tok, max_new_tokens=8, ignore_eos=True).generate(batch, greedy=True)
     assert out["generation_lengths"].tolist() == [8] * batch.size
     assert out["truncated"].tolist() == [False] + [True] * (batch.size - 1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_ending_in_a_space_with_a_sentencepiece_tokenizer(stories260k, backend):
+    """stories260K's sentencepiece tokens carry their leading space ("\u2581a"), which they lose
+    when decoded alone: the stop string "was " is completed by the token after "was"."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k).eval()
+    tok = AutoTokenizer.from_pretrained(stories260k)
+    prompt = [tok.bos_token_id] + tok.encode("Once upon a", add_special_tokens=False)
+    batch = BatchedDataDict(input_ids=torch.tensor([prompt]), input_lengths=torch.tensor([len(prompt)]))
+    out = engine(backend, model, tok, max_new_tokens=20, stop_strings=["was "]).generate(batch, greedy=True)
+    gen = out["output_ids"][0, len(prompt) : int(out["unpadded_sequence_lengths"][0])].tolist()
+    assert tok.decode(gen) == "time, there was a"  # the documented story, cut after "was "
+    assert out["truncated"].tolist() == [False]
 
 
 def test_continuous_batching_equals_one_batch(model_tok):
