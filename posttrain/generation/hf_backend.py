@@ -1,11 +1,13 @@
 """The `hf` backend: transformers' `model.generate`, the slow reference (and the fallback for
 architectures the torch engine does not run).
 
-Rows are left-padded and generated as one batch per distinct set of stop strings (HF applies
-stop strings to the whole batch). Logprobs come from the processed scores HF samples from
-(after temperature/top-k/top-p; greedy: raw logits), so they match the torch engine's
-definition. Each row is then cut with the same stop rules as the torch engine (first stop
-token id, first completed stop string, or the row's token limit).
+Rows are left-padded and generated as one batch. Stop strings are matched per row on the
+generated tokens only, by a stopping criterion with the torch engine's rules (HF's own
+`stop_strings` are one set for the whole batch and also match a string begun in the prompt,
+which ends the row there). Logprobs come from the processed scores HF samples from (after
+temperature/top-k/top-p; greedy: raw logits), so they match the torch engine's definition.
+Each row is then cut with the same stop rules as the torch engine (first stop token id, first
+completed stop string, or the row's token limit).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import copy
 import time
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
@@ -62,32 +65,26 @@ class HFGeneration:
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         cfg = self.cfg
         prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
-        n = len(prompts)
         settings = SamplingSettings.from_config(cfg, greedy)
-        generated: list = [None] * n
-        gen_lp: list = [None] * n
-        truncated = [False] * n
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for i, s in enumerate(stops):
-            groups.setdefault(tuple(s), []).append(i)
         # HF samples from the global RNG: seed a forked copy so runs are reproducible and the
         # caller's RNG state is untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + self._calls)
             self._calls += 1
-            for stop_set, rows in groups.items():
-                self._generate_group(prompts, rows, list(stop_set), settings, generated, gen_lp, truncated)
+            generated, gen_lp, truncated = self._generate(prompts, stops, settings)
         return assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
 
-    def _generate_group(self, prompts, rows, stop_strings, s: SamplingSettings, generated, gen_lp, truncated):
-        plen = torch.tensor([len(prompts[r]) for r in rows])
+    def _generate(self, prompts, stops, s: SamplingSettings):
+        """Per row: generated tokens, their logprobs, and whether it hit no stop."""
+        n = len(prompts)
+        plen = torch.tensor([len(p) for p in prompts])
         width = int(plen.max())
         limits = torch.clamp(self.context - plen, max=self.cfg.max_new_tokens)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, r in enumerate(rows):
-            input_ids[j, width - len(prompts[r]) :] = prompts[r]
-            mask[j, width - len(prompts[r]) :] = 1
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for j, p in enumerate(prompts):
+            input_ids[j, width - len(p) :] = p
+            mask[j, width - len(p) :] = 1
         sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0}
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
@@ -96,8 +93,7 @@ class HFGeneration:
             max_new_tokens=int(limits.max()),
             eos_token_id=self.stop.stop_token_ids,
             pad_token_id=self.pad_id,
-            stop_strings=stop_strings or None,
-            tokenizer=self.tokenizer if stop_strings else None,
+            stopping_criteria=StoppingCriteriaList([_GeneratedStopStrings(self.stop, width, stops)]),
             output_scores=True,
             return_dict_in_generate=True,
             **sampling,
@@ -106,13 +102,28 @@ class HFGeneration:
         scores = torch.stack(out.scores, dim=1).float().cpu()  # [b, T, V], processed as sampled from
         lps = torch.log_softmax(scores, dim=-1).gather(-1, seqs[:, : scores.shape[1], None]).squeeze(-1)
         stop_ids = set(self.stop.stop_token_ids)
-        for j, r in enumerate(rows):
+        generated, gen_lp, truncated = [], [], []
+        for j in range(n):
             toks = seqs[j].tolist()
             end, stopped = int(limits[j]), False
             for t in range(min(int(limits[j]), len(toks))):
-                if toks[t] in stop_ids or self.stop.ends_with_stop_string(toks[: t + 1], stop_strings):
+                if toks[t] in stop_ids or self.stop.ends_with_stop_string(toks[: t + 1], stops[j]):
                     end, stopped = t + 1, True
                     break
-            generated[r] = seqs[j, :end].clone()
-            gen_lp[r] = lps[j, :end].clone()
-            truncated[r] = not stopped
+            generated.append(seqs[j, :end].clone())
+            gen_lp.append(lps[j, :end].clone())
+            truncated.append(not stopped)
+        return generated, gen_lp, truncated
+
+
+class _GeneratedStopStrings(StoppingCriteria):
+    """Ends each row of a left-padded batch `[b, width + t]` at its own stop strings, searched in
+    its generated tokens only."""
+
+    def __init__(self, stop: StopChecker, width: int, stops: list[list[str]]):
+        self.stop, self.width, self.stops = stop, width, stops
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = [bool(s) and self.stop.ends_with_stop_string(row[self.width :].tolist(), s)
+                for row, s in zip(input_ids, self.stops)]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)

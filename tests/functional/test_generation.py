@@ -101,6 +101,24 @@ def test_stop_string_ending_in_a_space_with_a_sentencepiece_tokenizer(stories260
     assert out["truncated"].tolist() == [False]
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_begun_in_the_prompt_is_not_matched(model_tok, backend):
+    """Only generated text is searched: a stop string whose first token ends the prompt does not
+    end the row at the next token."""
+    model, tok = model_tok
+    batch = make_batch(tok)
+    free = engine("hf", model, tok, max_new_tokens=8, ignore_eos=True).generate(batch, greedy=True)
+    a = int(batch["input_lengths"][0])
+    prompt = free["output_ids"][0, : a + 6]  # row 0's prompt and its first 6 greedy tokens
+    stop = tok.decode(free["output_ids"][0, a + 5 : a + 7])  # spans the new prompt's end
+    assert stop not in tok.decode(free["output_ids"][0, a + 6 : a + 8])
+    longer = BatchedDataDict(input_ids=prompt[None], input_lengths=torch.tensor([a + 6]))
+    out = engine(backend, model, tok, max_new_tokens=2, ignore_eos=True, stop_strings=[stop]).generate(
+        longer, greedy=True)
+    assert out["output_ids"][0].tolist() == free["output_ids"][0, : a + 8].tolist()
+    assert out["truncated"].tolist() == [True]
+
+
 def test_continuous_batching_equals_one_batch(model_tok):
     """2 slots for 12 rows: slots are refilled and the cache compacted; greedy results are unchanged."""
     model, tok = model_tok
