@@ -43,7 +43,7 @@ class HFGeneration:
             model = copy.deepcopy(model).to(dtype)
         self.model = model.eval()
         self.context = max_total_sequence_length
-        self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, model.config, cfg))
+        self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, cfg, model.config, model.generation_config))
         self.pad_id = pad_token_id(tokenizer)
         self.weight_version = 0
         self._calls = 0

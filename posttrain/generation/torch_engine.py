@@ -314,12 +314,14 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     return _logits(w, x[:, 0])
 
 
-def stop_token_ids(tokenizer, model_config, cfg) -> list[int]:
-    """EOS ids (tokenizer's and the model's, unless `cfg.ignore_eos`) plus `cfg.stop_token_ids`."""
+def stop_token_ids(tokenizer, cfg, *configs) -> list[int]:
+    """`cfg.stop_token_ids` plus, unless `cfg.ignore_eos`, the EOS ids of the tokenizer and of
+    `configs`: the model's config and its generation config, whose EOS ids HF `generate` and vLLM
+    stop on (chat models often list their end-of-turn token there only, e.g. Llama 3 Instruct's)."""
     ids = set(cfg.stop_token_ids or [])
     if cfg.ignore_eos:
         return sorted(ids)
-    for e in (tokenizer.eos_token_id, getattr(model_config, "eos_token_id", None)):
+    for e in (tokenizer.eos_token_id, *(getattr(c, "eos_token_id", None) for c in configs)):
         if isinstance(e, int):
             ids.add(e)
         elif e:
@@ -339,7 +341,7 @@ class TorchGeneration:
         self.device = torch.device(device)
         dtype = DTYPES[cfg.torch_cfg.precision or precision]
         self.weights = _Weights(self.model, dtype, self.device, max_total_sequence_length)
-        self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, model.config, cfg))
+        self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, cfg, model.config, model.generation_config))
         self.pad_id = pad_token_id(tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self.weight_version = 0

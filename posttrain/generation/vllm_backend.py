@@ -64,7 +64,7 @@ class VllmGeneration:
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         self.context = max_total_sequence_length
         self.pad_id = pad_token_id(self.tokenizer)
-        self.stop_ids = stop_token_ids(self.tokenizer, AutoConfig.from_pretrained(path), cfg)
+        self.stop_ids = stop_token_ids(self.tokenizer, cfg, AutoConfig.from_pretrained(path))
         extra = {}
         if vc.kv_cache_memory_gib is not None:
             extra["kv_cache_memory_bytes"] = int(vc.kv_cache_memory_gib * 2**30)

@@ -349,24 +349,50 @@ def test_other_llama_family_models_match_hf(arch):
     torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
 
 
-def test_model_vocabulary_padded_past_the_tokenizer_with_stop_strings():
-    """Embeddings padded to a round size (Qwen2.5: 151,936 rows for 151,665 tokens): a sampled id
-    the tokenizer does not know is an ordinary token, also for the stop-string check."""
+def config_llama(extra_vocab: int = 0):
+    """A perturbed 2-layer GQA Llama built from its config, with the embedded tokenizer; its
+    embedding has `extra_vocab` rows past the tokenizer's vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from posttrain.embedded import build_tokenizer
 
     tok = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok) + 24, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(vocab_size=len(tok) + extra_vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=CTX, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     perturb_(model, std=0.3, seed=4)
+    return model, tok
+
+
+def test_model_vocabulary_padded_past_the_tokenizer_with_stop_strings():
+    """Embeddings padded to a round size (Qwen2.5: 151,936 rows for 151,665 tokens): a sampled id
+    the tokenizer does not know is an ordinary token, also for the stop-string check."""
+    model, tok = config_llama(extra_vocab=24)
     batch = make_batch(tok)
     out = engine("torch", model, tok, max_new_tokens=30, stop_strings=["zz"]).generate(batch)
     assert int((out["output_ids"] >= len(tok)).sum()) > 0  # such ids were sampled
     assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_eos_ids_of_the_generation_config_end_a_row(backend):
+    """A chat model's end-of-turn id listed only in generation_config.json (Llama 3 Instruct's
+    <|eot_id|>) ends a row where HF `generate` ends it."""
+    model, tok = config_llama()
+    batch = make_batch(tok)
+    a = int(batch["input_lengths"][0])
+    free = engine(backend, model, tok, max_new_tokens=12).generate(batch, greedy=True)["output_ids"][0, a : a + 3]
+    end_of_turn = int(free[2])  # row 0's third token
+    assert end_of_turn not in free[:2].tolist() + [tok.eos_token_id]
+    model.generation_config.eos_token_id = [tok.eos_token_id, end_of_turn]
+    out = engine(backend, model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    assert int(out["generation_lengths"][0]) == 3 and not bool(out["truncated"][0])
+    for i, n in enumerate(batch["input_lengths"].tolist()):
+        ids = batch["input_ids"][i : i + 1, :n]
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+        assert out["output_ids"][i, : int(out["unpadded_sequence_lengths"][i])].tolist() == ref[0].tolist()
 
 
 def test_unsupported_architecture_points_to_hf():
