@@ -232,7 +232,7 @@ class GenerationConfig(Section):
     ignore_eos: bool = False
     # Prompts longer than the context: "error" stops with the row, "truncate" cuts from the left and counts.
     overlong_prompt: Literal["error", "truncate"] = "error"
-    # Seed of the sampler (each separate generation worker adds its rank).
+    # Seed of the sampler (each generation worker, colocated or separate, adds its rank).
     seed: int = 0
     # Placement: in the policy workers (colocated) or in generation workers of their own.
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)

@@ -71,15 +71,19 @@ def check_backend_installed(cfg) -> None:
 
 def build_generation(backend: str, *, model=None, model_path: str | None = None, tokenizer=None, cfg,
                      max_total_sequence_length: int, precision: str = "float32",
-                     device="cpu") -> GenerationInterface:
+                     device="cpu", rank: int = 0) -> GenerationInterface:
     """Build generation backend `backend` ("torch", "hf", "vllm").
 
     `model`: an in-memory transformers causal LM (colocated: the policy worker's own copy,
     updated in place by `update_weights`). `model_path`: load it here (separate workers; the
     vllm backend always loads from a folder). `tokenizer` is loaded from `model_path` if None.
+    `rank`: the engine's place among the workers that generate shards of one batch; it samples
+    with seed `cfg.seed + rank`, so that the shards do not replay one random stream (the same
+    prompt in two shards would get the same samples).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown generation backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    cfg = cfg.model_copy(update={"seed": cfg.seed + rank})
     if (model is None) == (model_path is None) and backend != "vllm":
         raise ValueError("build_generation needs exactly one of `model` (in memory) or `model_path`")
     if backend == "vllm":

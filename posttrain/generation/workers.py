@@ -41,10 +41,9 @@ class GenerationWorker:
     def __init__(self, backend: str, model_path: str, cfg, max_total_sequence_length: int, precision: str):
         from posttrain.generation import build_generation
 
-        # Shards of one batch must not replay the same random stream.
-        cfg = cfg.model_copy(update={"seed": cfg.seed + int(os.environ.get("RANK", "0"))})
         self.engine = build_generation(backend, model_path=model_path, cfg=cfg,
-                                       max_total_sequence_length=max_total_sequence_length, precision=precision)
+                                       max_total_sequence_length=max_total_sequence_length, precision=precision,
+                                       rank=int(os.environ.get("RANK", "0")))
         self.version = 0
         freeze_setup_objects()
 

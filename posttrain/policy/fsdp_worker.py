@@ -767,7 +767,7 @@ class FSDPPolicyWorker:
             self.gen_engine = build_generation(
                 "torch", model=copy.eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
                 max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
-                device=self.device,
+                device=self.device, rank=self.rank,
             )
         else:
             self.gen_engine.update_weights(sd, self.weights_version)

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
+from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.losses import ClippedPGLoss
 from posttrain.losses.nll import NLLLoss
@@ -54,6 +55,17 @@ def test_logprobs_match_plain_forward(policies, hf_model):
     batch5 = make_batch(lengths=[16, 9, 12, 5, 7], seed=1)
     torch.testing.assert_close(policies[1].get_logprobs(batch5)["logprobs"],
                                reference_logprobs(hf_model, batch5), atol=2e-5, rtol=0)
+
+
+def test_colocated_generation_samples_each_shard_with_its_own_seed(policies):
+    """The n samples of one prompt split over two ranks: each rank samples its own stream, so
+    rank 1's rows are no copy of rank 0's. Before the tests that train: trained with lr 0.5, the
+    tiny model samples the same tokens whatever the seed."""
+    policy = policies[1]
+    ids = torch.tensor([[10, 11, 12, 13]] * 4)
+    out = policy.generate(BatchedDataDict(input_ids=ids, input_lengths=torch.full((4,), 4)))
+    rows = out["output_ids"].tolist()
+    assert rows[:2] != rows[2:]  # rows 0-1 on rank 0, rows 2-3 on rank 1
 
 
 def test_train_step_same_for_1_and_2_workers_and_microbatch_sizes(policies, tiny_model_path):
