@@ -16,7 +16,7 @@ import copy
 import time
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
@@ -86,18 +86,26 @@ class HFGeneration:
             input_ids[j, width - len(p) :] = p
             mask[j, width - len(p) :] = 1
         sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0}
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            do_sample=not s.greedy,
-            max_new_tokens=int(limits.max()),
-            eos_token_id=self.stop.stop_token_ids,
-            pad_token_id=self.pad_id,
-            stopping_criteria=StoppingCriteriaList([_GeneratedStopStrings(self.stop, width, stops)]),
-            output_scores=True,
-            return_dict_in_generate=True,
-            **sampling,
-        )
+        # generate() takes every setting it is not given from the model's generation config, and a
+        # checkpoint's generation_config.json may add logits processors (repetition_penalty,
+        # min_new_tokens, no_repeat_ngram_size, ...) to the documented distribution: it runs under
+        # a blank one (the EOS ids it lists come in through self.stop).
+        own, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=not s.greedy,
+                max_new_tokens=int(limits.max()),
+                eos_token_id=self.stop.stop_token_ids,
+                pad_token_id=self.pad_id,
+                stopping_criteria=StoppingCriteriaList([_GeneratedStopStrings(self.stop, width, stops)]),
+                output_scores=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
+        finally:
+            self.model.generation_config = own
         seqs = out.sequences[:, width:].cpu()
         scores = torch.stack(out.scores, dim=1).float().cpu()  # [b, T, V], processed as sampled from
         lps = torch.log_softmax(scores, dim=-1).gather(-1, seqs[:, : scores.shape[1], None]).squeeze(-1)

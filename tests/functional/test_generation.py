@@ -265,6 +265,22 @@ def test_seeded_and_reproducible(model_tok):
     assert a["output_ids"].tolist() != c["output_ids"].tolist()
 
 
+def test_hf_backend_ignores_logits_processors_of_the_generation_config(model_tok):
+    """A checkpoint's generation_config.json may ask for a repetition penalty and more: the hf
+    backend still samples the documented distribution (its greedy output is the torch engine's)."""
+    model, tok = model_tok
+    model = copy.deepcopy(model)
+    extras = dict(repetition_penalty=3.0, min_new_tokens=5, no_repeat_ngram_size=1)
+    for k, v in extras.items():
+        setattr(model.generation_config, k, v)
+    batch = make_batch(tok)
+    out = engine("hf", model, tok, max_new_tokens=16).generate(batch, greedy=True)
+    ref = engine("torch", model, tok, max_new_tokens=16).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    assert {k: getattr(model.generation_config, k) for k in extras} == extras  # the model's own is kept
+
+
 def test_hf_backend_sampling_is_seeded_and_matches_forward(model_tok):
     model, tok = model_tok
     batch = make_batch(tok)
