@@ -38,10 +38,14 @@ class WeightVersionError(RuntimeError):
 class GenerationWorker:
     """One generation engine in its own process (hosted by `RayWorkerGroup`)."""
 
-    def __init__(self, backend: str, model_path: str, cfg, max_total_sequence_length: int, precision: str):
+    def __init__(self, backend: str, model_path: str, tokenizer_path: str, cfg, max_total_sequence_length: int,
+                 precision: str):
+        from transformers import AutoTokenizer
+
         from posttrain.generation import build_generation
 
-        self.engine = build_generation(backend, model_path=model_path, cfg=cfg,
+        self.engine = build_generation(backend, model_path=model_path,
+                                       tokenizer=AutoTokenizer.from_pretrained(tokenizer_path), cfg=cfg,
                                        max_total_sequence_length=max_total_sequence_length, precision=precision,
                                        rank=int(os.environ.get("RANK", "0")))
         self.version = 0
@@ -69,10 +73,15 @@ class GenerationWorker:
 
 
 class GenerationWorkerGroup:
-    """N generation actors on `cluster`'s bundles; implements `GenerationInterface`."""
+    """N generation actors on `cluster`'s bundles; implements `GenerationInterface`.
+
+    `tokenizer_path`: the policy's tokenizer (`policy.tokenizer.name`), whose EOS ids, stop-string
+    decoding and pad id the workers use; None: the model folder's own.
+    """
 
     def __init__(self, cluster: RayVirtualCluster, *, backend: str, model_path: str, cfg,
-                 max_total_sequence_length: int, precision: str = "float32", name_prefix: str = "generation"):
+                 max_total_sequence_length: int, precision: str = "float32", tokenizer_path: str | None = None,
+                 name_prefix: str = "generation"):
         from posttrain.embedded import resolve_model_path
 
         python = cfg.vllm_cfg.python if backend == "vllm" else None
@@ -80,21 +89,21 @@ class GenerationWorkerGroup:
         if python is not None:
             check_python_executable(python, what="policy.generation.vllm_cfg.python")
             runtime_env = {"py_executable": shlex.quote(python)}  # Ray runs it through bash
-        self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path), cfg,
-                                      max_total_sequence_length, precision, name_prefix=name_prefix,
-                                      runtime_env=runtime_env)
+        tokenizer_path = resolve_model_path(tokenizer_path or model_path)
+        self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path),
+                                      tokenizer_path, cfg, max_total_sequence_length, precision,
+                                      name_prefix=name_prefix, runtime_env=runtime_env)
         self.version = 0
-        self.pad_id = self._pad_id(model_path)
+        self.pad_id = self._pad_id(tokenizer_path)
         self.last_refit: dict[str, float] = {}
 
     @staticmethod
-    def _pad_id(model_path: str) -> int:
+    def _pad_id(tokenizer_path: str) -> int:
         from transformers import AutoTokenizer
 
-        from posttrain.embedded import resolve_model_path
         from posttrain.generation.interfaces import pad_token_id
 
-        return pad_token_id(AutoTokenizer.from_pretrained(resolve_model_path(model_path)))
+        return pad_token_id(AutoTokenizer.from_pretrained(tokenizer_path))
 
     @property
     def num_workers(self) -> int:

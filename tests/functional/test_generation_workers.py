@@ -30,13 +30,15 @@ def setup(ray_session, tiny_model_path, tmp_path_factory):
     from posttrain.generation.workers import GenerationWorkerGroup
 
     model, tok = perturbed_tiny(tiny_model_path)
-    path = tmp_path_factory.mktemp("gen_model")
+    # The weights alone, the tokenizer in a folder of its own (policy.tokenizer.name): the workers
+    # must take it from there, as the policy does.
+    path, tok_path = tmp_path_factory.mktemp("gen_model"), tmp_path_factory.mktemp("gen_tokenizer")
     model.save_pretrained(path)
-    tok.save_pretrained(path)
+    tok.save_pretrained(tok_path)
     cfg = GenerationConfig(max_new_tokens=16)
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, cpus_per_worker=1), name="gen-test")
     group = GenerationWorkerGroup(cluster, backend="torch", model_path=str(path), cfg=cfg,
-                                  max_total_sequence_length=CTX)
+                                  max_total_sequence_length=CTX, tokenizer_path=str(tok_path))
     yield model, tok, cfg, group
     group.shutdown()
     cluster.shutdown()
