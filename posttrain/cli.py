@@ -107,7 +107,7 @@ def _convert_parser() -> argparse.ArgumentParser:
     l2c = sub.add_parser("llama2c-to-hf", help="a llama2.c .bin model + sentencepiece tokenizer -> HF Llama folder")
     l2c.add_argument("--model", required=True, help="llama2.c checkpoint (.bin)")
     l2c.add_argument("--tokenizer", required=True, help="sentencepiece model (e.g. tok512.model)")
-    l2c.add_argument("--output", required=True, help="output directory")
+    l2c.add_argument("--output", required=True, help="output directory (a model folder there is replaced)")
     return p
 
 

@@ -210,12 +210,26 @@ def _check_tokenizer(tok, tokenizer_model_path: Path, vocab_size: int) -> None:
         )
 
 
+def _check_replaceable(out: Path) -> None:
+    """The output folder is replaced as a whole: refuse one that is not a model folder (a
+    `--output results` meant as `results/stories260K-hf` would delete every run in results/)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"--output {out}: exists and is not a folder")
+    if any(out.iterdir()) and not (out / "config.json").is_file():
+        raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json), which "
+                         "the converter would replace with all its contents; name a new or empty folder, or a "
+                         "model folder to replace")
+
+
 def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert llama2.c `bin_path` + sentencepiece `tokenizer_model_path` into an HF folder.
 
     Writes `model.safetensors`, `config.json` and `generation_config.json` (eos = [EOS, BOS])
     and the tokenizer files into `out_dir` atomically (a temp folder renamed into place; an
-    existing `out_dir` is replaced). Returns the folder path.
+    existing `out_dir` is replaced when it is empty or a model folder, one with a config.json,
+    and refused otherwise). Returns the folder path.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -223,8 +237,9 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     tok_path = Path(tokenizer_model_path)
     if not tok_path.is_file():
         raise MissingInputError(f"sentencepiece tokenizer model not found: {tok_path}")
-    hdr, arrays = read_llama2c(bin_path)
     out = Path(out_dir)
+    _check_replaceable(out)
+    hdr, arrays = read_llama2c(bin_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -283,7 +298,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> Path:
         parser = argparse.ArgumentParser(prog="posttrain convert llama2c-to-hf", description=__doc__.split("\n\n")[0])
         parser.add_argument("--model", required=True, help="llama2.c checkpoint (.bin, legacy format)")
         parser.add_argument("--tokenizer", required=True, help="its sentencepiece tokenizer (.model)")
-        parser.add_argument("--output", required=True, help="output folder (replaced if it exists)")
+        parser.add_argument("--output", required=True, help="output folder (a model folder there is replaced)")
         args = parser.parse_args(args)
     out = convert(args.model, args.tokenizer, args.output)
     print(f"wrote {out}")

@@ -184,3 +184,24 @@ def test_convert_llama2c_end_to_end(shared_data, tmp_path):
                "--tokenizer", str(model / "tok512.model"), "--output", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_data, tmp_path):
+    model = Path(shared_data) / "models" / "stories260K"
+    runs = tmp_path / "results"
+    (runs / "run1").mkdir(parents=True)
+    (runs / "run1" / "metrics.jsonl").write_text("{}\n")
+    args = ["convert", "llama2c-to-hf", "--model", str(model / "stories260K.bin"), "--tokenizer",
+            str(model / "tok512.model")]
+    out = _run(*args, "--output", str(runs))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"--output {runs}: an existing folder that is not a model folder" in out.stderr
+    assert (runs / "run1" / "metrics.jsonl").read_text() == "{}\n"  # nothing deleted
+    # A model folder (an earlier conversion) is replaced, as documented.
+    hf = tmp_path / "hf"
+    assert _run(*args, "--output", str(hf)).returncode == 0
+    (hf / "stale.txt").write_text("old")
+    again = _run(*args, "--output", str(hf))
+    assert again.returncode == 0, again.stderr
+    assert (hf / "config.json").is_file() and not (hf / "stale.txt").exists()
+
