@@ -159,8 +159,33 @@ def hf_state_dict(hdr: Llama2cHeader, arrays: dict[str, np.ndarray]) -> dict[str
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
-def _build_tokenizer(tokenizer_model_path: Path, out_dir: Path, vocab_size: int):
-    """Write `tokenizer.model` + config into out_dir, load it with AutoTokenizer and check it."""
+def _read_sentencepiece(tokenizer_model_path: Path, vocab_size: int):
+    """The sentencepiece model at `tokenizer_model_path`, checked against the llama2.c model's
+    vocabulary and llama2.c's special ids before anything is written."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model_path))
+    except (RuntimeError, OSError) as e:
+        # Without this, transformers goes on to read the file as a tiktoken BPE and fails
+        # asking for tiktoken. tok512.bin, llama2.c's binary form, sits beside tok512.model.
+        raise InputError(f"{tokenizer_model_path}: not a sentencepiece model (the .model file, e.g. tok512.model; "
+                         f"{e})") from None
+    if sp.vocab_size() != vocab_size:
+        raise InputError(
+            f"{tokenizer_model_path}: sentencepiece vocab {sp.vocab_size()} != model vocab_size {vocab_size}"
+        )
+    if (sp.unk_id(), sp.bos_id(), sp.eos_id()) != (UNK_ID, BOS_ID, EOS_ID):
+        raise InputError(
+            f"{tokenizer_model_path}: special ids unk/bos/eos = {sp.unk_id()}/{sp.bos_id()}/{sp.eos_id()}, "
+            f"expected {UNK_ID}/{BOS_ID}/{EOS_ID} (llama2.c's sentencepiece recipe)"
+        )
+    return sp
+
+
+def _build_tokenizer(tokenizer_model_path: Path, out_dir: Path, sp):
+    """Write `tokenizer.model` + config into out_dir, load it with AutoTokenizer and check it
+    against `sp`, the same model read by sentencepiece itself."""
     from transformers import AutoTokenizer
 
     shutil.copyfile(tokenizer_model_path, out_dir / "tokenizer.model")
@@ -182,25 +207,13 @@ def _build_tokenizer(tokenizer_model_path: Path, out_dir: Path, vocab_size: int)
     )
     tok = AutoTokenizer.from_pretrained(str(out_dir))
     tok.chat_template = PLAIN_CHAT_TEMPLATE
-    _check_tokenizer(tok, tokenizer_model_path, vocab_size)
+    _check_tokenizer(tok, tokenizer_model_path, sp)
     return tok
 
 
-def _check_tokenizer(tok, tokenizer_model_path: Path, vocab_size: int) -> None:
+def _check_tokenizer(tok, tokenizer_model_path: Path, sp) -> None:
     """Fail loud if the HF tokenizer disagrees with sentencepiece itself (transformers 5.x can
     silently build an empty tokenizer that encodes every text to [BOS])."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model_path))
-    if sp.vocab_size() != vocab_size:
-        raise InputError(
-            f"{tokenizer_model_path}: sentencepiece vocab {sp.vocab_size()} != model vocab_size {vocab_size}"
-        )
-    if (sp.unk_id(), sp.bos_id(), sp.eos_id()) != (UNK_ID, BOS_ID, EOS_ID):
-        raise InputError(
-            f"{tokenizer_model_path}: special ids unk/bos/eos = {sp.unk_id()}/{sp.bos_id()}/{sp.eos_id()}, "
-            f"expected {UNK_ID}/{BOS_ID}/{EOS_ID} (llama2.c's sentencepiece recipe)"
-        )
     probe = 'Once upon a time, there was a little girl named Lily.\nShe said, "Hi! 123"'
     ids = tok(probe, add_special_tokens=False)["input_ids"]
     if ids != sp.encode(probe) or tok.decode(ids) != probe:
@@ -240,6 +253,7 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     out = Path(out_dir)
     _check_replaceable(out)
     hdr, arrays = read_llama2c(bin_path)
+    sp = _read_sentencepiece(tok_path, hdr.vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -274,7 +288,7 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
             bos_token_id=BOS_ID, eos_token_id=[EOS_ID, BOS_ID], pad_token_id=PAD_ID, do_sample=False
         )
         model.save_pretrained(tmp, safe_serialization=True)
-        tok = _build_tokenizer(tok_path, tmp, hdr.vocab_size)
+        tok = _build_tokenizer(tok_path, tmp, sp)
         tok.save_pretrained(tmp)
         # mkdtemp makes a private folder; a converted model is an ordinary readable one.
         os.chmod(tmp, 0o755)

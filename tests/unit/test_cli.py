@@ -205,3 +205,11 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     assert again.returncode == 0, again.stderr
     assert (hf / "config.json").is_file() and not (hf / "stale.txt").exists()
 
+
+def test_convert_llama2c_names_a_tokenizer_that_is_not_sentencepiece(shared_data, tmp_path):
+    model = Path(shared_data) / "models" / "stories260K"
+    out = _run("convert", "llama2c-to-hf", "--model", str(model / "stories260K.bin"),
+               "--tokenizer", str(model / "tok512.bin"), "--output", str(tmp_path / "hf"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{model / 'tok512.bin'}: not a sentencepiece model" in out.stderr
+    assert not (tmp_path / "hf").exists()
