@@ -25,7 +25,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, TypeVar
+from typing import Any, Iterable, TypeVar, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -302,8 +302,13 @@ def apply_overrides(
 # --------------------------------------------------------------------------- suggestions
 
 
+# Stands for the user's name of an entry in a section of named entries (`env.<name>.num_workers`).
+ENTRY = "<name>"
+
+
 def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key a schema accepts (nested sections included; list items as `a.b.c`)."""
+    """Every dotted key a schema accepts (nested sections included; list items as `a.b.c`;
+    the entries of a section of named entries as `env.<name>.num_workers`)."""
     keys: list[str] = []
     for name, field in model.model_fields.items():
         dotted = f"{prefix}{name}"
@@ -311,7 +316,18 @@ def schema_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         sub = _submodel(field.annotation)
         if sub is not None:
             keys.extend(schema_keys(sub, dotted + "."))
+    entry = _entry_model(model)
+    if entry is not None:
+        keys.append(prefix + ENTRY)
+        keys.extend(schema_keys(entry, f"{prefix}{ENTRY}."))
     return keys
+
+
+def _entry_model(model: type[BaseModel]) -> type[BaseModel] | None:
+    """The schema of the named entries of a section that takes them (typed extra keys), or None."""
+    if model.model_config.get("extra") != "allow":
+        return None
+    return _submodel(get_type_hints(model).get("__pydantic_extra__"))
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -342,20 +358,24 @@ def suggest_key(bad: str, valid: list[str]) -> str | None:
     for k in valid:
         parent, _, name = k.rpartition(".")
         children.setdefault(parent, []).append(name)
-    fixed = ""
+    fixed, shown = "", ""  # the schema's key (with <name>) and the same key with the user's names
     for part in bad.split("."):
         options = children.get(fixed, [])
         if part in options:
             choice = part
+        elif options == [ENTRY]:  # any name is valid here
+            choice = ENTRY
         else:
             match = difflib.get_close_matches(part, options, n=1, cutoff=0.6)
             if not match:
                 break
             choice = match[0]
         fixed = f"{fixed}.{choice}" if fixed else choice
+        name = part if choice == ENTRY else choice
+        shown = f"{shown}.{name}" if shown else name
     else:
-        if fixed in valid and fixed != bad:
-            return fixed
+        if fixed in valid and shown != bad:
+            return shown
 
     leaves: dict[str, str] = {}
     for k in valid:

@@ -674,12 +674,15 @@ def check_turns_for_tool_calls(env: "EnvConfig", turns: int, key: str) -> None:
 class EnvConfig(Section):
     # Environments by name; each dataset row names the one that scores it (its `task_name`).
     model_config = ConfigDict(extra="allow", validate_assignment=True)
+    # Typed entries, so that an error inside one is located at env.<name>.<key>.
+    __pydantic_extra__: dict[str, EnvWorkerConfig] = Field(init=False)
 
     @model_validator(mode="before")
     @classmethod
     def _coerce(cls, data: Any) -> Any:
+        # `env: {math: }` (an entry without settings) runs the environment with the defaults.
         if isinstance(data, dict):
-            return {k: EnvWorkerConfig.model_validate(v or {}) for k, v in data.items()}
+            return {k: {} if v is None else v for k, v in data.items()}
         return data
 
     @model_validator(mode="after")

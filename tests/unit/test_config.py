@@ -276,10 +276,22 @@ def test_unknown_algorithm_and_top_level_must_be_mapping(tmp_path):
     ("policy.generaton.temprature", "policy.generation.temperature"),
     ("policy.scheduler[0].kwargz", "policy.scheduler.kwargs"),
     ("checkpointing.keep_topk", "checkpointing.keep_top_k"),
+    ("env.math.num_worker", "env.math.num_workers"),  # an entry of env, named by the user
     ("zzzzzz", None),
 ])
 def test_suggest_key(bad, expected):
     assert suggest_key(bad, schema_keys(GRPOMasterConfig)) == expected
+
+
+def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
+    path = _write(tmp_path / "env.yaml", "env:\n  math:\n    num_worker: 2\n  arithmetic: 3\n  code:\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path)
+    msg = str(e.value)
+    assert f"unknown key 'env.math.num_worker' (did you mean env.math.num_workers?)  [set at {path}:3]" in msg
+    assert "env.arithmetic: got 3, expected a valid dictionary" in msg and f"[set at {path}:4]" in msg
+    assert "env.code" not in msg  # an entry without settings runs with the defaults
+    assert load_config("grpo", None, ["++env.code=null"]).env.get_worker_cfg("code").num_workers == 1
 
 
 # --------------------------------------------------------------------------- output
