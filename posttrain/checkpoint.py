@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError
-from posttrain.schemas import CheckpointingConfig
+from posttrain.schemas import CheckpointingConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,32 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
+def _state_layout_changes(saved: dict[str, Any], policy: PolicyConfig) -> list[str]:
+    """"policy.key: saved -> now" for each setting of the saved config `saved` that gives this
+    run's policy state other tensors than the checkpoint holds, so that it cannot be loaded:
+    LoRA adapters or not (and their rank and modules), and the optimizer class (Adam's moments
+    are not SGD's momentum)."""
+    from posttrain.policy.optim import optimizer_class
+
+    old = saved.get("policy") or {}
+    old_lora, new_lora = old.get("lora") or {}, policy.lora.model_dump(mode="json")
+    keys = ["enabled"] + (["rank", "target_modules"] if old_lora.get("enabled") and new_lora["enabled"] else [])
+    changes = [f"policy.lora.{k}: {_shown(old_lora.get(k, _NOT_SET))} -> {_shown(new_lora[k])}"
+               for k in keys if old_lora.get(k, _NOT_SET) != new_lora[k]]
+    old_name = (old.get("optimizer") or {}).get("name", _NOT_SET)
+    try:
+        same = optimizer_class(old_name) is optimizer_class(policy.optimizer.name)  # "adamw" is torch.optim.AdamW
+    except (ValueError, AttributeError):
+        same = old_name == policy.optimizer.name
+    if not same:
+        changes.append(f"policy.optimizer.name: {_shown(old_name)} -> {_shown(policy.optimizer.name)}")
+    return changes
+
+
+_WAYS_OUT = ("Set checkpointing.start_fresh=true to start over (the old checkpoints are moved aside, not deleted) "
+             "or choose another checkpointing.checkpoint_dir.")
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -184,10 +210,13 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
 class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one run (see the module docstring)."""
 
-    def __init__(self, cfg: CheckpointingConfig, signature: dict[str, Any]) -> None:
+    def __init__(self, cfg: CheckpointingConfig, signature: dict[str, Any], policy: PolicyConfig | None = None) -> None:
+        """`signature` names the run a checkpoint must have been made for; `policy`, this run's
+        policy settings, is checked against a checkpoint's (see `latest`)."""
         self.cfg = cfg
         self.dir = Path(cfg.checkpoint_dir)
         self.signature = json.loads(json.dumps(signature, default=str))
+        self.policy = policy
         self.moved_aside: Path | None = None
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
@@ -258,7 +287,8 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """The newest complete checkpoint to resume from, or None (also when checkpointing is disabled).
 
-        Raises ConfigError when it was made for another algorithm or model.
+        Raises ConfigError when it was made for another algorithm or model, or (given this run's
+        `policy` settings) with LoRA or optimizer settings whose saved state this run cannot load.
         """
         if not self.cfg.enabled:
             return None
@@ -270,9 +300,18 @@ class CheckpointManager:
         if stored != self.signature:
             raise ConfigError(
                 f"checkpoint {path} was made for {stored}, but this run is {self.signature}: refusing to "
-                f"resume from it. Set checkpointing.start_fresh=true to start over (the old checkpoints are "
-                f"moved aside, not deleted) or choose another checkpointing.checkpoint_dir."
+                f"resume from it. {_WAYS_OUT}"
             )
+        saved = path / CONFIG_FILE
+        if self.policy is not None and saved.is_file():
+            import yaml
+
+            changes = _state_layout_changes(yaml.safe_load(saved.read_text()) or {}, self.policy)
+            if changes:
+                raise ConfigError(
+                    f"checkpoint {path} holds a model and optimizer state of other settings than this run's "
+                    f"({'; '.join(changes)}), which it cannot load: put them back to resume. {_WAYS_OUT}"
+                )
         return path
 
     @staticmethod

@@ -147,7 +147,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
                        seed=g.seed, max_epochs=g.max_num_epochs,
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
-    checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name})
+    checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name},
+                                     cfg.policy)
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
 
     run_dir = Path(cfg.logger.log_dir)

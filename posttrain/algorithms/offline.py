@@ -79,7 +79,7 @@ def start_run(
     load_model_configs(policy_cfg, with_reference=init_reference)  # a wrong name fails before Ray starts
     run_dir = Path(cfg.logger.log_dir)
     checkpointer = CheckpointManager(
-        cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}
+        cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy
     )
     latest = checkpointer.latest()
     logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))

@@ -39,19 +39,25 @@ def _import_dotted(path: str):
         raise ValueError(f"cannot import {path!r}: {e}") from None
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer named by `cfg.name` over `params`, with `cfg.kwargs`."""
-    if cfg.name.lower() in OPTIMIZERS:
-        cls = OPTIMIZERS[cfg.name.lower()]
-    elif "." in cfg.name:
-        cls = _import_dotted(cfg.name)
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The optimizer class of a `policy.optimizer.name`."""
+    if name.lower() in OPTIMIZERS:
+        cls = OPTIMIZERS[name.lower()]
+    elif "." in name:
+        cls = _import_dotted(name)
     else:
         raise ValueError(
-            f"unknown policy.optimizer.name {cfg.name!r}; valid: {', '.join(OPTIMIZERS)} "
+            f"unknown policy.optimizer.name {name!r}; valid: {', '.join(OPTIMIZERS)} "
             "or a dotted import path such as 'torch.optim.AdamW'"
         )
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"policy.optimizer.name {cfg.name!r} is not a torch.optim.Optimizer subclass")
+        raise ValueError(f"policy.optimizer.name {name!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name` over `params`, with `cfg.kwargs`."""
+    cls = optimizer_class(cfg.name)
     params = list(params)
     kwargs = dict(cfg.kwargs)
     if "fused" not in kwargs and "foreach" not in kwargs and _fused_applies(cls, params):

@@ -116,6 +116,30 @@ def test_resume_names_the_config_keys_that_changed_since_the_checkpoint(tmp_path
                                                          "change(s) since that checkpoint: " + "; ".join(changes))
 
 
+def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_any_worker_starts(tmp_path):
+    from posttrain.config import load_config, to_yaml
+
+    def policy(*overrides):
+        return load_config("grpo", None, list(overrides)).policy
+
+    saved = load_config("grpo", None, ["policy.optimizer.name=adamw"])
+    tmp = _mgr(tmp_path).begin_save(2)
+    _mgr(tmp_path).finish_save(tmp, 2, {"epoch": 0}, to_yaml(saved), None)
+
+    def latest(*overrides):
+        return CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")), SIG,
+                                 policy(*overrides)).latest()
+
+    # Settings the saved tensors do not depend on resume (the same class under another name too).
+    assert latest("policy.optimizer.name=torch.optim.AdamW", "policy.lora.rank=4",
+                  "policy.optimizer.kwargs.lr=1e-3").name == "step_2"
+    with pytest.raises(ConfigError) as e:
+        latest("policy.lora.enabled=true", "policy.optimizer.name=sgd")
+    msg = str(e.value)
+    assert "policy.lora.enabled: false -> true; policy.optimizer.name: \"adamw\" -> \"sgd\"" in msg
+    assert "put them back to resume" in msg and "checkpointing.start_fresh=true" in msg
+
+
 def test_start_fresh_moves_old_checkpoints_aside(tmp_path):
     _save(_mgr(tmp_path), 1)
     fresh = CheckpointManager(
