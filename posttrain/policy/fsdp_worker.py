@@ -39,7 +39,7 @@ from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
-from posttrain.policy.optim import build_optimizer, build_scheduler
+from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
 
@@ -727,12 +727,14 @@ class FSDPPolicyWorker:
 
         if not (Path(path) / ".metadata").is_file():
             raise FileNotFoundError(f"no torch.distributed.checkpoint at {path} (missing .metadata)")
+        run_groups = run_hyperparameters(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         self._dcp(dcp.load, state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         extra = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
-        self.scheduler.load_state_dict(extra["scheduler"])
+        self.scheduler = resumed_scheduler(self.optimizer, run_groups, self.cfg.scheduler,
+                                           extra["scheduler"]["last_epoch"])
         self.weights_version = extra["weights_version"]
         self.gen_version = -1  # the generation copy holds other weights now
         if self._twin is not None:

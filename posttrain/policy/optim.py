@@ -11,7 +11,8 @@ The scheduler steps once per optimizer step.
 from __future__ import annotations
 
 import importlib
-from typing import Iterable
+import warnings
+from typing import Any, Iterable
 
 import torch
 from torch.optim import lr_scheduler as lrs
@@ -122,3 +123,29 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
             f"{len(schedulers) - 1} step(s) at which to switch (got {milestones[0] if milestones else None})"
         )
     return lrs.SequentialLR(optimizer, schedulers, milestones=milestones[0])
+
+
+def run_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The settings of each param group as this run's config built them (before its schedule):
+    taken before a checkpoint is loaded, for `resumed_scheduler`."""
+    return [{**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "lr": g.get("initial_lr", g["lr"])}
+            for g in optimizer.param_groups]
+
+
+def resumed_scheduler(optimizer: torch.optim.Optimizer, run_groups: list[dict[str, Any]],
+                      entries: list[SchedulerEntry], steps: int) -> lrs.LRScheduler:
+    """This run's LR schedule `entries`, `steps` scheduler steps on, over an optimizer whose state
+    was just loaded from a checkpoint. Loading also brought back the checkpoint's hyperparameters
+    (lr, betas, weight decay...), which would silently undo a change of policy.optimizer.kwargs
+    that the resume reports; the settings `run_groups` (from `run_hyperparameters`) replace them
+    and the schedule is replayed from its start, so a resume with an unchanged config continues
+    exactly and one with changed settings runs with them."""
+    for group, run in zip(optimizer.param_groups, run_groups, strict=True):
+        group.update(run)
+        group.pop("initial_lr", None)  # a new scheduler starts from group["lr"] only without it
+    scheduler = build_scheduler(optimizer, entries)
+    with warnings.catch_warnings():  # the replay steps the schedule without optimizer steps, on purpose
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(steps):
+            scheduler.step()
+    return scheduler

@@ -140,3 +140,39 @@ def test_fused_adamw_steps_fsdp2_sharded_parameters(tmp_path, free_port):
     result = torch.load(out)
     assert result["fused"] is True
     assert result["err"] < 1e-5
+
+
+def test_a_resume_continues_the_schedule_with_this_runs_optimizer_settings():
+    """The checkpoint's optimizer state brings its own lr, betas and schedule settings back;
+    resumed_scheduler puts this run's in their place and replays the schedule to the step."""
+    from posttrain.policy.optim import resumed_scheduler, run_hyperparameters
+
+    entries = [SchedulerEntry(name="LinearLR", kwargs={"start_factor": 0.1, "total_iters": 4})]
+
+    def start(kwargs):
+        params = [torch.nn.Parameter(torch.ones(3))]
+        opt = build_optimizer(params, OptimizerConfig(name="adamw", kwargs=kwargs))
+        return params, opt, build_scheduler(opt, entries)
+
+    params, opt, sched = start({"lr": 1e-3})
+    for _ in range(3):
+        params[0].grad = torch.ones(3)
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched, saved_lr = opt.state_dict(), sched.state_dict(), opt.param_groups[0]["lr"]
+
+    def resume(kwargs):
+        _, opt, _ = start(kwargs)
+        run_groups = run_hyperparameters(opt)
+        opt.load_state_dict(saved_opt)
+        return opt, resumed_scheduler(opt, run_groups, entries, saved_sched["last_epoch"])
+
+    same, _ = resume({"lr": 1e-3})
+    assert same.param_groups[0]["lr"] == saved_lr  # an unchanged config continues exactly
+    assert torch.equal(same.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])
+    changed, sched = resume({"lr": 1e-2, "betas": (0.5, 0.9)})
+    group = changed.param_groups[0]
+    assert group["lr"] == pytest.approx(10 * saved_lr) and group["betas"] == (0.5, 0.9)
+    assert torch.equal(changed.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])  # moments kept
+    sched.step()
+    assert group["lr"] == pytest.approx(1e-2)  # the end of the warm-up, at this run's lr
