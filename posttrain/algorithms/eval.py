@@ -66,7 +66,7 @@ class EvalSetup:
 
 def _device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("policy.device=cuda but CUDA is not available; use policy.device=auto or cpu")
+        raise InputError("policy.device=cuda but CUDA is not available; use policy.device=auto or cpu")
     return "cuda" if name in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
 
 

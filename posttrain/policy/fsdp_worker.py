@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -105,7 +106,8 @@ def resolve_device(name: str) -> torch.device:
     """`policy.device`: "auto" is CUDA when present, else CPU."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("policy.device=cuda but torch sees no CUDA device in this worker")
+            raise InputError("policy.device=cuda but torch sees no CUDA device in this worker; use policy.device=auto "
+                             "or cpu")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
