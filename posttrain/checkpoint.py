@@ -54,6 +54,25 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_(\d+)\.tmp-(\d+)$")
 
 
+def policy_checkpoint_dir(path: str | Path) -> Path | None:
+    """The torch.distributed.checkpoint folder of the checkpoint at `path`: a step_N directory's
+    policy/, or such a policy/ folder itself; None when `path` is neither."""
+    for cand in (Path(path) / "policy", Path(path)):
+        if (cand / ".metadata").is_file():
+            return cand
+    return None
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """The complete step_N checkpoints in `directory` (a checkpointing.checkpoint_dir), oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir()
+             if (m := _STEP_RE.match(p.name)) and p.is_dir() and (p / COMPLETE_MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
 def capture_rng_state() -> dict[str, Any]:
     """The Python, NumPy and torch RNG states of this process."""
     import numpy as np
@@ -277,12 +296,7 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         self._clean()
-        found = []
-        for p in self.dir.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / COMPLETE_MARKER).is_file():
-                found.append((int(m.group(1)), p))
-        return [p for _, p in sorted(found)]
+        return complete_checkpoints(self.dir)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint to resume from, or None (also when checkpointing is disabled).

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config import MissingInputError
+from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
+from posttrain.config import InputError, MissingInputError
 from posttrain.policy.hf_io import load_hf_config, model_class, save_hf
 from posttrain.schemas import LoraConfig
 
@@ -27,11 +28,15 @@ HF_CONFIG_DIR = "hf_config"
 
 
 def _policy_dir(checkpoint: Path) -> Path:
-    for cand in (checkpoint / "policy", checkpoint):
-        if (cand / ".metadata").is_file():
-            return cand
+    found = policy_checkpoint_dir(checkpoint)
+    if found is not None:
+        return found
+    hint = ""
+    inside = complete_checkpoints(checkpoint)
+    if inside:  # a checkpointing.checkpoint_dir, named instead of one of its step_N checkpoints
+        hint = f"; it holds the checkpoints {', '.join(p.name for p in inside)}: pass one, e.g. --checkpoint {inside[-1]}"
     raise MissingInputError(f"no torch.distributed.checkpoint in {checkpoint} or {checkpoint / 'policy'} "
-                            "(missing .metadata)")
+                            f"(missing .metadata){hint}")
 
 
 def _model_source(policy_dir: Path, config_path: str | None) -> str:
@@ -55,6 +60,8 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict
 
     policy_dir = _policy_dir(Path(checkpoint))
+    if Path(output).exists() and not Path(output).is_dir():
+        raise InputError(f"--output {output}: exists and is not a folder")
     meta_file = policy_dir / META_FILE
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
     model_kind = meta["model_kind"]

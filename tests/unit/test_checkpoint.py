@@ -284,3 +284,20 @@ def test_metric_name_must_name_a_train_or_val_metric():
     assert CheckpointingConfig(metric_name="val:accuracy").metric_name == "val:accuracy"
     with pytest.raises(ValueError, match="should match pattern"):
         CheckpointingConfig(metric_name="accuracy")
+
+
+def test_dcp_to_hf_names_the_checkpoints_of_a_checkpoint_dir_and_refuses_a_file_as_output(tmp_path):
+    from posttrain.config import InputError, MissingInputError
+    from posttrain.convert.dcp_to_hf import convert
+
+    for step in (1, 2):
+        (tmp_path / "ckpt" / f"step_{step}" / "policy").mkdir(parents=True)
+        (tmp_path / "ckpt" / f"step_{step}" / "policy" / ".metadata").write_text("")
+        (tmp_path / "ckpt" / f"step_{step}" / "COMPLETE").write_text(f"{step}\n")
+    with pytest.raises(MissingInputError, match=r"it holds the checkpoints step_1, step_2: pass one, e.g. "
+                                                 rf"--checkpoint {tmp_path / 'ckpt' / 'step_2'}$"):
+        convert(tmp_path / "ckpt", tmp_path / "hf")
+    (tmp_path / "notes.txt").write_text("keep")
+    with pytest.raises(InputError, match="--output .*notes.txt: exists and is not a folder"):
+        convert(tmp_path / "ckpt" / "step_2", tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "keep"
