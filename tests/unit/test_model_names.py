@@ -59,3 +59,13 @@ def test_an_existing_local_folder_never_probes(online_env, tmp_path, tiny_model_
     online_env.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("probed the hub"))
     path, config = load_hf_config(tiny_model_path)
     assert path == tiny_model_path and config.vocab_size > 0
+
+
+def test_a_posttrain_checkpoint_as_model_name_says_to_convert_it(tmp_path):
+    step = tmp_path / "ckpt" / "step_3"
+    (step / "policy").mkdir(parents=True)
+    (step / "policy" / ".metadata").write_text("")
+    with pytest.raises(MissingInputError, match=rf"policy.model_name='{step}': .* a posttrain checkpoint, not a "
+                                                 rf"Hugging Face model folder; convert it with `posttrain convert "
+                                                 rf"dcp-to-hf --checkpoint {step} --output <folder>`"):
+        load_hf_config(str(step))
