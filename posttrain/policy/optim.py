@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import torch
 from torch.optim import lr_scheduler as lrs
 
+from posttrain.config import InputError
 from posttrain.schemas import OptimizerConfig, SchedulerEntry
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
@@ -32,12 +33,12 @@ SCHEDULERS: dict[str, type] = {
 }
 
 
-def _import_dotted(path: str):
+def _import_dotted(path: str, key: str):
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot import {path!r}: {e}") from None
+        raise InputError(f"{key}: cannot import {path!r}: {e}") from None
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -45,14 +46,14 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     if name.lower() in OPTIMIZERS:
         cls = OPTIMIZERS[name.lower()]
     elif "." in name:
-        cls = _import_dotted(name)
+        cls = _import_dotted(name, "policy.optimizer.name")
     else:
-        raise ValueError(
+        raise InputError(
             f"unknown policy.optimizer.name {name!r}; valid: {', '.join(OPTIMIZERS)} "
             "or a dotted import path such as 'torch.optim.AdamW'"
         )
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"policy.optimizer.name {name!r} is not a torch.optim.Optimizer subclass")
+        raise InputError(f"policy.optimizer.name {name!r} is not a torch.optim.Optimizer subclass")
     return cls
 
 
@@ -69,8 +70,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
         kwargs["fused"] = True
     try:
         return cls(params, **kwargs)
-    except TypeError as e:
-        raise ValueError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
+    except (TypeError, ValueError) as e:  # an unknown keyword; a value torch refuses ("Invalid learning rate")
+        raise InputError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
 
 
 def _fused_applies(cls: type, params: list[torch.nn.Parameter]) -> bool:
@@ -86,11 +87,11 @@ def _scheduler_cls(name: str) -> type:
     if name in SCHEDULERS:
         return SCHEDULERS[name]
     if "." in name:
-        cls = _import_dotted(name)
+        cls = _import_dotted(name, "policy.scheduler name")
         if isinstance(cls, type) and issubclass(cls, lrs.LRScheduler):
             return cls
-        raise ValueError(f"policy.scheduler name {name!r} is not an LR scheduler class")
-    raise ValueError(
+        raise InputError(f"policy.scheduler name {name!r} is not an LR scheduler class")
+    raise InputError(
         f"unknown policy.scheduler name {name!r}; valid: {', '.join(sorted(SCHEDULERS))} "
         "or a dotted import path such as 'torch.optim.lr_scheduler.LinearLR'"
     )
@@ -101,24 +102,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
     named = [e for e in entries if e.name is not None]
     milestones = [e.milestones for e in entries if e.milestones is not None]
     if len(milestones) > 1:
-        raise ValueError("policy.scheduler has more than one `milestones` entry")
+        raise InputError("policy.scheduler has more than one `milestones` entry")
     if not named:
         if milestones:
-            raise ValueError("policy.scheduler has `milestones` but no scheduler entries to chain")
+            raise InputError("policy.scheduler has `milestones` but no scheduler entries to chain")
         return lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
     schedulers = []
     for i, e in enumerate(named):
         cls = _scheduler_cls(e.name)
         try:
             schedulers.append(cls(optimizer, **e.kwargs))
-        except TypeError as err:
-            raise ValueError(f"policy.scheduler[{i}] ({e.name}) kwargs {e.kwargs}: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise InputError(f"policy.scheduler[{i}] ({e.name}) kwargs {e.kwargs}: {err}") from None
     if len(schedulers) == 1:
         if milestones:
-            raise ValueError("policy.scheduler: `milestones` needs at least two schedulers to switch between")
+            raise InputError("policy.scheduler: `milestones` needs at least two schedulers to switch between")
         return schedulers[0]
     if not milestones or len(milestones[0]) != len(schedulers) - 1:
-        raise ValueError(
+        raise InputError(
             f"policy.scheduler has {len(schedulers)} schedulers: add an entry `milestones` with "
             f"{len(schedulers) - 1} step(s) at which to switch (got {milestones[0] if milestones else None})"
         )

@@ -176,3 +176,16 @@ def test_a_resume_continues_the_schedule_with_this_runs_optimizer_settings():
     assert torch.equal(changed.state_dict()["state"][0]["exp_avg"], saved_opt["state"][0]["exp_avg"])  # moments kept
     sched.step()
     assert group["lr"] == pytest.approx(1e-2)  # the end of the warm-up, at this run's lr
+
+
+def test_bad_optimizer_and_scheduler_settings_are_input_errors():
+    """The CLI prints an InputError alone (exit 2), also from a policy worker; others get a traceback."""
+    from posttrain.config import InputError
+
+    with pytest.raises(InputError, match="unknown policy.optimizer.name 'lion'"):
+        build_optimizer(_params(), OptimizerConfig(name="lion", kwargs={"lr": 0.1}))
+    with pytest.raises(InputError, match=r"policy.optimizer.kwargs \{'lr': -1\} do not fit AdamW: Invalid learning rate"):
+        build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": -1}))
+    opt = build_optimizer(_params(), OptimizerConfig(name="sgd", kwargs={"lr": 0.1}))
+    with pytest.raises(InputError, match="policy.scheduler name: cannot import 'torch.optim.lr_scheduler.Nope'"):
+        build_scheduler(opt, [SchedulerEntry(name="torch.optim.lr_scheduler.Nope")])
