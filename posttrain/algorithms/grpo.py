@@ -38,6 +38,7 @@ from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_mess
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
+from posttrain.data.formats import demonstration_messages
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
@@ -204,13 +205,6 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     )
 
 
-def _demonstration(row: dict) -> list[dict]:
-    """The messages the warm-up imitates after a row's prompt: its `demonstration` (one answer,
-    or a list of messages, e.g. tool calls, their results and the answer), else its `answer`."""
-    demo = row["demonstration"] if row.get("demonstration") is not None else row.get("answer")
-    return [dict(m) for m in demo] if isinstance(demo, list) else [{"role": "assistant", "content": str(demo)}]
-
-
 def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
     if any(r.get("answer") is None and r.get("demonstration") is None for r in rows):
@@ -220,7 +214,7 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
     # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
     # each batch's chat templates at every step kept the policy worker waiting on the driver:
     # the quickstart's 1,000 steps took 73 s that way, 61 s now (measured).
-    demos = [{"messages": r["messages"] + _demonstration(r), "tools": r.get("tools")} for r in rows]
+    demos = [{"messages": r["messages"] + demonstration_messages(r), "tools": r.get("tools")} for r in rows]
     examples, stats = process_sft_rows(demos, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
     log_data_stats(logger, {"warmup_sft": stats})
     loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1,

@@ -41,7 +41,9 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         response may be a string, one message, or a list of messages.
 
 A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
-not to give) is malformed for SFT, which would train the model to imitate it.
+not to give) is malformed for SFT, which would train the model to imitate it. SFT on RL/eval
+rows (the math and code formats, the embedded tasks) trains each prompt's `demonstration`, else
+its `answer`, as the assistant turn (`demonstration_messages`), as GRPO's warm-up does.
 
 Every error names the source (file) and the 1-based row number.
 """
@@ -129,6 +131,16 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
             "would train the model to imitate; remove such rows, or set data.on_malformed_row=skip (counted)"
         )
     return out
+
+
+def demonstration_messages(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """What an RL/eval row's answer looks like as the model's turns after its prompt, for SFT
+    (GRPO's warm-up, or `posttrain sft` on RL rows): its `demonstration` (one answer, or a list of
+    messages, e.g. tool calls, their results and the answer), else its `answer`; None without both."""
+    demo = row["demonstration"] if row.get("demonstration") is not None else row.get("answer")
+    if demo is None:
+        return None
+    return [dict(m) for m in demo] if isinstance(demo, list) else [{"role": "assistant", "content": str(demo)}]
 
 
 def is_preference(row: dict[str, Any]) -> bool:

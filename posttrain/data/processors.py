@@ -26,6 +26,7 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
+from posttrain.data.formats import demonstration_messages
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
@@ -202,8 +203,17 @@ def process_sft_rows(
     for n, row in enumerate(rows, start=1):
         if "messages" not in row:
             raise InputError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
-        with naming_row(f"row {n}", row["messages"]):
-            ex = tokenize_messages(row["messages"], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+        messages = row["messages"]
+        if row.get("task_name") is not None:
+            # An RL/eval row (a math or code file, the embedded arithmetic task) is a prompt: SFT
+            # trains on its reference answer after it, as GRPO's warm-up does.
+            demo = demonstration_messages(row)
+            if demo is None:
+                raise InputError(f"row {n}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
+                                 "or `demonstration`, so SFT has no response to train on")
+            messages = messages + demo
+        with naming_row(f"row {n}", messages):
+            ex = tokenize_messages(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                    tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)
         if status != "ok":

@@ -121,6 +121,18 @@ def test_truncation_drop_and_truncate_counts(tok):
     assert [sum(e["loss_mask"]) for e in kept] == [6, 25, 25]
 
 
+def test_sft_on_rl_rows_trains_their_reference_answers(tok):
+    # `posttrain sft` on the embedded arithmetic task (or a math file): each prompt with its
+    # demonstration (else its answer) as the assistant turn, as GRPO's warm-up SFT trains.
+    prompt = [{"role": "user", "content": "07+38="}]
+    rows = [{"messages": prompt, "answer": "45", "demonstration": "035", "task_name": "arithmetic"},
+            {"messages": prompt, "answer": "45", "task_name": "arithmetic"}]
+    kept, stats = process_sft_rows(rows, tok, DataConfig(), max_len=64)
+    assert stats["kept"] == 2 and [_loss_text(tok, e) for e in kept] == ["035<|end|>", "45<|end|>"]
+    with pytest.raises(ValueError, match=r"row 2: an RL/eval prompt \(task_name 'arithmetic'\) without an `answer`"):
+        process_sft_rows([rows[0], {"messages": prompt, "task_name": "arithmetic"}], tok, DataConfig(), max_len=64)
+
+
 def test_no_rows_left_after_truncation_is_an_error(tok):
     rows = [{"messages": [{"role": "user", "content": "q" * 50}, {"role": "assistant", "content": "a"}]}] * 3
     with pytest.raises(ValueError, match=r"no rows left after applying data.truncation='drop' at 20 tokens .*'dropped': 3"):
