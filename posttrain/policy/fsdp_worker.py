@@ -241,6 +241,11 @@ class FSDPPolicyWorker:
         if cfg.tokenizer.chat_template is not None:
             self.tokenizer.chat_template = cfg.tokenizer.chat_template
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.model_kind == "sequence_classification" and hf_config.pad_token_id is None:
+            # A reward model scores each row at its last non-pad token, which transformers finds
+            # by the config's pad_token_id (without one it refuses batches of more than one row).
+            # Set here, it reaches the model, the HF export and the checkpoints' config alike.
+            hf_config.pad_token_id = self.pad_id
         t0 = time.perf_counter()
         self.model = self._load_and_shard(path, train=True)
         self._keeps_logits = self.model_kind == "causal_lm" and _takes_logits_to_keep(self.model)
@@ -265,8 +270,8 @@ class FSDPPolicyWorker:
         # initialised randomly: the same seed on every rank gives every rank the same model.
         torch.manual_seed(0)
         model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
-        if self.model_kind == "sequence_classification" and model.config.pad_token_id is None:
-            model.config.pad_token_id = self.pad_id
+        if self.model_kind == "sequence_classification":
+            model.config.pad_token_id = self.hf_config.pad_token_id
         if self._wants_blockwise():
             enable_blockwise(model)  # long shared-prefix rows then skip their masked scores
         if train:

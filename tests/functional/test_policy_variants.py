@@ -2,6 +2,8 @@
 with a pair loss on 2 workers (bf16 compute: test_policy_precision.py). Tolerances: fp32
 logprobs/scores 2e-5 absolute."""
 
+import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,14 +23,26 @@ BASE = dict(model_name="embedded:tiny", precision="float32", train_global_batch_
 
 
 @pytest.fixture(scope="module")
-def policies(ray_session):
+def no_pad_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model with `pad_token_id: null` in its config, as many base models ship (Llama 3,
+    Qwen2.5); the tokenizer still has a pad token."""
+    path = tmp_path_factory.mktemp("no_pad") / "model"
+    shutil.copytree(tiny_model_path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["pad_token_id"] = None
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def policies(ray_session, no_pad_model_path):
     def build(kind: str):
         workers = 2 if kind == "rm" else 1
         cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=kind)
         if kind == "lora":
             cfg = PolicyConfig(**BASE, lora={"enabled": True, "rank": 4, "alpha": 8})
             return cluster, Policy(cluster, cfg, init_reference=False, name_prefix="lora")
-        cfg = PolicyConfig(**BASE)
+        cfg = PolicyConfig(**{**BASE, "model_name": no_pad_model_path})
         return cluster, Policy(cluster, cfg, init_reference=False, model_kind="sequence_classification",
                                name_prefix="rm")
 
@@ -79,3 +93,16 @@ def test_reward_model_scores_and_pair_training(policies, tiny_model_path):
     assert losses[0] == pytest.approx(
         float(-torch.nn.functional.logsigmoid(expected[0::2] - expected[1::2]).mean()), rel=1e-5)
     assert losses[-1] < losses[0]
+
+
+def test_reward_model_export_scores_padded_batches_in_transformers(policies, tmp_path):
+    # The base config names no pad token: the export must, or transformers cannot find each
+    # row's last token in a padded batch ("Cannot handle batch sizes > 1 if no padding token").
+    policy = policies["rm"]
+    batch = make_batch()
+    policy.export_hf(tmp_path / "rm")
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    assert reloaded.config.pad_token_id == 0  # the tokenizer's <pad>
+    with torch.no_grad():
+        padded = reloaded(input_ids=batch["input_ids"]).logits[:, 0]  # right-padded rows, as collate makes them
+    torch.testing.assert_close(padded, policy.get_scores(batch)["scores"], atol=2e-5, rtol=0)
