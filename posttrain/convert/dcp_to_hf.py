@@ -18,7 +18,7 @@ import torch
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 from posttrain.config import InputError, MissingInputError
-from posttrain.policy.hf_io import load_hf_config, model_class, save_hf
+from posttrain.policy.hf_io import config_for_kind, load_hf_config, model_class, save_hf
 from posttrain.schemas import LoraConfig
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,11 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     lora = LoraConfig(**meta["lora"])
     source = _model_source(policy_dir, config_path)
     path, hf_config = load_hf_config(source)
-    kwargs = {"num_labels": 1} if model_kind == "sequence_classification" else {}
     # Built on the meta device, then given uninitialised CPU storage: dcp.load fills every
     # saved tensor, so no time goes into a random init that would be overwritten.
     with torch.device("meta"):
-        model = maybe_apply_lora(model_class(model_kind).from_config(hf_config, dtype=torch.float32, **kwargs), lora)
+        model = maybe_apply_lora(model_class(model_kind).from_config(config_for_kind(hf_config, model_kind),
+                                                                     dtype=torch.float32), lora)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # a single process without a group is the intent here

@@ -66,7 +66,7 @@ def model_class(model_kind: str):
     return kinds[model_kind]
 
 
-def _for_kind(config, model_kind: str):
+def config_for_kind(config, model_kind: str):
     """`config` for `model_kind`: a reward model has one label. transformers 5's `from_config`
     takes no config kwargs (num_labels=1 there is a TypeError), so the label goes on a copy."""
     if model_kind != "sequence_classification":
@@ -81,7 +81,7 @@ def count_parameters(config, model_kind: str) -> int:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = model_class(model_kind).from_config(_for_kind(config, model_kind))
+        model = model_class(model_kind).from_config(config_for_kind(config, model_kind))
     return sum(p.numel() for p in model.parameters())
 
 
@@ -134,7 +134,7 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = model_class(model_kind).from_config(_for_kind(config, model_kind),
+        model = model_class(model_kind).from_config(config_for_kind(config, model_kind),
                                                     dtype=next(iter(state_dict.values())).dtype)
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})

@@ -106,3 +106,21 @@ def test_reward_model_export_scores_padded_batches_in_transformers(policies, tmp
     with torch.no_grad():
         padded = reloaded(input_ids=batch["input_ids"]).logits[:, 0]  # right-padded rows, as collate makes them
     torch.testing.assert_close(padded, policy.get_scores(batch)["scores"], atol=2e-5, rtol=0)
+
+
+def test_reward_model_checkpoint_converts_to_the_exported_model(policies, tmp_path):
+    from posttrain.cli import main as cli_main
+
+    policy = policies["rm"]
+    policy.export_hf(tmp_path / "hf")
+    policy.save_checkpoint(tmp_path / "step_1" / "policy")
+    with pytest.raises(SystemExit) as done:
+        cli_main(["convert", "dcp-to-hf", "--checkpoint", str(tmp_path / "step_1"), "--output", str(tmp_path / "conv")])
+    assert done.value.code == 0
+    converted = AutoModelForSequenceClassification.from_pretrained(tmp_path / "conv")
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf")
+    assert converted.config.num_labels == 1 and converted.config.pad_token_id == exported.config.pad_token_id
+    expected = exported.state_dict()
+    assert set(converted.state_dict()) == set(expected)
+    for k, v in converted.state_dict().items():
+        assert torch.equal(v, expected[k]), k
