@@ -45,13 +45,25 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
     """`model` wrapped with trainable LoRA adapters when `cfg.enabled`, else `model` itself.
 
     Base weights are frozen (requires_grad False); lora_A is initialised randomly and lora_B
-    to zero, so the wrapped model starts out computing exactly the base model.
+    to zero, so the wrapped model starts out computing exactly the base model. A module whose
+    weight is tied to another's (the LM head of tied embeddings) cannot be adapted: the merged
+    weights would differ between the two, and the tied architecture that the HF export and the
+    generation refit load keeps only one of them.
     """
     if not cfg.enabled:
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, _peft_config(cfg, model))
+    tied = {key.rsplit(".", 1)[0] for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items()
+            for key in pair}
+    wrapped = get_peft_model(model, _peft_config(cfg, model))
+    adapted = sorted(name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules()
+                     if hasattr(module, "lora_A") and name.removeprefix(_PEFT_PREFIX) in tied)
+    if adapted:
+        raise ValueError(f"policy.lora.target_modules={cfg.target_modules!r} adapts {', '.join(adapted)}, whose "
+                         "weight is tied to the input embedding (tie_word_embeddings): the merged export and "
+                         "the generation weights would drop its adapter; leave it out of target_modules")
+    return wrapped
 
 
 def is_lora_state_dict(sd: dict[str, Any]) -> bool:

@@ -106,3 +106,17 @@ def test_merge_without_lora_is_an_error(tiny_model_path):
     sd = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
     with pytest.raises(ValueError, match="no LoRA weights"):
         merge_lora_state_dict(sd, CFG)
+
+
+def test_a_tied_lm_head_cannot_be_adapted(tiny_model_path):
+    # The tiny model ties its LM head to the input embedding: W + BA on the head alone has no
+    # place in the tied architecture the merged export and the generation refit load.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.config.tie_word_embeddings
+    cfg = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match=r"policy.lora.target_modules=.*adapts lm_head, whose weight is tied"):
+        maybe_apply_lora(model, cfg)
+    # "all-linear" leaves the output layer out.
+    wrapped = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path),
+                               LoraConfig(enabled=True, rank=4, alpha=8.0))
+    assert not hasattr(wrapped.base_model.model.lm_head, "lora_A")
