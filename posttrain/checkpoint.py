@@ -495,15 +495,20 @@ class CheckpointManager:
 
     def _move_aside(self) -> Path | None:
         """start_fresh: move every step_* entry into `<checkpoint_dir>/previous-<time>/`."""
-        entries = [p for p in self.dir.iterdir() if p.name.startswith("step_")]
-        if not entries:
-            return None
-        aside = self.dir / time.strftime("previous-%Y%m%d-%H%M%S")
-        n = 1
-        while aside.exists():
-            aside = self.dir / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{n}"
-            n += 1
-        aside.mkdir()
-        for p in entries:
-            os.replace(p, aside / p.name)
-        return aside
+        return move_aside(self.dir, [p for p in self.dir.iterdir() if p.name.startswith("step_")])
+
+
+def move_aside(parent: Path, entries: list[Path]) -> Path | None:
+    """Move `entries` (files or folders in `parent`) into a new `<parent>/previous-<time>/`, which
+    is returned (None when there is nothing to move): what a new run would overwrite is kept."""
+    if not entries:
+        return None
+    aside = parent / time.strftime("previous-%Y%m%d-%H%M%S")
+    n = 1
+    while aside.exists():
+        aside = parent / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{n}"
+        n += 1
+    aside.mkdir()
+    for p in entries:
+        os.replace(p, aside / p.name)
+    return aside

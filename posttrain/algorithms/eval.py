@@ -10,7 +10,8 @@
    ...), which also extracts the final answer that cons@k votes over;
 4. `results.json` (pass@k and cons@k for every k <= n, counts, timing, the config),
    `samples.jsonl` (one line per sample) and `pass_at_k.png` (the curves, when
-   `logger.plots_enabled`) in `eval.save_path`, else `logger.log_dir`.
+   `logger.plots_enabled`) in `eval.save_path`, else `logger.log_dir`; the files of an earlier
+   run there are moved into its `previous-<time>/` folder first, never overwritten.
 
 Metrics are defined in `posttrain.evals` (the unbiased pass@k estimator of Chen et al. 2021
 and majority-vote cons@k).
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from posttrain.checkpoint import move_aside
 from posttrain.config import InputError
 from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import aggregate
@@ -34,6 +36,8 @@ from posttrain.schemas import EvalMasterConfig
 
 # Metadata key under which each sample's extracted answer travels through the rollout.
 ANSWER_KEY = "eval_extracted_answer"
+# What a run writes in its folder, moved aside (previous-<time>/) by the next run there.
+RESULT_FILES = ("results.json", "samples.jsonl", "pass_at_k.png", "metrics.jsonl", "config.yaml")
 
 
 class _AnswerRecorder:
@@ -126,6 +130,10 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
+    # The same config run on another model writes to the same folder: keep the earlier results.
+    aside = move_aside(save_dir, [save_dir / n for n in RESULT_FILES if (save_dir / n).exists()])
+    if aside is not None:
+        print(f"posttrain eval: the earlier results in {save_dir} were moved to {aside}", flush=True)
     torch.manual_seed(cfg.eval.seed)
     check_backend_installed(cfg.policy.generation)
 

@@ -69,7 +69,7 @@ def test_eval_gsm8k_20_problems_with_stories260k(ray_session, shared_data, stori
 
 
 def test_eval_arithmetic_config(ray_session, tmp_path):
-    from posttrain.algorithms.eval import run
+    from posttrain.algorithms.eval import RESULT_FILES, run
 
     save = tmp_path / "arith"
     cfg = load_config("eval", CONFIGS / "arithmetic.yaml", [f"eval.save_path={save}", f"logger.log_dir={save}"])
@@ -82,6 +82,14 @@ def test_eval_arithmetic_config(ray_session, tmp_path):
     assert all(s["extracted_answer"] == s["response"].strip() for s in samples)
     assert (save / "config.yaml").is_file() and (save / "metrics.jsonl").is_file()
     assert (save / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
+    # Another model evaluated with the same config and folder: the earlier results are kept.
+    first = (save / "results.json").read_text()
+    run(load_config("eval", CONFIGS / "arithmetic.yaml", [f"eval.save_path={save}", f"logger.log_dir={save}",
+                                                          "eval.max_samples=8"]))
+    (aside,) = save.glob("previous-*")
+    assert (aside / "results.json").read_text() == first
+    assert sorted(p.name for p in aside.iterdir()) == sorted(RESULT_FILES)
+    assert json.loads((save / "results.json").read_text())["num_prompts"] == 8
 
 
 def test_eval_rejects_k_above_n():
