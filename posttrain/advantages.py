@@ -190,7 +190,8 @@ def on_policy_distillation_advantages(
 ) -> torch.Tensor:
     """`[B, S]` per-token advantages log pi_teacher - log pi_old on the masked (generated) tokens,
     0 elsewhere (module docstring). All inputs `[B, S]`, token-aligned (position t holds the
-    logprob of token t); `logprobs` are the policy's when it sampled (generation or prev)."""
+    logprob of token t); `logprobs` are the policy's before the update (prev_logprobs), not the
+    sampler's (generation_logprobs: top-k/top-p renormalise them)."""
     if not (teacher_logprobs.shape == logprobs.shape == token_mask.shape):
         raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)}, logprobs {tuple(logprobs.shape)} and "
                          f"token_mask {tuple(token_mask.shape)} must have the same [B, S] shape")

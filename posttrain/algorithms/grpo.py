@@ -320,8 +320,7 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
 def _distillation_advantages(batch: BatchedDataDict) -> float:
     """On-policy distillation's per-token advantages, written into `batch`; returns the reverse KL
     to the teacher (mean over the trained tokens of log pi - log pi_teacher, at the sampled tokens)."""
-    own = batch["prev_logprobs"] if "prev_logprobs" in batch else batch["generation_logprobs"]
-    adv = on_policy_distillation_advantages(batch["reference_logprobs"], own, batch["token_mask"])
+    adv = on_policy_distillation_advantages(batch["reference_logprobs"], batch["prev_logprobs"], batch["token_mask"])
     batch["advantages"] = adv
     return -float(masked_mean(adv, batch["token_mask"] * batch["sample_mask"][:, None]))
 
@@ -507,10 +506,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
             # forward runs, so the loss takes prev = its own logprobs detached (the same loss and
             # gradient up to rounding) and this forward pass over the whole batch is skipped.
             # grpo.prev_logprobs_from_generation: None = not verified yet in this run.
-            several_steps = batch.size > gbs or g.num_iterations > 1
-            if several_steps and reuse_generation_logprobs:
+            # On-policy distillation's advantages are the teacher's logprobs minus these, so it
+            # needs them even then: the generation logprobs are the sampler's (top-k/top-p
+            # renormalised, another engine's rounding, async's older weights), not the policy's.
+            needs_prev = batch.size > gbs or g.num_iterations > 1 or g.adv_estimator == "on_policy_distillation"
+            if needs_prev and reuse_generation_logprobs:
                 batch["prev_logprobs"] = batch["generation_logprobs"]
-            elif several_steps:
+            elif needs_prev:
                 with timer.time("prev"):
                     batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
                 if reuse_generation_logprobs is None:

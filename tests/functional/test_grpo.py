@@ -501,6 +501,24 @@ def test_on_policy_distillation_moves_the_student_toward_the_teacher(ray_session
     assert all("timing/logprobs/reference" in r and math.isfinite(r["loss"]) for r in train)
 
 
+def test_on_policy_distillation_advantages_are_against_the_policy_not_the_sampler(ray_session, tiny_model_path,
+                                                                                tmp_path):
+    # The teacher is the student itself: every advantage and the reverse KL are 0. With one
+    # optimizer step per batch and top-k sampling they were taken against the sampler's top-k
+    # renormalised logprobs: teacher_reverse_kl 2.50 and every sampled token pushed down.
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={tiny_model_path}",
+        "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1", "policy.train_global_batch_size=16",
+        "policy.generation.top_k=5", "policy.precision=float32", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "checkpointing.enabled=false",
+    ))
+    run(cfg)
+    (r,) = _records(tmp_path / "logs", "train")
+    assert abs(r["teacher_reverse_kl"]) < 1e-5 and math.isfinite(r["loss"])
+    assert r["token_mult_prob_error"] > 2.0  # the sampler's logprobs are far from the policy's
+    assert r["num_optimizer_steps"] == 1 and "timing/logprobs/prev" in r
+
+
 def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
