@@ -130,7 +130,8 @@ class Policy:
         return self._sharded("get_logprobs", batch, False)
 
     def get_reference_logprobs(self, batch: BatchedDataDict) -> BatchedDataDict:
-        """`reference_logprobs [B, S]` under the frozen reference policy (the initial weights)."""
+        """`reference_logprobs [B, S]` under the frozen reference policy: the initial weights, or
+        `policy.reference_model_name` when set (on-policy distillation's teacher)."""
         self._check_batch(batch, "get_reference_logprobs")
         return self._sharded("get_logprobs", batch, True)
 
