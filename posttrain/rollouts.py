@@ -309,6 +309,7 @@ def run_rollouts(
         generation_logprobs=_pad([c.generation_logprobs for c in convs], 0.0, torch.float32),
         rewards=torch.tensor([c.reward for c in convs], dtype=torch.float32),
         truncated=torch.tensor([c.truncated for c in convs], dtype=torch.bool),
+        env_errors=torch.tensor([c.env_errors > 0 for c in convs], dtype=torch.bool),
         response_lengths=torch.tensor([c.response_tokens for c in convs], dtype=torch.float32),
     )
     return RolloutResult(batch=batch, conversations=convs, metrics=summarize_rollouts(convs))

@@ -310,6 +310,8 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
         rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
+    if g.mask_env_error_samples:  # likewise in the baseline with their 0, out of the loss
+        batch["sample_mask"] = batch["sample_mask"] * (~batch["env_errors"]).float()
     if g.adv_estimator == "on_policy_distillation":
         return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
     adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],

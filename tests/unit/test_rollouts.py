@@ -344,3 +344,35 @@ def test_step_accuracy_is_over_the_same_conversations_as_the_reward():
              for r in rewards]
     metrics = summarize_rollouts(convs)
     assert metrics["accuracy"] == 5 / 8 and metrics["reward"] == 3.5 / 8
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_sample_whose_environment_failed_stays_in_the_baseline_and_leaves_the_loss(tok, mask):
+    # It scores 0 and is counted; by default its 0 is no evidence against the answer, so it only
+    # lowers its group's baseline (as DAPO's overlong filtering keeps a truncated sample there).
+    import torch
+
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.config import load_config
+    from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
+
+    class FailsOnSecond:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": ""}] * n,
+                metadata=[{**m, **({ENV_ERROR_KEY: "verifier crashed"} if m["i"] == 1 else {})} for m in metadata],
+                next_stop_strings=[None] * n, rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                terminateds=torch.ones(n, dtype=torch.bool), answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "metadata": {"i": i}} for i in range(4)]
+    result = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsOnSecond()}, tok, max_turns=1, max_seq_len=100)
+    batch = result.batch
+    assert batch["env_errors"].tolist() == [False, True, False, False] and result.metrics["env_errors"] == 1
+    batch["group_ids"] = torch.zeros(4, dtype=torch.long)
+    g = load_config("grpo", None, [f"grpo.mask_env_error_samples={str(mask).lower()}", "grpo.normalize_rewards=false",
+                                   "grpo.use_leave_one_out_baseline=false"]).grpo
+    _rewards_to_advantages(g, batch, max_new_tokens=8)
+    assert batch["sample_mask"].tolist() == ([1.0, 0.0, 1.0, 1.0] if mask else [1.0] * 4)
+    # Baseline 0.5 over all four, the failed sample's 0 included.
+    assert batch["advantages"].max(dim=1).values.tolist()[::3] == [0.5, 0.5]
