@@ -560,7 +560,9 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         stop = s.checkpointer.stop_reason()
         if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
             with timer.time("checkpoint"):
-                _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
+                # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
+                # documented (policy.train's metrics alone lack them).
+                _save(s, step, {**{f"train:{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()},
                                 **{f"val:{k}": v for k, v in val_metrics.items()}},
                       loader_state=pipeline.loader_state if pipeline is not None else None)
 

@@ -59,7 +59,8 @@ def arithmetic_run(ray_session, tmp_path_factory):
     val.write_text("\n".join(json.dumps(r) for r in rows[1:16:2]))
     overrides = _tiny(tmp, "grpo.max_num_steps=3", f"data.train_data_path={train}", f"data.val_data_path={val}",
                       "data.dataset_name=local", "grpo.warmup_sft_steps=0",
-                      "grpo.shuffle_minibatches=true")  # two optimizer steps per step: the shuffled path
+                      "grpo.shuffle_minibatches=true",  # two optimizer steps per step: the shuffled path
+                      "checkpointing.metric_name=train:reward")  # a rollout metric ranks the checkpoints
     cfg = load_config("grpo", QUICKSTART, overrides)
     result = run(cfg)
     return tmp, result
@@ -125,6 +126,9 @@ def test_checkpoints_and_plots_are_written(arithmetic_run):
     assert steps == ["step_2", "step_3"]
     info = json.loads((tmp / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["step"] == 3 and info["consumed_samples"] == 3 * 16
+    # The checkpoint is ranked by the step's logged train/reward (it was "not measured": None).
+    rewards = {r["step"]: r["reward"] for r in _records(tmp / "logs", "train")}
+    assert info["metric_name"] == "train:reward" and info["metric_value"] == pytest.approx(rewards[3])
     assert (tmp / "logs" / "plots" / "reward.png").stat().st_size > 1000
 
 
