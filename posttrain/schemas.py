@@ -749,7 +749,10 @@ class GpuMonitoringConfig(Section):
 class LoggerConfig(Section):
     """Where and how a run reports: the run directory and the logging backends."""
 
-    # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files.
+    # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files. A
+    # resumed run continues them; a run that starts over (no checkpoint to resume) first moves an
+    # earlier run's metrics.jsonl, samples.jsonl, config.yaml, plots/ and tensorboard/ into
+    # log_dir/previous-<time>/.
     log_dir: str = "logs"
     # Validation samples (prompt, response, reward) printed to the console at each validation.
     num_val_samples_to_print: int = Field(0, ge=0)

@@ -82,7 +82,7 @@ def start_run(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy
     )
     latest = checkpointer.latest()
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"))
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
     except BaseException:

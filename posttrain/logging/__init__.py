@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from posttrain.checkpoint import move_aside
 from posttrain.logging.jsonl import read_metrics
 from posttrain.logging.timer import Timer
 from posttrain.schemas import LoggerConfig
@@ -34,6 +35,9 @@ from posttrain.schemas import LoggerConfig
 __all__ = ["Logger", "Timer"]
 
 _log = _stdlib_logging.getLogger("posttrain")
+
+# What a run writes into its run dir that a later run would append to or mix with its own.
+_RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard")
 
 
 class _Backend(Protocol):
@@ -58,11 +62,18 @@ def _scalar(value: Any) -> float | None:
 
 
 class Logger:
-    def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
+                 fresh: bool = False) -> None:
+        """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
+        left in `run_dir` are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with
+        # this run's at the same steps (and its later steps would stay in this run's plots).
+        self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in _RUN_LOGS
+                                                     if (self.run_dir / n).exists()]) if fresh else None
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
         self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
         self.nonfinite_counts: dict[str, int] = {}
@@ -99,6 +110,8 @@ class Logger:
 
             self._gpu_monitor = GpuMonitor(cfg.gpu_monitoring)
 
+        if self.moved_aside is not None:
+            self.console(f"the earlier run's logs in {self.run_dir} were moved to {self.moved_aside}")
         if hparams:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(hparams, sort_keys=False))
             for backend in self._backends:

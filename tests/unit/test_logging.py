@@ -230,3 +230,34 @@ def test_gpu_monitor_without_nvidia_smi_warns(tmp_path, monkeypatch, caplog):
         logger = Logger(_cfg(monitor_gpus=True), tmp_path)
     assert logger.log_metrics({"loss": 1.0}, step=1) == {"loss": 1.0}
     assert "nvidia-smi is not on PATH" in caplog.text
+
+
+def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path):
+    from posttrain.logging.jsonl import read_metrics
+
+    cfg = _cfg(jsonl_enabled=True, plots_enabled=True, tensorboard_enabled=True)
+    with Logger(cfg, tmp_path, hparams={"run": 1}, fresh=True) as logger:
+        for step in (1, 2, 3):
+            logger.log_metrics({"reward": 0.9}, step)
+        logger.log_samples([{"prompt": "1+1="}], step=3)
+        logger.plot()
+    with Logger(cfg, tmp_path, hparams={"run": 1}) as logger:  # resumed: continues the same files
+        logger.log_metrics({"reward": 0.8}, step=4)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    # Started over in the same dir: its metrics, samples, events and plots are its own alone.
+    with Logger(cfg, tmp_path, hparams={"run": 2}, fresh=True) as logger:
+        logger.log_metrics({"reward": 0.1}, step=1)
+        logger.plot()
+        assert logger.moved_aside is not None
+    (aside,) = tmp_path.glob("previous-*")
+    assert logger.moved_aside == aside
+    assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.1)]
+    assert [r["step"] for r in read_metrics(aside / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not (tmp_path / "samples.jsonl").exists() and (aside / "samples.jsonl").is_file()
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1 and len(list((aside / "tensorboard").iterdir())) == 2
+    assert "run: 2" in (tmp_path / "config.yaml").read_text() and "run: 1" in (aside / "config.yaml").read_text()
+    assert (tmp_path / "plots" / "reward.png").is_file() and (aside / "plots" / "reward.png").is_file()
+    # A fresh run in an empty dir moves nothing.
+    with Logger(cfg, tmp_path / "new", fresh=True) as logger:
+        assert logger.moved_aside is None
