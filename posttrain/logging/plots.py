@@ -27,11 +27,13 @@ _META = ("step", "prefix", "time")
 
 
 def series_from_records(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """`{"<prefix>/<metric>": {step: value}}`; a step logged twice (a resumed run) keeps the last value."""
+    """`{"<prefix>/<metric>": {step: value}}`; a step logged twice (a resumed run) keeps the last value.
+    The `data/...` records, counts of the run's data logged once at step 0, are no curves: left out
+    (their `no_loss` row count was drawn in loss.png)."""
     series: dict[str, dict[int, float]] = {}
     for rec in records:
         step, prefix = rec.get("step"), rec.get("prefix", "")
-        if not isinstance(step, int):
+        if not isinstance(step, int) or prefix.split("/")[0] == "data":
             continue
         for key, value in rec.items():
             if key in _META or not isinstance(value, (int, float)) or isinstance(value, bool):

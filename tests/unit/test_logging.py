@@ -261,3 +261,17 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     # A fresh run in an empty dir moves nothing.
     with Logger(cfg, tmp_path / "new", fresh=True) as logger:
         assert logger.moved_aside is None
+
+
+def test_plots_leave_out_the_data_counts(tmp_path):
+    from posttrain.algorithms.offline import log_data_stats
+    from posttrain.logging.plots import series_from_records
+
+    logger = Logger(_cfg(plots_enabled=True), tmp_path)
+    log_data_stats(logger, {"warmup_sft": {"rows": 10, "kept": 9, "truncated": 1, "dropped": 1, "no_loss": 0}})
+    logger.log_metrics({"prompts_dropped_overlong": 2}, step=0, prefix="data")
+    logger.log_metrics({"reward": 0.5}, step=1)
+    # A row count (no_loss) is no loss curve: only the reward figure is drawn.
+    assert [p.name for p in logger.plot()] == ["reward.png"]
+    assert set(series_from_records(logger._records)) == {"train/reward"}
+    logger.close()
