@@ -408,7 +408,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
     gbs = cfg.policy.train_global_batch_size
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id
-    step = s.start_step
+    step = saved_step = s.start_step
 
     def rollouts_of(prompts: list[dict], version: int) -> RolloutResult:
         """`prompts`' rollouts, generated with the weights after `version` steps."""
@@ -495,6 +495,12 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
         if usable == 0:
             logger.console(f"step {step}: no data left, or no group with reward variance in "
                            f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
+            # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
+            # steps since the last periodic one.
+            if step > saved_step and s.checkpointer.should_save(step, last=True):
+                _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
+                                **{f"val:{k}": v for k, v in val_metrics.items()}},
+                      loader_state=pipeline.loader_state if pipeline is not None else None)
             break
         rollout_metrics.update(summarize_rollouts(step_convs))
         if g.use_dynamic_sampling:
@@ -565,6 +571,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
                 _save(s, step, {**{f"train:{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()},
                                 **{f"val:{k}": v for k, v in val_metrics.items()}},
                       loader_state=pipeline.loader_state if pipeline is not None else None)
+            saved_step = step
 
         # ---- metrics
         step_time = time.monotonic() - step_start

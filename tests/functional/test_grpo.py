@@ -143,6 +143,24 @@ def test_resume_continues_from_the_latest_checkpoint(arithmetic_run):
     assert steps == [1, 2, 3, 4]  # step 4 only: nothing was redone
 
 
+def test_a_run_that_runs_out_of_prompts_saves_its_last_step(ray_session, tmp_path):
+    # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before
+    # the first periodic save (step 10); the run's last step is checkpointed as step max_num_steps is.
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="}],
+                                           "task_name": "arithmetic", "answer": str(i + 1)}) for i in range(8)))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=5", f"data.train_data_path={train}", f"data.val_data_path={train}",
+        "data.dataset_name=local", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "checkpointing.save_period=10",
+    ))
+    run(cfg)
+    assert [r["step"] for r in _records(tmp_path / "logs", "train")] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
+    info = json.loads((tmp_path / "ckpt" / "step_2" / "training_info.json").read_text())
+    assert info["step"] == 2 and info["consumed_samples"] == 2 * 16
+
+
 def test_multi_turn_sliding_puzzle(ray_session, tmp_path):
     # 2x2 puzzles keep it short; the warm-up imitates the teacher's games (demonstrations).
     cfg = load_config("grpo", "examples/configs/grpo_sliding_puzzle.yaml", _tiny(
