@@ -197,13 +197,29 @@ def stop_message(reason: str, step: int, cfg: CheckpointingConfig) -> str:
     return f"{reason} at step {step}: {saved}; stopping"
 
 
-class SecondStopSignal(KeyboardInterrupt):
-    """A second SIGTERM/SIGINT inside `CheckpointManager.stop_on_signals`: stop at once.
+class StopAtOnce(KeyboardInterrupt):
+    """A stop signal with no step to finish: a second SIGTERM/SIGINT inside
+    `CheckpointManager.stop_on_signals`, or SIGTERM before it (`stop_at_once_on_sigterm`).
     `signal_name` says which, so the CLI can exit with 128 + its number."""
 
     def __init__(self, signal_name: str):
-        super().__init__(f"second stop signal ({signal_name})")
+        super().__init__(f"stop signal ({signal_name})")
         self.signal_name = signal_name
+
+
+def stop_at_once_on_sigterm() -> None:
+    """From now on (in the main thread) SIGTERM raises `StopAtOnce`, as Ctrl-C raises
+    KeyboardInterrupt: the setup's and warm-up's undo steps stop what they started and the CLI
+    exits with 143. Called after `ray.init`, which leaves SIGTERM to Ray's C++ failure handler:
+    it printed a stack dump and aborted the driver (exit status 134) during the setup or GRPO's
+    warm-up SFT. The training loop's `stop_on_signals` takes SIGTERM over and restores this after."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, _frame: Any) -> None:
+        raise StopAtOnce(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handle)
 
 
 def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: CheckpointManager, policy: Any,
@@ -266,7 +282,7 @@ class CheckpointManager:
         and a first Ctrl-C (SIGINT) do not kill the driver mid-step: `stop_reason()` says so and the
         loop saves a checkpoint after the current step and ends (the run then skips its HF export,
         and the CLI exits with 128 + the signal number, as the shell reports a killed command). A
-        second signal interrupts at once (`SecondStopSignal`, a KeyboardInterrupt); the checkpoints
+        second signal interrupts at once (`StopAtOnce`, a KeyboardInterrupt); the checkpoints
         already saved stay.
         Only the main thread can take signals, so elsewhere the block changes nothing."""
         if threading.current_thread() is not threading.main_thread():
@@ -278,7 +294,7 @@ class CheckpointManager:
         def handle(signum: int, _frame: Any) -> None:
             name = signal.Signals(signum).name
             if self.stop_signal is not None:
-                raise SecondStopSignal(name)
+                raise StopAtOnce(name)
             self.stop_signal = name
             log.warning("%s received: saving a checkpoint after this step and stopping "
                         "(send it again to stop at once, without saving)", name)

@@ -194,10 +194,10 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         sys.exit(EXIT_INPUT_ERROR)
     except KeyboardInterrupt as e:
-        # Ctrl-C before the training loop takes signals (setup, GRPO's warm-up SFT) or a second
-        # stop signal inside it: stop at once, as asked, without a traceback. The loop's first
+        # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a
+        # second stop signal inside it: stop at once, as asked, without a traceback. The loop's first
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
-        name = getattr(e, "signal_name", "SIGINT")  # checkpoint.SecondStopSignal names its signal
+        name = getattr(e, "signal_name", "SIGINT")  # checkpoint.StopAtOnce names its signal
         print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "
               "checkpoints saved before stay", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)

@@ -17,6 +17,7 @@ import time
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from posttrain.checkpoint import stop_at_once_on_sigterm
 from posttrain.config import InputError
 from posttrain.schemas import ClusterConfig
 
@@ -36,6 +37,7 @@ def init_ray(cfg: ClusterConfig) -> None:
         ray.init(address=address, include_dashboard=False)
     else:
         ray.init(include_dashboard=False)
+    stop_at_once_on_sigterm()
 
 
 def local_ray_node_lost() -> bool:

@@ -122,3 +122,31 @@ def test_sft_honours_the_job_time_limit(ray_session, tmp_path):
     result = sft.run(cfg)
     assert result["step"] == 1 and "stopped_by_signal" not in result
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
+
+
+def test_sigterm_during_the_warm_up_stops_at_once_with_143(tmp_path, ray_tmpdir):
+    # Before the training loop takes signals, SIGTERM stops the job as Ctrl-C does. Ray's C++
+    # failure handler had it: a stack dump and an abort (exit status 134).
+    env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}
+    args = [a for a in _grpo(tmp_path, 2) if not a.startswith("grpo.warmup_sft_steps=")]
+    proc = subprocess.Popen([*args, "grpo.warmup_sft_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = None
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["prefix"] == "warmup_sft" for r in read_metrics(tmp_path / "logs" / "metrics.jsonl")) \
+                and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        [job] = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert _exited(job)
+    finally:
+        for pgid in (proc.pid, job and job.pid):
+            if pgid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+    assert proc.returncode == 143, out
+    assert "posttrain grpo: interrupted (SIGTERM); stopped at once" in out and "SIGTERM received at time" not in out
+    assert not (tmp_path / "ckpt").exists()

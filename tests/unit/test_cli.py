@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from posttrain import cli
-from posttrain.checkpoint import SecondStopSignal
+from posttrain.checkpoint import StopAtOnce
 
 ROOT = Path(__file__).resolve().parents[2]
 EXE = Path(sys.executable).parent / "posttrain"
@@ -97,7 +97,7 @@ def test_input_error_raised_in_a_ray_worker_prints_the_workers_message(monkeypat
     assert capsys.readouterr().err == "posttrain rm: policy.model_name='/m': cannot load a model config\n"
 
 
-@pytest.mark.parametrize("raised,code", [(KeyboardInterrupt(), 130), (SecondStopSignal("SIGTERM"), 143)])
+@pytest.mark.parametrize("raised,code", [(KeyboardInterrupt(), 130), (StopAtOnce("SIGTERM"), 143)])
 def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_without_traceback(
         monkeypatch, capsys, raised, code):
     def run(cfg):  # Ctrl-C during setup or GRPO's warm-up SFT; or a second stop signal in the loop
