@@ -50,6 +50,28 @@ def _exited(process: psutil.Process) -> bool:
         return True
 
 
+def _signal_when(proc: subprocess.Popen, ready, sig: signal.Signals, to_group: bool) -> str:
+    """Once `ready()`, send `sig` to the command (`to_group`: to its process group) and return its
+    output when it and its job have exited; whatever is left is killed."""
+    job = None
+    try:
+        deadline = time.monotonic() + 240
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
+        [job] = psutil.Process(proc.pid).children()
+        assert os.getsid(job.pid) == job.pid != os.getsid(proc.pid)
+        os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=90)  # the pipe ends when the job has exited too
+        assert _exited(job)
+        return out
+    finally:
+        for pgid in (proc.pid, job and job.pid):
+            if pgid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+
+
 @pytest.fixture
 def ray_tmpdir():
     """A short RAY_TMPDIR for the command's own Ray cluster (its socket paths must fit 107 bytes)."""
@@ -71,22 +93,7 @@ def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, 
     # still leave one (the job then gets SIGTERM).
     proc = subprocess.Popen(_grpo(tmp_path, 1000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    job = None
-    try:
-        deadline = time.monotonic() + 240
-        while len(_train_steps(tmp_path / "logs")) < 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        [job] = psutil.Process(proc.pid).children()
-        assert os.getsid(job.pid) == job.pid != os.getsid(proc.pid)
-        os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)  # the pipe ends when the job has exited too
-        assert _exited(job)
-    finally:
-        for pgid in (proc.pid, job and job.pid):
-            if pgid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+    out = _signal_when(proc, lambda: len(_train_steps(tmp_path / "logs")) >= 2, sig, to_group)
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig.value), out
     if sig == signal.SIGKILL:
         sig = signal.SIGTERM  # what the job got when its supervisor died
@@ -131,22 +138,8 @@ def test_sigterm_during_the_warm_up_stops_at_once_with_143(tmp_path, ray_tmpdir)
     args = [a for a in _grpo(tmp_path, 2) if not a.startswith("grpo.warmup_sft_steps=")]
     proc = subprocess.Popen([*args, "grpo.warmup_sft_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    job = None
-    try:
-        deadline = time.monotonic() + 240
-        while not any(r["prefix"] == "warmup_sft" for r in read_metrics(tmp_path / "logs" / "metrics.jsonl")) \
-                and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.stdout.read()
-        [job] = psutil.Process(proc.pid).children()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
-        assert _exited(job)
-    finally:
-        for pgid in (proc.pid, job and job.pid):
-            if pgid:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
+    warming_up = lambda: any(r["prefix"] == "warmup_sft" for r in read_metrics(tmp_path / "logs" / "metrics.jsonl"))
+    out = _signal_when(proc, warming_up, signal.SIGTERM, to_group=False)
     assert proc.returncode == 143, out
     assert "posttrain grpo: interrupted (SIGTERM); stopped at once" in out and "SIGTERM received at time" not in out
     assert not (tmp_path / "ckpt").exists()
