@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -162,6 +163,8 @@ class RayWorkerGroup:
             os.environ.get("RAY_TMPDIR", tempfile.gettempdir()), "posttrain-workers",
             f"{name_prefix}-{uuid.uuid4().hex[:8]}",
         )
+        # A temp folder of ours goes at shutdown, unless a worker died: its error names its log.
+        self._remove_logs_at_shutdown = log_dir is None
         pg = cluster.placement_group
         # Port probe on the rank-0 bundle's node: that is where the rendezvous store listens.
         addr, port = ray.get(
@@ -267,6 +270,7 @@ class RayWorkerGroup:
         info = self.worker_info[rank]
         # A failed constructor carries its traceback in the message; a killed process one line.
         reason = "\n".join(str(err).splitlines()[-15:]) or type(err).__name__
+        self._remove_logs_at_shutdown = False
         return WorkerError(
             f"{self.name} worker rank {rank} (pid {info['pid']}, node {info['node']}) died: {reason}\n"
             f"last lines of its log {self.log_paths[rank]}:\n{self.tail_log(rank)}"
@@ -289,6 +293,8 @@ class RayWorkerGroup:
         here = ray.util.get_node_ip_address()
         _wait_pids_gone([i["pid"] for i in self.worker_info if i["pid"] and i["node"] == here])
         self.actors = []
+        if self._remove_logs_at_shutdown:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _wait_pids_gone(pids: list[int], timeout_s: float = 10.0) -> None:

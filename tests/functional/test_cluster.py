@@ -87,6 +87,8 @@ def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
     pid2 = g2.worker_info[0]["pid"]
     g2.shutdown()
     cluster.shutdown()
+    # The dead worker's log, named in its error, stays; a clean group's temp log folder goes.
+    assert os.path.isfile(g.log_paths[0]) and not os.path.exists(g2.log_dir)
     for p in (pid, pid2):
         with pytest.raises(ProcessLookupError):
             os.kill(p, 0)
