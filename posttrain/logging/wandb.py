@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from posttrain.config import InputError
 from posttrain.schemas import WandbConfig
 
 _STEP_KEY = "global_step"
@@ -24,15 +25,19 @@ class WandbBackend:
 
         self._wandb = wandb
         mode = cfg.mode or os.environ.get("WANDB_MODE") or None
-        self.run = wandb.init(
-            project=cfg.project,
-            name=cfg.name or run_dir.name,
-            entity=cfg.entity,
-            mode=mode,
-            dir=str(run_dir),
-            config=hparams,
-            settings=wandb.Settings(silent=True, console="off"),
-        )
+        try:
+            self.run = wandb.init(
+                project=cfg.project,
+                name=cfg.name or run_dir.name,
+                entity=cfg.entity,
+                mode=mode,
+                dir=str(run_dir),
+                config=hparams,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except wandb.errors.UsageError as e:  # e.g. online without an API key: the user's setup, not a bug
+            raise InputError(f"logger.wandb_enabled: W&B cannot start a run: {e} (or set logger.wandb.mode=offline "
+                             "to sync later with `wandb sync`)") from None
         self.run.define_metric(_STEP_KEY)
         self.run.define_metric("*", step_metric=_STEP_KEY)
 

@@ -130,6 +130,18 @@ def test_wandb_offline_run_files(tmp_path, monkeypatch):
     assert b"train/reward" in blob and b"validation/reward" in blob
 
 
+def test_wandb_online_without_an_api_key_is_an_input_error(tmp_path, monkeypatch):
+    from posttrain.config import InputError
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = _cfg(wandb_enabled=True, wandb={"mode": "online", "project": "t"})
+    with pytest.raises(InputError, match=r"^logger.wandb_enabled: W&B cannot start a run: No API key .*mode=offline"):
+        Logger(cfg, tmp_path)
+
+
 def test_console_line_and_progress(tmp_path):
     from rich.console import Console
 
