@@ -38,7 +38,6 @@ from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_mess
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
-from posttrain.data.formats import demonstration_messages
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
@@ -214,8 +213,8 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
     # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
     # each batch's chat templates at every step kept the policy worker waiting on the driver:
     # the quickstart's 1,000 steps took 73 s that way, 61 s now (measured).
-    demos = [{"messages": r["messages"] + demonstration_messages(r), "tools": r.get("tools")} for r in rows]
-    examples, stats = process_sft_rows(demos, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    # RL rows: process_sft_rows appends each one's demonstration (else its answer) to its prompt.
+    examples, stats = process_sft_rows(rows, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
     log_data_stats(logger, {"warmup_sft": stats})
     loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1,
                        batch_key="policy.train_global_batch_size")
@@ -498,8 +497,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
             # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
             # steps since the last periodic one.
             if step > saved_step and s.checkpointer.should_save(step, last=True):
-                _save(s, step, {**{f"train:{k}": v for k, v in train_metrics.items()},
-                                **{f"val:{k}": v for k, v in val_metrics.items()}},
+                _save(s, step, train_metrics, val_metrics,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
             break
         rollout_metrics.update(summarize_rollouts(step_convs))
@@ -568,8 +566,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
             with timer.time("checkpoint"):
                 # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
                 # documented (policy.train's metrics alone lack them).
-                _save(s, step, {**{f"train:{k}": v for k, v in {**rollout_metrics, **train_metrics}.items()},
-                                **{f"val:{k}": v for k, v in val_metrics.items()}},
+                _save(s, step, {**rollout_metrics, **train_metrics}, val_metrics,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
             saved_step = step
 
@@ -623,9 +620,12 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision
     return True
 
 
-def _save(s: GRPOSetup, step: int, metrics: dict[str, float], loader_state: dict | None = None) -> None:
-    """A checkpoint after `step`; `loader_state`: the data position to resume from when the
+def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float],
+          loader_state: dict | None = None) -> None:
+    """A checkpoint after `step`, ranked by `train` and `val` metrics (checkpointing.metric_name
+    "train:<name>" / "val:<name>"); `loader_state`: the data position to resume from when the
     loader has run ahead of the trained steps (async GRPO's in-flight prompts)."""
+    metrics = {**{f"train:{k}": v for k, v in train.items()}, **{f"val:{k}": v for k, v in val.items()}}
     g = s.cfg.grpo
     info = {
         "epoch": s.loader.epoch,
