@@ -110,11 +110,23 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         rows = _flatten_squad(rows, path)
         numbers = list(range(1, len(rows) + 1))
     elif builder == "json" and "field" not in kwargs:
-        text = _read_text(path)
-        if text.lstrip().startswith("{"):  # JSON lines, or one object
-            lines = [n for n, _ in _json_lines(text)]
-            numbers = lines if len(lines) == len(rows) else numbers
+        lines = _json_line_numbers(path)
+        numbers = lines if len(lines) == len(rows) else numbers
     return rows, str(path), numbers
+
+
+def _json_line_numbers(path: Path) -> list[int]:
+    """The 1-based numbers of the non-blank lines of a JSON-lines file, streamed: the file may be
+    larger than a second in-memory copy of its text. Empty for a file that is a JSON array."""
+    numbers: list[int] = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            line = raw.strip()
+            if not numbers and line.lstrip(b"\xef\xbb\xbf").startswith(b"["):
+                return []  # one JSON array: rows are numbered by position
+            if line:
+                numbers.append(n)
+    return numbers
 
 
 def _top_level_is_object_with_data(path: Path) -> bool:
