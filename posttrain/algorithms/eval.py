@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from posttrain.checkpoint import move_aside
 from posttrain.config import InputError
 from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import aggregate
@@ -36,8 +35,9 @@ from posttrain.schemas import EvalMasterConfig
 
 # Metadata key under which each sample's extracted answer travels through the rollout.
 ANSWER_KEY = "eval_extracted_answer"
-# What a run writes in its folder, moved aside (previous-<time>/) by the next run there.
-RESULT_FILES = ("results.json", "samples.jsonl", "pass_at_k.png", "metrics.jsonl", "config.yaml")
+# What a run writes in its folder beside the logger's files: all are moved aside
+# (previous-<time>/) by the next run there.
+RESULT_FILES = ("results.json", "samples.jsonl", "pass_at_k.png")
 
 
 class _AnswerRecorder:
@@ -129,11 +129,6 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.logging import Logger
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
-    save_dir.mkdir(parents=True, exist_ok=True)
-    # The same config run on another model writes to the same folder: keep the earlier results.
-    aside = move_aside(save_dir, [save_dir / n for n in RESULT_FILES if (save_dir / n).exists()])
-    if aside is not None:
-        print(f"posttrain eval: the earlier results in {save_dir} were moved to {aside}", flush=True)
     torch.manual_seed(cfg.eval.seed)
     check_backend_installed(cfg.policy.generation)
 
@@ -153,7 +148,9 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     init_ray(cfg.cluster)
     envs = {name: _AnswerRecorder(create_env(name, cfg.env.get_worker_cfg(name))) for name in task_names}
     greedy = cfg.eval.greedy if cfg.eval.greedy is not None else cfg.eval.num_tests_per_prompt == 1
-    logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"))
+    # The same config run on another model writes to the same folder: the earlier results are
+    # moved aside with its logs, once nothing can fail any more before this run writes its own.
+    logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"), fresh=True, also_move=RESULT_FILES)
     return EvalSetup(cfg=cfg, save_dir=save_dir, tokenizer=tokenizer, generation=generation, envs=envs,
                      rows=rows, greedy=greedy, logger=logger)
 

@@ -63,16 +63,17 @@ def _scalar(value: Any) -> float | None:
 
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, also_move: tuple[str, ...] = ()) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
-        left in `run_dir` are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them."""
+        left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
+        are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with
         # this run's at the same steps (and its later steps would stay in this run's plots).
-        self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in _RUN_LOGS
+        self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in dict.fromkeys((*_RUN_LOGS, *also_move))
                                                      if (self.run_dir / n).exists()]) if fresh else None
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
         self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)

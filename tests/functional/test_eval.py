@@ -88,7 +88,9 @@ def test_eval_arithmetic_config(ray_session, tmp_path):
                                                           "eval.max_samples=8"]))
     (aside,) = save.glob("previous-*")
     assert (aside / "results.json").read_text() == first
-    assert sorted(p.name for p in aside.iterdir()) == sorted(RESULT_FILES)
+    assert {p.name for p in aside.iterdir()} >= {*RESULT_FILES, "metrics.jsonl", "config.yaml"}
+    assert sorted(p.name for p in save.iterdir() if not p.name.startswith("previous-")) == sorted(
+        p.name for p in aside.iterdir())  # the second run wrote each file anew
     assert json.loads((save / "results.json").read_text())["num_prompts"] == 8
 
 
