@@ -21,6 +21,22 @@ def freeze_setup_objects() -> None:
     gc.freeze()
 
 
+def resolve_device(name: str):
+    """The torch device of `policy.device` in this process (a policy or generation worker, or
+    the eval driver): "auto" is CUDA when torch sees a GPU here (Ray exposes a worker's own),
+    else the CPU."""
+    import torch
+
+    from posttrain.config import InputError
+
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise InputError("policy.device=cuda but torch sees no CUDA device in this process; use "
+                             "policy.device=auto or cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def supervise_in_own_session() -> None:
     """Fork: the child returns and runs the job in a session of its own; this process stays
     behind as a thin supervisor that forwards SIGINT and SIGTERM to it and exits with its status.

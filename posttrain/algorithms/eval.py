@@ -68,12 +68,6 @@ class EvalSetup:
     logger: Any  # posttrain.logging.Logger
 
 
-def _device(name: str) -> str:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("policy.device=cuda but CUDA is not available; use policy.device=auto or cpu")
-    return "cuda" if name in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-
-
 def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     """The rows to evaluate: split `eval.split` of `data.dataset_name`, capped at `eval.max_samples`.
 
@@ -127,6 +121,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.logging import Logger
+    from posttrain.runtime import resolve_device
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
     torch.manual_seed(cfg.eval.seed)
@@ -142,7 +137,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     generation = build_generation(
         gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,
         max_total_sequence_length=cfg.policy.max_total_sequence_length, precision=cfg.policy.precision,
-        device=_device(cfg.policy.device),
+        device=resolve_device(cfg.policy.device),
     )
     # Environments last: nothing after them can fail and leave their actors running.
     init_ray(cfg.cluster)

@@ -39,15 +39,16 @@ class GenerationWorker:
     """One generation engine in its own process (hosted by `RayWorkerGroup`)."""
 
     def __init__(self, backend: str, model_path: str, tokenizer_path: str, cfg, max_total_sequence_length: int,
-                 precision: str):
+                 precision: str, device: str):
         from transformers import AutoTokenizer
 
         from posttrain.generation import build_generation
+        from posttrain.runtime import resolve_device
 
         self.engine = build_generation(backend, model_path=model_path,
                                        tokenizer=AutoTokenizer.from_pretrained(tokenizer_path), cfg=cfg,
                                        max_total_sequence_length=max_total_sequence_length, precision=precision,
-                                       rank=int(os.environ.get("RANK", "0")))
+                                       device=resolve_device(device), rank=int(os.environ.get("RANK", "0")))
         self.version = 0
         freeze_setup_objects()
 
@@ -81,7 +82,7 @@ class GenerationWorkerGroup:
 
     def __init__(self, cluster: RayVirtualCluster, *, backend: str, model_path: str, cfg,
                  max_total_sequence_length: int, precision: str = "float32", tokenizer_path: str | None = None,
-                 name_prefix: str = "generation"):
+                 device: str = "auto", name_prefix: str = "generation"):
         from posttrain.embedded import resolve_model_path
 
         python = cfg.vllm_cfg.python if backend == "vllm" else None
@@ -91,7 +92,7 @@ class GenerationWorkerGroup:
             runtime_env = {"py_executable": shlex.quote(python)}  # Ray runs it through bash
         tokenizer_path = resolve_model_path(tokenizer_path or model_path)
         self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path),
-                                      tokenizer_path, cfg, max_total_sequence_length, precision,
+                                      tokenizer_path, cfg, max_total_sequence_length, precision, device,
                                       name_prefix=name_prefix, runtime_env=runtime_env)
         self.version = 0
         self.pad_id = self._pad_id(tokenizer_path)

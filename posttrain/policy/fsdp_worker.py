@@ -41,7 +41,7 @@ from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementati
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
-from posttrain.runtime import freeze_setup_objects
+from posttrain.runtime import freeze_setup_objects, resolve_device
 from posttrain.schemas import PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -100,16 +100,6 @@ class LowPrecisionTwin:
             else:
                 master.grad.add_(low.grad)
             low.grad = None
-
-
-def resolve_device(name: str) -> torch.device:
-    """`policy.device`: "auto" is CUDA when present, else CPU."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise InputError("policy.device=cuda but torch sees no CUDA device in this worker; use policy.device=auto "
-                             "or cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def token_logprobs(

@@ -219,13 +219,13 @@ def test_device_cuda_without_cuda_is_an_input_error(tmp_path):
     import torch
 
     from posttrain.config import InputError
-    from posttrain.policy.fsdp_worker import resolve_device
+    from posttrain.runtime import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     out = _run("eval", "--config", "examples/configs/evals/arithmetic.yaml", "policy.device=cuda",
                f"eval.save_path={tmp_path}", f"logger.log_dir={tmp_path}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "posttrain eval: policy.device=cuda but CUDA is not available" in out.stderr
-    with pytest.raises(InputError, match="policy.device=cuda but torch sees no CUDA device"):  # the training workers'
+    assert "posttrain eval: policy.device=cuda but torch sees no CUDA device" in out.stderr
+    with pytest.raises(InputError, match="policy.device=cuda but torch sees no CUDA device"):  # the workers'
         resolve_device("cuda")
