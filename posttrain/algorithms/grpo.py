@@ -152,7 +152,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
 
     run_dir = Path(cfg.logger.log_dir)
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None)
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
+                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
     # What starts below is stopped again if a later part of the setup fails (a bad teacher, an
     # environment that cannot start, a warm-up interrupted), so an in-process caller can go on.
     with contextlib.ExitStack() as undo:

@@ -82,7 +82,8 @@ def start_run(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy
     )
     latest = checkpointer.latest()
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None)
+    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
+                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
     try:
         cluster = RayVirtualCluster(cfg.cluster)
     except BaseException:

@@ -63,10 +63,13 @@ def _scalar(value: Any) -> float | None:
 
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
-                 fresh: bool = False, also_move: tuple[str, ...] = ()) -> None:
+                 fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
-        are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them."""
+        are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
+        `resumed_from`: the step of the checkpoint a resumed run continues from. What the stopped
+        run logged after it is replaced by this run's steps: TensorBoard hides those events and
+        the plots leave them out (metrics.jsonl keeps every line; a later line wins a step)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +79,9 @@ class Logger:
         self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in dict.fromkeys((*_RUN_LOGS, *also_move))
                                                      if (self.run_dir / n).exists()]) if fresh else None
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
-        self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
+        self._records: list[dict[str, Any]] = [
+            r for r in read_metrics(self.metrics_path)
+            if resumed_from is None or not isinstance(r.get("step"), int) or r["step"] <= resumed_from]
         self.nonfinite_counts: dict[str, int] = {}
         self._closed = False
         hparams = json.loads(json.dumps(hparams or {}, default=str))
@@ -95,7 +100,7 @@ class Logger:
         if cfg.tensorboard_enabled:
             from posttrain.logging.tensorboard import TensorboardBackend
 
-            self._backends.append(TensorboardBackend(self.run_dir / "tensorboard"))
+            self._backends.append(TensorboardBackend(self.run_dir / "tensorboard", resumed_from))
         if cfg.wandb_enabled:
             from posttrain.logging.wandb import WandbBackend
 

@@ -9,11 +9,14 @@ import yaml
 
 
 class TensorboardBackend:
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resumed_from: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        # A resumed run relogs the steps after its checkpoint: purge_step makes TensorBoard hide
+        # the stopped run's events from there on, which would otherwise show twice per step.
+        self._writer = SummaryWriter(log_dir=str(log_dir),
+                                     purge_step=None if resumed_from is None else resumed_from + 1)
 
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
         for key, value in metrics.items():

@@ -245,6 +245,8 @@ def test_gpu_monitor_without_nvidia_smi_warns(tmp_path, monkeypatch, caplog):
 
 
 def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from posttrain.logging.jsonl import read_metrics
 
     cfg = _cfg(jsonl_enabled=True, plots_enabled=True, tensorboard_enabled=True)
@@ -253,9 +255,19 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
             logger.log_metrics({"reward": 0.9}, step)
         logger.log_samples([{"prompt": "1+1="}], step=3)
         logger.plot()
-    with Logger(cfg, tmp_path, hparams={"run": 1}) as logger:  # resumed: continues the same files
+    with Logger(cfg, tmp_path, hparams={"run": 1}, resumed_from=3) as logger:  # resumed: continues the same files
         logger.log_metrics({"reward": 0.8}, step=4)
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+        logger.log_metrics({"reward": 0.7}, step=5)
+    # Stopped after step 5, resumed from a checkpoint at step 4: the relogged step 5 is the
+    # only one TensorBoard and the plots show (metrics.jsonl keeps both lines).
+    with Logger(cfg, tmp_path, hparams={"run": 1}, resumed_from=4) as logger:
+        logger.log_metrics({"reward": 0.6}, step=5)
+        assert [(r["step"], r["reward"]) for r in logger._records] == [(1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 5]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward")] == [
+        (1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
 
     # Started over in the same dir: its metrics, samples, events and plots are its own alone.
     with Logger(cfg, tmp_path, hparams={"run": 2}, fresh=True) as logger:
@@ -265,9 +277,9 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     (aside,) = tmp_path.glob("previous-*")
     assert logger.moved_aside == aside
     assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.1)]
-    assert [r["step"] for r in read_metrics(aside / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(aside / "metrics.jsonl")] == [1, 2, 3, 4, 5, 5]
     assert not (tmp_path / "samples.jsonl").exists() and (aside / "samples.jsonl").is_file()
-    assert len(list((tmp_path / "tensorboard").iterdir())) == 1 and len(list((aside / "tensorboard").iterdir())) == 2
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1 and len(list((aside / "tensorboard").iterdir())) == 3
     assert "run: 2" in (tmp_path / "config.yaml").read_text() and "run: 1" in (aside / "config.yaml").read_text()
     assert (tmp_path / "plots" / "reward.png").is_file() and (aside / "plots" / "reward.png").is_file()
     # A fresh run in an empty dir moves nothing.
