@@ -164,9 +164,11 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "response_tokens": conv.response_tokens,
         "env_error": bool(conv.env_errors),
         "task_name": conv.task_name,
-        # With tools: the turns that called them, and the whole exchange (calls, results, answer).
+        # With tools: the turns that called them, and the whole exchange (calls, results, answer);
+        # also after one turn whose call's result found no room left in the context.
         **({"tool_calls": conv.metadata.get(TOOL_CALLS_KEY, 0)} if conv.tools else {}),
-        **({"conversation": conv.exchange} if conv.turns > 1 else {}),
+        **({"conversation": conv.exchange} if conv.turns > 1 or any("tool_calls" in m for m in conv.exchange)
+           else {}),
         **({"extra": conv.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in conv.metadata else {}),  # log_extra
     }
 

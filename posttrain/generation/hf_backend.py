@@ -25,7 +25,7 @@ from posttrain.generation.interfaces import (
     assemble_output,
     pad_token_id,
 )
-from posttrain.generation.sampling import SamplingSettings, StopChecker
+from posttrain.generation.sampling import SamplingSettings, StopChecker, version_seed
 from posttrain.generation.torch_engine import DTYPES, stop_token_ids
 
 
@@ -59,6 +59,7 @@ class HFGeneration:
         t0 = time.perf_counter()
         load_state_dict_inplace(self.model, resolve_state_dict(state_dict_or_ref))
         self.weight_version = version
+        self._calls = 0  # the calls since this version's seed (see `generate`)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -69,7 +70,7 @@ class HFGeneration:
         # HF samples from the global RNG: seed a forked copy so runs are reproducible and the
         # caller's RNG state is untouched.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + self._calls)
+            torch.manual_seed(version_seed(cfg.seed, self.weight_version) + self._calls)
             self._calls += 1
             generated, gen_lp, truncated = self._generate(prompts, stops, settings)
         return assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)

@@ -27,6 +27,14 @@ class SamplingSettings:
         return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0)
 
 
+def version_seed(seed: int, version: int) -> int:
+    """The sampling seed of an engine (seed = generation seed + its rank) holding weights
+    `version`: a resumed run, whose engines start at the checkpoint's version, draws the same
+    random numbers as the run it continues did from there. The prime keeps (rank, version)
+    pairs apart for fewer than a million ranks."""
+    return seed + 1_000_003 * version
+
+
 def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
     """Log-probabilities `[B, V]` of the sampling distribution for `logits [B, V]` (-inf = excluded)."""
     logits = logits.float()

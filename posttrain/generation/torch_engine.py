@@ -34,7 +34,7 @@ from posttrain.generation.interfaces import (
     pad_token_id,
     prepare_prompts,
 )
-from posttrain.generation.sampling import SamplingSettings, StopChecker, sample
+from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, version_seed
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -363,6 +363,7 @@ class TorchGeneration:
         load_state_dict_inplace(self.model, resolve_state_dict(state_dict_or_ref))
         self.weights.refresh()
         self.weight_version = version
+        self.generator.manual_seed(version_seed(self.cfg.seed, version))
         return time.perf_counter() - t0
 
     @torch.inference_mode()

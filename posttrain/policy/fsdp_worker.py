@@ -35,7 +35,6 @@ from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
-from posttrain.distributed.weight_sync import load_state_dict_inplace
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf
@@ -761,15 +760,12 @@ class FSDPPolicyWorker:
             # Loaded once from the model folder (so buffers such as rotary frequencies are
             # built), then refit in place from the live weights.
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
-            copy.to(self.device)
-            load_state_dict_inplace(copy, sd)
             self.gen_engine = build_generation(
-                "torch", model=copy.eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
+                "torch", model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
                 max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
                 device=self.device, rank=self.rank,
             )
-        else:
-            self.gen_engine.update_weights(sd, self.weights_version)
+        self.gen_engine.update_weights(sd, self.weights_version)
         self.gen_version = self.weights_version
         refit_s = time.perf_counter() - t0
         log.info("rank %d: generation refit (weights version %d) took %.3f s", self.rank, self.gen_version, refit_s)

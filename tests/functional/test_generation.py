@@ -265,6 +265,24 @@ def test_seeded_and_reproducible(model_tok):
     assert a["output_ids"].tolist() != c["output_ids"].tolist()
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_sampling_after_a_refit_depends_on_the_weights_version_alone(model_tok, backend):
+    # A resumed run's engine starts at the checkpoint's version: it must sample what the engine
+    # of the run it continues sampled there, whatever that engine had generated before.
+    model, tok = model_tok
+    batch = make_batch(tok, repeat=2)
+    weights = model.state_dict()
+    ran = engine(backend, model, tok, max_new_tokens=16, seed=5)
+    ran.generate(batch)
+    ran.update_weights(weights, version=3)
+    fresh = engine(backend, model, tok, max_new_tokens=16, seed=5)
+    fresh.update_weights(weights, version=3)
+    assert ran.generate(batch)["output_ids"].tolist() == fresh.generate(batch)["output_ids"].tolist()
+    other = engine(backend, model, tok, max_new_tokens=16, seed=5)
+    other.update_weights(weights, version=4)
+    assert other.generate(batch)["output_ids"].tolist() != fresh.generate(batch)["output_ids"].tolist()
+
+
 def test_hf_backend_ignores_logits_processors_of_the_generation_config(model_tok):
     """A checkpoint's generation_config.json may ask for a repetition penalty and more: the hf
     backend still samples the documented distribution (its greedy output is the torch engine's)."""
