@@ -53,6 +53,7 @@ from posttrain.environments.interfaces import (
     REWARD_COMPONENTS_KEY,
     ROLLOUT_KEY,
     TOOL_CALLS_KEY,
+    USER_CODE_ERRORS,
     EnvironmentInterface,
     EnvironmentReturn,
     PerSampleEnvironment,
@@ -106,7 +107,7 @@ def load_target(spec: str, key: str) -> Any:
         module = _import_module(module_part, key)
     except MissingInputError:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure of the user's module is a config error
+    except USER_CODE_ERRORS as e:  # noqa: BLE001 - any failure (an argparse's exit) is a config error
         raise ConfigError(f"{key}={spec!r}: importing {module_part} failed: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_"))
@@ -155,7 +156,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                 result = self._runner.run(call_pickled, (self._pickled[name], args), self.tool_timeout_s)
         except TimeoutError:
             return f"error: {name} timed out after {self.tool_timeout_s:g} s"
-        except Exception as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
+        except USER_CODE_ERRORS as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
             return f"error: {name} raised {type(e).__name__}: {e}"
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
@@ -290,7 +291,7 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             bad = next((v for v in values if v is not None and _real(v) is None), None)
             if bad is not None:
                 raise TypeError(f"returned {bad!r}, not a number")
-        except Exception as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it
+        except USER_CODE_ERRORS as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it
             error = RuntimeError(f"TRL reward function {label!r}: {type(e).__name__}: {e}")
             values = [error] * len(message_logs)
         for sample, value in zip(out, values):

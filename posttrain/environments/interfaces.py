@@ -38,6 +38,10 @@ ROLLOUT_KEY = "_rollout"
 # TRL reward functions write them with `log_metric` and `log_extra`.
 ENV_METRICS_KEY = "env_metrics"
 LOG_EXTRA_KEY = "log_extra"
+# What the user's code (a verifier, a reward function, a tool; often running the model's own
+# code) may raise and fail only its sample: SystemExit too (`exit()`, `sys.exit()`), which would
+# end the environment's Ray actor, lose its whole slice and, repeated, stop the run.
+USER_CODE_ERRORS = (Exception, SystemExit)
 
 
 @dataclass
@@ -145,7 +149,7 @@ class PerSampleEnvironment(EnvironmentInterface):
         meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
         try:
             return self.step_one(messages, meta)
-        except Exception as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
+        except USER_CODE_ERRORS as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
             error = f"{type(e).__name__}: {e}"
             log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)
             return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: error})

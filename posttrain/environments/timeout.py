@@ -60,7 +60,10 @@ def call_pickled(blob: bytes, kwargs: dict[str, Any]) -> Any:
     `kwargs`. For a user's function whose file the child could not import by name."""
     import pickle
 
-    return pickle.loads(blob)(**kwargs)
+    try:
+        return pickle.loads(blob)(**kwargs)
+    except SystemExit as e:  # it would end the pool's worker: the call would wait out its time limit
+        raise RuntimeError(f"SystemExit: {e}") from None
 
 
 def import_cloudpickle() -> None:

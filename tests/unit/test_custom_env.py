@@ -101,6 +101,23 @@ def trl_shorter_later(prompts, completions, completion_ids, trainer_state, log_m
     log_extra("tokens", lengths)
     return [trainer_state.global_step / trainer_state.max_steps - n for n in lengths]
 
+def run_python(code: str) -> str:
+    """Run Python code, as a code-interpreter tool does.
+
+    Args:
+        code: The program.
+    """
+    exec(code, {})
+    return "done"
+
+def exits(response, metadata):
+    import sys
+
+    sys.exit(f"bad {response}")
+
+def trl_exits(completions, **kwargs):
+    exit()
+
 def sleepy(seconds: float) -> str:
     """Sleep.
 
@@ -405,6 +422,34 @@ def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards
         assert ret.num_errors == 0 and not ret.terminateds[0]
     finally:
         env.close()
+
+
+def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
+    # exit() in a tool (the model's own code), a reward function or a TRL one raises SystemExit:
+    # it must fail its call or sample like any error, not end the environment's actor and its slice.
+    for timeout in (None, 5.0):  # in the actor, or in the child process of a tool time limit
+        cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:run_python"], tool_timeout_s=timeout)
+        env = resolve_env("py", cfg)(cfg)
+        try:
+            ret = env.step([convo(_call("run_python", code="exit()") + _call("run_python", code="x = 1"))], [{}])
+        finally:
+            env.close()
+        assert [m["content"] for m in ret.observations[0]] == [
+            "error: run_python raised " + ("SystemExit: None" if timeout is None else "RuntimeError: SystemExit: None"),
+            "done"]
+        assert ret.num_errors == 0 and not ret.terminateds[0]
+    env = resolve_env("f", _cfg(f"{rewards_file}:exits"))(EnvWorkerConfig())
+    ret = env.step([convo("x"), convo("y")], [{}, {}])
+    assert ret.rewards.tolist() == [0.0, 0.0] and [m["env_error"] for m in ret.metadata] == ["SystemExit: bad x",
+                                                                                             "SystemExit: bad y"]
+    env = resolve_env("t", _cfg(f"{rewards_file}:trl_exits"))(EnvWorkerConfig())
+    ret = env.step([convo("x")], [{}])
+    assert ret.num_errors == 1 and "TRL reward function 'trl_exits': SystemExit" in ret.metadata[0]["env_error"]
+    # A file that exits as it is imported (a script's argparse) is a config error naming the key.
+    script = tmp_path / "script_rewards.py"
+    script.write_text("import sys\nsys.exit(2)\ndef score(response, metadata):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"env.s.target=.*importing .*script_rewards.py failed: SystemExit: 2"):
+        resolve_env("s", _cfg(f"{script}:score"))
 
 
 def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
