@@ -8,7 +8,11 @@ import re
 from typing import Any
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# A number as written in prose: thousands separators, decimals, a fraction "3/4" (read whole, not
+# as its denominator), and a sign, ASCII or the Unicode minus (U+2212) that models also write,
+# unless it follows a word or a number ("pages 10-12" ends in 12, not -12): a dropped sign or
+# denominator scored "-3" and "3/4" right against a gold answer of 3 and 4.
+_NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -31,11 +35,11 @@ def extract_boxed(text: str) -> str | None:
 
 
 def _clean_number(s: str) -> str:
-    return s.replace(",", "").rstrip(".")
+    return s.replace(",", "").replace("\u2212", "-").rstrip(".")
 
 
 def extract_final_answer(text: str) -> str | None:
-    """The boxed answer if any, else the last number of `text`, else None."""
+    """The boxed answer if any, else the last number of `text` (a fraction "3/4" is one), else None."""
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed

@@ -45,6 +45,11 @@ def test_answer_extraction():
     assert extract_final_answer(r"-4 but \boxed{12} is final") == "12"
     assert extract_final_answer("it is -7.") == "-7"
     assert extract_final_answer("no digits") is None
+    # A fraction is one number, and a Unicode minus is a sign; a hyphen after a number is not.
+    assert extract_final_answer("she ate 3/4 of it.") == "3/4"
+    assert extract_final_answer("x = \u22127, not 7") == "7" and extract_final_answer("x = \u22127") == "-7"
+    assert extract_final_answer("pages 10-12") == "12" and extract_final_answer("then (-2)") == "-2"
+    assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
     assert gold_answer("#### 1,000") == "1000"
     assert gold_answer(r" \frac{14}{3} ") == r"\frac{14}{3}"
@@ -65,6 +70,10 @@ def test_math_rewards(math_env):
         ("It is 73", "#### 72", 0.0),
         ("I do not know", "3", 0.0),  # no answer: 0, not an error
         (r"\boxed{x^{2}}", "x^2", 1.0),
+        ("The answer is 3/4", "4", 0.0),  # not its denominator
+        ("The answer is 3/4", r"\frac{3}{4}", 1.0),
+        ("The answer is \u22123", "3", 0.0),  # not without its sign
+        ("The answer is \u22123", "-3", 1.0),
     ]
     ret = math_env.step([convo(a) for a, _, _ in cases], [{"answer": g} for _, g, _ in cases])
     assert ret.rewards.tolist() == [r for _, _, r in cases]
