@@ -4,7 +4,8 @@
 must not starve training) of the environment registered as `name`. `group.step(...)`
 splits the batch into one contiguous slice per actor, runs the slices in parallel and
 gathers them in order. A slice that does not finish within the step time limit, or whose
-actor crashes, raises or returns other than one entry per sample, scores 0 for its samples
+actor crashes, raises or returns other than one entry per sample (of the types
+`EnvironmentReturn` names), scores 0 for its samples
 (each records "env_error" in its metadata, which the rollout counts), as does a sample with
 a non-finite reward, and the run goes on; a stuck actor is killed and, like
 a crashed one, restarted by Ray (`max_restarts`). An actor that fails more often than
@@ -57,7 +58,25 @@ def _contract_violation(ret: Any, n: int) -> str | None:
              "terminateds": len(ret.terminateds), "answers": len(ret.answers),
              **({"tool_calls": len(ret.tool_calls)} if ret.tool_calls is not None else {})}
     wrong = {k: v for k, v in sizes.items() if v != n}
-    return f"{wrong} entries for {n} samples" if wrong else None
+    if wrong:
+        return f"{wrong} entries for {n} samples"
+    # Checked here, where the slice can score 0 naming the environment: a list of rewards
+    # failed later as "'list' object has no attribute 'float'", and a text observation
+    # (StepResult takes one, EnvironmentReturn does not) crashed the driver's rollout.
+    for field in ("rewards", "terminateds"):
+        if not isinstance(getattr(ret, field), torch.Tensor):
+            return f"{field} as a {type(getattr(ret, field)).__name__}, not a torch.Tensor"
+    for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
+        if not bool(ret.terminateds[i]) and not (_is_message(obs) or (
+                isinstance(obs, list) and obs and all(map(_is_message, obs)))):
+            return (f"observations[{i}] = {obs!r:.80}, not a message {{'role': ..., 'content': ...}} or a list of "
+                    "them, for a conversation that goes on")
+    return None
+
+
+def _is_message(obs: Any) -> bool:
+    # Any content: a chat template may take a list of parts, or a dict it writes as JSON.
+    return isinstance(obs, dict) and "content" in obs
 
 
 def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentReturn:

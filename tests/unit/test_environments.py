@@ -9,6 +9,7 @@ import torch
 from posttrain.environments import (
     ENVIRONMENTS,
     EnvironmentGroup,
+    EnvironmentReturn,
     PerSampleEnvironment,
     StepResult,
     create_env,
@@ -456,6 +457,35 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
         assert ret.metadata[0]["env_error"] == "environment 'short' step returned {'rewards': 1} entries for 2 samples"
     finally:
         group.shutdown()
+
+    # Returns of the wrong types, as a user's own `step` may build them: a list of rewards, and a
+    # text observation for a conversation that goes on (StepResult takes texts; the rollout
+    # needs messages). One that ends never shows its observation: anything goes there.
+    class Listed(Sloppy):
+        def step(self, message_logs, metadata):
+            ret = super().step(message_logs, metadata)
+            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards.tolist()})
+
+    class Texts(Sloppy):
+        def step(self, message_logs, metadata):
+            n = len(message_logs)
+            return EnvironmentReturn(["try again"] * n, metadata, [None] * n, torch.zeros(n),
+                                     torch.tensor([m[-1]["content"] == "end" for m in message_logs]), [None] * n)
+
+    for name, env_cls, answers, error in [
+        ("listed", Listed, ["1", "1"], "rewards as a list, not a torch.Tensor"),
+        ("texts", Texts, ["end", "more"],
+         "observations[1] = 'try again', not a message {'role': ..., 'content': ...} or a list of them"),
+    ]:
+        group = EnvironmentGroup(name, env_cls, EnvWorkerConfig(num_workers=1))
+        try:
+            ret = group.step([convo(a) for a in answers], [{}] * 2)
+            assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
+            assert ret.metadata[0]["env_error"].startswith(f"environment {name!r} step returned {error}")
+            ret = group.step([convo("end"), convo("end")], [{}] * 2)
+            assert (ret.num_errors == 0) is (name == "texts")  # conversations that end: no observation shown
+        finally:
+            group.shutdown()
 
 
 def test_environment_return_tensors():
