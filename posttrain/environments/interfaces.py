@@ -116,9 +116,9 @@ class EnvironmentInterface(ABC):
 class StepResult:
     """What a `PerSampleEnvironment` returns for one sample."""
 
-    # A text, or a list: one message per item (e.g. one per tool call), each a text or a whole
-    # message (a tool result with its "tool_call_id" and "name").
-    observation: str | list[str | dict[str, Any]]
+    # A text or a whole message, or a list: one message per item (e.g. one per tool call), each a
+    # text or a whole message (a tool result with its "tool_call_id" and "name").
+    observation: str | dict[str, Any] | list[str | dict[str, Any]]
     reward: float
     terminated: bool
     metadata: dict[str, Any]
@@ -164,7 +164,8 @@ class PerSampleEnvironment(EnvironmentInterface):
         else:
             results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
         return EnvironmentReturn(
-            observations=[_message(r.observation, r.observation_role) if isinstance(r.observation, str)
+            # A whole message is one observation too: iterated as a list, its keys became messages.
+            observations=[_message(r.observation, r.observation_role) if isinstance(r.observation, (str, dict))
                           else [_message(o, r.observation_role) for o in r.observation] for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],

@@ -163,6 +163,19 @@ def test_a_raising_verifier_scores_zero_for_that_sample_only():
     assert ret.terminateds.tolist() == [True] * 4 and ret.num_errors == 1
 
 
+def test_step_one_observations_as_texts_messages_or_lists_of_them():
+    class Hints(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            observation = {"text": "hint", "message": {"role": "user", "content": "hint"},
+                           "list": ["hint", {"role": "user", "content": "more"}]}[messages[-1]["content"]]
+            return StepResult(observation, 0.0, False, metadata)
+
+    ret = Hints().step([convo("text"), convo("message"), convo("list")], [{}] * 3)
+    # A whole message is one message (its keys are no messages of their own).
+    assert ret.observations == [{"role": "environment", "content": "hint"}, {"role": "user", "content": "hint"},
+                                [{"role": "environment", "content": "hint"}, {"role": "user", "content": "more"}]]
+
+
 # --------------------------------------------------------------------------- sliding puzzle
 
 
