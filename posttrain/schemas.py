@@ -567,7 +567,8 @@ class EnvWorkerConfig(Section):
     # Seconds one verification may take before it scores 0 (counted in env_errors).
     timeout_s: float = Field(5.0, gt=0)
     # Seconds the driver waits for one actor's slice of a step before scoring the slice 0
-    # (counted) and restarting the actor; null: timeout_s per sample in the slice + 30 s.
+    # (counted) and restarting the actor; null: timeout_s per sample in the slice + 30 s, and with
+    # tool_timeout_s that + 5 s per tool call of the slice's turns.
     step_timeout_s: float | None = Field(None, gt=0)
     # Restarts of a crashed or stuck actor before the environment fails for good.
     max_restarts: int = Field(3, ge=0)

@@ -94,6 +94,27 @@ def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentRe
     return replace(ret, rewards=rewards, metadata=metadata)
 
 
+# Seconds a tool call's child process takes to start again after it was killed at its time limit.
+_TOOL_CHILD_RESTART_S = 5.0
+
+
+def slice_time_limit(cfg: EnvWorkerConfig, message_logs: list[list[dict]]) -> float:
+    """Seconds an actor's slice of a step (these conversations) may take: `step_timeout_s`, by
+    default `timeout_s` per sample + 30 s, plus, with `tool_timeout_s`, that time and a restart
+    of the child for each tool call in the slice's last turns: every call may run out its limit,
+    and a slice lost to tools that were each stopped in time would kill the actor, and count."""
+    if cfg.step_timeout_s is not None:
+        return cfg.step_timeout_s
+    calls = 0
+    if cfg.tools and cfg.tool_timeout_s:
+        from posttrain.environments.tool_calls import parse_tool_calls
+
+        last = [next((str(m.get("content", "")) for m in reversed(log) if m.get("role") == "assistant"), "")
+                for log in message_logs]
+        calls = sum(len(parse_tool_calls(text)) for text in last)
+    return cfg.timeout_s * len(message_logs) + calls * ((cfg.tool_timeout_s or 0) + _TOOL_CHILD_RESTART_S) + 30.0
+
+
 def _creation_error(err: Exception) -> str:
     """The exception an actor's constructor raised and where, from Ray's error (whose text is
     Ray's framing, the traceback and terminal colour codes): "OSError: ... (file.py:12, in __init__)"."""
@@ -144,11 +165,6 @@ class EnvironmentGroup:
             self.shutdown()
             raise RuntimeError(f"environment {self.name!r} failed to start: {_creation_error(e)}") from e
 
-    def _slice_timeout(self, n: int) -> float:
-        if self.cfg.step_timeout_s is not None:
-            return self.cfg.step_timeout_s
-        return self.cfg.timeout_s * n + 30.0
-
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
         """`EnvironmentInterface.step` over the actors; failed slices score 0 (module docstring)."""
         import ray
@@ -169,7 +185,7 @@ class EnvironmentGroup:
         ]
         parts = []
         for i, lo, hi, ref in pending:
-            limit = self._slice_timeout(hi - lo)
+            limit = slice_time_limit(self.cfg, message_logs[lo:hi])
             try:
                 ret = ray.get(ref, timeout=max(0.0, started + limit - time.monotonic()))
                 problem = _contract_violation(ret, hi - lo)

@@ -424,6 +424,22 @@ def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards
         env.close()
 
 
+def test_the_step_time_limit_leaves_each_tool_call_its_own(rewards_file):
+    from posttrain.environments.actors import slice_time_limit
+
+    # Each call of a turn may run out tool_timeout_s (and its child restart after): a slice whose
+    # tools were each stopped in time must not run out the slice's limit, which kills the actor
+    # and scores every sample of the slice 0. Measured in Ray: 16 hanging calls of one sample
+    # with tool_timeout_s=1 and timeout_s=0.1 lost the slice at 30.1 s.
+    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:sleepy"], tool_timeout_s=10.0, timeout_s=2.0)
+    calls = convo(_call("sleepy", seconds=60) * 3)
+    assert slice_time_limit(cfg, [calls, calls, convo("42")]) > 3 * 2.0 + 6 * 10.0 + 30
+    assert slice_time_limit(cfg, [convo("42")] * 3) == 3 * 2.0 + 30  # answers: timeout_s each, + 30 s
+    assert slice_time_limit(cfg.model_copy(update={"step_timeout_s": 7.0}), [calls]) == 7.0  # as set
+    untimed = cfg.model_copy(update={"tool_timeout_s": None})  # tools in the actor: step_timeout_s bounds them
+    assert slice_time_limit(untimed, [calls]) == 2.0 + 30
+
+
 def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
     # exit() in a tool (the model's own code), a reward function or a TRL one raises SystemExit:
     # it must fail its call or sample like any error, not end the environment's actor and its slice.
