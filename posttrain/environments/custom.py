@@ -116,7 +116,14 @@ def load_target(spec: str, key: str) -> Any:
 
     # By value: the actors need not import the module (a file anywhere, a module in the cwd).
     ray.cloudpickle.register_pickle_by_value(module)
-    return getattr(module, attr)
+    obj = getattr(module, attr)
+    try:  # here, naming the key, rather than as Ray's report when the actors start
+        ray.cloudpickle.dumps(obj)
+    except Exception as e:  # noqa: BLE001 - whatever pickling raises: the object cannot reach the actors
+        raise ConfigError(f"{key}={spec!r} cannot be sent to the environment's actors: {type(e).__name__}: {e} (it goes "
+                          "by value, with the module globals it uses: create a client, lock or open file inside the "
+                          "function, e.g. in a functools.cache'd helper)") from None
+    return obj
 
 
 class RewardFunctionEnvironment(PerSampleEnvironment):

@@ -55,6 +55,14 @@ def context_keys(response, metadata, **context):
 def needs_a_judge(response, metadata, judge):
     return 1.0
 
+import threading
+
+CLIENT_LOCK = threading.Lock()  # as in an API client made at import: no pickling it
+
+def locked(response, metadata):
+    with CLIENT_LOCK:
+        return 1.0
+
 def add(a: int, b: int) -> int:
     """Add two integers.
 
@@ -225,6 +233,8 @@ def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
         (f"{rewards_file}:one_argument", ConfigError,
          r"called fn\(response, metadata\) \(optional keywords: prompt, messages\); one_argument\(response\) cannot be"),
         (f"{rewards_file}:needs_a_judge", ConfigError, r"needs_a_judge\(response, metadata, judge\) cannot be"),
+        (f"{rewards_file}:locked", ConfigError,
+         r"env.x.target='.*:locked' cannot be sent to the environment's actors: TypeError: cannot pickle '_thread.lock'"),
     ]
     for target, error, message in cases:
         with pytest.raises(error, match=message):
