@@ -190,7 +190,10 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                 metadata = list(metadata)
                 for i, v, extra in zip(final, per_sample, logged):
                     metadata[i] = {**metadata[i], **extra, _TRL_VALUES_KEY: v}
-        return super().step(message_logs, metadata)
+        ret = super().step(message_logs, metadata)
+        if self.trl:  # a sample whose step_one raised keeps the metadata it was given, the values included
+            ret.metadata = [{k: v for k, v in m.items() if k != _TRL_VALUES_KEY} for m in ret.metadata]
+        return ret
 
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         response = last_assistant_text(messages)

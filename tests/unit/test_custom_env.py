@@ -493,6 +493,7 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
     assert "TRL reward function 'trl_wrong_count': ValueError: returned 1 values for 2 completions" in \
         ret.metadata[0]["env_error"]
+    assert all("_trl_reward_values" not in m for m in ret.metadata)  # failed samples do not keep them either
 
 
 def test_trl_reward_functions_get_completion_ids_trainer_state_and_logging(rewards_file):
