@@ -6,7 +6,8 @@ passes (`env.code.cfg.reward: all`) or the fraction that pass (`fraction`).
   fence: the whole message.
 - Tests: the sample's metadata "tests", Python statements run one by one after the program in
   its namespace (MBPP's `test_list`: `assert add(1, 2) == 3`); one string is one test.
-  Optional metadata "setup": code run before the program (imports the task promises).
+  Optional metadata "setup": code run before the program (imports the task promises), a string
+  or a list of lines.
 - Each sample runs in a fresh interpreter (`python -I`) in an empty temporary directory, in
   its own process session, under limits on address space (`memory_mb`), CPU seconds and
   written file size. After `timeout_s` (the `env.code.timeout_s` of every environment) the
@@ -133,9 +134,14 @@ class CodeEnvironment(PerSampleEnvironment):
         if not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError("code: the sample's metadata has no 'tests' (a list of Python statements, e.g. "
                            "\"assert add(1, 2) == 3\")")
+        setup = metadata.get("setup") or ""
+        if isinstance(setup, list) and all(isinstance(line, str) for line in setup):
+            setup = "\n".join(setup)  # lines, as MBPP's test_imports: str() of the list imported nothing
+        if not isinstance(setup, str):
+            raise ValueError(f"code: the sample's metadata 'setup' is a {type(setup).__name__}, not Python code "
+                             "(a string, or a list of lines)")
         program = extract_program(last_assistant_text(messages))
-        passed, error = run_tests(program, tests, setup=str(metadata.get("setup") or ""),
-                                  timeout_s=self.timeout_s, memory_mb=self.cfg.memory_mb)
+        passed, error = run_tests(program, tests, setup=setup, timeout_s=self.timeout_s, memory_mb=self.cfg.memory_mb)
         total = len(tests)
         attempt = int(metadata.get("attempt", 0)) + 1
         done = passed == total or attempt >= self.cfg.max_attempts

@@ -583,6 +583,17 @@ def test_code_row_without_tests_is_an_env_error():
     assert "has no 'tests'" in ret.metadata[0]["env_error"]
 
 
+def test_code_setup_is_a_string_or_a_list_of_lines():
+    program = _answer("def root(x):\n    return sqrt(x)")
+    tests = ["assert root(9) == 3"]
+    ret = _code_env().step([program] * 3, [{"tests": tests, "setup": "from math import sqrt"},
+                                           {"tests": tests, "setup": ["import math", "from math import sqrt"]},
+                                           {"tests": tests, "setup": {"imports": "math"}}])
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0] and ret.num_errors == 1
+    assert ret.metadata[2]["env_error"] == ("ValueError: code: the sample's metadata 'setup' is a dict, not Python "
+                                            "code (a string, or a list of lines)")
+
+
 def test_code_env_runs_programs_inside_a_ray_actor(ray_session):
     group = create_env("code", {"num_workers": 2, "cfg": {"parallel_runs": 2}})
     try:
