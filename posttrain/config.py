@@ -142,9 +142,16 @@ def _yaml_load(text: str) -> Any:
 
 def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
     """Parse one file; record `dotted key -> "file:line"` in `origins`; reject duplicate keys."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a config file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # e.g. a checkpoint or model file named by mistake
+        raise ConfigError(f"{path}: cannot read the config as UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config: {e.strerror}") from None
     try:
         node = yaml.compose(text, Loader=_Loader)
         data = _yaml_load(text)
@@ -200,7 +207,7 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictCo
     merged = OmegaConf.create({})
     for parent in parents:
         parent_path = (path.parent / parent).resolve()
-        if not parent_path.is_file():
+        if not parent_path.exists():
             raise ConfigError(
                 f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not exist"
             )

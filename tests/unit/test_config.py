@@ -249,6 +249,16 @@ def test_missing_file():
         load_config("grpo", "/nowhere.yaml")
 
 
+def test_a_config_that_is_not_utf8_text_or_not_a_file_is_a_config_error(tmp_path):
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(b"\xff\xfe\x00policy: {}")  # e.g. a weights file passed as --config
+    with pytest.raises(ConfigError, match=r"model\.yaml: cannot read the config as UTF-8 text"):
+        load_config("grpo", binary)
+    (tmp_path / "configs").mkdir()
+    with pytest.raises(ConfigError, match=r"configs is a folder, not a config file"):
+        load_config("grpo", tmp_path / "configs")
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path):
     path = _write(tmp_path / "bad.yaml", "policy:\n  model_name: x\n  max_grad_norm: [1, 2\ngrpo: {}\n")
     with pytest.raises(ConfigError) as e:
