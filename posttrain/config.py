@@ -5,7 +5,8 @@ Override forms (the Hydra ones NeMo RL users type):
     a.b=1        set a key (the schema rejects keys that do not exist)
     +a.b=1       add a key that must not be set yet
     ++a.b=1      add or set, whatever is there
-    ~a.b         remove a key (it falls back to the schema default)
+    ~a.b         remove a key (it falls back to the schema default), or a list item (`~a.0`)
+A list item is named `a.0.b` or `a[0].b`.
 Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`. Interpolations such
 as `${policy.model_name}` and `${mul:${policy.max_total_sequence_length},${grpo.seed}}`
 resolve after all merging, against the config with every schema default filled in (so they
@@ -250,15 +251,40 @@ def _parse_value(text: str, override: str) -> Any:
         raise ConfigError(f"override {override!r}: cannot parse value {text!r}: {e}") from None
 
 
+def _key_parts(key: str) -> list[str]:
+    """The segments of a dotted key; a list item may be named `a.0.b` or `a[0].b`."""
+    return re.sub(r"\[(-?\d+)\]", r".\1", key).split(".")
+
+
+def _origin_key(cfg: DictConfig, parts: list[str]) -> str:
+    """The key of `parts` as origins and validation errors name it, list items as `a[0].b`, so
+    that a value set by `a.0.b=...` is blamed on the command line, not on the file that set it."""
+    key, node = "", OmegaConf.to_container(cfg, resolve=False)
+    for part in parts:
+        if isinstance(node, list):
+            index = int(part) % len(node)  # -1: the last item
+            key, node = f"{key}[{index}]", node[index]
+        else:
+            key = f"{key}.{part}" if key else part
+            node = node.get(part) if isinstance(node, dict) else None
+    return key
+
+
 def _apply_one(cfg: DictConfig, ov: str) -> str | None:
     """Apply one override; return the dotted key it set (None for a removal)."""
     if ov.startswith("~"):
         key = ov[1:].split("=", 1)[0]
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-        if not isinstance(parent, DictConfig) or leaf not in parent:
+        *parent_parts, leaf = _key_parts(key)
+        try:
+            parent = OmegaConf.select(cfg, ".".join(parent_parts)) if parent_parts else cfg
+        except OmegaConfBaseException:  # a path through a list with a name, or through a value
+            parent = None
+        if isinstance(parent, ListConfig) and re.fullmatch(r"-?\d+", leaf) and -len(parent) <= int(leaf) < len(parent):
+            del parent[int(leaf)]
+        elif isinstance(parent, DictConfig) and leaf in parent:
+            del parent[leaf]
+        else:
             raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
-        del parent[leaf]
         return None
     if "=" not in ov:
         raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
@@ -268,17 +294,18 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
         key, mode = key[2:], "force"
     elif key.startswith("+"):
         key, mode = key[1:], "add"
-    if not key or any(not part for part in key.split(".")):
+    parts = _key_parts(key)
+    if not all(parts):
         raise ConfigError(f"override {ov!r}: empty key")
     value = _parse_value(value_text, ov)
-    exists = OmegaConf.select(cfg, key, default="__missing__", throw_on_missing=False) != "__missing__"
-    if mode == "add" and exists:
-        raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
     try:
+        exists = OmegaConf.select(cfg, key, default="__missing__", throw_on_missing=False) != "__missing__"
+        if mode == "add" and exists:
+            raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"override {ov!r}: {e}") from None
-    return key
+    except OmegaConfBaseException as e:  # e.g. a list item named by a word (`a.x` where a is a list)
+        raise ConfigError(f"override {ov!r}: {str(e).splitlines()[0]}") from None
+    return _origin_key(cfg, parts)
 
 
 def apply_overrides(

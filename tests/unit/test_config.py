@@ -114,6 +114,26 @@ def test_add_existing_and_remove_missing_are_errors(tmp_path):
     assert "'justakey' is not of the form key=value" in msg
 
 
+def test_overrides_of_list_items(tmp_path):
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          scheduler:
+            - {name: LinearLR, kwargs: {start_factor: 0.1}}
+            - {milestones: [10]}
+            - {name: ConstantLR}
+    """)
+    cfg = load_config("sft", path, ["policy.scheduler.0.name=CosineAnnealingLR", "~policy.scheduler[2]",
+                                    "~policy.scheduler.1"])
+    assert [e.name for e in cfg.policy.scheduler] == ["CosineAnnealingLR"]
+    with pytest.raises(ConfigError) as e:
+        load_config("sft", path, ["policy.scheduler.0.name=123", "policy.scheduler.x=1", "~policy.scheduler.7"])
+    msg = str(e.value)
+    # A bad value set through `a.0.b` is blamed on the command line, not on the file that set the item.
+    assert "policy.scheduler[0].name: got 123, expected a valid string  [set at command line" in msg
+    assert "override 'policy.scheduler.x=1': Index 'x' (str) is not an int" in msg
+    assert "cannot remove 'policy.scheduler.7', it is not set in the config" in msg
+
+
 def test_apply_overrides_on_omegaconf():
     from omegaconf import OmegaConf
 
