@@ -15,11 +15,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
-from posttrain.config import InputError, MissingInputError
+from posttrain.config import ConfigError, InputError, MissingInputError, load_yaml_with_defaults
 from posttrain.policy.hf_io import config_for_kind, load_hf_config, model_class, save_hf
-from posttrain.schemas import LoraConfig
+from posttrain.schemas import LoraConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,21 @@ def _policy_dir(checkpoint: Path) -> Path:
 def _model_source(policy_dir: Path, config_path: str | None) -> str:
     if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
         return str(policy_dir / HF_CONFIG_DIR)
+    if config_path and not Path(config_path).is_file():
+        raise MissingInputError(f"--config {config_path}: no such file")
     candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
     for c in candidates:
         if c.is_file():
-            import yaml
-
-            return yaml.safe_load(c.read_text())["policy"]["model_name"]
+            # Read as the run read it (`defaults:`, interpolation); the run's algorithm is not
+            # known here, so only policy.model_name is taken, with the schema's default.
+            cfg = load_yaml_with_defaults(c)
+            try:
+                name = OmegaConf.select(cfg, "policy.model_name", default=PolicyConfig().model_name)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{c}: cannot read policy.model_name: {str(e).splitlines()[0]}") from None
+            if not isinstance(name, str):
+                raise ConfigError(f"{c}: policy.model_name must be a string, got {name!r}")
+            return name
     raise MissingInputError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
                             f"(tried {', '.join(map(str, candidates))}); pass --config")
 

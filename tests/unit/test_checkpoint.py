@@ -301,3 +301,25 @@ def test_dcp_to_hf_names_the_checkpoints_of_a_checkpoint_dir_and_refuses_a_file_
     with pytest.raises(InputError, match="--output .*notes.txt: exists and is not a folder"):
         convert(tmp_path / "ckpt" / "step_2", tmp_path / "notes.txt")
     assert (tmp_path / "notes.txt").read_text() == "keep"
+
+
+def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
+    # Without hf_config/ in the checkpoint, the model comes from the run's config: read through
+    # `defaults:` and interpolations, with the schema default when the config does not name one.
+    from posttrain.config import ConfigError, MissingInputError
+    from posttrain.convert.dcp_to_hf import _model_source
+
+    policy = tmp_path / "step_1" / "policy"
+    policy.mkdir(parents=True)
+    (tmp_path / "base.yaml").write_text("policy: {model_name: embedded:small}\n")
+    (tmp_path / "run.yaml").write_text("defaults: base.yaml\ngrpo: {seed: 1}\n")
+    (tmp_path / "plain.yaml").write_text("description: ${policy.model_name}\n")
+    (tmp_path / "list.yaml").write_text("- policy\n")
+    assert _model_source(policy, str(tmp_path / "run.yaml")) == "embedded:small"
+    assert _model_source(policy, str(tmp_path / "plain.yaml")) == "embedded:tiny"
+    with pytest.raises(ConfigError, match="list.yaml: the top level of a config must be a mapping"):
+        _model_source(policy, str(tmp_path / "list.yaml"))
+    with pytest.raises(MissingInputError, match=r"--config .*nowhere.yaml: no such file"):
+        _model_source(policy, str(tmp_path / "nowhere.yaml"))
+    (tmp_path / "step_1" / "config.yaml").write_text("policy: {model_name: embedded:small}\n")
+    assert _model_source(policy, None) == "embedded:small"  # the config the run saved with its checkpoint
