@@ -307,7 +307,7 @@ class PolicyConfig(Section):
     precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Positions per chunk of the float32 log-softmax over the vocabulary when computing token
     # logprobs (bounds memory: positions x vocab); null: all positions at once.
-    logprob_chunk_size: int | None = None
+    logprob_chunk_size: int | None = Field(None, ge=1)
     # "auto" picks CUDA when present, else CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # transformers attention kernel of the policy (and reference) model. "auto": on CPU eager up
@@ -338,7 +338,7 @@ class PolicyConfig(Section):
     skip_zero_gradient_samples: bool = True
     # Clip the global L2 norm of the gradients to this before each optimizer step; null: no
     # clipping (the norm is logged as grad_norm either way).
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = Field(1.0, gt=0)
     # An optimizer step whose global gradient norm is NaN or inf is skipped: the weights,
     # optimizer moments and LR schedule stay as they were (train/skipped_steps counts them),
     # so no checkpoint ever holds a NaN update. After this many skipped steps in a row the run
@@ -404,9 +404,9 @@ class ClippedPGLossConfig(Section):
     # k3 = (r - 1) - log r (posttrain.losses.kl).
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     # Clamp log(pi_ref/pi) to [-v, v] before the KL estimator; null = off.
-    kl_input_clamp_value: float | None = 20.0
+    kl_input_clamp_value: float | None = Field(20.0, gt=0)
     # Clamp the per-token KL estimate to [-v, v]; null = off.
-    kl_output_clamp_value: float | None = 10.0
+    kl_output_clamp_value: float | None = Field(10.0, gt=0)
     # The ratio is clipped below at 1 - ratio_clip_min.
     ratio_clip_min: float = Field(0.2, ge=0)
     # The ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: ratio_clip_max > ratio_clip_min).
@@ -497,7 +497,7 @@ class DataConfig(Section):
                     "code"] | None = None
     # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
     # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it.
-    max_input_seq_length: int | None = None
+    max_input_seq_length: int | None = Field(None, ge=1)
     # Text file holding a template with one `{}` that wraps each row's first user message; null: none.
     prompt_file: str | None = None
     # Text file whose content is added as a system message to rows without one; null: none.

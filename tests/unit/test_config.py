@@ -207,6 +207,23 @@ def test_wrong_type_names_key_value_and_expected():
     assert "command line (policy.train_micro_batch_size=abc)" in msg
 
 
+def test_bounds_of_values_that_would_silently_misbehave():
+    # A negative max_grad_norm flips the gradients (clip scales them by max_norm / norm), a
+    # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.max_grad_norm=-1", "policy.logprob_chunk_size=0",
+                                   "loss_fn.kl_input_clamp_value=-1", "loss_fn.kl_output_clamp_value=0",
+                                   "data.max_input_seq_length=-5"])
+    msg = str(e.value)
+    assert "policy.max_grad_norm: got -1, expected greater than 0" in msg
+    assert "policy.logprob_chunk_size: got 0, expected greater than or equal to 1" in msg
+    assert "loss_fn.kl_input_clamp_value: got -1, expected greater than 0" in msg
+    assert "loss_fn.kl_output_clamp_value: got 0, expected greater than 0" in msg
+    assert "data.max_input_seq_length: got -5, expected greater than or equal to 1" in msg
+    cfg = load_config("grpo", None, ["policy.max_grad_norm=null", "loss_fn.kl_input_clamp_value=null"])
+    assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
+
+
 def test_all_errors_reported_at_once(tmp_path):
     path = _write(tmp_path / "c.yaml", "grpo:\n  max_grad_norm: 1\npolicy:\n  precision: fp8\n")
     with pytest.raises(ConfigError) as e:
