@@ -133,6 +133,14 @@ def test_launcher_script_is_the_cli():
     assert yaml.safe_load(out.stdout)["sft"]["max_num_steps"] == 3
 
 
+def test_python_dash_m_posttrain_is_the_cli():
+    # For an environment whose scripts folder is not on PATH (or a checkout that is not installed).
+    out = subprocess.run([sys.executable, "-m", "posttrain", "sft", "--print-config", "sft.max_num_steps=3"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["sft"]["max_num_steps"] == 3
+
+
 @pytest.fixture
 def fake_modules(monkeypatch):
     """Recording stand-ins for an algorithm and a converter: these tests are about the
