@@ -37,7 +37,7 @@ _ALGO_HELP = {
 _OVERRIDE_HELP = """\
 overrides (Hydra style, as in NeMo RL):
   a.b=1          set a key                       policy.max_grad_norm=0.5
-  +a.b=1         add a key that is not set yet   +policy.optimizer.kwargs.betas=[0.9,0.99]
+  +a.b=1         add a key that is not set yet   +policy.generation.top_k=50
   ++a.b=1        add or set                      ++logger.wandb.name=run1
   ~a.b           remove (back to the default)    ~policy.scheduler
   values are YAML: [1,2], null, true, 1e-3; interpolation: ${policy.model_name},

@@ -127,9 +127,22 @@ class PrefixSharingConfig(Section):
 class OptimizerConfig(Section):
     # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
     name: str = "torch.optim.AdamW"
-    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...). Adam and AdamW
-    # take torch's fused kernel (fused=true) unless fused or foreach is set here.
+    # Keyword arguments of the optimizer (lr, weight_decay, betas, eps, ...), replaced as a whole:
+    # they must set lr. Adam and AdamW take torch's fused kernel (fused=true) unless fused or
+    # foreach is set here.
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
+
+    @model_validator(mode="after")
+    def _lr_is_set(self) -> "OptimizerConfig":
+        # Set kwargs replace the default ones as a whole (an SGD must not inherit AdamW's weight
+        # decay), so `policy.optimizer.kwargs.betas=...` alone would drop lr 5e-6 for the
+        # optimizer's own default (AdamW: 1e-3) without a word.
+        if "lr" not in self.kwargs:
+            raise ValueError(
+                f"policy.optimizer.kwargs sets no lr ({self.kwargs}); set kwargs replace the default "
+                f"{type(self)().kwargs} as a whole, so the optimizer's own default lr would apply: "
+                "set policy.optimizer.kwargs.lr too")
+        return self
 
 
 class SchedulerEntry(Section):

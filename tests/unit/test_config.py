@@ -224,6 +224,16 @@ def test_bounds_of_values_that_would_silently_misbehave():
     assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
 
 
+def test_optimizer_kwargs_without_lr_are_an_error():
+    # kwargs replace the default {lr: 5e-6, weight_decay: 0.01} as a whole: setting betas alone
+    # would run at torch's own lr (AdamW: 1e-3, 200x the default) without a word.
+    with pytest.raises(ConfigError, match=r"policy.optimizer: policy.optimizer.kwargs sets no lr .* set "
+                                          r"policy.optimizer.kwargs.lr too  \[set at command line"):
+        load_config("grpo", None, ["+policy.optimizer.kwargs.betas=[0.9,0.99]"])
+    cfg = load_config("grpo", None, ["policy.optimizer.kwargs={lr: 1e-3, betas: [0.9, 0.99]}"])
+    assert cfg.policy.optimizer.kwargs == {"lr": 1e-3, "betas": [0.9, 0.99]}
+
+
 def test_all_errors_reported_at_once(tmp_path):
     path = _write(tmp_path / "c.yaml", "grpo:\n  max_grad_norm: 1\npolicy:\n  precision: fp8\n")
     with pytest.raises(ConfigError) as e:
