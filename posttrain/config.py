@@ -130,11 +130,17 @@ class _Loader(yaml.SafeLoader):
     """
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings `_Loader` reads as floats (`"1e5"`), so that a config
+    it writes (--print-config, the run directory's config.yaml) reads back the same."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
 
 
 def _yaml_load(text: str) -> Any:
@@ -590,6 +596,8 @@ def load_config(
     return validate(cfg, MASTER_CONFIGS[algorithm], source, origins, override_problems)
 
 
-def to_yaml(config: BaseModel) -> str:
-    """The fully resolved config (every default filled in) as YAML, for the run directory."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+def to_yaml(config: BaseModel | dict[str, Any]) -> str:
+    """The fully resolved config (every default filled in, or its `model_dump(mode="json")`) as
+    YAML that `load_config` reads back the same, for the run directory."""
+    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)

@@ -25,9 +25,8 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
 from posttrain.checkpoint import move_aside
+from posttrain.config import to_yaml
 from posttrain.logging.jsonl import read_metrics
 from posttrain.logging.timer import Timer
 from posttrain.schemas import LoggerConfig
@@ -119,7 +118,7 @@ class Logger:
         if self.moved_aside is not None:
             self.console(f"the earlier run's logs in {self.run_dir} were moved to {self.moved_aside}")
         if hparams:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(hparams, sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(to_yaml(hparams))
             for backend in self._backends:
                 backend.log_hparams(hparams)
 

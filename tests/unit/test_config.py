@@ -362,6 +362,9 @@ def test_to_yaml_roundtrip(tmp_path):
     path = _write(tmp_path / "resolved.yaml", text)
     assert load_config("sft", path) == cfg
     assert validate(yaml.safe_load(text), SFTMasterConfig) == cfg
+    # Strings that the config loader would read as numbers (`1e5` is a float to it) are quoted.
+    cfg = load_config("sft", None, ['logger.wandb.name="1e5"', 'description="2E-3"'])
+    assert load_config("sft", _write(tmp_path / "strings.yaml", to_yaml(cfg))) == cfg
 
 
 def test_typo_fails_fast_without_heavy_imports():
