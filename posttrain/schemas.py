@@ -44,6 +44,11 @@ class ClusterConfig(Section):
     # Seconds to wait for a placement group before failing with what was asked and offered.
     placement_timeout_s: float = Field(30.0, gt=0)
 
+    @property
+    def num_workers(self) -> int:
+        """Workers (placement bundles): one per GPU, or workers_per_node per node without GPUs."""
+        return self.num_nodes * (self.gpus_per_node or self.workers_per_node)
+
 
 # --------------------------------------------------------------------------- policy
 
@@ -1099,6 +1104,21 @@ class _MasterBase(Section):
                 f"policy.reward_model_cfg.enabled=true, but `posttrain {command}` {verb} a causal LM, not a "
                 "reward model (`posttrain rm` trains those); set it to false or leave it unset"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _batch_splits_over_the_policy_workers(self) -> "_MasterBase":
+        # Checked again where they are used (Policy, Policy.train), but only after Ray has
+        # started, the model is loaded, and (for the batch) at the first training step.
+        workers, tp = self.cluster.num_workers, self.policy.dtensor_cfg.tensor_parallel_size
+        if workers % tp:
+            raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide the {workers} policy "
+                             "workers (cluster.num_nodes x gpus_per_node, or x workers_per_node without GPUs)")
+        if self._command() != "eval" and self.policy.train_global_batch_size % (workers // tp):
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) must be a multiple of the "
+                f"{workers // tp} data-parallel policy workers (cluster.num_nodes x gpus_per_node, or x "
+                "workers_per_node without GPUs, / policy.dtensor_cfg.tensor_parallel_size)")
         return self
 
     @model_validator(mode="after")

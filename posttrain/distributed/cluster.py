@@ -73,7 +73,7 @@ class RayVirtualCluster:
         self.use_gpus = cfg.gpus_per_node > 0
         per_node = cfg.gpus_per_node if self.use_gpus else cfg.workers_per_node
         self.workers_per_node = per_node
-        self.world_size = cfg.num_nodes * per_node
+        self.world_size = cfg.num_workers
         bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
         if self.use_gpus:
             bundle["GPU"] = 1

@@ -234,6 +234,19 @@ def test_optimizer_kwargs_without_lr_are_an_error():
     assert cfg.policy.optimizer.kwargs == {"lr": 1e-3, "betas": [0.9, 0.99]}
 
 
+def test_the_batch_must_split_over_the_policy_workers_at_load():
+    # Found otherwise after Ray started: by the Policy (tensor parallel) or at the first training step.
+    with pytest.raises(ConfigError, match=r"policy.train_global_batch_size \(32\) must be a multiple of the 3 "
+                                          r"data-parallel policy workers"):
+        load_config("sft", None, ["cluster.workers_per_node=3"])
+    with pytest.raises(ConfigError, match=r"policy.dtensor_cfg.tensor_parallel_size \(3\) must divide the 2 "
+                                          r"policy workers"):
+        load_config("eval", None, ["cluster.workers_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=3"])
+    load_config("eval", None, ["cluster.workers_per_node=3"])  # eval does not train
+    load_config("dpo", None, ["cluster.num_nodes=2", "cluster.gpus_per_node=4", "policy.train_global_batch_size=8",
+                              "policy.dtensor_cfg.tensor_parallel_size=2"])
+
+
 def test_all_errors_reported_at_once(tmp_path):
     path = _write(tmp_path / "c.yaml", "grpo:\n  max_grad_norm: 1\npolicy:\n  precision: fp8\n")
     with pytest.raises(ConfigError) as e:
