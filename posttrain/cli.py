@@ -83,6 +83,16 @@ def _top_parser() -> argparse.ArgumentParser:
     )
 
 
+class _Once(argparse.Action):
+    """An option given at most once: argparse would keep the last `--config` and drop the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} given twice (the last one alone would be used); "
+                         "a config inherits another with `defaults:`")
+        setattr(namespace, self.dest, values)
+
+
 def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"posttrain {algorithm}",
@@ -90,7 +100,7 @@ def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
         description=_ALGO_HELP[algorithm],
         epilog=f"{_sections_help(algorithm)}\n\n{_OVERRIDE_HELP}",
     )
-    p.add_argument("--config", metavar="FILE", help="YAML config (may inherit others with `defaults:`); "
+    p.add_argument("--config", metavar="FILE", action=_Once, help="YAML config (may inherit others with `defaults:`); "
                    "without it the schema defaults run the embedded task")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (see below)")

@@ -580,9 +580,11 @@ def load_config(
 
     if algorithm not in MASTER_CONFIGS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; valid: {', '.join(MASTER_CONFIGS)}")
+    if config_path is not None and not str(config_path):  # e.g. an unset "$CONFIG": not the defaults
+        raise ConfigError("config file not found: '' (an empty path)")
     overrides = list(overrides)
     origins: dict[str, str] = {}
-    cfg = load_yaml_with_defaults(config_path, origins) if config_path else OmegaConf.create({})
+    cfg = load_yaml_with_defaults(config_path, origins) if config_path is not None else OmegaConf.create({})
     override_problems: list[str] = []
     for ov in overrides:
         # One at a time so that every bad override is reported along with the schema's errors.

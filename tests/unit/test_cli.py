@@ -126,6 +126,20 @@ def test_bad_command_and_option():
     assert out.returncode == 2 and "--bogus" in out.stderr
 
 
+def test_config_given_twice_or_empty_is_a_usage_error(tmp_path, capsys):
+    # The last --config alone would run (the first one's keys silently lost); an empty one (an
+    # unset "$CONFIG") would run the schema defaults.
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text("sft: {max_num_steps: 3}\n")
+    for argv in (["--config", str(tmp_path / "a.yaml"), f"--config={tmp_path / 'b.yaml'}"], ["--config", ""]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["sft", "--print-config", *argv])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--config given twice (the last one alone would be used); a config inherits another with `defaults:`" in err
+    assert "config file not found: ''" in err and "Traceback" not in err
+
+
 def test_launcher_script_is_the_cli():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "run_sft.py"), "--print-config", "sft.max_num_steps=3"],
                          capture_output=True, text=True, timeout=60)
