@@ -460,6 +460,17 @@ def _origin_of(key: str, origins: dict[str, str]) -> str | None:
     return None
 
 
+def _owners_hint(key: str, schema: type[BaseModel]) -> str:
+    """For a top-level section of other commands only (`grpo` under `posttrain sft`): whose it is."""
+    from posttrain.schemas import MASTER_CONFIGS
+
+    commands = {cls: name for name, cls in MASTER_CONFIGS.items()}
+    owners = [f"`posttrain {name}`" for cls, name in commands.items() if key in cls.model_fields]
+    if schema not in commands or not owners:
+        return ""
+    return f" (a section of {' and '.join(owners)}, not of `posttrain {commands[schema]}`)"
+
+
 def _format_errors(
     err: ValidationError, schema: type[BaseModel], origins: dict[str, str], skip: set[str]
 ) -> list[str]:
@@ -474,7 +485,7 @@ def _format_errors(
         first = errs[0]
         if first["type"] == "extra_forbidden":
             hint = suggest_key(key, valid)
-            msg = f"unknown key {key!r}" + (f" (did you mean {hint}?)" if hint else "")
+            msg = f"unknown key {key!r}" + (f" (did you mean {hint}?)" if hint else _owners_hint(key, schema))
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):

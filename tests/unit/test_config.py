@@ -198,6 +198,18 @@ def test_typo_names_key_place_and_suggestion(tmp_path):
     assert f"{path.resolve()}:3" in msg
 
 
+def test_a_section_of_another_command_says_whose_it_is(tmp_path):
+    # The usual cause: a config (or override) written for another command.
+    path = _write(tmp_path / "grpo.yaml", "grpo: {max_num_steps: 3}\nloss_fn: {ratio_clip_min: 0.1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("sft", path, ["env.math.num_workers=1"])
+    msg = str(e.value)
+    assert "unknown key 'grpo' (a section of `posttrain grpo`, not of `posttrain sft`)" in msg
+    assert "unknown key 'env' (a section of `posttrain grpo` and `posttrain eval`, not of `posttrain sft`)" in msg
+    with pytest.raises(ConfigError, match=r"unknown key 'bogus'  \["):
+        load_config("sft", None, ["bogus=1"])
+
+
 def test_wrong_type_names_key_value_and_expected():
     with pytest.raises(ConfigError) as e:
         load_config("grpo", None, ["policy.train_micro_batch_size=abc", "logger.wandb.mode=sometimes"])
