@@ -250,11 +250,19 @@ def _parse_value(text: str, override: str) -> Any:
     if text.startswith("${") and text.endswith("}"):
         return text  # a whole interpolation; `${mul: 2, 3}` would otherwise read as a YAML mapping
     try:
-        return _yaml_load(text)
+        node = yaml.compose(text, Loader=_Loader)
+        value = _yaml_load(text)
     except yaml.YAMLError as e:
         if "${" in text:
             return text  # e.g. `${mul: a, b}`, not a YAML plain scalar but a valid interpolation
         raise ConfigError(f"override {override!r}: cannot parse value {text!r}: {e}") from None
+    dropped = text[node.end_mark.index if node is not None else 0 :].strip()
+    if dropped:  # only a comment follows a value: YAML would drop it (`run #1` is "run") without a word
+        fix = "remove it"  # from a list or mapping; a string keeps it when quoted
+        if node is None or isinstance(node, yaml.ScalarNode):
+            fix = f"quote the value: {override.split('=', 1)[0]}={text.strip()!r}"
+        raise ConfigError(f"override {override!r}: YAML reads {dropped!r} as a comment; {fix}")
+    return value
 
 
 def _key_parts(key: str) -> list[str]:

@@ -104,6 +104,17 @@ def test_every_override_form(tmp_path):
     assert cfg.policy.tokenizer.name == "embedded:small"
 
 
+def test_an_override_value_that_yaml_reads_partly_as_a_comment_is_an_error():
+    # `description=run #1` was "run", `description=#1` null, without a word.
+    with pytest.raises(ConfigError) as e:
+        load_config("sft", None, ["description=run #1", "logger.wandb.name=#1"])
+    msg = str(e.value)
+    assert "override 'description=run #1': YAML reads '#1' as a comment; quote the value: description='run #1'" in msg
+    assert "override 'logger.wandb.name=#1': YAML reads '#1' as a comment" in msg
+    cfg = load_config("sft", None, ["description='run #1'", "logger.wandb.name=exp#1", "policy.max_grad_norm= 0.5 "])
+    assert (cfg.description, cfg.logger.wandb.name, cfg.policy.max_grad_norm) == ("run #1", "exp#1", 0.5)
+
+
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
     path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
     with pytest.raises(ConfigError) as e:
