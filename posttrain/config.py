@@ -270,35 +270,38 @@ def _key_parts(key: str) -> list[str]:
     return re.sub(r"\[(-?\d+)\]", r".\1", key).split(".")
 
 
-def _origin_key(cfg: DictConfig, parts: list[str]) -> str:
-    """The key of `parts` as origins and validation errors name it, list items as `a[0].b`, so
-    that a value set by `a.0.b=...` is blamed on the command line, not on the file that set it."""
-    key, node = "", OmegaConf.to_container(cfg, resolve=False)
+def _find(cfg: DictConfig, parts: list[str]) -> tuple[str, bool]:
+    """The key of `parts` as origins and validation errors name it, list items as `a[0].b` (so
+    that a value set by `a.0.b=...` is blamed on the command line, not on the file that set it),
+    and whether `cfg` holds it. Not resolved: a value may interpolate a schema default that
+    `cfg` does not hold."""
+    key, node, found = "", OmegaConf.to_container(cfg, resolve=False), True
     for part in parts:
         if isinstance(node, list):
+            if not (re.fullmatch(r"-?\d+", part) and -len(node) <= int(part) < len(node)):
+                raise ConfigError(f"{key} is a list of {len(node)} items: {part!r} is not one of its indices")
             index = int(part) % len(node)  # -1: the last item
             key, node = f"{key}[{index}]", node[index]
         else:
             key = f"{key}.{part}" if key else part
+            found = found and isinstance(node, dict) and part in node
             node = node.get(part) if isinstance(node, dict) else None
-    return key
+    return key, found
 
 
 def _apply_one(cfg: DictConfig, ov: str) -> str | None:
     """Apply one override; return the dotted key it set (None for a removal)."""
     if ov.startswith("~"):
         key = ov[1:].split("=", 1)[0]
-        *parent_parts, leaf = _key_parts(key)
+        parts = _key_parts(key)
         try:
-            parent = OmegaConf.select(cfg, ".".join(parent_parts)) if parent_parts else cfg
-        except OmegaConfBaseException:  # a path through a list with a name, or through a value
-            parent = None
-        if isinstance(parent, ListConfig) and re.fullmatch(r"-?\d+", leaf) and -len(parent) <= int(leaf) < len(parent):
-            del parent[int(leaf)]
-        elif isinstance(parent, DictConfig) and leaf in parent:
-            del parent[leaf]
-        else:
+            exists = _find(cfg, parts)[1]
+        except ConfigError:
+            exists = False
+        if not exists:
             raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
+        parent = OmegaConf.select(cfg, ".".join(parts[:-1])) if parts[:-1] else cfg
+        del parent[int(parts[-1]) if isinstance(parent, ListConfig) else parts[-1]]
         return None
     if "=" not in ov:
         raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
@@ -313,13 +316,16 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
         raise ConfigError(f"override {ov!r}: empty key")
     value = _parse_value(value_text, ov)
     try:
-        exists = OmegaConf.select(cfg, key, default="__missing__", throw_on_missing=False) != "__missing__"
-        if mode == "add" and exists:
-            raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
+        exists = _find(cfg, parts)[1]
+    except ConfigError as e:
+        raise ConfigError(f"override {ov!r}: {e}") from None
+    if mode == "add" and exists:
+        raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
+    try:
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    except OmegaConfBaseException as e:  # e.g. a list item named by a word (`a.x` where a is a list)
+    except OmegaConfBaseException as e:  # e.g. a path through a value (`a.b.c` where a.b is a number)
         raise ConfigError(f"override {ov!r}: {str(e).splitlines()[0]}") from None
-    return _origin_key(cfg, parts)
+    return _find(cfg, parts)[0]
 
 
 def apply_overrides(

@@ -141,7 +141,7 @@ def test_overrides_of_list_items(tmp_path):
     msg = str(e.value)
     # A bad value set through `a.0.b` is blamed on the command line, not on the file that set the item.
     assert "policy.scheduler[0].name: got 123, expected a valid string  [set at command line" in msg
-    assert "override 'policy.scheduler.x=1': Index 'x' (str) is not an int" in msg
+    assert "override 'policy.scheduler.x=1': policy.scheduler is a list of 3 items: 'x' is not one of its indices" in msg
     assert "cannot remove 'policy.scheduler.7', it is not set in the config" in msg
 
 
@@ -178,6 +178,11 @@ def test_interpolation_including_schema_defaults(tmp_path):
     cfg = load_config("grpo", path, ["policy.max_total_sequence_length=128",
                                      "grpo.max_num_steps=${policy.train_micro_batch_size}"])
     assert cfg.policy.dynamic_batching.train_mb_tokens == 256
+    # A key set to such an interpolation can be overridden (it was refused: "not found").
+    for ov in ("policy.generation.max_new_tokens=64", "++policy.generation.max_new_tokens=64"):
+        assert load_config("grpo", path, [ov]).policy.generation.max_new_tokens == 64
+    with pytest.raises(ConfigError, match="'policy.generation.max_new_tokens' is already set"):
+        load_config("grpo", path, ["+policy.generation.max_new_tokens=64"])
     assert cfg.grpo.max_num_steps == 2
     # Inside lists, with spaces (as NeMo RL writes `${mul:a, b}`), and a list entry that fails.
     cfg = load_config("grpo", path, ["policy.generation.stop_strings=['${policy.model_name}', x]",
