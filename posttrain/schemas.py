@@ -375,6 +375,24 @@ class PolicyConfig(Section):
     # Refuse to load a model whose weights need more than this fraction of available memory.
     max_memory_fraction: float = Field(0.8, gt=0, le=1)
 
+    @field_validator("scheduler")
+    @classmethod
+    def _one_chain(cls, entries: list[SchedulerEntry]) -> list[SchedulerEntry]:
+        # The chain posttrain.policy.optim.build_scheduler makes of them (here, not in the
+        # workers, so that it fails before Ray starts).
+        named = sum(e.name is not None for e in entries)
+        milestones = [e.milestones for e in entries if e.milestones is not None]
+        if len(milestones) > 1:
+            raise ValueError("more than one `milestones` entry")
+        if milestones and not named:
+            raise ValueError("`milestones` but no scheduler entries to chain")
+        if milestones and named == 1:
+            raise ValueError("`milestones` needs at least two schedulers to switch between")
+        if named > 1 and (not milestones or len(milestones[0]) != named - 1):
+            raise ValueError(f"{named} schedulers: add an entry `milestones` with {named - 1} step(s) at which to "
+                             f"switch (got {milestones[0] if milestones else None})")
+        return entries
+
     @model_validator(mode="after")
     def _batch_sizes(self) -> "PolicyConfig":
         if self.tokenizer.name is None:

@@ -98,14 +98,11 @@ def _scheduler_cls(name: str) -> type:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry]) -> lrs.LRScheduler:
-    """The LR scheduler chain of `policy.scheduler` (see the module docstring)."""
+    """The LR scheduler chain of `policy.scheduler` (see the module docstring), whose shape
+    PolicyConfig has checked."""
     named = [e for e in entries if e.name is not None]
-    milestones = [e.milestones for e in entries if e.milestones is not None]
-    if len(milestones) > 1:
-        raise InputError("policy.scheduler has more than one `milestones` entry")
+    milestones = next((e.milestones for e in entries if e.milestones is not None), None)
     if not named:
-        if milestones:
-            raise InputError("policy.scheduler has `milestones` but no scheduler entries to chain")
         return lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
     schedulers = []
     for i, e in enumerate(named):
@@ -115,15 +112,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
         except (TypeError, ValueError) as err:
             raise InputError(f"policy.scheduler[{i}] ({e.name}) kwargs {e.kwargs}: {err}") from None
     if len(schedulers) == 1:
-        if milestones:
-            raise InputError("policy.scheduler: `milestones` needs at least two schedulers to switch between")
         return schedulers[0]
-    if not milestones or len(milestones[0]) != len(schedulers) - 1:
-        raise InputError(
-            f"policy.scheduler has {len(schedulers)} schedulers: add an entry `milestones` with "
-            f"{len(schedulers) - 1} step(s) at which to switch (got {milestones[0] if milestones else None})"
-        )
-    return lrs.SequentialLR(optimizer, schedulers, milestones=milestones[0])
+    return lrs.SequentialLR(optimizer, schedulers, milestones=milestones)
 
 
 def run_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """Config loading: inheritance, every override form, interpolation, and every error message."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -275,6 +276,21 @@ def test_the_batch_must_split_over_the_policy_workers_at_load():
                               "policy.dtensor_cfg.tensor_parallel_size=2"])
 
 
+def test_a_scheduler_chain_that_cannot_be_built_fails_at_load():
+    # It failed in the policy workers, after Ray started and the model loaded.
+    cases = {
+        "[{name: ConstantLR}, {name: LinearLR}]": "2 schedulers: add an entry `milestones` with 1 step(s)",
+        "[{name: ConstantLR}, {name: LinearLR}, {milestones: [2, 3]}]": "2 schedulers: add an entry `milestones` "
+                                                                        "with 1 step(s) at which to switch (got [2, 3])",
+        "[{milestones: [2]}, {milestones: [3]}]": "more than one `milestones` entry",
+        "[{milestones: [2]}]": "`milestones` but no scheduler entries to chain",
+        "[{name: ConstantLR}, {milestones: [2]}]": "`milestones` needs at least two schedulers",
+    }
+    for value, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(f"policy.scheduler: {message}")):
+            load_config("sft", None, [f"policy.scheduler={value}"])
+
+
 def test_all_errors_reported_at_once(tmp_path):
     path = _write(tmp_path / "c.yaml", "grpo:\n  max_grad_norm: 1\npolicy:\n  precision: fp8\n")
     with pytest.raises(ConfigError) as e:
@@ -397,7 +413,7 @@ def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
 
 def test_to_yaml_roundtrip(tmp_path):
     cfg = load_config("sft", None, ["policy.model_name=m", "sft.max_num_steps=3",
-                                    "policy.scheduler=[{name: x, kwargs: {a: 1}}, {milestones: [2]}]"])
+                                    "policy.scheduler=[{name: x, kwargs: {a: 1}}, {name: y}, {milestones: [2]}]"])
     text = to_yaml(cfg)
     assert yaml.safe_load(text)["sft"]["max_num_steps"] == 3
     path = _write(tmp_path / "resolved.yaml", text)
