@@ -129,6 +129,10 @@ class PrefixSharingConfig(Section):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
+# Optimizers by a short name; any other one by its dotted import path (posttrain.policy.optim).
+OPTIMIZERS = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
+
+
 class OptimizerConfig(Section):
     # A registry name ("adamw", "adam", "sgd") or a dotted import path ("torch.optim.AdamW").
     name: str = "torch.optim.AdamW"
@@ -136,6 +140,14 @@ class OptimizerConfig(Section):
     # they must set lr. Adam and AdamW take torch's fused kernel (fused=true) unless fused or
     # foreach is set here.
     kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
+
+    @field_validator("name")
+    @classmethod
+    def _registered_or_a_path(cls, name: str) -> str:
+        if name.lower() not in OPTIMIZERS and "." not in name:
+            raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)} or a dotted import path "
+                             "such as 'torch.optim.AdamW'")
+        return name
 
     @model_validator(mode="after")
     def _lr_is_set(self) -> "OptimizerConfig":

@@ -18,13 +18,7 @@ import torch
 from torch.optim import lr_scheduler as lrs
 
 from posttrain.config import InputError
-from posttrain.schemas import OptimizerConfig, SchedulerEntry
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-}
+from posttrain.schemas import OPTIMIZERS, OptimizerConfig, SchedulerEntry
 
 SCHEDULERS: dict[str, type] = {
     name: obj for name, obj in vars(lrs).items()
@@ -43,15 +37,7 @@ def _import_dotted(path: str, key: str):
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """The optimizer class of a `policy.optimizer.name`."""
-    if name.lower() in OPTIMIZERS:
-        cls = OPTIMIZERS[name.lower()]
-    elif "." in name:
-        cls = _import_dotted(name, "policy.optimizer.name")
-    else:
-        raise InputError(
-            f"unknown policy.optimizer.name {name!r}; valid: {', '.join(OPTIMIZERS)} "
-            "or a dotted import path such as 'torch.optim.AdamW'"
-        )
+    cls = _import_dotted(OPTIMIZERS.get(name.lower(), name), "policy.optimizer.name")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise InputError(f"policy.optimizer.name {name!r} is not a torch.optim.Optimizer subclass")
     return cls

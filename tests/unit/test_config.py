@@ -253,6 +253,15 @@ def test_bounds_of_values_that_would_silently_misbehave():
     assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
 
 
+def test_an_optimizer_name_that_is_neither_registered_nor_a_path_fails_at_load():
+    # It failed in the policy workers, after Ray started and the model loaded.
+    with pytest.raises(ConfigError, match=r"policy.optimizer.name: unknown optimizer 'adamww'; valid: adamw, adam, "
+                                          r"sgd or a dotted import path such as 'torch.optim.AdamW'"):
+        load_config("sft", None, ["policy.optimizer.name=adamww"])
+    for name in ("AdamW", "sgd", "my_pkg.optim.Lion"):  # a dotted path is imported by the workers
+        assert load_config("sft", None, [f"policy.optimizer.name={name}"]).policy.optimizer.name == name
+
+
 def test_optimizer_kwargs_without_lr_are_an_error():
     # kwargs replace the default {lr: 5e-6, weight_decay: 0.01} as a whole: setting betas alone
     # would run at torch's own lr (AdamW: 1e-3, 200x the default) without a word.

@@ -182,8 +182,8 @@ def test_bad_optimizer_and_scheduler_settings_are_input_errors():
     """The CLI prints an InputError alone (exit 2), also from a policy worker; others get a traceback."""
     from posttrain.config import InputError
 
-    with pytest.raises(InputError, match="unknown policy.optimizer.name 'lion'"):
-        build_optimizer(_params(), OptimizerConfig(name="lion", kwargs={"lr": 0.1}))
+    with pytest.raises(InputError, match="policy.optimizer.name: cannot import 'torch.optim.Lion'"):
+        build_optimizer(_params(), OptimizerConfig(name="torch.optim.Lion", kwargs={"lr": 0.1}))
     with pytest.raises(InputError, match=r"policy.optimizer.kwargs \{'lr': -1\} do not fit AdamW: Invalid learning rate"):
         build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": -1}))
     opt = build_optimizer(_params(), OptimizerConfig(name="sgd", kwargs={"lr": 0.1}))
