@@ -454,6 +454,11 @@ def _loc_to_key(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:
             parts.append(f"[{p}]")
             continue
         field = model.model_fields.get(p) if model is not None else None
+        entry = _entry_model(model) if field is None and model is not None else None
+        if entry is not None:  # the user's name of an entry (env.<name>), whatever it looks like
+            parts.append(("." if parts else "") + p)
+            model = entry
+            continue
         if field is None and (any(c in p for c in "[]-") or p in _TYPE_TAGS):
             continue
         parts.append(("." if parts else "") + p)

@@ -415,6 +415,12 @@ def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
     assert "env.arithmetic: got 3, expected a valid dictionary" in msg and f"[set at {path}:4]" in msg
     assert "env.code" not in msg  # an entry without settings runs with the defaults
     assert load_config("grpo", None, ["++env.code=null"]).env.get_worker_cfg("code").num_workers == 1
+    # Entry names that look like pydantic's union tags (a dash, a type name) are kept, each on its own.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["env.my-env.num_workers=0", "env.int.timeout_s=0"])
+    msg = str(e.value)
+    assert "env.my-env.num_workers: got 0, expected greater than or equal to 1  [set at command line" in msg
+    assert "env.int.timeout_s: got 0, expected greater than 0  [set at command line" in msg
 
 
 # --------------------------------------------------------------------------- output
