@@ -509,7 +509,7 @@ def _format_errors(
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
             # A cross-field check of a whole section: its message already names the keys.
-            msg = f"{key or '<root>'}: " + first["msg"].removeprefix("Value error, ")
+            msg = (f"{key}: " if key else "") + first["msg"].removeprefix("Value error, ")
         elif first["type"] == "value_error":
             # A check of one key (a field validator): its message says what is wrong with the value.
             text = first["msg"].removeprefix("Value error, ")

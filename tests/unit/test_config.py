@@ -274,7 +274,8 @@ def test_optimizer_kwargs_without_lr_are_an_error():
 
 def test_the_batch_must_split_over_the_policy_workers_at_load():
     # Found otherwise after Ray started: by the Policy (tensor parallel) or at the first training step.
-    with pytest.raises(ConfigError, match=r"policy.train_global_batch_size \(32\) must be a multiple of the 3 "
+    # A check across sections reads as its message alone (it was prefixed with "<root>: ").
+    with pytest.raises(ConfigError, match=r"\n  - policy.train_global_batch_size \(32\) must be a multiple of the 3 "
                                           r"data-parallel policy workers"):
         load_config("sft", None, ["cluster.workers_per_node=3"])
     with pytest.raises(ConfigError, match=r"policy.dtensor_cfg.tensor_parallel_size \(3\) must divide the 2 "
