@@ -62,9 +62,11 @@ def pair_policy_config(policy: PolicyConfig) -> PolicyConfig:
     })
 
 
-def total_steps(max_num_steps: int, max_num_epochs: int, loader: RowLoader) -> int:
-    """Steps the run takes: `max_num_steps`, or fewer when the epochs run out first."""
-    return min(max_num_steps, max_num_epochs * loader.batches_per_epoch)
+def total_steps(max_num_steps: int, start_step: int, loader: RowLoader) -> int:
+    """The step the run ends at: `max_num_steps`, or earlier when the loader's epochs run out
+    first (counted from its position: `loader.batches_left`)."""
+    left = loader.batches_left
+    return max_num_steps if left is None else min(max_num_steps, start_step + left)
 
 
 def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
@@ -216,7 +218,7 @@ def offline_setup(
         raise
     return OfflineSetup(cfg=cfg, run=run, tokenizer=data.tokenizer, loader=data.loader,
                         val_batches=data.val_batches[: algo.val_batches], loss_fn=loss_fn, start_step=start_step,
-                        total_steps=total_steps(algo.max_num_steps, algo.max_num_epochs, data.loader))
+                        total_steps=total_steps(algo.max_num_steps, start_step, data.loader))
 
 
 def offline_train(

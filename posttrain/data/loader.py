@@ -51,6 +51,20 @@ class RowLoader:
     def batches_per_epoch(self) -> int:
         return len(self.rows) // self.batch_size
 
+    @property
+    def batches_left(self) -> int | None:
+        """Batches `next` yields from the current position before `max_epochs` ends (None: endless).
+
+        Counted from the position, not as `max_epochs * batches_per_epoch`: a run resumed with
+        another batch size continues at a row index that the old size reached.
+        """
+        if self.max_epochs is None:
+            return None
+        if self.epoch >= self.max_epochs:
+            return 0
+        this_epoch = (len(self.rows) - self.index) // self.batch_size
+        return this_epoch + (self.max_epochs - self.epoch - 1) * self.batches_per_epoch
+
     def _make_order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:

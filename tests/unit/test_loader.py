@@ -44,3 +44,16 @@ def test_max_epochs_stops_and_errors_are_clear():
     loader = RowLoader(ROWS, 2)
     with pytest.raises(ValueError, match="dataset now has 10"):
         loader.load_state_dict({"epoch": 0, "index": 0, "num_rows": 12})
+
+
+def test_batches_left_counts_from_the_position_also_after_a_resume_with_another_batch_size():
+    assert RowLoader(ROWS, 3, max_epochs=2).batches_left == 6
+    assert RowLoader(ROWS, 3).batches_left is None  # endless
+    first = RowLoader(ROWS, 3, seed=1, max_epochs=2)
+    for _ in range(3):
+        next(first)  # at row 9 of epoch 0
+    # Resumed with batches of 2: none left in epoch 0 (1 row), 5 in epoch 1; `next` yields exactly those.
+    resumed = RowLoader(ROWS, 2, seed=1, max_epochs=2)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.batches_left == 5
+    assert len(list(resumed)) == 5 and resumed.batches_left == 0
