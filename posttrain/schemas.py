@@ -247,7 +247,8 @@ class GenerationConfig(Section):
     backend: Literal["torch", "hf", "vllm"] = "torch"
     # Tokens generated per turn at most (also capped by max_total_sequence_length).
     max_new_tokens: int = Field(64, ge=1)
-    # Sampling temperature; 0 = greedy. The policy's logprobs use the same temperature.
+    # Sampling temperature; 0 = greedy. The policy's logprobs use the same temperature (SFT, DPO
+    # and RM sample nothing: their logprobs are at temperature 1).
     temperature: float = Field(1.0, ge=0)
     # Nucleus sampling: smallest set of tokens with this much probability.
     top_p: float = Field(1.0, gt=0, le=1)

@@ -79,6 +79,11 @@ def start_run(
     """Logger, checkpoint manager (its latest checkpoint is checked before any worker starts),
     cluster and policy; returns the run and the checkpoint to resume from (or None)."""
     load_model_configs(policy_cfg, with_reference=init_reference)  # a wrong name fails before Ray starts
+    # Nothing is sampled here, so the loss trains and validation measures the model's own
+    # distribution: the policy's logprobs are of logits / policy.generation.temperature (for RL,
+    # the sampler's distribution), which a policy section shared with a GRPO config may set.
+    generation = policy_cfg.generation.model_copy(update={"temperature": 1.0})
+    policy_cfg = policy_cfg.model_copy(update={"generation": generation})
     run_dir = Path(cfg.logger.log_dir)
     checkpointer = CheckpointManager(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy

@@ -54,10 +54,13 @@ def test_sft_stories260k_lowers_heldout_loss(ray_session, stories260k, tmp_path)
     assert result["train/tokens_per_s"] > 0 and result["step"] == 12
 
 
-def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session, stories260k, tmp_path):
+# A sampling temperature (in a policy section shared with a GRPO config) does not change what SFT
+# trains: nothing is sampled, and the exported model is evaluated as it is.
+@pytest.mark.parametrize("temperature", [[], ["policy.generation.temperature=0.5"]], ids=["default", "temperature"])
+def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session, stories260k, tmp_path, temperature):
     cfg = _cfg(tmp_path, stories260k, "sft.max_num_steps=1", "sft.val_at_start=false", "sft.val_period=0",
                "sft.val_at_end=false", "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=512",
-               "policy.sequence_packing.logprob_mb_tokens=512")
+               "policy.sequence_packing.logprob_mb_tokens=512", *temperature)
     s = sft.setup(cfg)
     try:
         batch = collate(next(copy.deepcopy(s.loader)), s.tokenizer.pad_token_id)
