@@ -33,6 +33,7 @@ import torch.distributed as dist
 from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
+from posttrain.generation.interfaces import pad_token_id
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
 from posttrain.losses.utils import valid_counts
@@ -229,11 +230,13 @@ class FSDPPolicyWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg))
         if cfg.tokenizer.chat_template is not None:
             self.tokenizer.chat_template = cfg.tokenizer.chat_template
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        if self.model_kind == "sequence_classification" and hf_config.pad_token_id is None:
+        # The id the driver pads batches with (`load_tokenizer`: the pad token, else EOS).
+        self.pad_id = pad_token_id(self.tokenizer)
+        if self.model_kind == "sequence_classification":
             # A reward model scores each row at its last non-pad token, which transformers finds
-            # by the config's pad_token_id (without one it refuses batches of more than one row).
-            # Set here, it reaches the model, the HF export and the checkpoints' config alike.
+            # by the config's pad_token_id (without one it refuses batches of more than one row):
+            # it must be the id the rows are padded with, or a shorter row is scored at a padding
+            # position. Set here, it reaches the model, the HF export and the checkpoints' config alike.
             hf_config.pad_token_id = self.pad_id
         t0 = time.perf_counter()
         self.model = self._load_and_shard(path, train=True)

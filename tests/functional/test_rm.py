@@ -79,3 +79,48 @@ def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_p
     assert env_accuracy >= 0.65, env_accuracy
     assert out.rewards[-1] == 0 and "no assistant message" in out.metadata[-1]["env_error"]
     assert out.terminateds.all() and out.answers[0] == probs[0]["chosen"]
+
+
+@pytest.mark.parametrize("config_pad", [None, 0], ids=["no-pad-token", "config-pad-not-the-tokenizers"])
+def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_session, stories260k, tmp_path,
+                                                                           config_pad):
+    # A tokenizer without a pad token (GPT-2's, Llama's): batches are padded with EOS. The RM must
+    # pool at each row's last token under that padding, in training and in the export alike, not
+    # at the end of the batch's longest row.
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = tmp_path / "nopad"
+    shutil.copytree(stories260k, model)
+    for name, key, value in (("config.json", "pad_token_id", config_pad), ("tokenizer_config.json", "pad_token", None)):
+        cfg_file = model / name
+        data = {k: v for k, v in json.loads(cfg_file.read_text()).items() if k != key}
+        cfg_file.write_text(json.dumps({**data, **({key: value} if value is not None else {})}))
+    rows = [{"prompt": "Once upon a time", "chosen": "there was a cat" * n, "rejected": "a dog"} for n in (1, 3, 5, 7)]
+    data_file = _write(tmp_path / "pairs.jsonl", rows)
+    cfg = load_config("rm", None, [
+        f"policy.model_name={model}", "data.dataset_name=local", f"data.train_data_path={data_file}",
+        f"data.val_data_path={data_file}", "policy.train_global_batch_size=4", "policy.train_micro_batch_size=4",
+        "policy.logprob_batch_size=4", "policy.max_total_sequence_length=128", "policy.precision=float32",
+        "rm.max_num_steps=1", "rm.val_at_start=false", "rm.val_period=0", "rm.val_at_end=false",
+        f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false", "checkpointing.enabled=false",
+    ])
+    cfg.policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    s = rm.setup(cfg)
+    try:
+        rm.rm_train(s)
+        batch = s.val_batches[0]
+        scores = s.run.policy.get_scores(batch)["scores"]
+        s.run.policy.export_hf(tmp_path / "hf")
+    finally:
+        s.run.shutdown()
+    assert len(set(batch["input_lengths"].tolist())) > 2  # rows of several lengths, padded
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        alone = torch.stack([exported(input_ids=batch["input_ids"][i : i + 1, :n]).logits[0, 0]
+                             for i, n in enumerate(batch["input_lengths"].tolist())])
+        padded = exported(input_ids=batch["input_ids"]).logits[:, 0]
+    torch.testing.assert_close(scores, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)  # the export pads as training did
