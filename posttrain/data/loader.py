@@ -86,13 +86,23 @@ class RowLoader:
         return [self.rows[i] for i in idx]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed}
+        return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_rows") not in (None, len(self.rows)):
             raise InputError(
                 f"the checkpoint's data loader saw {state['num_rows']} rows but the dataset now has "
                 f"{len(self.rows)}: resuming would not continue where the run stopped"
+            )
+        shuffle, seed = state.get("shuffle", self.shuffle), state.get("seed", self.seed)
+        # The position is an index into the epoch's order: another order would repeat some rows of
+        # the epoch and skip others (without shuffling, the seed orders nothing).
+        if shuffle != self.shuffle or (shuffle and seed != self.seed):
+            raise InputError(
+                f"the checkpoint's data loader ordered its rows with shuffle={shuffle}, seed={seed} but this run's "
+                f"has shuffle={self.shuffle}, seed={self.seed}: resuming would repeat some rows of the current "
+                "epoch and skip others; put data.shuffle and the algorithm's seed back"
             )
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])

@@ -57,3 +57,16 @@ def test_batches_left_counts_from_the_position_also_after_a_resume_with_another_
     resumed.load_state_dict(first.state_dict())
     assert resumed.batches_left == 5
     assert len(list(resumed)) == 5 and resumed.batches_left == 0
+
+
+def test_resume_refuses_another_row_order():
+    first = RowLoader(ROWS, 4, seed=3)
+    next(first)
+    for other in (RowLoader(ROWS, 4, seed=4), RowLoader(ROWS, 4, seed=3, shuffle=False)):
+        with pytest.raises(ValueError, match="repeat some rows of the current epoch"):
+            other.load_state_dict(first.state_dict())
+    # Without shuffling the seed orders nothing; a checkpoint without `shuffle` predates the key.
+    unshuffled = RowLoader(ROWS, 4, seed=3, shuffle=False)
+    next(unshuffled)
+    RowLoader(ROWS, 4, seed=9, shuffle=False).load_state_dict(unshuffled.state_dict())
+    RowLoader(ROWS, 4, seed=3).load_state_dict({"epoch": 0, "index": 4, "num_rows": 10, "seed": 3})
