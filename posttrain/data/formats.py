@@ -88,7 +88,7 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
     """The format of a row from its keys (see the module docstring)."""
     if not isinstance(row, dict):
         raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
-    keys = set(row)
+    keys = set(_keys(row))
     if "chosen" in keys or "rejected" in keys:
         return "preference"
     if "messages" in keys:
@@ -150,9 +150,15 @@ def is_preference(row: dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------- helpers
 
 
+def _keys(row: dict[str, Any]) -> list[str]:
+    """The keys a row has: a file read through `datasets` gives every row every key of the file,
+    None where the row has none (so a row of another format in the file is told by its own keys)."""
+    return sorted(k for k, v in row.items() if v is not None)
+
+
 def _require(row: dict[str, Any], key: str, loc: str, fmt: str) -> Any:
     if key not in row or row[key] is None:
-        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {sorted(row)})")
+        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {_keys(row)})")
     return row[key]
 
 
@@ -405,7 +411,7 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     for key in ("chosen", "rejected"):
         if key not in row or row[key] is None:
             raise DataFormatError(
-                f"{loc}: preference row is missing `{key}` (keys: {sorted(row)}); a preference row needs "
+                f"{loc}: preference row is missing `{key}` (keys: {_keys(row)}); a preference row needs "
                 "both `chosen` and `rejected`"
             )
     chosen = _response(row["chosen"], loc, "chosen")

@@ -367,6 +367,16 @@ def test_mixed_types_fall_back_and_name_row(tmp_path):
         load_rows(_cfg(path), "train")
 
 
+def test_row_of_another_format_is_the_one_named(tmp_path):
+    # Arrow gives every row every key of the file (None where a row has none): the first row's
+    # format is told by its own keys, and the odd row is the one the error names.
+    rows = [GOOD["prompt_completion"], GOOD["prompt_completion"], GOOD["messages"]]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(DataFormatError, match=rf"{path} row 3: prompt_completion row is missing `prompt` "
+                                              r"\(keys: \['messages'\]\)"):
+        load_rows(_cfg(path), "train")
+
+
 def test_unknown_dataset_and_undetectable_format(tmp_path):
     with pytest.raises(ValueError, match="not a registered dataset .*hub"):
         load_rows(_cfg("no_such_org/no_such_dataset"), "train")
