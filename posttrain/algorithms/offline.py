@@ -155,6 +155,34 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
         )
 
 
+def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of_train: bool) -> None:
+    """Sequence packing puts each row whole (each chosen/rejected pair together) in one micro-batch
+    and fails the step that draws one longer than the token budget: fail before any worker starts.
+
+    Training rows go through `train_mb_tokens` (and `logprob_mb_tokens` when `logprobs_of_train`:
+    DPO's reference logprobs), validation rows through `logprob_mb_tokens`.
+    """
+    sp = policy.sequence_packing
+    if not sp.enabled:
+        return
+
+    def size(ex: Any) -> int:  # tokens of one packing unit: a row, or a pair's two rows
+        return sum(len(e["input_ids"]) for e in ex) if isinstance(ex, tuple) else len(ex["input_ids"])
+
+    pairs = isinstance(data.loader.rows[0], tuple)
+    val = [int(n) for b in data.val_batches for n in b["input_lengths"].view(-1, 2 if pairs else 1).sum(-1)]
+    checks = [("train", max(map(size, data.loader.rows)), "train_mb_tokens")]
+    if logprobs_of_train:
+        checks.append(("train", checks[0][1], "logprob_mb_tokens"))
+    if val:
+        checks.append(("val", max(val), "logprob_mb_tokens"))
+    for split, longest, key in checks:
+        if longest > getattr(sp, key):
+            what = "pair (chosen + rejected, packed together)" if pairs else "row"
+            raise InputError(f"policy.sequence_packing.{key}={getattr(sp, key)} is less than the longest {split} "
+                             f"{what}, {longest} tokens: raise it to at least {longest}")
+
+
 @dataclass
 class OfflineSetup:
     """What the loop of an offline algorithm works with (the same for SFT, DPO and RM)."""
@@ -214,6 +242,8 @@ def offline_setup(
     workers, resume. `policy_kwargs` go to `start_run` (model_kind, init_reference)."""
     torch.manual_seed(algo.seed)
     data = offline_data(cfg, algo, process_rows, collate_fn)
+    if policy_kwargs.get("model_kind", "causal_lm") == "causal_lm":  # a reward model does not pack
+        check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False))
     run, latest = start_run(cfg, algorithm, policy_cfg, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import dpo
-from posttrain.config import load_config
+from posttrain.config import InputError, load_config
 from posttrain.data.processors import collate_pairs
 
 # The Alpaca-style plain-text template of the example config (stories260K has no chat template).
@@ -77,3 +77,16 @@ def test_step0_loss_matches_independent_computation(ray_session, stories260k, sh
     expected = w_pref * (-F.logsigmoid(beta * h)).mean() + w_sft * (-policy[0::2]).mean()
     assert result["train/loss"] == pytest.approx(expected.item(), abs=1e-4)
     assert result["train/sft_loss"] == pytest.approx((-policy[0::2]).mean().item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("key", ["train_mb_tokens", "logprob_mb_tokens"])
+def test_packing_budget_below_the_longest_pair_fails_before_any_worker_starts(stories260k, shared_data, tmp_path,
+                                                                               key):
+    # A pair is packed whole into one micro-batch: a budget of max_total_sequence_length holds every
+    # row but not every pair, which used to fail at the step that first drew such a pair.
+    budgets = {"train_mb_tokens": 4096, "logprob_mb_tokens": 4096, key: 512}
+    cfg = _cfg(tmp_path, stories260k, shared_data, "policy.sequence_packing.enabled=true",
+               *(f"policy.sequence_packing.{k}={v}" for k, v in budgets.items()))
+    with pytest.raises(InputError, match=rf"policy.sequence_packing.{key}=512 is less than the longest (train|val) "
+                                         r"pair \(chosen \+ rejected, packed together\), \d+ tokens"):
+        dpo.setup(cfg)  # no ray_session: it must fail before Ray starts
