@@ -70,7 +70,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         scores = []
         for s in range(0, len(token_ids), self.cfg.batch_size):
             examples = [{"input_ids": ids, "loss_mask": [0] * len(ids)} for ids in token_ids[s : s + self.cfg.batch_size]]
-            batch = collate(examples, self.tokenizer.pad_token_id)
+            # The model scores a row at its last token that is not the config's pad_token_id: pad
+            # with that id (an RM's tokenizer may pad with another, e.g. EOS when it has no pad token).
+            batch = collate(examples, self.model.config.pad_token_id)
             scores.append(self.model(input_ids=batch["input_ids"]).logits[:, 0].float())
         return torch.cat(scores) if scores else torch.zeros(0)
 

@@ -648,3 +648,26 @@ def test_code_format_rows_are_solved_by_their_references_and_not_by_a_wrong_prog
     ret = env.step(right, metadata)
     assert ret.rewards.tolist() == [1.0] * 21 and ret.num_errors == 0, [o["content"] for o in ret.observations]
     assert env.step(wrong, metadata).rewards.tolist() == [0.0] * 21
+
+
+def test_reward_model_scores_padded_rows_as_each_alone(tiny_model_path, tmp_path):
+    # An RM whose config pads with another id than its tokenizer (exported by an older posttrain
+    # for a tokenizer without a pad token, or from elsewhere): batched rows are still scored at
+    # their own last token, not at the padding after them.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.environments.reward_model import RewardModelEnvironment
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    model.config.pad_token_id = tokenizer.eos_token_id
+    assert tokenizer.pad_token_id not in (None, model.config.pad_token_id)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path), "add_eos": False}))
+    convs = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": answer}]
+             for answer in ("2", "two, as one and one make two")]
+    together = env.step(convs, [{}, {}]).rewards
+    alone = torch.cat([env.step([c], [{}]).rewards for c in convs])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
