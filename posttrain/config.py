@@ -26,7 +26,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, TypeVar, get_type_hints
+from typing import Any, Collection, Iterable, TypeVar, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -490,9 +490,12 @@ def _owners_hint(key: str, schema: type[BaseModel]) -> str:
     return f" (a section of {' and '.join(owners)}, not of `posttrain {commands[schema]}`)"
 
 
-def _format_errors(
-    err: ValidationError, schema: type[BaseModel], origins: dict[str, str], skip: set[str]
+def format_errors(
+    err: ValidationError, schema: type[BaseModel], origins: dict[str, str] | None = None, skip: Collection[str] = ()
 ) -> list[str]:
+    """One line per key of `err` (unknown keys with the closest valid one), each with where the
+    key was set when `origins` says; keys in `skip` are left out."""
+    origins = origins or {}
     valid = schema_keys(schema)
     by_key: dict[str, list[dict[str, Any]]] = {}
     for e in err.errors():
@@ -596,7 +599,7 @@ def validate(
     try:
         result = schema.model_validate(data)
     except ValidationError as e:
-        problems += _format_errors(e, schema, origins, set(unresolved))
+        problems += format_errors(e, schema, origins, set(unresolved))
     if problems or result is None:
         raise ConfigError(f"invalid config ({source}):\n" + "\n".join(f"  - {p}" for p in problems))
     return result

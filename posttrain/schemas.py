@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from posttrain.config import format_errors
 
 
 class Section(BaseModel):
@@ -737,15 +739,14 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _check_builtin_cfgs(self) -> "EnvConfig":
-        # Built-in environments' settings fail here, at config load, naming the key.
+        # Built-in environments' settings fail here, at config load, naming the key (a typo with
+        # the closest valid one, as the config's own keys and create_env's validation do).
         for name, worker in (self.model_extra or {}).items():
             if name in BUILTIN_ENV_CONFIGS:
                 try:
                     BUILTIN_ENV_CONFIGS[name].model_validate(worker.cfg)
-                except ValueError as e:
-                    problems = "; ".join(
-                        f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in getattr(e, "errors", lambda: [])()
-                    ) or str(e)
+                except ValidationError as e:
+                    problems = "; ".join(format_errors(e, BUILTIN_ENV_CONFIGS[name]))
                     raise ValueError(f"env.{name}.cfg: {problems}") from None
         return self
 

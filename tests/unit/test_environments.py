@@ -329,7 +329,8 @@ def test_builtin_env_settings_fail_at_config_load():
 
     from posttrain.schemas import EnvConfig
 
-    with pytest.raises(ValidationError, match="env.sliding_puzzle.cfg: sizee"):
+    # A typo gets the closest valid key, as a typo anywhere else in the config does.
+    with pytest.raises(ValidationError, match=r"env.sliding_puzzle.cfg: unknown key 'sizee' \(did you mean size\?\)"):
         EnvConfig.model_validate({"sliding_puzzle": {"cfg": {"sizee": 3}}})
     with pytest.raises(ValidationError, match="env.math.cfg: float_rounding"):
         EnvConfig.model_validate({"math": {"cfg": {"float_rounding": -1}}})
