@@ -555,7 +555,8 @@ class DataConfig(Section):
     system_prompt_file: str | None = None
     # GRPO/eval: the environment that scores every row (replaces the rows' own task_name, e.g.
     # "math" of the math format): a built-in one or one of yours in env.<name>.target; null: the rows'.
-    # A `messages` row is then a prompt (no assistant turn needed), with its answer and metadata.
+    # A `messages` row is then a prompt (no assistant turn needed), with its answer and metadata;
+    # a conversation of another format (alpaca, sharegpt, ...) a prompt, its last assistant turn the answer.
     task_name: str | None = Field(None, min_length=1)
     # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed).
     shuffle: bool = True

@@ -117,7 +117,8 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
 def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None = None) -> dict[str, Any]:
     """Normalise one row of format `fmt` into its canonical row; `loc` is `where(file, n)`.
     `task_name` (`data.task_name`): a `messages` row is then an RL/eval row scored by that
-    environment, as one with its own `task_name` is (its prompt needs no assistant message)."""
+    environment, as one with its own `task_name` is (its prompt needs no assistant message); so is
+    the conversation of another format (sharegpt, alpaca, ...), its final assistant message the answer."""
     if fmt not in _NORMALIZERS:
         raise ValueError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
     if not isinstance(row, dict):
@@ -125,6 +126,10 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
     if task_name is not None and fmt == "messages":
         row = {**row, "task_name": task_name}
     out = _NORMALIZERS[fmt](row, loc)
+    if task_name is not None and "messages" in out and "task_name" not in out:
+        # Left an SFT row, GRPO would prompt with the whole conversation, answer included, and
+        # score it in `math` (the environment of rows without a task_name).
+        out = _from_messages({**out, "task_name": task_name}, loc)
     if row.get("label") is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
             f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "

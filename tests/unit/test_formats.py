@@ -230,6 +230,19 @@ def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
         load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
 
 
+def test_data_task_name_makes_every_conversation_format_rl_rows(tmp_path):
+    # data.task_name sends every row to its environment: Alpaca, ShareGPT and prompt/completion
+    # conversations too, not only `messages` ones. They stayed SFT rows, which GRPO sent to `math`
+    # with their answer in the prompt, and every sample scored 0 as an environment error.
+    user = {"role": "user", "content": "1+1="}
+    for row in ({"instruction": "1+1=", "output": "2"},
+                {"conversations": [{"from": "human", "value": "1+1="}, {"from": "gpt", "value": "2"}]},
+                {"prompt": "1+1=", "completion": "2"}):
+        path = _write_jsonl(tmp_path / "conv.jsonl", [row])
+        (got,) = load_rows(_cfg("local", train_data_path=path, val_data_path=path, task_name="exact"), "train")
+        assert got == {"messages": [user], "answer": "2", "task_name": "exact"}, row
+
+
 def test_rl_row_ending_with_an_assistant_message_takes_it_as_the_answer(tmp_path):
     # An SFT conversation read as RL/eval rows (data.task_name) used to keep its assistant answer
     # in the prompt: GRPO rewarded copying it and eval scored it as the model's. Without an
