@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, InputError
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
@@ -49,9 +49,16 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
 
 
 def resolve_task_envs(rows: list[dict], env_cfg) -> list[str]:
-    """The environments `rows` name (their `task_name`, "math" when absent), sorted, each checked
-    by `resolve_env` against its `env_cfg` section (an `EnvConfig`)."""
-    names = sorted({r.get("task_name", "math") for r in rows})
+    """The environments `rows` name (their `task_name`), sorted, each checked by `resolve_env`
+    against its `env_cfg` section (an `EnvConfig`). Rows without one are SFT rows, refused here:
+    their prompt would hold the answer, and no environment knows how to score them."""
+    sft = [r for r in rows if "task_name" not in r]
+    if sft:
+        raise InputError(f"{len(sft)} of {len(rows)} rows are SFT rows (a conversation with its answer, keys "
+                         f"{sorted(sft[0])}), not prompts for an environment to score: set data.task_name=<environment> "
+                         "(a conversation's last assistant message is then its answer), or give the rows a "
+                         "task_name (docs/environments.md)")
+    names = sorted({r["task_name"] for r in rows})
     for name in names:
         resolve_env(name, env_cfg.get_worker_cfg(name))
     return names

@@ -347,6 +347,19 @@ def test_create_env_errors():
     assert set(ENVIRONMENTS) >= {"math", "arithmetic", "sliding_puzzle"}
 
 
+def test_sft_rows_fail_before_any_environment_starts():
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    # An SFT file (a conversation with its answer, no task_name) given to GRPO went to `math`, its
+    # answer in the prompt, and every sample scored 0 as an environment error: nothing trained.
+    sft = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+    prompt = {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "math"}
+    with pytest.raises(ValueError, match=r"1 of 2 rows are SFT rows.*set data.task_name"):
+        resolve_task_envs([prompt, sft], EnvConfig())
+    assert resolve_task_envs([prompt], EnvConfig()) == ["math"]
+
+
 def test_env_group_splits_and_keeps_order(ray_session):
     group = create_env("arithmetic", {"num_workers": 2})
     try:
