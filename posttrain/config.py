@@ -511,8 +511,13 @@ def format_errors(
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
-            # A cross-field check of a whole section: its message already names the keys.
+            # A cross-field check of a whole section: its message already names the keys, and
+            # where each of them was set is what to look at, not where the section starts.
             msg = (f"{key}: " if key else "") + first["msg"].removeprefix("Value error, ")
+            named = [k for k in dict.fromkeys(re.findall(r"[a-z_]+(?:\.[a-z_0-9]+)+", msg)) if k in origins]
+            if named:
+                lines.append(msg + "  [" + "; ".join(f"{k} set at {origins[k]}" for k in named) + "]")
+                continue
         elif first["type"] == "value_error":
             # A check of one key (a field validator): its message says what is wrong with the value.
             text = first["msg"].removeprefix("Value error, ")

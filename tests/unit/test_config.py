@@ -424,6 +424,18 @@ def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
     assert "env.int.timeout_s: got 0, expected greater than 0  [set at command line" in msg
 
 
+def test_a_check_across_keys_says_where_each_key_it_names_was_set(tmp_path):
+    # It gave the line of the section (`policy:`), not where the keys were set: here one at the
+    # command line, the other in the file.
+    path = _write(tmp_path / "b.yaml", "policy:\n  model_name: embedded:tiny\n  train_micro_batch_size: 16\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path, ["policy.train_global_batch_size=24"])
+    msg = str(e.value)
+    assert "policy.train_global_batch_size (24) must be a multiple of policy.train_micro_batch_size (16)" in msg
+    assert (f"[policy.train_global_batch_size set at command line (policy.train_global_batch_size=24); "
+            f"policy.train_micro_batch_size set at {path}:3]") in msg
+
+
 # --------------------------------------------------------------------------- output
 
 
