@@ -234,7 +234,9 @@ def process_preference_rows(
     out = []
     for n, row in enumerate(rows, start=1):
         if "prompt_messages" not in row:
-            raise InputError(f"DPO/RM need preference rows (`chosen`/`rejected`), got keys {sorted(row)}")
+            raise InputError(f"data.dataset_name={cfg.dataset_name!r} gives rows with keys {sorted(row)}; DPO/RM "
+                             "train on preference pairs (`chosen`/`rejected`, with their context): name such a "
+                             "file or hub set (e.g. examples/configs/dpo.yaml's)")
         prompt = row["prompt_messages"]
         pair, statuses = [], []
         for side in ("chosen", "rejected"):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from posttrain.config import InputError
 from posttrain.data.datasets import load_rows
 from posttrain.data.processors import (
     collate,
@@ -83,6 +84,15 @@ def test_add_generation_prompt_false_trains_the_assistant_header(tok):
              "rejected": [{"role": "assistant", "content": "3"}]}]
     ((chosen, rejected),), _ = process_preference_rows(pair, tok, DataConfig(add_generation_prompt=False), 100)
     assert (_loss_text(tok, chosen), _loss_text(tok, rejected)) == ("<|assistant|>2<|end|>", "<|assistant|>3<|end|>")
+
+
+def test_non_preference_rows_name_the_dataset(tok):
+    # `posttrain dpo` without a config read the embedded arithmetic task and said only which keys
+    # its rows had; the error names the key to set.
+    rows = [{"messages": CONVO[:1], "answer": "2", "task_name": "arithmetic"}]
+    with pytest.raises(InputError, match=r"data.dataset_name='arithmetic' gives rows with keys "
+                                         r"\['answer', 'messages', 'task_name'\].*preference pairs"):
+        process_preference_rows(rows, tok, DataConfig(dataset_name="arithmetic"), max_len=100)
 
 
 def test_chat_template_override_and_eos(gpt2, shared_data):
