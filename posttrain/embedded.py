@@ -31,8 +31,8 @@ from pathlib import Path
 
 EMBEDDED_PREFIX = "embedded:"
 # Bump when the recipe changes so cached folders are rebuilt (v2: small's 1024 positions; v3: the
-# chat template writes structured tool calls).
-_VERSION = "v3"
+# chat template writes structured tool calls; v4: tiny's 512 positions).
+_VERSION = "v4"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABET = string.digits + "+-*/=()., ?!:;'\"\n" + string.ascii_letters + "#<>[]{}_|\\@$%^&~`"
@@ -48,7 +48,9 @@ CHAT_TEMPLATE = (
 
 # name -> (hidden, layers, heads, kv_heads, intermediate, max_positions)
 MODEL_SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "tiny": (64, 2, 4, 2, 176, 256),  # ~0.1M params: unit tests
+    # ~0.1M params: unit tests, and the model of the schema defaults (policy.max_total_sequence_length
+    # 512, which 256 positions warned about).
+    "tiny": (64, 2, 4, 2, 176, 512),
     # ~0.75M params: the quickstart. 1024 positions for the sliding puzzle's multi-turn games
     # (RoPE: the weights are those of 256 positions, which v1 had).
     "small": (128, 4, 4, 2, 352, 1024),

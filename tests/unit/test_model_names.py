@@ -69,3 +69,15 @@ def test_a_posttrain_checkpoint_as_model_name_says_to_convert_it(tmp_path):
                                                  rf"Hugging Face model folder; convert it with `posttrain convert "
                                                  rf"dcp-to-hf --checkpoint {step} --output <folder>`"):
         load_hf_config(str(step))
+
+
+def test_the_default_model_holds_the_default_context():
+    # A run on the schema defaults warned that its context exceeds the model's positions.
+    from transformers import AutoConfig
+
+    from posttrain.embedded import resolve_model_path
+    from posttrain.schemas import PolicyConfig
+
+    cfg = PolicyConfig()
+    positions = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)).max_position_embeddings
+    assert positions >= cfg.max_total_sequence_length
