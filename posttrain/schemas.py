@@ -804,8 +804,8 @@ class LoggerConfig(Section):
     # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files. A
     # resumed run continues them (TensorBoard and the plots drop what the stopped run logged after
     # the checkpoint it resumes from); a run that starts over (no checkpoint to resume) first moves
-    # an earlier run's metrics.jsonl, samples.jsonl, config.yaml, plots/ and tensorboard/ into
-    # log_dir/previous-<time>/.
+    # an earlier run's metrics.jsonl, samples.jsonl, config.yaml, plots/, tensorboard/ and final
+    # export hf/ into log_dir/previous-<time>/.
     log_dir: str = "logs"
     # Validation samples (prompt, response, reward) printed to the console at each validation.
     num_val_samples_to_print: int = Field(0, ge=0)

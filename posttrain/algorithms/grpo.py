@@ -33,7 +33,7 @@ from posttrain.advantages import (
     overlong_filter_mask,
     scale_rewards,
 )
-from posttrain.algorithms.offline import log_data_stats
+from posttrain.algorithms.offline import EXPORT_DIR, log_data_stats, training_logger
 from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
@@ -152,8 +152,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
 
     run_dir = Path(cfg.logger.log_dir)
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
-                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+    logger = training_logger(cfg, checkpointer, latest)
     # What starts below is stopped again if a later part of the setup fails (a bad teacher, an
     # environment that cannot start, a warm-up interrupted), so an in-process caller can go on.
     with contextlib.ExitStack() as undo:
@@ -640,5 +639,5 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     s = setup(cfg)
     return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy,
-                             s.run_dir / "hf" if cfg.checkpointing.export_hf_at_end else None,
+                             s.run_dir / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None,
                              s.logger.console, s.shutdown)

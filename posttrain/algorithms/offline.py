@@ -30,6 +30,9 @@ from posttrain.policy.lm_policy import Policy
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
 
+# The final export's folder in the run directory (checkpointing.export_hf_at_end).
+EXPORT_DIR = "hf"
+
 
 @dataclass
 class OfflineRun:
@@ -89,8 +92,7 @@ def start_run(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy
     )
     latest = checkpointer.latest()
-    logger = Logger(cfg.logger, run_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
-                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+    logger = training_logger(cfg, checkpointer, latest)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
     except BaseException:
@@ -103,6 +105,15 @@ def start_run(
         cluster.shutdown()
         raise
     return OfflineRun(run_dir, logger, checkpointer, cluster, policy), latest
+
+
+def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | None) -> Logger:
+    """The Logger of a training run in `logger.log_dir`: resumed from `latest`, it continues the
+    logs there; started over, it first moves an earlier run's logs and its final export (hf/,
+    which this run's would overwrite) aside."""
+    return Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
+                  also_move=(EXPORT_DIR,),
+                  resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
 
 
 def resume(run: OfflineRun, latest: Path | None, loader: RowLoader, cfg: Any) -> int:
@@ -322,5 +333,5 @@ def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str
     freeze_setup_objects()
     r = s.run
     return train_then_export(lambda: train(s), r.checkpointer, r.policy,
-                             r.run_dir / "hf" if s.cfg.checkpointing.export_hf_at_end else None,
+                             r.run_dir / EXPORT_DIR if s.cfg.checkpointing.export_hf_at_end else None,
                              r.logger.console, r.shutdown)

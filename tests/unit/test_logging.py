@@ -299,3 +299,16 @@ def test_plots_leave_out_the_data_counts(tmp_path):
     assert [p.name for p in logger.plot()] == ["reward.png"]
     assert set(series_from_records(logger._records)) == {"train/reward"}
     logger.close()
+
+
+def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
+    # The final export (hf/) of the earlier run in the same folder was overwritten at the end.
+    from posttrain.algorithms.offline import EXPORT_DIR, training_logger
+    from posttrain.config import load_config
+
+    (tmp_path / EXPORT_DIR).mkdir()
+    (tmp_path / EXPORT_DIR / "config.json").write_text("{}")
+    cfg = load_config("sft", None, [f"logger.log_dir={tmp_path}", "logger.console_enabled=false"])
+    with training_logger(cfg, checkpointer=None, latest=None) as logger:
+        assert (logger.moved_aside / EXPORT_DIR / "config.json").is_file()
+    assert not (tmp_path / EXPORT_DIR).exists()
