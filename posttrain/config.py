@@ -491,10 +491,12 @@ def _owners_hint(key: str, schema: type[BaseModel]) -> str:
 
 
 def format_errors(
-    err: ValidationError, schema: type[BaseModel], origins: dict[str, str] | None = None, skip: Collection[str] = ()
+    err: ValidationError, schema: type[BaseModel], origins: dict[str, str] | None = None, skip: Collection[str] = (),
+    prefix: str = "",
 ) -> list[str]:
     """One line per key of `err` (unknown keys with the closest valid one), each with where the
-    key was set when `origins` says; keys in `skip` are left out."""
+    key was set when `origins` says; keys in `skip` are left out. `prefix`: where `schema` sits
+    in the whole config (`env.story.cfg.` for an environment's own settings)."""
     origins = origins or {}
     valid = schema_keys(schema)
     by_key: dict[str, list[dict[str, Any]]] = {}
@@ -503,11 +505,11 @@ def format_errors(
         if key not in skip:  # already reported as an interpolation that did not resolve
             by_key.setdefault(key, []).append(e)
     lines = []
-    for key, errs in by_key.items():
-        first = errs[0]
+    for inner, errs in by_key.items():
+        first, key = errs[0], prefix + inner if inner else prefix.rstrip(".")
         if first["type"] == "extra_forbidden":
-            hint = suggest_key(key, valid)
-            msg = f"unknown key {key!r}" + (f" (did you mean {hint}?)" if hint else _owners_hint(key, schema))
+            hint = suggest_key(inner, valid)
+            msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else _owners_hint(key, schema))
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):

@@ -625,7 +625,8 @@ class EnvWorkerConfig(Section):
     # Restarts of a crashed or stuck actor before the environment fails for good.
     max_restarts: int = Field(3, ge=0)
     # Settings of the environment itself, validated by its own section below
-    # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig).
+    # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig, StoryEnvConfig,
+    # RewardModelEnvConfig).
     cfg: dict[str, Any] = Field(default_factory=dict)
     # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
     # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
@@ -707,11 +708,31 @@ class CodeEnvConfig(Section):
 
 
 # The settings schema of each built-in environment (the `cfg` of `env.<name>`).
+class StoryEnvConfig(Section):
+    """`story`: the continuation keeps the prompt's animal in the story (docs/stories260k.md)."""
+
+    # Mentions of the prompt's animal that earn the full reward of 1.
+    min_mentions: int = Field(3, ge=1)
+
+
+class RewardModelEnvConfig(Section):
+    """`reward_model`: a trained Bradley-Terry RM scores each conversation."""
+
+    model_name: str  # folder of the exported reward model (with its tokenizer)
+    chat_template: str | None = None  # the RM's training template, if its tokenizer lacks it
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
+    add_bos: bool = True  # as data.add_bos of the RM's training run
+    add_eos: bool = True  # as data.add_eos of the RM's training run
+
+
 BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
     "math": MathEnvConfig,
     "arithmetic": ArithmeticEnvConfig,
     "sliding_puzzle": SlidingPuzzleEnvConfig,
     "code": CodeEnvConfig,
+    "story": StoryEnvConfig,
+    "reward_model": RewardModelEnvConfig,
 }
 
 
@@ -747,8 +768,9 @@ class EnvConfig(Section):
                 try:
                     BUILTIN_ENV_CONFIGS[name].model_validate(worker.cfg)
                 except ValidationError as e:
-                    problems = "; ".join(format_errors(e, BUILTIN_ENV_CONFIGS[name]))
-                    raise ValueError(f"env.{name}.cfg: {problems}") from None
+                    # Whole keys: the config loader then says where each was set.
+                    raise ValueError("; ".join(format_errors(e, BUILTIN_ENV_CONFIGS[name], prefix=f"env.{name}.cfg.")))\
+                        from None
         return self
 
     def get_worker_cfg(self, name: str) -> EnvWorkerConfig:

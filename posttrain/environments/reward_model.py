@@ -18,21 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import Field
 
 from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn, last_assistant_text
-from posttrain.schemas import EnvWorkerConfig, Section, TokenizerConfig
-
-
-class RewardModelEnvConfig(Section):
-    """`reward_model`: a trained Bradley-Terry RM scores each conversation."""
-
-    model_name: str  # folder of the exported reward model (with its tokenizer)
-    chat_template: str | None = None  # the RM's training template, if its tokenizer lacks it
-    batch_size: int = Field(16, ge=1)
-    max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
-    add_bos: bool = True  # as data.add_bos of the RM's training run
-    add_eos: bool = True  # as data.add_eos of the RM's training run
+from posttrain.schemas import EnvWorkerConfig, RewardModelEnvConfig, TokenizerConfig
 
 
 class RewardModelEnvironment(EnvironmentInterface):

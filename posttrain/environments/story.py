@@ -22,10 +22,9 @@ import random
 import re
 from typing import Any
 
-from pydantic import Field
 
 from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
-from posttrain.schemas import DataConfig, EnvWorkerConfig, Section
+from posttrain.schemas import DataConfig, EnvWorkerConfig, StoryEnvConfig
 
 TASK_NAME = "story"
 ANIMALS = ("dog", "cat", "bird", "fish", "frog", "pig", "bear", "duck", "horse", "cow", "lion", "owl")
@@ -40,13 +39,6 @@ OPENINGS = (
     "Sue and Ben found a {} near the tree.",
 )
 VAL_FRACTION_CAP = 0.25
-
-
-class StoryEnvConfig(Section):
-    """`env.story.cfg`: the story environment's settings."""
-
-    # Mentions of the prompt's animal that earn the full reward of 1.
-    min_mentions: int = Field(3, ge=1)
 
 
 def count_mentions(text: str, word: str) -> int:

@@ -330,10 +330,16 @@ def test_builtin_env_settings_fail_at_config_load():
     from posttrain.schemas import EnvConfig
 
     # A typo gets the closest valid key, as a typo anywhere else in the config does.
-    with pytest.raises(ValidationError, match=r"env.sliding_puzzle.cfg: unknown key 'sizee' \(did you mean size\?\)"):
+    with pytest.raises(ValidationError, match=r"unknown key 'env.sliding_puzzle.cfg.sizee' \(did you mean "
+                                              r"env.sliding_puzzle.cfg.size\?\)"):
         EnvConfig.model_validate({"sliding_puzzle": {"cfg": {"sizee": 3}}})
-    with pytest.raises(ValidationError, match="env.math.cfg: float_rounding"):
+    with pytest.raises(ValidationError, match="env.math.cfg.float_rounding: got -1"):
         EnvConfig.model_validate({"math": {"cfg": {"float_rounding": -1}}})
+    # story and reward_model too (they were checked only in their actors, after Ray started).
+    with pytest.raises(ValidationError, match="missing required key 'env.reward_model.cfg.model_name'"):
+        EnvConfig.model_validate({"reward_model": {"cfg": {}}})
+    with pytest.raises(ValidationError, match="env.story.cfg.min_mentions: got 0"):
+        EnvConfig.model_validate({"story": {"cfg": {"min_mentions": 0}}})
     env = EnvConfig.model_validate({"custom": {"num_workers": 2, "cfg": {"anything": 1}}})
     assert env.get_worker_cfg("custom").num_workers == 2
     assert env.get_worker_cfg("math").timeout_s == 5.0  # not configured: defaults
