@@ -100,8 +100,11 @@ def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
         description=_ALGO_HELP[algorithm],
         epilog=f"{_sections_help(algorithm)}\n\n{_OVERRIDE_HELP}",
     )
-    p.add_argument("--config", metavar="FILE", action=_Once, help="YAML config (may inherit others with `defaults:`); "
-                   "without it the schema defaults run the embedded task")
+    # DPO and RM need preference pairs, which the embedded task has not.
+    without = ("without it the schema defaults run the embedded task" if algorithm in ("grpo", "sft", "eval")
+               else f"needed: the embedded task has no preference pairs (see examples/configs/{algorithm}.yaml)")
+    p.add_argument("--config", metavar="FILE", action=_Once,
+                   help=f"YAML config (may inherit others with `defaults:`); {without}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (see below)")
     return p

@@ -28,6 +28,10 @@ def test_help_lists_algorithms_sections_and_docs():
     assert sub.returncode == 0 and "--print-config" in sub.stdout and "loss_fn" in sub.stdout
     assert "docs/config.md" in sub.stdout
     assert "dpo " not in sub.stdout.split("config sections:")[1]  # only grpo's sections
+    assert "schema defaults run the embedded task" in sub.stdout
+    # DPO has no embedded default to run (the help said it had).
+    dpo = " ".join(_run("dpo", "--help").stdout.split())
+    assert "the embedded task has no preference pairs (see examples/configs/dpo.yaml)" in dpo
 
 
 def test_print_config_resolves_overrides_and_needs_no_algorithm_module(tmp_path):
