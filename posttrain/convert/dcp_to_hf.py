@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 from posttrain.config import ConfigError, InputError, MissingInputError, load_yaml_with_defaults
-from posttrain.policy.hf_io import config_for_kind, load_hf_config, model_class, save_hf
+from posttrain.policy.hf_io import check_replaceable, config_for_kind, load_hf_config, model_class, save_hf
 from posttrain.schemas import LoraConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict
 
     policy_dir = _policy_dir(Path(checkpoint))
-    if Path(output).exists() and not Path(output).is_dir():
-        raise InputError(f"--output {output}: exists and is not a folder")
+    check_replaceable(Path(output))
     meta_file = policy_dir / META_FILE
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
     model_kind = meta["model_kind"]
@@ -88,7 +87,13 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # a single process without a group is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(policy_dir))
+        try:
+            dcp.load(state, checkpoint_id=str(policy_dir))
+        # A truncated or foreign checkpoint: name it, no traceback (CheckpointException, what
+        # dcp raises for an unreadable one, is a BaseException).
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001
+            raise InputError(f"cannot read the checkpoint in {policy_dir} ({type(e).__name__}: {e}); a save cut "
+                             "short or files copied in part? Convert another step_N") from e
     sd = {k: v.detach() for k, v in state["model"].items()}
     if lora.enabled:
         sd = merge_lora_state_dict(sd, lora)

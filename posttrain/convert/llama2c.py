@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,19 +222,6 @@ def _check_tokenizer(tok, tokenizer_model_path: Path, sp) -> None:
         )
 
 
-def _check_replaceable(out: Path) -> None:
-    """The output folder is replaced as a whole: refuse one that is not a model folder (a
-    `--output results` meant as `results/stories260K-hf` would delete every run in results/)."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise InputError(f"--output {out}: exists and is not a folder")
-    if any(out.iterdir()) and not (out / "config.json").is_file():
-        raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json), which "
-                         "the converter would replace with all its contents; name a new or empty folder, or a "
-                         "model folder to replace")
-
-
 def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert llama2.c `bin_path` + sentencepiece `tokenizer_model_path` into an HF folder.
 
@@ -247,16 +233,16 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from posttrain.policy.hf_io import check_replaceable, writing_folder
+
     tok_path = Path(tokenizer_model_path)
     if not tok_path.is_file():
         raise MissingInputError(f"sentencepiece tokenizer model not found: {tok_path}")
     out = Path(out_dir)
-    _check_replaceable(out)
+    check_replaceable(out)
     hdr, arrays = read_llama2c(bin_path)
     sp = _read_sentencepiece(tok_path, hdr.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with writing_folder(out) as tmp:
         config = LlamaConfig(
             vocab_size=hdr.vocab_size,
             hidden_size=hdr.dim,
@@ -290,16 +276,6 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
         model.save_pretrained(tmp, safe_serialization=True)
         tok = _build_tokenizer(tok_path, tmp, sp)
         tok.save_pretrained(tmp)
-        # mkdtemp makes a private folder; a converted model is an ordinary readable one.
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

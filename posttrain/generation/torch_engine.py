@@ -431,7 +431,6 @@ class TorchGeneration:
 
         def record(tok, lp, rows):
             """Append sampled tokens of `rows` and finish the rows that stop."""
-            nonlocal active
             gen_buf[rows, n_gen[rows]] = tok
             lp_buf[rows, n_gen[rows]] = lp
             n_gen[rows] += 1

@@ -30,7 +30,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.generation.interfaces import pad_token_id
@@ -38,7 +37,8 @@ from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_micr
                                     share_prefixes, unpack_token_values)
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf
+from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf,
+                                   writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -685,8 +685,10 @@ class FSDPPolicyWorker:
         if self.cfg.lora.enabled and self.cfg.lora.export == "adapter":
             sd = self._full_state_dict(all_ranks=False)
             if self.rank == 0:
-                save_adapter(sd, self.cfg.lora, path, base_model_name_or_path=self.cfg.model_name, model=self.model)
-                self.tokenizer.save_pretrained(path)
+                with writing_folder(Path(path)) as tmp:
+                    save_adapter(sd, self.cfg.lora, tmp, base_model_name_or_path=self.cfg.model_name,
+                                 model=self.model)
+                    self.tokenizer.save_pretrained(tmp)
         else:
             sd = self._base_weights(all_ranks=False)
             if self.rank == 0:

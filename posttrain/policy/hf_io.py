@@ -3,10 +3,13 @@ memory check that runs BEFORE any weights are loaded, model construction, and ex
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -125,14 +128,44 @@ def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: to
     return n
 
 
+def check_replaceable(out: Path) -> None:
+    """A model folder named by `--output` is replaced as a whole: refuse one that is not a model
+    folder (a `--output results` meant as `results/stories260K-hf` would delete every run in it)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"--output {out}: exists and is not a folder")
+    if any(out.iterdir()) and not any((out / f).is_file() for f in ("config.json", "adapter_config.json")):
+        raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json), which "
+                         "the converter would replace with all its contents; name a new or empty folder, or a "
+                         "model folder to replace")
+
+
+@contextlib.contextmanager
+def writing_folder(out: Path) -> Iterator[Path]:
+    """A temp folder beside `out` to write a model into; when the block ends without an error it
+    replaces `out` whole, else it is removed. No file of an earlier model in `out` stays beside
+    the new one (a sharded index, full weights beside an adapter), and a crash mid-write leaves
+    the earlier model intact."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private; a model folder is an ordinary one
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str | os.PathLike, model_kind: str) -> None:
     """Write `state_dict` (full, CPU) as a transformers checkpoint: safetensors + config + tokenizer.
 
     The model is built on the meta device and takes the given tensors by assignment, so no
     extra copy is made and transformers handles tied weights and shard files itself.
     """
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         model = model_class(model_kind).from_config(config_for_kind(config, model_kind),
                                                     dtype=next(iter(state_dict.values())).dtype)
@@ -143,6 +176,7 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str
         raise KeyError(f"export_hf: state dict does not match {type(model).__name__}: missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]}")
     model.tie_weights()
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+    with writing_folder(Path(path)) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)

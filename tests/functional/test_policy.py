@@ -6,6 +6,7 @@ parameters after one SGD step (lr 0.5) 2e-6 absolute (reduction-order noise only
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
+from posttrain.config import InputError
+from posttrain.convert.dcp_to_hf import convert as dcp_to_hf
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.losses import ClippedPGLoss
@@ -109,13 +112,27 @@ def test_dcp_checkpoint_restores_weights_and_optimizer(policies, tmp_path):
 
 def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     policy = policies[1]
+    # An earlier export's file that this one would not overwrite (a shard index, say) goes with it.
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text("{}")
     policy.export_hf(tmp_path / "hf")
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     # `posttrain convert dcp-to-hf` of a saved checkpoint writes the same weights.
     policy.save_checkpoint(tmp_path / "step_1" / "policy")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not a model folder"):  # it would replace the whole folder
+        dcp_to_hf(tmp_path / "step_1", tmp_path / "notes")
     with pytest.raises(SystemExit) as done:
         cli_main(["convert", "dcp-to-hf", "--checkpoint", str(tmp_path / "step_1"),
                   "--output", str(tmp_path / "converted")])
     assert done.value.code == 0
+    # A checkpoint cut short is an input error naming it (it was an AssertionError traceback).
+    shutil.copytree(tmp_path / "step_1", tmp_path / "step_2")
+    (tmp_path / "step_2" / "policy" / ".metadata").write_bytes(b"")
+    with pytest.raises(InputError, match=r"cannot read the checkpoint in .*step_2"):
+        dcp_to_hf(tmp_path / "step_2", tmp_path / "converted")
+    assert (tmp_path / "converted" / "config.json").is_file()  # the earlier conversion is intact
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
     for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict().items():
         assert torch.equal(converted[k], v), k
