@@ -316,7 +316,8 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
         raise ConfigError(f"override {ov!r}: empty key")
     value = _parse_value(value_text, ov)
     try:
-        exists = _find(cfg, parts)[1]
+        # Setting a value changes no list's length: the name found now is the one it ends up at.
+        name, exists = _find(cfg, parts)
     except ConfigError as e:
         raise ConfigError(f"override {ov!r}: {e}") from None
     if mode == "add" and exists:
@@ -325,7 +326,7 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     except OmegaConfBaseException as e:  # e.g. a path through a value (`a.b.c` where a.b is a number)
         raise ConfigError(f"override {ov!r}: {str(e).splitlines()[0]}") from None
-    return _find(cfg, parts)[0]
+    return name
 
 
 def apply_overrides(

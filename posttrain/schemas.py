@@ -707,7 +707,6 @@ class CodeEnvConfig(Section):
     max_attempts: int = Field(1, ge=1)
 
 
-# The settings schema of each built-in environment (the `cfg` of `env.<name>`).
 class StoryEnvConfig(Section):
     """`story`: the continuation keeps the prompt's animal in the story (docs/stories260k.md)."""
 
@@ -726,6 +725,7 @@ class RewardModelEnvConfig(Section):
     add_eos: bool = True  # as data.add_eos of the RM's training run
 
 
+# The settings schema of each built-in environment (the `cfg` of `env.<name>`).
 BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
     "math": MathEnvConfig,
     "arithmetic": ArithmeticEnvConfig,

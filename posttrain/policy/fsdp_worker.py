@@ -32,9 +32,9 @@ import torch.distributed as dist
 
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
-from posttrain.generation.interfaces import pad_token_id
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
+from posttrain.generation.interfaces import pad_token_id
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf,
