@@ -35,8 +35,11 @@ __all__ = ["Logger", "Timer"]
 
 _log = _stdlib_logging.getLogger("posttrain")
 
+# The W&B and MLflow run ids of this run dir, so that a resumed run logs into the same
+# tracker runs instead of starting new ones beside them.
+_TRACKER_RUNS = "tracker_runs.json"
 # What a run writes into its run dir that a later run would append to or mix with its own.
-_RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard")
+_RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard", _TRACKER_RUNS)
 
 
 class _Backend(Protocol):
@@ -60,6 +63,16 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+def _read_tracker_runs(path: Path) -> dict[str, str]:
+    """The tracker run ids a stopped run left; {} when it left none or the file is unreadable
+    (the resumed run then starts new tracker runs: its metrics are not lost, only split)."""
+    try:
+        runs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
+
+
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None) -> None:
@@ -68,7 +81,8 @@ class Logger:
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
         `resumed_from`: the step of the checkpoint a resumed run continues from. What the stopped
         run logged after it is replaced by this run's steps: TensorBoard hides those events and
-        the plots leave them out (metrics.jsonl keeps every line; a later line wins a step)."""
+        the plots leave them out (metrics.jsonl keeps every line; a later line wins a step), and
+        the W&B and MLflow runs of the stopped run are continued rather than new ones started."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +99,8 @@ class Logger:
         self._closed = False
         hparams = json.loads(json.dumps(hparams or {}, default=str))
 
+        tracker_runs_path = self.run_dir / _TRACKER_RUNS
+        earlier_runs = _read_tracker_runs(tracker_runs_path) if resumed_from is not None else {}
         self._console = None
         self._backends: list[_Backend] = []
         if cfg.console_enabled:
@@ -103,11 +119,17 @@ class Logger:
         if cfg.wandb_enabled:
             from posttrain.logging.wandb import WandbBackend
 
-            self._backends.append(WandbBackend(cfg.wandb, self.run_dir, hparams))
+            wandb_backend = WandbBackend(cfg.wandb, self.run_dir, hparams, resume_id=earlier_runs.get("wandb"))
+            self._backends.append(wandb_backend)
+            earlier_runs["wandb"] = wandb_backend.run.id
         if cfg.mlflow_enabled:
             from posttrain.logging.mlflow import MlflowBackend
 
-            self._backends.append(MlflowBackend(cfg.mlflow, self.run_dir))
+            mlflow_backend = MlflowBackend(cfg.mlflow, self.run_dir, resume_id=earlier_runs.get("mlflow"))
+            self._backends.append(mlflow_backend)
+            earlier_runs["mlflow"] = mlflow_backend.run_id
+        if earlier_runs:
+            tracker_runs_path.write_text(json.dumps(earlier_runs))
 
         self._gpu_monitor = None
         if cfg.monitor_gpus:

@@ -4,11 +4,15 @@ Without `logger.mlflow.tracking_uri` the run goes to a local store inside the ru
 directory: `sqlite:///<run_dir>/mlflow/mlflow.db` (MLflow 3 keeps its plain-file store in
 maintenance mode and refuses it by default; SQLite is its recommended local file store)
 with artifacts in `<run_dir>/mlflow/artifacts`. Browse with
-`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`.
+`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow/mlflow.db`. A resumed run
+continues the stopped run's MLflow run (by its id) when the store still has it. MLflow
+parameters cannot change within a run, so a resumed run whose config differs logs only the
+parameters that are new and names the changed ones in a warning (config.yaml has them all).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
@@ -20,9 +24,12 @@ from posttrain.schemas import MlflowConfig
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
 _MAX_PARAM_LEN = 6000
 
+_log = logging.getLogger("posttrain")
+
 
 class MlflowBackend:
-    def __init__(self, cfg: MlflowConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: MlflowConfig, run_dir: Path, resume_id: str | None = None) -> None:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         store = run_dir / "mlflow"
@@ -35,6 +42,18 @@ class MlflowBackend:
             exp_id = self._client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
         else:
             exp_id = exp.experiment_id
+        self._logged_params: dict[str, str] = {}
+        if resume_id is not None:
+            try:
+                run = self._client.get_run(resume_id)
+            except MlflowException:  # another store (tracking_uri changed) or a deleted run
+                _log.warning("MLflow run %s of the stopped run is not in %s; logging to a new run",
+                             resume_id, self.tracking_uri)
+            else:
+                self.run_id = resume_id
+                self._logged_params = dict(run.data.params)
+                self._client.update_run(resume_id, status="RUNNING")
+                return
         self.run_id = self._client.create_run(exp_id, run_name=cfg.run_name or run_dir.name).info.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
@@ -47,9 +66,13 @@ class MlflowBackend:
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        params = [
-            Param(_BAD_CHARS.sub("_", k), str(v)[:_MAX_PARAM_LEN]) for k, v in _flatten(hparams).items()
-        ]
+        values = {_BAD_CHARS.sub("_", k): str(v)[:_MAX_PARAM_LEN] for k, v in _flatten(hparams).items()}
+        changed = sorted(k for k, v in values.items() if self._logged_params.get(k, v) != v)
+        if changed:
+            _log.warning("MLflow keeps a run's parameters as first logged; the resumed run's changed %s "
+                         "stay at their earlier values there (config.yaml has the new ones)", ", ".join(changed))
+        params = [Param(k, v) for k, v in values.items() if k not in self._logged_params]
+        self._logged_params.update((p.key, p.value) for p in params)
         for i in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[i : i + 100])
 

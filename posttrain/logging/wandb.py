@@ -4,7 +4,9 @@
 `WANDB_MODE` decides (offline writes `<run_dir>/wandb/offline-run-*` to sync later with
 `wandb sync`). Metrics are logged against their own `global_step` axis, so logging a
 step that wandb has already seen (a resumed run, validation after training at one step)
-is kept rather than dropped.
+is kept rather than dropped. A resumed run continues the stopped run's W&B run (its id,
+`resume="allow"`); offline, each process writes its own `offline-run-*` folder with that
+id, and `wandb sync` uploads them in order into the one run.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ _STEP_KEY = "global_step"
 
 
 class WandbBackend:
-    def __init__(self, cfg: WandbConfig, run_dir: Path, hparams: dict[str, Any]) -> None:
+    def __init__(self, cfg: WandbConfig, run_dir: Path, hparams: dict[str, Any], resume_id: str | None = None) -> None:
         import wandb
 
         self._wandb = wandb
@@ -33,6 +35,8 @@ class WandbBackend:
                 mode=mode,
                 dir=str(run_dir),
                 config=hparams,
+                id=resume_id,
+                resume="allow" if resume_id else None,
                 settings=wandb.Settings(silent=True, console="off"),
             )
         except wandb.errors.UsageError as e:  # e.g. online without an API key: the user's setup, not a bug

@@ -130,6 +130,43 @@ def test_wandb_offline_run_files(tmp_path, monkeypatch):
     assert b"train/reward" in blob and b"validation/reward" in blob
 
 
+def test_a_resumed_run_continues_its_mlflow_and_wandb_runs_and_a_fresh_one_starts_new_ones(tmp_path, monkeypatch, caplog):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(mlflow_enabled=True, wandb_enabled=True, wandb={"mode": "offline", "project": "t"})
+
+    def run(hparams, steps, **kw):
+        with Logger(cfg, tmp_path, hparams=hparams, **kw) as logger:
+            for step in steps:
+                logger.log_metrics({"reward": step / 10}, step)
+        mlflow_backend, wandb_backend = logger._backends[1], logger._backends[0]
+        return mlflow_backend.run_id, wandb_backend.run.id, MlflowClient(tracking_uri=mlflow_backend.tracking_uri)
+
+    first_mlflow, first_wandb, client = run({"lr": 0.1, "steps": 2}, [1, 2], fresh=True)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        mlflow_id, wandb_id, _ = run({"lr": 0.1, "steps": 4, "seed": 3}, [3, 4], resumed_from=2)
+    assert (mlflow_id, wandb_id) == (first_mlflow, first_wandb)
+    history = client.get_metric_history(mlflow_id, "train/reward")
+    assert [(m.step, m.value) for m in history] == [(1, .1), (2, .2), (3, .3), (4, .4)]
+    # MLflow cannot change a parameter: the new one is added, the changed one named.
+    params = client.get_run(mlflow_id).data.params
+    assert params == {"lr": "0.1", "steps": "2", "seed": "3"}
+    assert "changed steps stay at their earlier values" in caplog.text
+    assert client.get_run(mlflow_id).info.status == "FINISHED"
+    assert {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")} == {first_wandb}
+
+    # Started over: new tracker runs; the earlier ids go aside with the earlier logs.
+    mlflow_id, wandb_id, _ = run({"lr": 0.2}, [1], fresh=True)
+    assert mlflow_id != first_mlflow and wandb_id != first_wandb
+    (aside,) = tmp_path.glob("previous-*")
+    assert json.loads((aside / "tracker_runs.json").read_text()) == {"wandb": first_wandb, "mlflow": first_mlflow}
+    # A resumed run whose ids file is unreadable starts new runs rather than failing.
+    (tmp_path / "tracker_runs.json").write_text("{not json")
+    mlflow_again, _, _ = run({"lr": 0.2}, [2], resumed_from=1)
+    assert mlflow_again not in (mlflow_id, first_mlflow)
+
+
 def test_wandb_online_without_an_api_key_is_an_input_error(tmp_path, monkeypatch):
     from posttrain.config import InputError
 
