@@ -130,7 +130,7 @@ def resume(run: OfflineRun, latest: Path | None, loader: RowLoader, cfg: Any) ->
 
 def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
     """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`)."""
-    info = {"epoch": loader.epoch, "consumed_samples": step * loader.batch_size, "dataloader": loader.state_dict()}
+    info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict()}
     return run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
 
 

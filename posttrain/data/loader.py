@@ -45,6 +45,10 @@ class RowLoader:
         self.max_epochs = max_epochs
         self.epoch = 0
         self.index = 0  # position of the next row within the current epoch's order
+        # Rows handed out since the run began, over epochs and resumes (the checkpoints'
+        # consumed_samples): not epoch x rows + index, which a batch size changed at a resume,
+        # or an epoch's dropped tail, would miscount.
+        self.served = 0
         self._order = self._make_order()
 
     @property
@@ -83,11 +87,12 @@ class RowLoader:
             raise StopIteration
         idx = self._order[self.index : self.index + self.batch_size]
         self.index += self.batch_size
+        self.served += self.batch_size
         return [self.rows[i] for i in idx]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed,
-                "shuffle": self.shuffle}
+                "shuffle": self.shuffle, "served": self.served}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_rows") not in (None, len(self.rows)):
@@ -106,4 +111,6 @@ class RowLoader:
             )
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])
+        # Checkpoints from before the count: whole epochs of whole batches, the best estimate.
+        self.served = int(state.get("served", self.epoch * self.batches_per_epoch * self.batch_size + self.index))
         self._order = self._make_order()

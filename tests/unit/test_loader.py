@@ -59,6 +59,21 @@ def test_batches_left_counts_from_the_position_also_after_a_resume_with_another_
     assert len(list(resumed)) == 5 and resumed.batches_left == 0
 
 
+def test_served_counts_the_rows_handed_out_over_epochs_and_a_resume_with_another_batch_size():
+    first = RowLoader(ROWS, 3, seed=1)
+    for _ in range(4):
+        next(first)  # 3 batches of epoch 0 (its last row dropped), 1 of epoch 1
+    assert first.served == 12 and first.state_dict()["served"] == 12
+    resumed = RowLoader(ROWS, 2, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    next(resumed)
+    assert resumed.served == 14  # not (epoch x rows + index) = 12 nor steps x batch size
+    # A checkpoint from before the count: whole batches of the finished epochs plus the index.
+    old = RowLoader(ROWS, 3, seed=1)
+    old.load_state_dict({"epoch": 1, "index": 3, "num_rows": 10, "seed": 1, "shuffle": True})
+    assert old.served == 12
+
+
 def test_resume_refuses_another_row_order():
     first = RowLoader(ROWS, 4, seed=3)
     next(first)
