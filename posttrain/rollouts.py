@@ -23,6 +23,7 @@ import torch
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import render_chat, with_bos
 from posttrain.environments.interfaces import (
+    ENV_ERROR_KEY,
     ENV_METRICS_KEY,
     REWARD_COMPONENTS_KEY,
     ROLLOUT_KEY,
@@ -52,7 +53,8 @@ class Conversation:
     prompt_messages: int = 0  # messages[:prompt_messages] are the row's prompt (a system prompt included)
     generated_mask: list[int] = field(default_factory=list)
     generation_logprobs: list[float] = field(default_factory=list)
-    stop_strings: list[str] | None = None
+    stop_strings: list[str] | None = None  # of the next generation turn
+    row_stop_strings: list[str] | None = None  # the row's own: every turn's unless the environment sets others
     tools: list[dict] | None = None  # JSON schemas the chat template renders (the row's "tools")
     reward: float = 0.0
     done: bool = False
@@ -199,10 +201,41 @@ def start_conversations(
                 generated_mask=[0] * len(tokens),
                 generation_logprobs=[0.0] * len(tokens),
                 stop_strings=row.get("stop_strings"),
+                row_stop_strings=row.get("stop_strings"),
                 tools=tools,
             )
         )
     return convs
+
+
+def check_tool_turns(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = True, *,
+                     add_generation_prompt: bool = True) -> None:
+    """Render a tool call and its result after the first prompt of each task whose rows carry
+    tools, as a rollout's next turn would be rendered: a chat template that cannot show a tool
+    result (one that only takes alternating user/assistant turns) fails here, at setup, naming
+    the task, instead of at the first tool call of a run."""
+    from posttrain.config import InputError
+
+    seen: set[str] = set()
+    for row in rows:
+        task = row.get("task_name", "math")
+        if not row.get("tools") or task in seen:
+            continue
+        seen.add(task)
+        (c,) = start_conversations(tokenizer, [row], add_bos, add_generation_prompt=add_generation_prompt)
+        name = row["tools"][0].get("function", {}).get("name", "tool")
+        call = {"id": "call00000", "type": "function", "function": {"name": name, "arguments": {}}}
+        c.messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        c.tokens.append(tokenizer.eos_token_id)  # as if the model ended its turn itself
+        result = [{"role": "tool", "content": "0", "name": name, "tool_call_id": call["id"]}]
+        try:
+            _next_turn_tokens(tokenizer, c, result, add_generation_prompt)
+        except Exception as e:  # a template raises what it likes: TemplateError, TypeError, KeyError
+            raise InputError(
+                f"environment {task!r} has tools, but the tokenizer's chat template cannot render a tool "
+                f"result after a tool call ({type(e).__name__}: {e}); use a model or tokenizer.chat_template "
+                "whose template knows the tool role"
+            ) from None
 
 
 def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
@@ -275,15 +308,22 @@ def run_rollouts(
         for c in active:
             by_task[c.task_name].append(c)
         for task, group in by_task.items():
+            # An earlier turn's error stays out of what the environment sees, so that one echoing its
+            # metadata back (or returning None for it) does not count that error again.
             ret = envs[task].step([c.messages for c in group],
-                                  [{**c.metadata, ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress}}
+                                  [{**{key: v for key, v in c.metadata.items() if key != ENV_ERROR_KEY},
+                                    ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
+                                                  "last_turn": turn == max_turns - 1}}
                                    for c in group])
             for k, c in enumerate(group):
                 c.reward += float(ret.rewards[k])
+                earlier_error = c.metadata.get(ENV_ERROR_KEY)
                 if ret.metadata[k] is not None:
                     c.metadata = {key: v for key, v in ret.metadata[k].items() if key != ROLLOUT_KEY}
-                if c.metadata.get("env_error"):
+                if ret.metadata[k] is not None and ret.metadata[k].get(ENV_ERROR_KEY):
                     c.env_errors += 1
+                elif earlier_error:
+                    c.metadata[ENV_ERROR_KEY] = earlier_error  # the sample's log keeps it
                 if ret.tool_calls is not None and ret.tool_calls[k]:
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 last_turn = turn == max_turns - 1
@@ -300,7 +340,8 @@ def run_rollouts(
                 c.tokens += obs_tokens
                 c.generated_mask += [0] * len(obs_tokens)
                 c.generation_logprobs += [0.0] * len(obs_tokens)
-                c.stop_strings = ret.next_stop_strings[k]
+                nxt = ret.next_stop_strings[k]
+                c.stop_strings = nxt if nxt is not None else c.row_stop_strings
 
     batch = BatchedDataDict(
         input_ids=_pad([c.tokens for c in convs], pad_id, torch.long),

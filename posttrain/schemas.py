@@ -624,6 +624,10 @@ class EnvWorkerConfig(Section):
     step_timeout_s: float | None = Field(None, gt=0)
     # Restarts of a crashed or stuck actor before the environment fails for good.
     max_restarts: int = Field(3, ge=0)
+    # Steps (one per rollout turn) in a row in which every sample of this environment failed
+    # (raised, timed out, returned a bad reward) before the run stops: a broken environment, not
+    # hard samples; GRPO checkpoints its last complete step first. null: never stop.
+    max_failed_steps: int | None = Field(3, ge=1)
     # Settings of the environment itself, validated by its own section below
     # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig, StoryEnvConfig,
     # RewardModelEnvConfig).
@@ -825,9 +829,10 @@ class LoggerConfig(Section):
 
     # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files. A
     # resumed run continues them (TensorBoard and the plots drop what the stopped run logged after
-    # the checkpoint it resumes from); a run that starts over (no checkpoint to resume) first moves
-    # an earlier run's metrics.jsonl, samples.jsonl, config.yaml, plots/, tensorboard/ and final
-    # export hf/ into log_dir/previous-<time>/.
+    # the checkpoint it resumes from) and logs into the stopped run's W&B and MLflow runs (ids in
+    # tracker_runs.json); a run that starts over (no checkpoint to resume) first moves an earlier
+    # run's metrics.jsonl, samples.jsonl, config.yaml, plots/, tensorboard/, tracker_runs.json and
+    # final export hf/ into log_dir/previous-<time>/.
     log_dir: str = "logs"
     # Validation samples (prompt, response, reward) printed to the console at each validation.
     num_val_samples_to_print: int = Field(0, ge=0)

@@ -19,7 +19,7 @@ import time
 from array import array
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
-from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
+from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import pass_at_k
 from posttrain.generation import check_backend_installed
@@ -49,8 +49,8 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
-from posttrain.rollouts import (PROMPT_IDS_KEY, Conversation, RolloutResult, render_prompt, run_rollouts,
-                                summarize_rollouts)
+from posttrain.rollouts import (PROMPT_IDS_KEY, Conversation, RolloutResult, check_tool_turns, render_prompt,
+                                run_rollouts, summarize_rollouts)
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
 
@@ -144,6 +144,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
     val_rows, val_dropped = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
+    if g.max_rollout_turns > 1:  # a tool's result is shown only in a later turn
+        check_tool_turns(tokenizer, train_rows + val_rows, cfg.data.add_bos,
+                         add_generation_prompt=cfg.data.add_generation_prompt)
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
                        seed=g.seed, max_epochs=g.max_num_epochs,
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
@@ -385,17 +388,39 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
     return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
 
 
+@dataclass
+class _LastComplete:
+    """The loop's last complete step: what a checkpoint of it holds (the data position of its
+    next prompts, its metrics), and the step last saved."""
+
+    step: int
+    saved_step: int
+    loader_state: dict
+    train: dict[str, float] = field(default_factory=dict)
+    val: dict[str, float] = field(default_factory=dict)
+
+
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
     a = s.cfg.grpo.async_grpo
     pipeline = _RolloutPipeline(a.max_trajectory_age_steps, s.generation.version) if a.enabled else None
+    last = _LastComplete(s.start_step, s.start_step, s.loader.state_dict())
     try:
-        return _grpo_loop(s, pipeline)
+        return _grpo_loop(s, pipeline, last)
+    except EnvironmentFailure:
+        # The policy is the last complete step's (an environment fails before an update, in the
+        # rollouts or a validation): keep the steps since the last checkpoint for a resume once
+        # the environment is mended.
+        if last.step > last.saved_step and s.cfg.checkpointing.enabled:
+            _save(s, last.step, last.train, last.val, loader_state=last.loader_state)
+            s.logger.console(f"an environment failed: saved step {last.step}, the last complete one, before stopping")
+        raise
     finally:
         if pipeline is not None:
             pipeline.close()
 
 
-def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, float]:
+def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastComplete) -> dict[str, float]:
+    """The GRPO steps; `last` follows the last complete one (grpo_train saves it if an environment fails)."""
     cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
@@ -549,6 +574,9 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
             with timer.time("refit"):
                 _refit_generation(s, step + 1)
         step += 1
+        # The data position before the next step's prompts (async: before the oldest queued ones).
+        last.step, last.train = step, {**rollout_metrics, **train_metrics}
+        last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
 
         # ---- validation
         if (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps):
@@ -559,6 +587,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
                     pipeline.queued_version = step
                 val_metrics = validate(s, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
+            last.val = val_metrics
 
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         stop = s.checkpointer.stop_reason()
@@ -568,7 +597,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None) -> dict[str, flo
                 # documented (policy.train's metrics alone lack them).
                 _save(s, step, {**rollout_metrics, **train_metrics}, val_metrics,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
-            saved_step = step
+            saved_step = last.saved_step = step
 
         # ---- metrics
         step_time = time.monotonic() - step_start
@@ -626,11 +655,12 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
     "train:<name>" / "val:<name>"); `loader_state`: the data position to resume from when the
     loader has run ahead of the trained steps (async GRPO's in-flight prompts)."""
     metrics = {**{f"train:{k}": v for k, v in train.items()}, **{f"val:{k}": v for k, v in val.items()}}
-    g = s.cfg.grpo
+    loader_state = loader_state or s.loader.state_dict()
     info = {
-        "epoch": s.loader.epoch,
-        "consumed_samples": step * g.num_prompts_per_step * g.num_generations_per_prompt,
-        "dataloader": loader_state or s.loader.state_dict(),
+        "epoch": loader_state["epoch"],
+        # Samples generated from the prompts drawn so far (dynamic sampling draws more than it trains).
+        "consumed_samples": loader_state["served"] * s.cfg.grpo.num_generations_per_prompt,
+        "dataloader": loader_state,
     }
     s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
     s.logger.plot()

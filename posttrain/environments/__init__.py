@@ -25,6 +25,7 @@ _EXPORTS = {
     "with_tool_schemas": "registry",
     "register_env": "registry",
     "EnvironmentGroup": "actors",
+    "EnvironmentFailure": "actors",
     "EnvironmentInterface": "interfaces",
     "EnvironmentReturn": "interfaces",
     "PerSampleEnvironment": "interfaces",

@@ -9,7 +9,9 @@ actor crashes, raises or returns other than one entry per sample (of the types
 (each records "env_error" in its metadata, which the rollout counts), as does a sample with
 a non-finite reward, and the run goes on; a stuck actor is killed and, like
 a crashed one, restarted by Ray (`max_restarts`). An actor that fails more often than
-`max_restarts` allows is broken for good: the next step raises instead of scoring zeros.
+`max_restarts` allows is broken for good, and so is an environment in which every sample
+failed in `max_failed_steps` steps in a row: the step raises `EnvironmentFailure` instead of
+scoring zeros (GRPO then checkpoints its last complete step before it stops).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentRe
 _TOOL_CHILD_RESTART_S = 5.0
 
 
+class EnvironmentFailure(RuntimeError):
+    """An environment that keeps failing: the run stops rather than scoring every sample 0."""
+
+
 def slice_time_limit(cfg: EnvWorkerConfig, message_logs: list[list[dict]]) -> float:
     """Seconds an actor's slice of a step (these conversations) may take: `step_timeout_s`, by
     default `timeout_s` per sample + 30 s, plus, with `tool_timeout_s`, that time and a restart
@@ -146,6 +152,7 @@ class EnvironmentGroup:
         )
         self._actors = [remote_cls.remote(env_cls, cfg) for _ in range(cfg.num_workers)]
         self._failures = [0] * cfg.num_workers
+        self._failed_steps = 0  # steps in a row in which every sample failed
         self._restarting: set[int] = set()
         self._starting = [a.ready.remote() for a in self._actors]
         if wait:
@@ -204,13 +211,29 @@ class EnvironmentGroup:
                 error = f"environment {self.name!r} step failed: {type(e).__name__}: {e}"
             log.warning("%s; %d samples score 0", error, hi - lo)
             parts.append(EnvironmentReturn.failed(metadata[lo:hi], error))
-        return EnvironmentReturn.concat(parts)
+        ret = EnvironmentReturn.concat(parts)
+        self._count_failed_step(ret)
+        return ret
+
+    def _count_failed_step(self, ret: EnvironmentReturn) -> None:
+        errors = [m.get(ENV_ERROR_KEY) if m else None for m in ret.metadata]
+        if not errors or not all(errors):
+            self._failed_steps = 0
+            return
+        self._failed_steps += 1
+        limit = self.cfg.max_failed_steps
+        if limit is not None and self._failed_steps >= limit:
+            raise EnvironmentFailure(
+                f"environment {self.name!r}: every sample failed in {self._failed_steps} steps in a row "
+                f"(env.{self.name}.max_failed_steps={limit}); the last error: {errors[0]}. Stopping rather than "
+                "scoring every sample 0"
+            )
 
     def _count_failure(self, i: int, error: str) -> None:
         self._failures[i] += 1
         self._restarting.add(i)
         if self._failures[i] > self.cfg.max_restarts:
-            raise RuntimeError(
+            raise EnvironmentFailure(
                 f"{error}; it has failed {self._failures[i]} times, more than env.{self.name}.max_restarts="
                 f"{self.cfg.max_restarts}: stopping rather than scoring every sample 0"
             )

@@ -15,7 +15,7 @@ passes (`env.code.cfg.reward: all`) or the fraction that pass (`fraction`).
 - A program that fails, hangs or breaks a limit is a wrong program: it scores 0 (the
   observation says why) but is no environment error. With `max_attempts` > 1 (and
   `grpo.max_rollout_turns` as many) the failure goes back to the model, which answers again;
-  the attempt that passes, or the last one, scores. Only a row without tests or a harness
+  the attempt that passes, or the last one (by `max_attempts` or by the rollout's turns), scores. Only a row without tests or a harness
   that returns nothing counts in `env_errors`.
 - Not a security sandbox: the program runs as the user running posttrain, with that user's
   network and files. Train on untrusted tasks inside a container.
@@ -34,6 +34,7 @@ import tempfile
 from typing import Any
 
 from posttrain.environments.interfaces import (
+    ROLLOUT_KEY,
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
@@ -144,7 +145,9 @@ class CodeEnvironment(PerSampleEnvironment):
         passed, error = run_tests(program, tests, setup=setup, timeout_s=self.timeout_s, memory_mb=self.cfg.memory_mb)
         total = len(tests)
         attempt = int(metadata.get("attempt", 0)) + 1
-        done = passed == total or attempt >= self.cfg.max_attempts
+        # The rollout's last turn ends the conversation whatever this says: score the attempt then too.
+        last_turn = bool((metadata.get(ROLLOUT_KEY) or {}).get("last_turn"))
+        done = passed == total or attempt >= self.cfg.max_attempts or last_turn
         observation = f"Environment: {passed}/{total} tests passed" + (f"; {error}" if error else "")
         if not done:
             observation += ". Fix the program and answer with all of it again."

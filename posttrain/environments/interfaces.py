@@ -30,8 +30,10 @@ REWARD_COMPONENTS_KEY = "reward_components"
 TOOL_CALLS_KEY = "tool_calls"
 # Metadata key the rollout sets on every sample for the environment's step (and removes from
 # what comes back): {"completion_ids": the conversation's tokens after its prompt, "global_step":
-# the GRPO steps done, "max_steps": grpo.max_num_steps} (the steps are None outside GRPO). TRL
-# reward functions get them as `completion_ids` and `trainer_state`.
+# the GRPO steps done, "max_steps": grpo.max_num_steps (the steps are None outside GRPO),
+# "last_turn": whether the conversation ends after this step whatever the environment says
+# (grpo.max_rollout_turns reached): its last chance to score}. TRL reward functions get the
+# first three as `completion_ids` and `trainer_state`.
 ROLLOUT_KEY = "_rollout"
 # Metadata keys of a sample's metrics ({name: number}, logged as env/<name> means over the
 # samples that have them) and of extra values shown with it in samples.jsonl ({column: value});
@@ -51,7 +53,8 @@ class EnvironmentReturn:
     # tool message may name its call: "tool_call_id", and its tool: "name").
     observations: list[dict[str, Any] | list[dict[str, Any]]]
     metadata: list[dict[str, Any]]  # per sample; passed to the next step of a multi-turn conversation
-    next_stop_strings: list[list[str] | None]  # stop strings of the next generation turn (None: defaults)
+    # Stop strings of the next generation turn, besides policy.generation.stop_strings (None: the row's own).
+    next_stop_strings: list[list[str] | None]
     rewards: torch.Tensor  # [B] float
     terminateds: torch.Tensor  # [B] bool
     answers: list[str | None]  # the answer the environment extracted (for logs), None if none

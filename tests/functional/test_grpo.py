@@ -236,6 +236,36 @@ def test_reward_function_from_a_file_scores_every_row(ray_session, tmp_path):
     assert train["env_errors"] == 0 and 0 < train["reward"] <= train["response_length_max"] / 100
 
 
+def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_complete_step(ray_session, tmp_path):
+    from posttrain.environments import EnvironmentFailure
+
+    # A reward service that goes down from the third step's rollouts on, while `broken` exists.
+    rewards, broken = tmp_path / "rewards.py", tmp_path / "broken"
+    rewards.write_text(
+        "import os\n\ndef flaky(response, metadata):\n"
+        f"    if metadata['_rollout']['global_step'] >= 2 and os.path.exists({str(broken)!r}):\n"
+        "        raise ConnectionError('reward service down')\n"
+        "    return float(len(response) > 2)\n")
+    broken.touch()
+    args = _tiny(tmp_path, "grpo.max_num_steps=4", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+                 "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
+                 "data.task_name=flaky", f"env.flaky.target={rewards}:flaky", "env.flaky.max_failed_steps=1")
+    with pytest.raises(EnvironmentFailure, match=r"^environment 'flaky': every sample failed in 1 steps in a row "
+                                                 r"\(env.flaky.max_failed_steps=1\); the last error: .*ConnectionError: "
+                                                 r"reward service down"):
+        run(load_config("grpo", QUICKSTART, args))
+    # The two complete steps were saved (the first periodic save would have been step 10).
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
+    info = json.loads((tmp_path / "ckpt" / "step_2" / "training_info.json").read_text())
+    assert info["dataloader"]["served"] == 2 * 4 and info["consumed_samples"] == 2 * 4 * 4
+    assert [r["step"] for r in _records(tmp_path / "logs", "train")] == [1, 2]
+    # Mended, the run resumes at step 3.
+    broken.unlink()
+    run(load_config("grpo", QUICKSTART, args))
+    assert [(r["step"], r["env_errors"]) for r in _records(tmp_path / "logs", "train")] == [
+        (1, 0), (2, 0), (3, 0), (4, 0)]
+
+
 def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
     # The tiny model, warmed up on demonstrations that call the add tool, calls it in its first
     # turn; the tool's result (or what was malformed in the call) comes back as a tool turn, and

@@ -638,6 +638,18 @@ def test_code_failing_attempt_comes_back_until_max_attempts():
     assert [m["attempt"] for m in second.metadata] == [2, 2]
 
 
+def test_code_attempt_on_the_rollouts_last_turn_scores_even_before_max_attempts():
+    from posttrain.environments.interfaces import ROLLOUT_KEY
+
+    # reward=fraction, 3 attempts allowed but the rollout's turns end now: the half-right program
+    # scores its fraction (before: 0, since the conversation ended "unfinished").
+    env = _code_env(max_attempts=3, reward="fraction")
+    half = "def add(a, b):\n    return a + b if a < 2 else 0"  # add(2, 2) fails
+    ret = env.step([_answer(half)] * 2, [{"tests": ADD_TESTS, ROLLOUT_KEY: {"last_turn": last}} for last in (False, True)])
+    assert ret.terminateds.tolist() == [False, True]
+    assert ret.rewards.tolist() == [0.0, pytest.approx(2 / 3)]
+
+
 def test_code_format_rows_are_solved_by_their_references_and_not_by_a_wrong_program():
     # The example tasks (MBPP's layout) and a HumanEval row, through the data loader's format
     # detection into the code environment: each reference solution (the row's `answer`) passes

@@ -64,6 +64,7 @@ class _EchoGeneration:
 
     def __init__(self, tok, replies=("1",), eos=True):
         self.tok, self.prompts, self.replies, self.calls, self.eos = tok, [], list(replies), 0, eos
+        self.stop_strings = []  # the batch's per-row stop strings of each call
 
     def generate(self, batch, greedy=False):
         import torch
@@ -72,6 +73,7 @@ class _EchoGeneration:
 
         reply = self.replies[min(self.calls, len(self.replies) - 1)]
         self.calls += 1
+        self.stop_strings.append(batch.get("stop_strings") if "stop_strings" in batch else None)
         new = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id] * self.eos
         rows = []
         for i in range(batch["input_ids"].shape[0]):
@@ -192,6 +194,25 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, calc):
     assert "tool_calls" not in conv.exchange[3]
 
 
+def test_a_chat_template_without_the_tool_role_fails_at_setup_naming_the_task(tok, calc):
+    from posttrain.config import InputError
+    from posttrain.embedded import CHAT_TEMPLATE, build_tokenizer
+    from posttrain.environments import with_tool_schemas
+    from posttrain.rollouts import check_tool_turns
+
+    env_cfg, _ = calc
+    rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+0="}], "task_name": "calc"}], env_cfg)
+    check_tool_turns(tok, rows)  # the embedded template shows tool results
+    strict = build_tokenizer()
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] not in ('user', 'assistant') %}"
+                            "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% endfor %}"
+                            + CHAT_TEMPLATE)
+    with pytest.raises(InputError, match=r"^environment 'calc' has tools, but the tokenizer's chat template cannot "
+                                         r"render a tool result after a tool call \(TemplateError: roles must alternate"):
+        check_tool_turns(strict, rows)
+    check_tool_turns(strict, [{**rows[0], "tools": None}])  # no tools: no tool turn to render
+
+
 # Tool calls as Mistral's templates treat them, in a template of this test's own: a calling turn
 # is rendered from its structured `tool_calls` (not its content), every call and result needs a
 # 9-character id, and a result must answer a call of the turn before it.
@@ -298,11 +319,62 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     result = run_rollouts(gen, rows, {"t": Recording()}, tok, max_turns=2, max_seq_len=100, global_step=7, max_steps=9)
     first, second = (s[0] for s in seen)
     assert first == {"completion_ids": tok.encode("12", add_special_tokens=False) + [tok.eos_token_id],
-                     "global_step": 7, "max_steps": 9}
+                     "global_step": 7, "max_steps": 9, "last_turn": False}
     # The second turn's ids run from the end of the prompt: the first answer, the observation, the second answer.
     (conv,) = result.conversations
     assert second["completion_ids"] == conv.tokens[conv.prompt_length:] and len(second["completion_ids"]) > 6
+    assert second["last_turn"] is True  # max_turns=2: the conversation ends after it whatever the environment says
     assert ROLLOUT_KEY not in conv.metadata and result.metrics["env/turn"] == 2.0
+
+
+def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_others(tok):
+    import torch
+
+    from posttrain.environments.interfaces import EnvironmentReturn
+
+    class SetsStopsForB:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "again"}] * n, metadata=metadata,
+                next_stop_strings=[["</b>"] if m["name"] == "b" else None for m in metadata],
+                rewards=torch.zeros(n), terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+
+    gen = _EchoGeneration(tok)
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "stop_strings": ["</a>"],
+             "metadata": {"name": name}} for name in ("a", "b")]
+    run_rollouts(gen, rows, {"t": SetsStopsForB()}, tok, max_turns=3, max_seq_len=200)
+    assert gen.stop_strings == [[["</a>"], ["</a>"]], [["</a>"], ["</b>"]], [["</a>"], ["</b>"]]]
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(tok, echo):
+    import torch
+
+    from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
+
+    class FailsOnTurnOne:
+        """Turn 1: an error for every sample (the conversation goes on); later turns: the metadata
+        as it came (`echo`) or None."""
+
+        turn = 0
+
+        def step(self, message_logs, metadata):
+            self.turn += 1
+            n = len(metadata)
+            assert all(ENV_ERROR_KEY not in m for m in metadata)
+            meta = ([{**m, ENV_ERROR_KEY: "verifier crashed"} for m in metadata] if self.turn == 1
+                    else list(metadata) if echo else [None] * n)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "again"}] * n, metadata=meta,
+                next_stop_strings=[None] * n, rewards=torch.zeros(n),
+                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsOnTurnOne()}, tok, max_turns=3, max_seq_len=200)
+    (conv,) = result.conversations
+    assert conv.env_errors == 1 and result.metrics["env_errors"] == 1
+    assert conv.metadata[ENV_ERROR_KEY] == "verifier crashed"
 
 
 def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
