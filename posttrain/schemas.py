@@ -408,10 +408,14 @@ class PolicyConfig(Section):
                              f"switch (got {milestones[0] if milestones else None})")
         return entries
 
+    @property
+    def tokenizer_name(self) -> str:
+        """`tokenizer.name`, by default `model_name`. Resolved here, not written into the config:
+        a run's config.yaml with a null tokenizer.name follows a changed model_name."""
+        return self.tokenizer.name or self.model_name
+
     @model_validator(mode="after")
     def _batch_sizes(self) -> "PolicyConfig":
-        if self.tokenizer.name is None:
-            self.tokenizer.name = self.model_name
         if self.train_global_batch_size % self.train_micro_batch_size:
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple "

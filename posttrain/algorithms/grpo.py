@@ -129,7 +129,7 @@ def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, Ray
     generation = GenerationWorkerGroup(
         cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
         cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,
-        precision=cfg.policy.precision, tokenizer_path=cfg.policy.tokenizer.name, device=cfg.policy.device,
+        precision=cfg.policy.precision, tokenizer_path=cfg.policy.tokenizer_name, device=cfg.policy.device,
     )
     return generation, cluster
 

@@ -56,8 +56,9 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
 def load_policy_tokenizer(policy):
     """`load_tokenizer` for `policy` (a PolicyConfig): its errors name `policy.model_name` when the
     tokenizer is the model's own (the default), the key the user wrote."""
-    own = policy.tokenizer.name == policy.model_name
-    return load_tokenizer(policy.tokenizer, key="policy.model_name" if own else "policy.tokenizer.name")
+    own = policy.tokenizer.name is None
+    return load_tokenizer(policy.tokenizer.model_copy(update={"name": policy.tokenizer_name}),
+                          key="policy.model_name" if own else "policy.tokenizer.name")
 
 
 def require_chat_template(tokenizer) -> None:

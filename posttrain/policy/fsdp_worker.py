@@ -790,7 +790,7 @@ class FSDPPolicyWorker:
 def resolve_tokenizer_path(cfg: PolicyConfig) -> str:
     from posttrain.embedded import resolve_model_path
 
-    return resolve_model_path(cfg.tokenizer.name or cfg.model_name)
+    return resolve_model_path(cfg.tokenizer_name)
 
 
 def _accumulate(into: dict[str, float], metrics: dict[str, Any]) -> None:

@@ -102,7 +102,10 @@ def test_every_override_form(tmp_path):
     assert cfg.policy.max_grad_norm is None
     assert cfg.grpo.val_at_start is False
     assert cfg.policy.optimizer.kwargs == {"lr": 1e-3}  # a set dict key replaces only what it names
-    assert cfg.policy.tokenizer.name == "embedded:small"
+    assert cfg.policy.tokenizer_name == "embedded:small"
+    # The default tokenizer is the model's, resolved when used: the config keeps null, so a run's
+    # config.yaml loaded again with another model_name takes that model's tokenizer.
+    assert cfg.policy.tokenizer.name is None and "name: null" in to_yaml(cfg.policy.tokenizer.model_dump())
 
 
 def test_an_override_value_that_yaml_reads_partly_as_a_comment_is_an_error():
