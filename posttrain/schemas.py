@@ -13,7 +13,7 @@ second, before torch, transformers or Ray are imported.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -258,8 +258,8 @@ class GenerationConfig(Section):
     top_k: int | None = Field(None, ge=1)
     # Token ids that end a row (besides EOS).
     stop_token_ids: list[int] | None = None
-    # Strings that end a row; they stay in the output.
-    stop_strings: list[str] | None = None
+    # Strings that end a row (non-empty); they stay in the output.
+    stop_strings: list[Annotated[str, Field(min_length=1)]] | None = None
     # Keep generating past EOS (only stop_token_ids, stop_strings and max_new_tokens end a row);
     # vLLM's `ignore_eos`, used by throughput benchmarks so every backend does the same work.
     ignore_eos: bool = False

@@ -334,6 +334,8 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
         if not isinstance(row["task_name"], str) or not row["task_name"]:
             raise DataFormatError(f"{loc}: `task_name` must be an environment name, got {row['task_name']!r}")
         keep = {k: row[k] for k in ("answer", "demonstration", "metadata", "stop_strings") if k in row}
+        if keep.get("stop_strings") is not None:
+            keep["stop_strings"] = _stop_strings(keep["stop_strings"], loc)
         if messages[-1]["role"] == "assistant":
             # Left in the prompt, GRPO would reward copying it and eval score it as the model's. A
             # conversation without an `answer` ends with its reference, as NeMo RL's math rows
@@ -350,6 +352,14 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
     _require_assistant(messages, loc, "messages", hint="; for GRPO or eval, a prompt row names the environment "
                        "that scores it: give it a `task_name`, or set data.task_name")
     return _with_tools({"messages": messages}, row, loc)
+
+
+def _stop_strings(value: Any, loc: str) -> list[str]:
+    """A row's `stop_strings`: a list of non-empty strings ("\n" is one). A bare string would be
+    read as a list of its characters (every character a stop), and "" would match at once."""
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise DataFormatError(f"{loc}: `stop_strings` must be a list of non-empty strings, got {value!r:.80}")
+    return value
 
 
 def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:

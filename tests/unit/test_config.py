@@ -119,6 +119,12 @@ def test_an_override_value_that_yaml_reads_partly_as_a_comment_is_an_error():
     assert (cfg.description, cfg.logger.wandb.name, cfg.policy.max_grad_norm) == ("run #1", "exp#1", 0.5)
 
 
+def test_an_empty_stop_string_is_a_config_error():
+    # It passed the config and failed at the first generate call, after the model and Ray started.
+    with pytest.raises(ConfigError, match=r"policy.generation.stop_strings\[1\]: got ''"):
+        load_config("eval", None, ["policy.generation.stop_strings=[x, '']"])
+
+
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
     path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
     with pytest.raises(ConfigError) as e:

@@ -230,6 +230,15 @@ def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
         load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
 
 
+def test_rl_row_stop_strings_must_be_a_list_of_non_empty_strings():
+    # A bare string was iterated as its characters: "xyz" stopped the row at its first "z".
+    row = {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "math"}
+    assert normalize_row({**row, "stop_strings": ["\n", "xyz"]}, "messages", "f row 3")["stop_strings"] == ["\n", "xyz"]
+    for bad in ("xyz", [""], ["a", 3]):
+        with pytest.raises(DataFormatError, match=r"f row 3: `stop_strings` must be a list of non-empty strings"):
+            normalize_row({**row, "stop_strings": bad}, "messages", "f row 3")
+
+
 def test_data_task_name_makes_every_conversation_format_rl_rows(tmp_path):
     # data.task_name sends every row to its environment: Alpaca, ShareGPT and prompt/completion
     # conversations too, not only `messages` ones. They stayed SFT rows, which GRPO sent to `math`
