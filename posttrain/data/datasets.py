@@ -98,12 +98,17 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         ds = datasets.load_dataset(
             builder, data_files=str(path), split="train", cache_dir=str(cache_root() / "datasets"), **kwargs
         )
-        rows = ds.to_list()
+        # A JSON column of mixed types (an `answer` that is 26 in one row and "025" in another)
+        # becomes a `Json` feature, which decodes its strings as JSON: "025" came back as 25, "true"
+        # as True. The plain parse keeps every value as written.
+        rows = None if builder == "json" and _has_json_feature(ds.features) else ds.to_list()
     except Exception as e:  # noqa: BLE001 - re-raised with the bad line, or replaced by a plain parse
         if builder != "json":
             raise DataFormatError(f"{path}: cannot read the file: {e}") from e
         # Invalid JSON (name the line), or rows arrow cannot give one schema (mixed types):
         # the plain parse then hands them to the row normaliser, which names the bad row.
+        rows = None
+    if rows is None:
         rows = _parse_json_rows(path, kwargs.get("field"))
     numbers = list(range(1, len(rows) + 1))
     if rows and "paragraphs" in rows[0]:
@@ -113,6 +118,20 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         lines = _json_line_numbers(path)
         numbers = lines if len(lines) == len(rows) else numbers
     return rows, str(path), numbers
+
+
+def _has_json_feature(feature: Any) -> bool:
+    """Whether a `datasets` feature (a Features dict, a List of ..., a leaf) holds a `Json` one."""
+    import datasets
+
+    if isinstance(feature, datasets.Json):
+        return True
+    if isinstance(feature, dict):
+        return any(_has_json_feature(f) for f in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_json_feature(f) for f in feature)
+    sub = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return sub is not None and _has_json_feature(sub)
 
 
 def _json_line_numbers(path: Path) -> list[int]:

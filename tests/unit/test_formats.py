@@ -389,6 +389,16 @@ def test_mixed_types_fall_back_and_name_row(tmp_path):
         load_rows(_cfg(path), "train")
 
 
+def test_a_column_of_mixed_types_keeps_its_values_as_written(tmp_path):
+    # `datasets` reads a column that is a number in one row and a string in another as `Json`, and
+    # decoded its strings as JSON: the reference "025" became 25 (an exact-match task then scores
+    # every right answer 0), "true" became True.
+    rows = [{"question": "a?", "answer": 26}, {"question": "b?", "answer": "025"}, {"question": "c?", "answer": "true"}]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
+    whole = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    assert [r["answer"] for r in whole] == ["26", "025", "true"]
+
+
 def test_row_of_another_format_is_the_one_named(tmp_path):
     # Arrow gives every row every key of the file (None where a row has none): the first row's
     # format is told by its own keys, and the odd row is the one the error names.
