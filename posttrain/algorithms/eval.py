@@ -85,11 +85,13 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
         split = cfg.eval.split
     rows = load_rows(data_cfg, split)
     rows = rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows
+    # Whether a row needs a reference `answer` is its environment's to say (`resolve_task_envs`):
+    # code rows are scored by their tests.
     for i, row in enumerate(rows):
-        if "messages" not in row or "answer" not in row:
+        if "messages" not in row:
             raise InputError(
-                f"eval: row {i} of {name!r} has keys {sorted(row)}; evaluation needs prompt `messages` and a "
-                "reference `answer` (set data.format, e.g. data.format=math)"
+                f"eval: row {i + 1} of {name!r} has keys {sorted(row)}; evaluation needs prompt `messages` "
+                "(set data.format, e.g. data.format=math)"
             )
     return rows
 
@@ -110,7 +112,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
         i = overlong[0]
         raise InputError(
             f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
-            f"within policy.max_total_sequence_length={limit} (first: row {i}, {lengths[i]} tokens); raise it or "
+            f"within policy.max_total_sequence_length={limit} (first: row {i + 1}, {lengths[i]} tokens); raise it or "
             "set policy.generation.overlong_prompt=truncate"
         )
 
@@ -128,7 +130,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     check_backend_installed(cfg.policy.generation)
 
     rows = load_eval_rows(cfg)
-    task_names = resolve_task_envs(rows, cfg.env)  # a bad environment fails before the model loads
+    # A bad environment, or a row without the answer its environment needs, fails before the model loads.
+    task_names = resolve_task_envs(rows, cfg.env, require_answers=True)
     rows = with_tool_schemas(rows, cfg.env)
     tokenizer = load_policy_tokenizer(cfg.policy)
 

@@ -16,6 +16,7 @@ from posttrain.schemas import ArithmeticEnvConfig, EnvWorkerConfig
 
 class ArithmeticEnvironment(PerSampleEnvironment):
     config_class = ArithmeticEnvConfig
+    needs_answer = True
 
     def __init__(self, cfg: EnvWorkerConfig):
         self.cfg = ArithmeticEnvConfig.model_validate(cfg.cfg)

@@ -102,6 +102,9 @@ class EnvironmentInterface(ABC):
     # rows (`with_tool_schemas`). The environment reads and runs the calls itself
     # (`posttrain.environments.tool_calls.parse_tool_calls` reads the usual formats).
     tools: ClassVar[tuple[Callable[..., Any], ...]] = ()
+    # Scores against the row's reference `answer`: eval refuses, at setup, a row of this environment
+    # without one (each of its samples would score 0 as an env error, a wrong score).
+    needs_answer: ClassVar[bool] = False
 
     @abstractmethod
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:

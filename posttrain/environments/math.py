@@ -27,6 +27,7 @@ from posttrain.schemas import EnvWorkerConfig, MathEnvConfig
 
 class MathEnvironment(PerSampleEnvironment):
     config_class = MathEnvConfig
+    needs_answer = True
 
     def __init__(self, cfg: EnvWorkerConfig):
         self.cfg = MathEnvConfig.model_validate(cfg.cfg)

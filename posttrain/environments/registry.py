@@ -48,10 +48,13 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
     return ENVIRONMENTS[name]
 
 
-def resolve_task_envs(rows: list[dict], env_cfg) -> list[str]:
+def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) -> list[str]:
     """The environments `rows` name (their `task_name`), sorted, each checked by `resolve_env`
     against its `env_cfg` section (an `EnvConfig`). Rows without one are SFT rows, refused here:
-    their prompt would hold the answer, and no environment knows how to score them."""
+    their prompt would hold the answer, and no environment knows how to score them.
+    `require_answers` (eval) also refuses rows without a reference `answer` for an environment that
+    `needs_answer`: each of their samples would score 0 as an environment error, a wrong score. GRPO
+    trains on such a file with those samples counted as env errors."""
     sft = [r for r in rows if "task_name" not in r]
     if sft:
         raise InputError(f"{len(sft)} of {len(rows)} rows are SFT rows (a conversation with its answer, keys "
@@ -60,7 +63,14 @@ def resolve_task_envs(rows: list[dict], env_cfg) -> list[str]:
                          "task_name (docs/environments.md)")
     names = sorted({r["task_name"] for r in rows})
     for name in names:
-        resolve_env(name, env_cfg.get_worker_cfg(name))
+        factory = resolve_env(name, env_cfg.get_worker_cfg(name))
+        if require_answers and getattr(factory, "needs_answer", False):
+            missing = [i for i, r in enumerate(rows) if r["task_name"] == name and r.get("answer") is None]
+            if missing:
+                first = rows[missing[0]]["messages"][-1].get("content")
+                raise InputError(f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference "
+                                 f"`answer`, which it scores against (first: row {missing[0] + 1}, prompt "
+                                 f"{str(first)[:80]!r})")
     return names
 
 

@@ -134,8 +134,29 @@ def test_eval_rejects_overlong_prompts_at_setup(stories260k, tmp_path):
         "policy.max_total_sequence_length=64", "eval.max_samples=5", f"eval.save_path={tmp_path}",
         "cluster.gpus_per_node=0",
     ])
-    with pytest.raises(ValueError, match=r"prompts of 'gsm8k' .* row 0, \d+ tokens.*overlong_prompt=truncate"):
+    with pytest.raises(ValueError, match=r"prompts of 'gsm8k' .* row 1, \d+ tokens.*overlong_prompt=truncate"):
         setup(cfg)
+
+
+def test_eval_rows_need_an_answer_only_where_their_environment_scores_against_one(tmp_path):
+    """Code rows without a reference solution are scored by their tests: eval refused them for
+    lacking an `answer`; a math row whose `answer` is missing (None, as `datasets` fills it) passed."""
+    from posttrain.algorithms.eval import load_eval_rows
+    from posttrain.environments import resolve_task_envs
+
+    code = tmp_path / "code.jsonl"
+    code.write_text(json.dumps({"prompt": "def f(x):\n", "test": "def check(c):\n    assert c(1) == 1\n",
+                                "entry_point": "f"}) + "\n")
+    cfg = load_config("eval", None, [f"data.dataset_name={code}"])
+    rows = load_eval_rows(cfg)
+    assert resolve_task_envs(rows, cfg.env, require_answers=True) == ["code"] and "answer" not in rows[0]
+    math = tmp_path / "math.jsonl"
+    math.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "math"},
+        {"messages": [{"role": "user", "content": "2+2="}], "task_name": "math"}]))
+    cfg = load_config("eval", None, [f"data.dataset_name={math}"])
+    with pytest.raises(ValueError, match=r"1 of 2 rows for environment 'math' have no reference `answer`.*row 2"):
+        resolve_task_envs(load_eval_rows(cfg), cfg.env, require_answers=True)
 
 
 def test_eval_local_file_is_evaluated_whole(ray_session, stories260k, tmp_path):

@@ -366,6 +366,26 @@ def test_sft_rows_fail_before_any_environment_starts():
     assert resolve_task_envs([prompt], EnvConfig()) == ["math"]
 
 
+def test_rows_without_the_answer_their_environment_scores_against_fail_at_setup():
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    # A file read through `datasets` gives a row without `answer` answer=None: eval took it, and
+    # math scored every sample of it 0 as an environment error.
+    rows = [{"messages": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1), "task_name": "math"}
+            for a in range(3)]
+    rows[2]["answer"] = None
+    with pytest.raises(ValueError, match=r"1 of 3 rows for environment 'math' have no reference `answer`.*"
+                                         r"first: row 3, prompt '2\+1='"):
+        resolve_task_envs(rows, EnvConfig(), require_answers=True)
+    assert resolve_task_envs(rows, EnvConfig()) == ["math"]  # GRPO: scored 0 as env errors, counted
+    # Code rows are scored by their tests, sliding-puzzle rows by their puzzle: no answer needed.
+    code = {"messages": [{"role": "user", "content": "write f"}], "task_name": "code", "metadata": {"tests": []}}
+    puzzle = {"messages": [{"role": "user", "content": "solve"}], "task_name": "sliding_puzzle", "answer": None}
+    assert resolve_task_envs([rows[0], code, puzzle], EnvConfig(), require_answers=True) == [
+        "code", "math", "sliding_puzzle"]
+
+
 def test_env_group_splits_and_keeps_order(ray_session):
     group = create_env("arithmetic", {"num_workers": 2})
     try:
