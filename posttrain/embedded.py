@@ -186,14 +186,19 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
     rather than transformers' complaint that it is not a valid hub repo id."""
     from posttrain.config import MissingInputError
 
-    from posttrain.checkpoint import policy_checkpoint_dir
+    from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 
     local = os.path.isabs(path) or path.startswith((".", "~"))
+    # A run's checkpointing.checkpoint_dir, named instead of one of its step_N checkpoints.
+    inside = complete_checkpoints(os.path.expanduser(path))
     if local and not os.path.exists(os.path.expanduser(path)):
         reason = "no such folder"
-    elif policy_checkpoint_dir(os.path.expanduser(path)) is not None:
-        reason = (f"a posttrain checkpoint, not a Hugging Face model folder; convert it with `posttrain convert "
-                  f"dcp-to-hf --checkpoint {path} --output <folder>` and name that folder")
+    elif policy_checkpoint_dir(os.path.expanduser(path)) is not None or inside:
+        checkpoint = inside[-1] if inside else path
+        held = f"a folder of posttrain checkpoints ({', '.join(p.name for p in inside)})" if inside else \
+            "a posttrain checkpoint"
+        reason = (f"{held}, not a Hugging Face model folder; convert it with `posttrain convert "
+                  f"dcp-to-hf --checkpoint {checkpoint} --output <folder>` and name that folder")
     elif not os.path.exists(os.path.expanduser(path)) and offline_if_hub_unreachable():
         reason = f"no such folder under {os.getcwd()}, nor in the local Hugging Face cache; {_HUB_OFFLINE_NOTE}"
     else:

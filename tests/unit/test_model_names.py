@@ -69,6 +69,14 @@ def test_a_posttrain_checkpoint_as_model_name_says_to_convert_it(tmp_path):
                                                  rf"Hugging Face model folder; convert it with `posttrain convert "
                                                  rf"dcp-to-hf --checkpoint {step} --output <folder>`"):
         load_hf_config(str(step))
+    # The run's checkpoint folder (checkpointing.checkpoint_dir) named instead: transformers' own
+    # complaint said nothing of checkpoints; the newest complete one is the one to convert.
+    (step / "COMPLETE").write_text("")
+    (tmp_path / "ckpt" / "step_1").mkdir()  # incomplete: not offered
+    with pytest.raises(MissingInputError, match=rf"a folder of posttrain checkpoints \(step_3\), not a Hugging Face "
+                                                 rf"model folder; convert it with `posttrain convert dcp-to-hf "
+                                                 rf"--checkpoint {step} --output <folder>`"):
+        load_hf_config(str(tmp_path / "ckpt"))
 
 
 def test_the_default_model_holds_the_default_context():
