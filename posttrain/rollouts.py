@@ -59,6 +59,7 @@ class Conversation:
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
+    prompt_truncated: bool = False  # the engine cut its prompt from the left (overlong_prompt=truncate)
     turns: int = 0
     response_tokens: int = 0
     env_errors: int = 0
@@ -238,6 +239,17 @@ def check_tool_turns(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = 
             ) from None
 
 
+def _keep_last(c: Conversation, keep: int) -> None:
+    """Cut `c` to its last `keep` tokens, as the engine cut the prompt it generated after
+    (`overlong_prompt=truncate`): its answer follows those tokens in the output, and its tokens,
+    loss mask and logprobs stay aligned with what the model saw."""
+    cut = len(c.tokens) - keep
+    c.tokens, c.generated_mask = c.tokens[cut:], c.generated_mask[cut:]
+    c.generation_logprobs = c.generation_logprobs[cut:]
+    c.prompt_length = max(0, c.prompt_length - cut)
+    c.prompt_truncated = True
+
+
 def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
     lengths = torch.tensor([len(s) for s in seqs])
     out = torch.full((len(seqs), int(lengths.max())), value, dtype=dtype)
@@ -290,6 +302,8 @@ def run_rollouts(
         # more than the generation itself for hundreds of short completions.
         ids, lps = out["output_ids"].tolist(), out["logprobs"].tolist()
         lengths, truncated = out["generation_lengths"].tolist(), out["truncated"].tolist()
+        for j in out["prompt_truncated"].nonzero().flatten().tolist():
+            _keep_last(active[j], int(out["unpadded_sequence_lengths"][j]) - lengths[j])
         spans = [(len(c.tokens), len(c.tokens) + n) for c, n in zip(active, lengths)]
         news = [ids[j][a:b] for j, (a, b) in enumerate(spans)]
         texts = tokenizer.batch_decode(news, skip_special_tokens=True)

@@ -164,6 +164,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "reward": conv.reward,
         "correct": conv.reward > 0,
         "truncated": conv.truncated,
+        "prompt_truncated": conv.prompt_truncated,  # cut from the left (overlong_prompt=truncate)
         "response_tokens": conv.response_tokens,
         "env_error": bool(conv.env_errors),
         "task_name": conv.task_name,
@@ -218,6 +219,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "greedy": s.greedy,
         "num_correct": sum(r["correct"] for r in records),
         "num_truncated": sum(r["truncated"] for r in records),
+        "num_prompt_truncated": sum(r["prompt_truncated"] for r in records),
         "num_no_answer": sum(r["extracted_answer"] is None for r in records),
         "num_env_errors": sum(r["env_error"] for r in records),
         "mean_reward": sum(r["reward"] for r in records) / len(records),

@@ -138,6 +138,24 @@ def test_eval_rejects_overlong_prompts_at_setup(stories260k, tmp_path):
         setup(cfg)
 
 
+def test_eval_of_prompts_truncated_by_the_engine_scores_their_answers(ray_session, stories260k, tmp_path):
+    """overlong_prompt=truncate, which the setup error suggests: each answer was read at the uncut
+    prompt's length, so every truncated sample was scored as an empty response."""
+    from posttrain.algorithms.eval import run
+
+    save = tmp_path / "out"
+    run(load_config("eval", CONFIGS / "gsm8k.yaml", [
+        f"policy.model_name={stories260k}", "policy.generation.backend=torch", "policy.precision=float32",
+        "policy.max_total_sequence_length=64", "policy.generation.max_new_tokens=8",
+        "policy.generation.overlong_prompt=truncate", "eval.max_samples=2", f"eval.save_path={save}",
+        "env.math.num_workers=1", "cluster.gpus_per_node=0",
+    ]))
+    results, samples = _read(save)
+    _check_consistent(results, samples, 2, 1)
+    assert results["num_prompt_truncated"] == 2 and all(s["prompt_truncated"] for s in samples)
+    assert all(s["response_tokens"] == 8 and s["response"].strip() for s in samples)
+
+
 def test_eval_rows_need_an_answer_only_where_their_environment_scores_against_one(tmp_path):
     """Code rows without a reference solution are scored by their tests: eval refused them for
     lacking an `answer`; a math row whose `answer` is missing (None, as `datasets` fills it) passed."""

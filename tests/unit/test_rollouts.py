@@ -60,10 +60,12 @@ def test_observation_tokens_close_a_turn_cut_by_a_stop_string(tok):
 class _EchoGeneration:
     """Generates `replies[k]` (the last one from then on) then <|end|> (unless `eos` is False:
     as if a stop string ended it) for every prompt of its k-th call, and records the prompts it
-    was given."""
+    was given; with `keep`, it first cuts longer prompts to their last `keep` tokens, as an
+    engine does with overlong_prompt=truncate."""
 
-    def __init__(self, tok, replies=("1",), eos=True):
+    def __init__(self, tok, replies=("1",), eos=True, keep=None):
         self.tok, self.prompts, self.replies, self.calls, self.eos = tok, [], list(replies), 0, eos
+        self.keep, self.prompt_truncated = keep, []
         self.stop_strings = []  # the batch's per-row stop strings of each call
 
     def generate(self, batch, greedy=False):
@@ -78,14 +80,19 @@ class _EchoGeneration:
         rows = []
         for i in range(batch["input_ids"].shape[0]):
             prompt = batch["input_ids"][i, : int(batch["input_lengths"][i])].tolist()
+            cut = self.keep is not None and len(prompt) > self.keep
+            prompt = prompt[-self.keep :] if cut else prompt
             self.prompts.append(prompt)
+            self.prompt_truncated.append(cut)
             rows.append(prompt + new)
         width = max(map(len, rows))
         return BatchedDataDict(
             output_ids=torch.tensor([r + [0] * (width - len(r)) for r in rows]),
             logprobs=torch.zeros(len(rows), width),
             generation_lengths=torch.full((len(rows),), len(new)),
+            unpadded_sequence_lengths=torch.tensor([len(r) for r in rows]),
             truncated=torch.zeros(len(rows), dtype=torch.bool),
+            prompt_truncated=torch.tensor(self.prompt_truncated[-len(rows):]),
         )
 
 
@@ -134,6 +141,26 @@ def test_multi_turn_tokens_are_the_chat_template_of_the_conversation(tok, eos):
     tokens = result.batch["input_ids"][0, : int(result.batch["input_lengths"][0])].tolist()
     closing = [tok.eos_token_id] if eos else []
     assert tokens == second + tok.encode("<action>left</action>", add_special_tokens=False) + closing
+
+
+def test_a_prompt_the_engine_truncated_keeps_its_answer_and_aligned_tokens(tok):
+    # overlong_prompt=truncate: the engine's output holds the cut prompt and then the answer. The
+    # answer was read at the uncut prompt's length: eval scored an empty response, and GRPO's loss
+    # mask (one 1 per generated token) no longer lined up with the tokens.
+    gen = _EchoGeneration(tok, replies=["42"], keep=10)
+    rows = [{"messages": [{"role": "user", "content": "a long question " * 4}], "task_name": "t"},
+            {"messages": [{"role": "user", "content": "1+0="}], "task_name": "t"}]
+    full = [render_prompt(tok, r["messages"]) for r in rows]
+    assert len(full[0]) > 10 and len(full[1]) <= 10
+    result = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv()}, tok, max_turns=1, max_seq_len=100)
+    answer = tok.encode("42", add_special_tokens=False) + [tok.eos_token_id]
+    cut, whole = result.conversations
+    assert (cut.response, cut.prompt_truncated, cut.prompt_length) == ("42", True, 10)
+    assert cut.tokens == full[0][-10:] + answer and cut.generated_mask == [0] * 10 + [1] * len(answer)
+    assert (whole.response, whole.prompt_truncated, whole.tokens) == ("42", False, full[1] + answer)
+    b = result.batch
+    assert b["input_lengths"].tolist() == [10 + len(answer), len(full[1]) + len(answer)]
+    assert b["token_mask"][0, : 10 + len(answer)].tolist() == cut.generated_mask
 
 
 def test_conversation_separates_the_prompt_from_the_exchange(tok):
