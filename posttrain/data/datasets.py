@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import string
 from pathlib import Path
 from typing import Any, Callable
 
@@ -385,13 +386,17 @@ def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str,
     system = _existing(cfg.system_prompt_file, "data.system_prompt_file").read_text().strip() \
         if cfg.system_prompt_file else None
     if template is not None:
+        # Without a `{}` the template replaced every question with its own text, and no error said so.
         try:
-            template.format("")
-        except (IndexError, KeyError, ValueError) as e:
+            fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+            problem = None if fields in ([""], ["0"]) else f"found {len(fields)} fields {fields}"
+        except ValueError as e:
+            problem = str(e)
+        if problem:
             raise InputError(
                 f"data.prompt_file {cfg.prompt_file}: must hold exactly one `{{}}` for the user message "
-                f"(write literal braces as `{{{{` and `}}}}`): {e}"
-            ) from None
+                f"(write literal braces as `{{{{` and `}}}}`): {problem}"
+            )
     out = []
     for row in rows:
         row = dict(row)

@@ -2,10 +2,12 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 
+from posttrain.config import InputError
 from posttrain.data.datasets import load_rows
 from posttrain.data.formats import DataFormatError, detect_format, normalize_row
 from posttrain.schemas import DataConfig
@@ -214,6 +216,15 @@ def test_prompt_and_system_prompt_files(tmp_path):
                           system_prompt_file=str(tmp_path / "s.txt")), "train")
     assert rows[0]["messages"][:2] == [{"role": "system", "content": "You are terse."},
                                        {"role": "user", "content": "Answer inside \\boxed{}: What is 1+1?"}]
+    # A template without its `{}` (or with a named or second field) replaced every question with
+    # its own text: the model never saw the questions.
+    for bad, found in [("Put the answer in \\boxed{{}}.", "found 0 fields"), ("{} and {}", "found 2 fields"),
+                       ("Q: {question}", "found 1 fields ['question']"), ("{", "Single '{'")]:
+        (tmp_path / "p.txt").write_text(bad)
+        with pytest.raises(InputError, match=rf"data.prompt_file {tmp_path / 'p.txt'}: must hold exactly one "
+                                             rf"`{{}}`.*{re.escape(found)}"):
+            load_rows(_cfg("local", train_data_path=path, val_data_path=path, prompt_file=str(tmp_path / "p.txt")),
+                      "train")
 
 
 def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
