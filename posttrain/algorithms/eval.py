@@ -191,19 +191,25 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
     s.logger.start_progress(num_batches)
     start = time.monotonic()
     s.generation.prepare_for_generation()
-    for b in range(num_batches):
-        chunk = samples[b * bs : (b + 1) * bs]
-        out = run_rollouts(
-            s.generation, [row for _, _, row in chunk], s.envs, s.tokenizer,
-            max_turns=cfg.eval.max_rollout_turns, max_seq_len=cfg.policy.max_total_sequence_length,
-            greedy=s.greedy, add_bos=cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt,
-        )
-        generated_tokens += out.metrics["generated_tokens"]
-        records += [_sample_record(p, j, row, conv) for (p, j, row), conv in zip(chunk, out.conversations)]
-        s.logger.log_metrics(
-            {"accuracy_so_far": sum(r["correct"] for r in records) / len(records), "samples": len(records)},
-            step=b + 1, prefix="eval",
-        )
+    # Each batch's samples are written as it finishes: an eval stopped part-way (Ctrl-C, a crash)
+    # keeps the samples it generated; results.json is written only once all are in.
+    with open(s.save_dir / "samples.jsonl", "w") as samples_file:
+        for b in range(num_batches):
+            chunk = samples[b * bs : (b + 1) * bs]
+            out = run_rollouts(
+                s.generation, [row for _, _, row in chunk], s.envs, s.tokenizer,
+                max_turns=cfg.eval.max_rollout_turns, max_seq_len=cfg.policy.max_total_sequence_length,
+                greedy=s.greedy, add_bos=cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt,
+            )
+            generated_tokens += out.metrics["generated_tokens"]
+            batch = [_sample_record(p, j, row, conv) for (p, j, row), conv in zip(chunk, out.conversations)]
+            records += batch
+            samples_file.writelines(json.dumps(r, default=str) + "\n" for r in batch)
+            samples_file.flush()
+            s.logger.log_metrics(
+                {"accuracy_so_far": sum(r["correct"] for r in records) / len(records), "samples": len(records)},
+                step=b + 1, prefix="eval",
+            )
     s.generation.finish_generation()
     elapsed = time.monotonic() - start
 
@@ -233,9 +239,6 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "model": cfg.policy.model_name,
         "config": cfg.model_dump(mode="json"),
     }
-    with open(s.save_dir / "samples.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r, default=str) + "\n")
     (s.save_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     if cfg.logger.plots_enabled:
         from posttrain.logging.plots import plot_pass_at_k

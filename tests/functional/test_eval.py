@@ -94,6 +94,38 @@ def test_eval_arithmetic_config(ray_session, tmp_path):
     assert json.loads((save / "results.json").read_text())["num_prompts"] == 8
 
 
+def test_an_interrupted_eval_keeps_the_samples_of_its_finished_batches(ray_session, tmp_path, monkeypatch):
+    """Ctrl-C in the middle of an eval lost every sample: samples.jsonl was written at the end."""
+    from posttrain import generation
+    from posttrain.algorithms.eval import run
+
+    build = generation.build_generation
+
+    def interrupted_at_the_second_batch(*args, **kwargs):
+        engine, calls = build(*args, **kwargs), []
+
+        def generate(batch, greedy=False):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return type(engine).generate(engine, batch, greedy)
+
+        engine.generate = generate
+        return engine
+
+    monkeypatch.setattr(generation, "build_generation", interrupted_at_the_second_batch)
+    save = tmp_path / "out"
+    cfg = load_config("eval", CONFIGS / "arithmetic.yaml", [
+        "eval.max_samples=3", "policy.generation_batch_size=4", f"eval.save_path={save}",
+        "logger.plots_enabled=false",
+    ])
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    samples = [json.loads(line) for line in (save / "samples.jsonl").read_text().splitlines()]
+    assert [(s["prompt_index"], s["sample_index"]) for s in samples] == [(0, j) for j in range(4)]
+    assert not (save / "results.json").exists()
+
+
 def test_eval_rejects_k_above_n():
     from posttrain.config import ConfigError
 
