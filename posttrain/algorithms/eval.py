@@ -122,6 +122,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.distributed.cluster import init_ray
     from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
     from posttrain.generation import build_generation, check_backend_installed
+    from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
     from posttrain.runtime import resolve_device
 
@@ -146,6 +147,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     init_ray(cfg.cluster)
     envs = {name: _AnswerRecorder(create_env(name, cfg.env.get_worker_cfg(name))) for name in task_names}
     greedy = cfg.eval.greedy if cfg.eval.greedy is not None else cfg.eval.num_tests_per_prompt == 1
+    # policy.generation.temperature=0 decodes greedily whatever eval.greedy says: report what ran.
+    greedy = SamplingSettings.from_config(gen_cfg, greedy).greedy
     # The same config run on another model writes to the same folder: the earlier results are
     # moved aside with its logs, once nothing can fail any more before this run writes its own.
     logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"), fresh=True, also_move=RESULT_FILES)
