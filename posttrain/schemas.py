@@ -828,6 +828,14 @@ class GpuMonitoringConfig(Section):
     flush_interval: float = Field(10.0, gt=0)
 
 
+def output_folder(value: str | None) -> str | None:
+    """A folder a run writes into: refused at config load when a file holds its name (it failed at
+    the first write, after the model had loaded and Ray had started)."""
+    if value is not None and os.path.isfile(os.path.expanduser(value)):
+        raise ValueError(f"{value!r} is a file; name a folder (it is created if missing)")
+    return value
+
+
 class LoggerConfig(Section):
     """Where and how a run reports: the run directory and the logging backends."""
 
@@ -838,6 +846,7 @@ class LoggerConfig(Section):
     # run's metrics.jsonl, samples.jsonl, config.yaml, plots/, tensorboard/, tracker_runs.json and
     # final export hf/ into log_dir/previous-<time>/.
     log_dir: str = "logs"
+    _log_dir_is_a_folder = field_validator("log_dir")(output_folder)
     # Validation samples (prompt, response, reward) printed to the console at each validation.
     num_val_samples_to_print: int = Field(0, ge=0)
     # Rich progress bar with ETA and one compact line of key metrics per step.
@@ -1111,6 +1120,7 @@ class EvalConfig(Section):
     max_samples: int | None = Field(None, ge=1)
     # Folder of results.json and samples.jsonl; null: logger.log_dir.
     save_path: str | None = None
+    _save_path_is_a_folder = field_validator("save_path")(output_folder)
     # Dataset split evaluated: "val" is the test file of registered sets (GSM8K test, MATH-500).
     split: Literal["train", "val"] = "val"
     # Turns per conversation for multi-turn environments (1: answer once, then score).

@@ -125,6 +125,17 @@ def test_an_empty_stop_string_is_a_config_error():
         load_config("eval", None, ["policy.generation.stop_strings=[x, '']"])
 
 
+def test_an_output_folder_named_by_a_file_is_a_config_error(tmp_path):
+    # It failed at the first write, with a traceback, after the model had loaded and Ray had started.
+    taken = _write(tmp_path / "results", "")
+    with pytest.raises(ConfigError) as e:
+        load_config("eval", None, [f"eval.save_path={taken}", f"logger.log_dir={taken}"])
+    for key in ("eval.save_path", "logger.log_dir"):
+        assert f"{key}: '{taken}' is a file; name a folder" in str(e.value)
+    cfg = load_config("eval", None, [f"eval.save_path={tmp_path / 'new'}", f"logger.log_dir={tmp_path}"])
+    assert cfg.eval.save_path == str(tmp_path / "new")
+
+
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
     path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
     with pytest.raises(ConfigError) as e:
