@@ -43,7 +43,8 @@ RESULT_FILES = ("results.json", "samples.jsonl", "pass_at_k.png")
 class _AnswerRecorder:
     """Wraps an environment so that each sample's extracted answer (`EnvironmentReturn.answers`)
     is kept in its metadata: the rollout loop keeps a conversation's metadata, and cons@k
-    votes over these answers."""
+    votes over these answers, as text: an environment of the user's that answers with a number
+    (StepResult(answer=42)) crashed the vote after the whole generation."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
@@ -52,7 +53,7 @@ class _AnswerRecorder:
         ret = self.env.step(message_logs, metadata)
         for k, answer in enumerate(ret.answers):
             base = ret.metadata[k] if ret.metadata[k] is not None else metadata[k]
-            ret.metadata[k] = {**base, ANSWER_KEY: answer}
+            ret.metadata[k] = {**base, ANSWER_KEY: None if answer is None else str(answer)}
         return ret
 
 

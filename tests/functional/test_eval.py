@@ -129,6 +129,23 @@ def test_an_interrupted_eval_keeps_the_samples_of_its_finished_batches(ray_sessi
     assert not (save / "results.json").exists()
 
 
+def test_answers_an_environment_gives_as_numbers_are_voted_on_as_text():
+    from posttrain.algorithms.eval import ANSWER_KEY, _AnswerRecorder
+    from posttrain.environments.interfaces import PerSampleEnvironment, StepResult
+    from posttrain.evals import aggregate
+
+    class Counting(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            n = len(messages[-1]["content"])
+            return StepResult("", float(n == 2), True, metadata, answer=n if n else None)
+
+    ret = _AnswerRecorder(Counting()).step(
+        [[{"role": "assistant", "content": c}] for c in ("ab", "xyz", "cd", "")], [{}] * 4)
+    answers = [m[ANSWER_KEY] for m in ret.metadata]
+    assert answers == ["2", "3", "2", None]
+    assert aggregate([answers], [[r > 0 for r in ret.rewards.tolist()]])["cons@4"] == 1.0  # "2" wins, 2 of 4
+
+
 def test_eval_rejects_k_above_n():
     from posttrain.config import ConfigError
 
