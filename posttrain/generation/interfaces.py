@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
 
 
@@ -87,7 +88,7 @@ def prompt_limits(
     overlong = lengths >= max_total_sequence_length
     if bool(overlong.any()) and overlong_prompt == "error":
         r = int(overlong.nonzero()[0])
-        raise ValueError(
+        raise InputError(
             f"prompt at row {r} has {int(lengths[r])} tokens, which leaves no room to generate within "
             f"policy.max_total_sequence_length={max_total_sequence_length} "
             f"({int(overlong.sum())} overlong row(s)); shorten it or set "

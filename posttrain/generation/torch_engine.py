@@ -25,6 +25,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from posttrain.config import ConfigError
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import round_up
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
@@ -391,7 +392,8 @@ class TorchGeneration:
         slots = min(tc.max_batch_size, n)
         if tc.max_tokens_in_flight is not None:
             if tc.max_tokens_in_flight < slot_len:
-                raise ValueError(
+                # A config error (the CLI prints it alone), even when a Ray worker finds it.
+                raise ConfigError(
                     f"policy.generation.torch_cfg.max_tokens_in_flight={tc.max_tokens_in_flight} is smaller "
                     f"than one sequence ({slot_len} tokens = longest prompt + max_new_tokens); raise it"
                 )

@@ -18,6 +18,7 @@ from test_generation_helpers import (
     token_mult_prob_error,
 )
 
+from posttrain.config import ConfigError, InputError
 from posttrain.data.batch import BatchedDataDict
 from posttrain.generation import build_generation
 from posttrain.schemas import GenerationConfig
@@ -187,7 +188,8 @@ def test_spread_rows_moves_every_row_in_place(rows, old, new):
 def test_token_budget_smaller_than_a_sequence_fails(model_tok):
     model, tok = model_tok
     e = engine("torch", model, tok, max_new_tokens=20, torch_cfg={"max_tokens_in_flight": 10})
-    with pytest.raises(ValueError, match="max_tokens_in_flight=10"):
+    # A config error, which the CLI prints without a traceback (it printed one).
+    with pytest.raises(ConfigError, match="max_tokens_in_flight=10"):
         e.generate(make_batch(tok))
 
 
@@ -322,7 +324,7 @@ def test_overlong_prompt_error_and_truncate(model_tok, backend):
     model, tok = model_tok
     texts = PROMPTS[:2] + ["y" * (CTX + 5)]
     batch = make_batch(tok, texts)
-    with pytest.raises(ValueError, match="prompt at row 2 has 133 tokens"):
+    with pytest.raises(InputError, match="prompt at row 2 has 133 tokens"):
         engine(backend, model, tok, max_new_tokens=8).generate(batch)
     out = engine(backend, model, tok, max_new_tokens=8, overlong_prompt="truncate").generate(batch, greedy=True)
     assert out["prompt_truncated"].tolist() == [False, False, True]
