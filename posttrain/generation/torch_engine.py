@@ -59,6 +59,11 @@ _COMPACT_FRACTION = 0.5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class UnsupportedModelError(ConfigError, NotImplementedError):
+    """The torch engine cannot run this architecture: a choice of policy.generation.backend, so the
+    CLI prints the message alone (it printed a traceback into the engine)."""
+
+
 def check_supported(model) -> None:
     """Raise a clear error when `model` is not a Llama-family causal LM this engine can run."""
     mt = getattr(model.config, "model_type", None)
@@ -71,7 +76,7 @@ def check_supported(model) -> None:
         if model.config.sliding_window < model.config.max_position_embeddings:
             problem = f"sliding-window attention (window {model.config.sliding_window}) is not supported"
     if problem:
-        raise NotImplementedError(
+        raise UnsupportedModelError(
             f"the torch generation engine cannot run this model: {problem}; use "
             f"policy.generation.backend=hf (any causal LM) or vllm"
         )
