@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # Key of a run's result dict naming the stop signal that ended it early (see stop_on_signals).
 STOPPED_BY_SIGNAL = "stopped_by_signal"
 
+# The final Hugging Face export's folder in the run directory (checkpointing.export_hf_at_end).
+EXPORT_DIR = "hf"
 COMPLETE_MARKER = "COMPLETE"
 INFO_FILE = "training_info.json"
 CONFIG_FILE = "config.yaml"

@@ -186,7 +186,7 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
     rather than transformers' complaint that it is not a valid hub repo id."""
     from posttrain.config import MissingInputError
 
-    from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
+    from posttrain.checkpoint import EXPORT_DIR, complete_checkpoints, policy_checkpoint_dir
 
     local = os.path.isabs(path) or path.startswith((".", "~"))
     # A run's checkpointing.checkpoint_dir, named instead of one of its step_N checkpoints.
@@ -199,6 +199,10 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
             "a posttrain checkpoint"
         reason = (f"{held}, not a Hugging Face model folder; convert it with `posttrain convert "
                   f"dcp-to-hf --checkpoint {checkpoint} --output <folder>` and name that folder")
+    elif os.path.isfile(os.path.join(os.path.expanduser(path), EXPORT_DIR, "config.json")):
+        # A run's folder (logger.log_dir), named instead of its final export.
+        reason = (f"a run's folder, not a Hugging Face model folder; its final export is "
+                  f"{os.path.join(path, EXPORT_DIR)}: name that")
     elif not os.path.exists(os.path.expanduser(path)) and offline_if_hub_unreachable():
         reason = f"no such folder under {os.getcwd()}, nor in the local Hugging Face cache; {_HUB_OFFLINE_NOTE}"
     else:

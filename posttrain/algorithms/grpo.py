@@ -33,8 +33,8 @@ from posttrain.advantages import (
     overlong_filter_mask,
     scale_rewards,
 )
-from posttrain.algorithms.offline import EXPORT_DIR, log_data_stats, training_logger
-from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.algorithms.offline import log_data_stats, training_logger
+from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows

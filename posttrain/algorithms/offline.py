@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
@@ -29,9 +29,6 @@ from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
-
-# The final export's folder in the run directory (checkpointing.export_hf_at_end).
-EXPORT_DIR = "hf"
 
 
 @dataclass

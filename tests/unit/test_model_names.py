@@ -77,6 +77,13 @@ def test_a_posttrain_checkpoint_as_model_name_says_to_convert_it(tmp_path):
                                                  rf"model folder; convert it with `posttrain convert dcp-to-hf "
                                                  rf"--checkpoint {step} --output <folder>`"):
         load_hf_config(str(tmp_path / "ckpt"))
+    # A run's folder (logger.log_dir) named instead of its final export, hf/ in it.
+    run = tmp_path / "logs"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    with pytest.raises(MissingInputError, match=rf"a run's folder, not a Hugging Face model folder; its final export "
+                                                 rf"is {run / 'hf'}: name that"):
+        load_hf_config(str(run))
 
 
 def test_the_default_model_holds_the_default_context():
