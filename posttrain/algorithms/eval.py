@@ -125,6 +125,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
+    from posttrain.rollouts import check_tool_turns
     from posttrain.runtime import resolve_device
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
@@ -138,6 +139,9 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     tokenizer = load_policy_tokenizer(cfg.policy)
 
     _check_prompt_lengths(rows, tokenizer, cfg)
+    if cfg.eval.max_rollout_turns > 1:  # as GRPO: a template that cannot show a tool result fails here,
+        # not at the first tool call, after the generation of every batch before it
+        check_tool_turns(tokenizer, rows, cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
     generation = build_generation(
         gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,

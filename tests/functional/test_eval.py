@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 
 from posttrain.config import load_config
 from posttrain.evals import pass_at_k
@@ -227,6 +228,34 @@ def test_eval_rows_need_an_answer_only_where_their_environment_scores_against_on
     cfg = load_config("eval", None, [f"data.dataset_name={math}"])
     with pytest.raises(ValueError, match=r"1 of 2 rows for environment 'math' have no reference `answer`.*row 2"):
         resolve_task_envs(load_eval_rows(cfg), cfg.env, require_answers=True)
+
+
+def test_eval_with_tools_checks_at_setup_that_the_chat_template_shows_tool_results(tmp_path):
+    """As GRPO does: a template that cannot render a tool result failed at the first tool call."""
+    from posttrain.algorithms.eval import setup
+    from posttrain.config import InputError
+    from posttrain.embedded import CHAT_TEMPLATE
+
+    (tmp_path / "calc.py").write_text(
+        "def exact(response, metadata):\n    return float(response == metadata['answer'])\n\n"
+        "def add(a: int, b: int) -> int:\n    \"\"\"Add.\n\n    Args:\n        a: one\n        b: two\n    \"\"\"\n"
+        "    return a + b\n")
+    data = tmp_path / "calc.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1+2="}], "answer": "3",
+                                "task_name": "calc"}) + "\n")
+    strict = ("{% for m in messages %}{% if m['role'] not in ('user', 'assistant') %}"
+              "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% endfor %}" + CHAT_TEMPLATE)
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({
+        "eval": {"max_rollout_turns": 5, "save_path": str(tmp_path / "out")},
+        "data": {"dataset_name": str(data)},
+        "env": {"calc": {"target": f"{tmp_path}/calc.py:exact", "tools": [f"{tmp_path}/calc.py:add"]}},
+        "policy": {"model_name": "embedded:tiny", "tokenizer": {"chat_template": strict}},
+        "cluster": {"gpus_per_node": 0},
+    }))
+    with pytest.raises(InputError, match=r"environment 'calc' has tools, but the tokenizer's chat template cannot "
+                                         r"render a tool result"):
+        setup(load_config("eval", config))
 
 
 def test_eval_local_file_is_evaluated_whole(ray_session, stories260k, tmp_path):
