@@ -464,11 +464,17 @@ class CheckpointManager:
     # ----------------------------------------------------------------- internals
 
     def _metric_of(self, path: Path) -> float | None:
+        """The checkpoint's value of this run's `metric_name`, or None. A checkpoint saved while
+        another metric was named (changed at a resume) holds that one's value, which must not
+        be ranked as this one's (a loss of 2.0 beat every accuracy and pruned the new checkpoints)."""
         try:
-            value = self.load_info(path).get("metric_value")
+            info = self.load_info(path)
         except (OSError, json.JSONDecodeError):
             return None
-        return None if value is None or not math.isfinite(value) else float(value)
+        value = info.get("metric_value")
+        if info.get("metric_name") != self.cfg.metric_name or value is None or not math.isfinite(value):
+            return None
+        return float(value)
 
     def _rank(self, items: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
         """Best first: by metric (missing values last), newest first when no metric is named."""

@@ -70,6 +70,19 @@ def test_top_k_lower_is_better_and_no_metric(tmp_path):
     assert _steps(mgr) == [3, 4]
 
 
+def test_top_k_ignores_the_values_of_a_metric_named_before_a_resume(tmp_path):
+    first = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=2)
+    _save(first, 1, 2.0)
+    _save(first, 2, 1.0)
+    # Resumed ranking by accuracy: the old losses are no accuracies (2.0 would beat every one).
+    mgr = _mgr(tmp_path, metric_name="val:accuracy", higher_is_better=True, keep_top_k=2)
+    _save(mgr, 3, 0.5)
+    _save(mgr, 4, 0.6)
+    assert _steps(mgr) == [3, 4]
+    info = mgr.load_info(mgr.latest())
+    assert (info["best_step"], info["best_metric_value"]) == (4, 0.6)
+
+
 def test_resume_latest_and_rng(tmp_path):
     mgr = _mgr(tmp_path, keep_top_k=None)
     random.seed(1); np.random.seed(1); torch.manual_seed(1)
