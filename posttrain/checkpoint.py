@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, MissingInputError
 from posttrain.schemas import CheckpointingConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ COMPLETE_MARKER = "COMPLETE"
 INFO_FILE = "training_info.json"
 CONFIG_FILE = "config.yaml"
 RNG_FILE = "rng_state.pt"
+# In policy/ (`Policy.save_checkpoint`): the LR scheduler's position and the weights' version.
+TRAINER_STATE_FILE = "trainer_state.pt"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_(\d+)\.tmp-(\d+)$")
 
@@ -73,6 +76,28 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     found = [(int(m.group(1)), p) for p in directory.iterdir()
              if (m := _STEP_RE.match(p.name)) and p.is_dir() and (p / COMPLETE_MARKER).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def missing_files(path: Path) -> list[str]:
+    """The files a resume reads from the checkpoint `path` that are not there or cannot be read,
+    relative to it: a checkpoint copied or cleaned up in part still holds its COMPLETE marker."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    missing = [name for name in (INFO_FILE, RNG_FILE, f"policy/{TRAINER_STATE_FILE}")
+               if not (path / name).is_file()]
+    if INFO_FILE not in missing:
+        try:
+            json.loads((path / INFO_FILE).read_text())
+        except (ValueError, OSError):  # truncated or not UTF-8
+            missing.append(f"{INFO_FILE} (unreadable)")
+    try:
+        # The shards `.metadata` lists (one or more per rank of the run that saved).
+        shards = {s.relative_path for s in FileSystemReader(path / "policy").read_metadata().storage_data.values()}
+    except FileNotFoundError:
+        return missing + ["policy/.metadata"]
+    except (pickle.UnpicklingError, EOFError, OSError):  # a truncated or foreign file
+        return missing + ["policy/.metadata (unreadable)"]
+    return missing + [f"policy/{f}" for f in sorted(shards) if not (path / "policy" / f).is_file()]
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -319,7 +344,8 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """The newest complete checkpoint to resume from, or None (also when checkpointing is disabled).
 
-        Raises ConfigError when it was made for another algorithm or model, or (given this run's
+        Raises MissingInputError when it lacks a file a resume reads (`missing_files`), and
+        ConfigError when it was made for another algorithm or model, or (given this run's
         `policy` settings) with LoRA or optimizer settings whose saved state this run cannot load.
         """
         if not self.cfg.enabled:
@@ -328,6 +354,13 @@ class CheckpointManager:
         if not ckpts:
             return None
         path = ckpts[-1]
+        missing = missing_files(path)
+        if missing:
+            raise MissingInputError(
+                f"checkpoint {path} lacks {', '.join(missing)}, so it cannot be resumed from (copied or cleaned up "
+                f"in part?): restore the files, or move {path.name} out of {self.dir} to resume from the checkpoint "
+                f"before it. {_WAYS_OUT}"
+            )
         stored = self.load_info(path).get("signature")
         if stored != self.signature:
             raise ConfigError(

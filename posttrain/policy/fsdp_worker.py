@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from posttrain.checkpoint import TRAINER_STATE_FILE
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -706,7 +707,7 @@ class FSDPPolicyWorker:
         self._dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, path)
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "weights_version": self.weights_version},
-                       Path(path) / "trainer_state.pt")
+                       Path(path) / TRAINER_STATE_FILE)
             # Lets `posttrain convert dcp-to-hf` rebuild the model without the run config.
             self.hf_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
             self.tokenizer.save_pretrained(Path(path) / HF_CONFIG_DIR)
@@ -733,7 +734,7 @@ class FSDPPolicyWorker:
         state = {"model": model_sd, "optim": optim_sd}
         self._dcp(dcp.load, state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+        extra = torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=False)
         self.scheduler = resumed_scheduler(self.optimizer, run_groups, self.cfg.scheduler,
                                            extra["scheduler"]["last_epoch"])
         self.weights_version = extra["weights_version"]

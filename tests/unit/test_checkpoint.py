@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state, stop_message
+from posttrain.checkpoint import TRAINER_STATE_FILE, CheckpointManager, capture_rng_state, restore_rng_state, stop_message
 from posttrain.config import ConfigError
 from posttrain.schemas import CheckpointingConfig
 
@@ -23,10 +23,17 @@ def _mgr(tmp_path, **kw):
     return CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), **kw), SIG)
 
 
+def _write_policy(path):
+    """What Policy.save_checkpoint writes, in miniature: a DCP checkpoint and the trainer state."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=path, no_dist=True)
+    torch.save({"scheduler": {}, "weights_version": 0}, path / TRAINER_STATE_FILE)
+
+
 def _save(mgr, step, metric=None, **info):
     tmp = mgr.begin_save(step)
-    (tmp / "policy").mkdir()
-    (tmp / "policy" / "weights.bin").write_bytes(b"w" * 100)
+    _write_policy(tmp / "policy")
     return mgr.finish_save(tmp, step, {"epoch": 0, "consumed_samples": step * 8, **info}, "a: 1\n", metric)
 
 
@@ -137,6 +144,7 @@ def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_
 
     saved = load_config("grpo", None, ["policy.optimizer.name=adamw"])
     tmp = _mgr(tmp_path).begin_save(2)
+    _write_policy(tmp / "policy")
     _mgr(tmp_path).finish_save(tmp, 2, {"epoch": 0}, to_yaml(saved), None)
 
     def latest(*overrides):
@@ -196,10 +204,14 @@ def test_exception_between_begin_and_finish(tmp_path):
 
 CRASH_SCRIPT = textwrap.dedent("""
     import sys, time
-    from posttrain.checkpoint import CheckpointManager
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from posttrain.checkpoint import TRAINER_STATE_FILE, CheckpointManager
     from posttrain.schemas import CheckpointingConfig
     mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=sys.argv[1]), {"algorithm": "grpo", "model_name": "embedded:tiny"})
     tmp = mgr.begin_save(1)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp / "policy", no_dist=True)
+    torch.save({}, tmp / "policy" / TRAINER_STATE_FILE)
     mgr.finish_save(tmp, 1, {"epoch": 0}, "a: 1\\n")
     tmp = mgr.begin_save(2)
     with open(tmp / "weights.bin", "wb") as f:
@@ -225,6 +237,28 @@ def test_sigkill_mid_save_resumes_from_previous(tmp_path):
     assert mgr.latest().name == "step_1"
     assert not (ckpt / f"step_2.tmp-{proc.pid}").exists()  # cleaned: its process is dead
     assert json.loads((ckpt / "step_1" / "training_info.json").read_text())["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["policy/__0_0.distcp", "policy/trainer_state.pt", "policy/.metadata",
+                                    "rng_state.pt", "training_info.json", "truncated training_info.json",
+                                    "truncated policy/.metadata"])
+def test_a_complete_checkpoint_missing_a_file_fails_before_any_worker_starts_naming_it(tmp_path, damage):
+    from posttrain.config import MissingInputError
+
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+    path = _save(mgr, 2)
+    name = damage.removeprefix("truncated ")
+    if damage.startswith("truncated"):
+        (path / name).write_bytes((path / name).read_bytes()[:20])
+    else:
+        (path / name).unlink()
+    with pytest.raises(MissingInputError) as e:
+        mgr.latest()
+    assert f"step_2 lacks {name}" in str(e.value) and "move step_2 out of" in str(e.value)
+    assert ("(unreadable)" in str(e.value)) == damage.startswith("truncated")
+    os.replace(path, tmp_path / "step_2.bad")  # the way out it names: resume from the one before
+    assert mgr.latest().name == "step_1"
 
 
 def test_rng_capture_restore_roundtrip():
@@ -268,7 +302,7 @@ class _Policy:
 
     def save_checkpoint(self, path):
         path.mkdir(parents=True)
-        (path / "weights.bin").write_bytes(b"w" * 10)
+        _write_policy(path)
         if self.fail:
             raise OSError("disk full")
 
@@ -278,7 +312,7 @@ def test_save_ranks_a_metric_this_step_did_not_measure_below_measured_ones(tmp_p
     with caplog.at_level("WARNING", logger="posttrain.checkpoint"):
         first = mgr.save(1, _Policy(), {"epoch": 0}, "a: 1\n", {"train:loss": 2.0})  # no validation yet
     assert "metric_name='val:loss' not measured at this step" in caplog.text and "train:loss" in caplog.text
-    assert (first / "COMPLETE").is_file() and (first / "policy" / "weights.bin").is_file()
+    assert (first / "COMPLETE").is_file() and (first / "policy" / ".metadata").is_file()
     assert json.loads((first / "training_info.json").read_text())["metric_value"] is None
     mgr.save(2, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 3.0})
     mgr.save(3, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 4.0})
