@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ConfigError, MissingInputError
+from posttrain.config import ConfigError, InputError, MissingInputError
 from posttrain.schemas import CheckpointingConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -394,6 +394,17 @@ class CheckpointManager:
         if not saved.is_file():
             return []
         return _config_diff(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(config_yaml) or {})
+
+    def restore_data_position(self, path: Path, loader: Any, config_yaml: str) -> None:
+        """Set `loader` (a RowLoader) to the data position of the checkpoint at `path`: called
+        before any worker starts, so that data that no longer matches the checkpoint's (another
+        file, split or filter) fails at once, naming the config changes that may explain it."""
+        try:
+            loader.load_state_dict(self.load_info(path)["dataloader"])
+        except InputError as e:
+            changes = self.config_changes(path, config_yaml)
+            since = f" Config changes since that checkpoint: {'; '.join(changes)}." if changes else ""
+            raise InputError(f"cannot resume from {path}: {e}.{since} {_WAYS_OUT}") from None
 
     @classmethod
     def resume_message(cls, path: str | Path, step: int, config_yaml: str) -> str:

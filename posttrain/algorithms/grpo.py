@@ -153,6 +153,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name},
                                      cfg.policy)
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
+    if latest is not None:  # as does data that no longer matches the checkpoint's
+        checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
 
     run_dir = Path(cfg.logger.log_dir)
     logger = training_logger(cfg, checkpointer, latest)
@@ -189,7 +191,6 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
         if latest is not None:
             info = checkpointer.load_info(latest)
             policy.load_checkpoint(latest / "policy")
-            loader.load_state_dict(info["dataloader"])
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
             logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg)))

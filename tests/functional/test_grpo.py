@@ -153,6 +153,22 @@ def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arith
         assert resumed[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
 
 
+def test_a_resume_onto_other_training_rows_fails_before_any_worker_starts(arithmetic_run, tmp_path, monkeypatch):
+    from posttrain.algorithms import grpo
+    from posttrain.checkpoint import complete_checkpoints
+    from posttrain.config import InputError
+
+    tmp, _ = arithmetic_run
+    first = complete_checkpoints(tmp / "ckpt")[0]
+    shutil.copytree(first, tmp_path / "ckpt" / first.name)
+    (tmp_path / "train.jsonl").write_text("\n".join((tmp / "train.jsonl").read_text().splitlines()[:32]))
+    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp_path, "grpo.max_num_steps=4",
+                                                      f"data.train_data_path={tmp_path / 'train.jsonl'}"))
+    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
+    with pytest.raises(InputError, match=r"saw 64 rows but the dataset now has 32.*data.train_data_path: "):
+        run(cfg)
+
+
 def test_a_run_that_runs_out_of_prompts_saves_its_last_step(ray_session, tmp_path):
     # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before
     # the first periodic save (step 10); the run's last step is checkpointed as step max_num_steps is.

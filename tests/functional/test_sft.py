@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.algorithms import sft
-from posttrain.config import load_config
+from posttrain.algorithms import offline, sft
+from posttrain.config import InputError, load_config
 from posttrain.data.processors import collate
 
 # The Alpaca-style plain-text template of the example config (stories260K has no chat template).
@@ -76,7 +76,7 @@ def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session,
     assert result["train/num_microbatches"] <= cfg.policy.train_global_batch_size / 2
 
 
-def test_checkpoint_and_resume(ray_session, shared_data, tmp_path):  # trains on the shared alpaca demo rows
+def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch):  # on the shared alpaca demo rows
     overrides = ["checkpointing.enabled=true", "checkpointing.save_period=2", "sft.val_period=0",
                  "sft.val_at_start=false", "sft.val_at_end=false", "policy.max_total_sequence_length=256"]
     first = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
@@ -88,6 +88,12 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path):  # trains on
     assert steps == [1, 2, 3]  # the second run started at step 3, not 1
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["index"] == 3 * 8
+    # Other training rows (a larger validation split) cannot continue at the saved position: the
+    # resume fails before any worker starts, naming the config change.
+    monkeypatch.setattr(offline, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
+    with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 257 rows but the dataset now "
+                                         r"has 240.*data.val_split_fraction: 0.05 -> 0.1.*start_fresh"):
+        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.val_split_fraction=0.1", *overrides))
 
 
 @pytest.mark.parametrize("val_at_end", [True, False])
