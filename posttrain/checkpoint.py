@@ -15,7 +15,7 @@ Atomicity: a save is written to `step_N.tmp-<pid>` (`begin_save`), then `finish_
 writes the metadata and the marker, fsyncs every file, and renames the directory to
 `step_N` in one `os.replace`. A crash at any point leaves either the previous set of
 checkpoints or the new one, never a half-written `step_N`; the temporary directories of
-dead processes are removed on the next start.
+dead processes (or of a killed run whose pid this process has again) are removed on the next start.
 
 Pruning keeps the `keep_top_k` best by `metric_name` (`higher_is_better`), or the newest
 when no metric is named, and always the latest one (so at most k+1 remain).
@@ -207,8 +207,6 @@ _WAYS_OUT = ("Set checkpointing.start_fresh=true to start over (the old checkpoi
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -280,6 +278,7 @@ class CheckpointManager:
         self.signature = json.loads(json.dumps(signature, default=str))
         self.policy = policy
         self.moved_aside: Path | None = None
+        self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
         self._started = time.monotonic()
@@ -451,10 +450,12 @@ class CheckpointManager:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        self._writing.add(tmp)
         return tmp
 
     def abort_save(self, tmp: Path) -> None:
         """Drop a save that failed between `begin_save` and `finish_save`."""
+        self._writing.discard(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
     def finish_save(
@@ -501,6 +502,7 @@ class CheckpointManager:
         if final.exists():  # saving a step again (e.g. after a resume): replace it
             self._remove(final)
         os.replace(tmp, final)
+        self._writing.discard(tmp)
         _fsync_dir(self.dir)
         self._prune(latest=final)
         return final
@@ -553,13 +555,20 @@ class CheckpointManager:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _clean(self) -> None:
-        """Remove temp dirs of dead processes; move marker-less step_N dirs aside (never delete them)."""
+        """Remove the temp dirs of killed saves (`_stale_save`); move marker-less step_N dirs aside (never
+        delete them)."""
         for p in self.dir.iterdir():
             m = _TMP_RE.match(p.name)
-            if (m and not _pid_alive(int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
+            if (m and self._stale_save(p, int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
                 shutil.rmtree(p, ignore_errors=True)
             elif _STEP_RE.match(p.name) and p.is_dir() and not (p / COMPLETE_MARKER).is_file():
                 os.replace(p, p.with_name(f"{p.name}.incomplete-{int(time.time())}"))
+
+    def _stale_save(self, tmp: Path, pid: int) -> bool:
+        """Whether the temporary directory `tmp` of process `pid` is what a killed save left.
+        One of this process's pid but not of its saves in progress is too: a job restarted in
+        a new container often gets the killed driver's pid again, and kept it for good."""
+        return tmp not in self._writing if pid == os.getpid() else not _pid_alive(pid)
 
     def _move_aside(self) -> Path | None:
         """start_fresh: move every step_* entry into `<checkpoint_dir>/previous-<time>/`."""

@@ -261,6 +261,19 @@ def test_a_complete_checkpoint_missing_a_file_fails_before_any_worker_starts_nam
     assert mgr.latest().name == "step_1"
 
 
+def test_a_killed_save_of_an_earlier_run_with_this_process_pid_is_cleaned_up(tmp_path):
+    # A job restarted in a new container often gets the killed driver's pid again.
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+    killed = tmp_path / "ckpt" / f"step_2.tmp-{os.getpid()}"
+    _write_policy(killed / "policy")
+    restarted = _mgr(tmp_path)
+    assert restarted.latest().name == "step_1" and not killed.exists()
+    writing = restarted.begin_save(3)  # this manager's own save in progress stays
+    assert restarted.latest().name == "step_1" and writing.is_dir()
+    restarted.abort_save(writing)
+
+
 def test_rng_capture_restore_roundtrip():
     state = capture_rng_state()
     a = (random.random(), np.random.rand(), torch.rand(2).tolist())
