@@ -894,7 +894,8 @@ class CheckpointingConfig(Section):
     # true: ignore existing checkpoints in checkpoint_dir and start over (old ones are moved
     # into checkpoint_dir/previous-<time>/, never deleted).
     start_fresh: bool = False
-    # Also write a Hugging Face export of the final policy next to the last checkpoint.
+    # Also write a Hugging Face export of the final policy into <logger.log_dir>/hf/ (a run a
+    # stop signal ends skips it; the resumed run that finishes exports).
     export_hf_at_end: bool = False
     # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts: the run saves a checkpoint
     # and ends cleanly once it is reached (for schedulers that kill jobs); null = no limit.
