@@ -36,6 +36,7 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
 from posttrain.generation.interfaces import pad_token_id
+from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
 from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf,
@@ -511,6 +512,12 @@ class FSDPPolicyWorker:
         # Every rank must run the same number of forward/backward passes (FSDP collectives):
         # ranks with fewer micro-batches repeat their first one with the loss scaled by 0.
         n_mb = self._max_over_ranks(len(mbs))
+        # Dropout's masks (the model's, LoRA's) follow the weights' version: a run resumed from a
+        # checkpoint draws what the uninterrupted run drew at this step (the RNG states of the
+        # workers are not in the checkpoint; their own seed at load repeated the first steps'
+        # masks). By data-parallel rank: the ranks of a tensor-parallel group, which hold the same
+        # activations, draw the same masks.
+        torch.manual_seed(version_seed(0, self.weights_version) + self.rank // self.tp)
         self.optimizer.zero_grad(set_to_none=True)
         model = self._compute_model()
         self._model_tokens = 0

@@ -11,7 +11,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from policy_oracle import make_batch, reference_logprobs
+from policy_oracle import full_state, make_batch, reference_logprobs
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.losses.nll import NLLLoss
 from posttrain.losses.preference import BradleyTerryLoss
@@ -40,7 +40,8 @@ def policies(ray_session, no_pad_model_path):
         workers = 2 if kind == "rm" else 1
         cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=kind)
         if kind == "lora":
-            cfg = PolicyConfig(**BASE, lora={"enabled": True, "rank": 4, "alpha": 8})
+            # Dropout on the adapters' input: training draws random masks (eval-mode logprobs do not).
+            cfg = PolicyConfig(**BASE, lora={"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.5})
             return cluster, Policy(cluster, cfg, init_reference=False, name_prefix="lora")
         cfg = PolicyConfig(**{**BASE, "model_name": no_pad_model_path})
         return cluster, Policy(cluster, cfg, init_reference=False, model_kind="sequence_classification",
@@ -73,6 +74,20 @@ def test_lora_trains_adapters_and_exports_merged(policies, tiny_model_path, tmp_
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(reloaded, batch),
                                atol=2e-5, rtol=0)
+
+
+def test_a_step_with_dropout_after_loading_a_checkpoint_repeats_the_step_after_saving_it(policies, tmp_path):
+    # The workers' RNG states are not in a checkpoint: a resumed run draws the dropout masks the
+    # uninterrupted one drew only because they follow the weights' version.
+    policy, batch = policies["lora"], make_batch(seed=5)
+    policy.save_checkpoint(tmp_path / "ckpt")
+    first = policy.train(batch, NLLLoss())
+    after = full_state(policy)
+    policy.load_checkpoint(tmp_path / "ckpt")
+    again = policy.train(batch, NLLLoss())
+    assert again["loss"] == first["loss"]
+    for k, v in full_state(policy).items():
+        assert torch.equal(v, after[k]), k
 
 
 def test_reward_model_scores_and_pair_training(policies, tiny_model_path):
