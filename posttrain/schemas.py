@@ -883,7 +883,8 @@ class CheckpointingConfig(Section):
     # Directory of the step_N checkpoints; a run started again with it resumes.
     checkpoint_dir: str = "results/run"
     # Metric that ranks checkpoints for keep_top_k, "train:<name>" or "val:<name>" of a step's
-    # metrics (e.g. "val:accuracy"); null: newest win.
+    # metrics (e.g. "val:accuracy"; a step that did not validate ranks below those that did:
+    # make save_period a multiple of val_period); null: newest win.
     metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True

@@ -392,7 +392,8 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
 @dataclass
 class _LastComplete:
     """The loop's last complete step: what a checkpoint of it holds (the data position of its
-    next prompts, its metrics), and the step last saved."""
+    next prompts, its metrics: `val` only when it validated, as only a step's own validation
+    ranks its checkpoint), and the step last saved."""
 
     step: int
     saved_step: int
@@ -523,7 +524,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
             # steps since the last periodic one.
             if step > saved_step and s.checkpointer.should_save(step, last=True):
-                _save(s, step, train_metrics, val_metrics,
+                _save(s, step, last.train, last.val,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
             break
         rollout_metrics.update(summarize_rollouts(step_convs))
@@ -576,7 +577,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 _refit_generation(s, step + 1)
         step += 1
         # The data position before the next step's prompts (async: before the oldest queued ones).
-        last.step, last.train = step, {**rollout_metrics, **train_metrics}
+        last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
 
         # ---- validation
@@ -596,7 +597,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             with timer.time("checkpoint"):
                 # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
                 # documented (policy.train's metrics alone lack them).
-                _save(s, step, {**rollout_metrics, **train_metrics}, val_metrics,
+                _save(s, step, last.train, last.val,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
             saved_step = last.saved_step = step
 

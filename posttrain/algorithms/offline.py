@@ -305,9 +305,10 @@ def offline_train(
             train_metrics = policy.train(batch, s.loss_fn)
         step += 1
         # ---- validation
+        measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
         if (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps):
             with timer.time("validation"):
-                val_metrics = validate()
+                val_metrics = measured = validate()
             logger.log_metrics(val_metrics, step=step, prefix="val")
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
@@ -316,7 +317,7 @@ def offline_train(
         if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
             with timer.time("checkpoint"):
                 save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                     **{f"val:{k}": v for k, v in val_metrics.items()}})
+                                                     **{f"val:{k}": v for k, v in measured.items()}})
         # ---- logging
         logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
         logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}

@@ -169,6 +169,19 @@ def test_a_resume_onto_other_training_rows_fails_before_any_worker_starts(arithm
         run(cfg)
 
 
+def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, tmp_path):
+    # Validation at step 2 only: step 3's checkpoint was not measured. Ranked by step 2's accuracy
+    # (a tie the newer one wins), it displaced step 2, the one checkpoint it was measured on.
+    run(load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=3", "grpo.warmup_sft_steps=0", "grpo.val_at_end=false",
+        "checkpointing.save_period=1", "checkpointing.keep_top_k=1", "checkpointing.metric_name=val:accuracy")))
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
+    (val,) = [r for r in _records(tmp_path / "logs", "val") if r["step"] == 2]
+    info = [json.loads((ckpt / name / "training_info.json").read_text()) for name in ("step_2", "step_3")]
+    assert info[0]["metric_value"] == pytest.approx(val["accuracy"]) and info[1]["metric_value"] is None
+
+
 def test_a_run_that_runs_out_of_prompts_saves_its_last_step(ray_session, tmp_path):
     # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before
     # the first periodic save (step 10); the run's last step is checkpointed as step max_num_steps is.

@@ -96,6 +96,21 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch):
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.val_split_fraction=0.1", *overrides))
 
 
+def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_data, tmp_path):
+    # Validation at step 2 only: step 3's checkpoint was not measured. Ranked by step 2's loss (a
+    # tie that the newer one wins), it displaced step 2, the one checkpoint the loss was measured on.
+    run = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=3", "sft.val_period=2", "sft.val_at_start=false",
+                       "sft.val_at_end=false", "sft.val_batches=1", "checkpointing.enabled=true",
+                       "checkpointing.save_period=1", "checkpointing.keep_top_k=1", "checkpointing.metric_name=val:loss",
+                       "checkpointing.higher_is_better=false"))
+    assert run["step"] == 3
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
+    info = [json.loads((ckpt / name / "training_info.json").read_text()) for name in ("step_2", "step_3")]
+    assert info[0]["metric_value"] == pytest.approx(run["val/loss"]) and info[1]["metric_value"] is None
+    assert (info[1]["best_step"], info[1]["best_metric_value"]) == (2, info[0]["metric_value"])
+
+
 @pytest.mark.parametrize("val_at_end", [True, False])
 def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_path, val_at_end):
     # val_period=0: no periodic validation; sft.val_at_end alone decides whether the run ends
