@@ -281,9 +281,23 @@ class CheckpointManager:
         self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
+        if cfg.enabled:
+            self._check_writable()
         self._started = time.monotonic()
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
+
+    def _check_writable(self) -> None:
+        """The first save comes `save_period` steps into the run: a checkpoint_dir it could not
+        write (under a file, read-only) fails now, not after those steps. Checked on the folder
+        itself or the nearest one above it that exists (a run that saves nothing creates nothing)."""
+        existing = self.dir.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            what = "not a folder" if not existing.is_dir() else "not writable"
+            raise MissingInputError(f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: cannot write it "
+                                    f"({existing} is {what})")
 
     # ----------------------------------------------------------------- queries
 

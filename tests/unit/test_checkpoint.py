@@ -274,6 +274,23 @@ def test_a_killed_save_of_an_earlier_run_with_this_process_pid_is_cleaned_up(tmp
     restarted.abort_save(writing)
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_first_save(tmp_path):
+    from posttrain.config import MissingInputError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(MissingInputError, match=r"checkpoint_dir=.*a_file/ckpt: cannot write it \(.*a_file is not a folder\)"):
+        CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "a_file" / "ckpt")), SIG)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    if not os.access(read_only, os.W_OK):  # root writes anyway
+        with pytest.raises(MissingInputError, match=r"read_only is not writable"):
+            CheckpointManager(CheckpointingConfig(checkpoint_dir=str(read_only / "runs" / "ckpt")), SIG)
+    CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
+    assert not (tmp_path / "new").exists()  # nothing is created before a save
+    # Disabled, it is neither written nor checked.
+    CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "a_file" / "ckpt"), enabled=False), SIG)
+
+
 def test_rng_capture_restore_roundtrip():
     state = capture_rng_state()
     a = (random.random(), np.random.rand(), torch.rand(2).tolist())
