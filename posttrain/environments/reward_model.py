@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn, last_assistant_text
 from posttrain.schemas import EnvWorkerConfig, RewardModelEnvConfig, TokenizerConfig
 
@@ -36,7 +37,14 @@ class RewardModelEnvironment(EnvironmentInterface):
         path = resolve_model_path(self.cfg.model_name)
         self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template),
                                         key="env.reward_model.cfg.model_name")
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        self.model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, output_loading_info=True)
+        if info["missing_keys"]:
+            # transformers initialises missing weights randomly and only logs it: a causal LM
+            # folder (no trained score head) would give every run different, meaningless rewards.
+            raise InputError(f"env.reward_model.cfg.model_name={self.cfg.model_name!r} is not a trained reward "
+                             f"model: {path} lacks {', '.join(sorted(info['missing_keys'])[:3])} (a causal LM has "
+                             "no score head); name the export of `posttrain rm` (checkpointing.export_hf_at_end)")
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()

@@ -723,3 +723,14 @@ def test_reward_model_scores_padded_rows_as_each_alone(tiny_model_path, tmp_path
     together = env.step(convs, [{}, {}]).rewards
     alone = torch.cat([env.step([c], [{}]).rewards for c in convs])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_path):
+    # A causal LM folder loads as a sequence classifier with a random score head (transformers
+    # only logs it): rewards would be noise, different on every load.
+    from posttrain.config import InputError
+    from posttrain.environments.reward_model import RewardModelEnvironment
+
+    with pytest.raises(InputError, match=r"env.reward_model.cfg.model_name=.* is not a trained reward model: .* "
+                                         r"lacks score.weight"):
+        RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tiny_model_path)}))
