@@ -215,7 +215,8 @@ class FSDPPolicyWorker:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
-        (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference)
+        (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference,
+                                                           model_kind=self.model_kind)
         ref_path, ref_config = reference or (None, None)
         self.model_path, self.hf_config = path, hf_config
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":

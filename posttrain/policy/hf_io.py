@@ -35,17 +35,20 @@ def load_hf_config(model_name: str, key: str = "policy.model_name"):
         raise model_load_error(key, model_name, path, "a model config", e) from None
 
 
-def load_model_configs(cfg, *, with_reference: bool) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
+def load_model_configs(cfg, *, with_reference: bool,
+                       model_kind: str = "causal_lm") -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
     (`cfg.reference_model_name`, else the policy itself); None for no reference. The drivers call it
     before starting Ray, so a wrong name fails in seconds; the workers call it again to load.
     A reference scores the policy's tokens, so its vocabulary must be the policy's; both must
-    split over `policy.dtensor_cfg.tensor_parallel_size`."""
+    split over `policy.dtensor_cfg.tensor_parallel_size`; `policy.lora` must fit the model."""
     from posttrain.policy.tensor_parallel import check_tensor_parallel
 
     tp = cfg.dtensor_cfg.tensor_parallel_size
     path, config = load_hf_config(cfg.model_name)
     check_tensor_parallel(config, tp)
+    if cfg.lora.enabled:
+        check_lora(config, cfg.lora, model_kind)
     if not with_reference:
         return (path, config), None
     name = cfg.reference_model_name
@@ -86,6 +89,17 @@ def count_parameters(config, model_kind: str) -> int:
     with init_empty_weights():
         model = model_class(model_kind).from_config(config_for_kind(config, model_kind))
     return sum(p.numel() for p in model.parameters())
+
+
+def check_lora(config, lora, model_kind: str) -> None:
+    """Apply `lora` to the model `config` describes, built on the meta device (no memory), so a
+    target module the model lacks fails before any worker starts, naming the key."""
+    from accelerate import init_empty_weights
+
+    from posttrain.policy.lora import maybe_apply_lora
+
+    with init_empty_weights():
+        maybe_apply_lora(model_class(model_kind).from_config(config_for_kind(config, model_kind)), lora)
 
 
 def available_memory_bytes(device: torch.device) -> int:

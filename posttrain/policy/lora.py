@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.schemas import LoraConfig
 
 _PEFT_PREFIX = "base_model.model."
@@ -53,14 +54,28 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
     if not cfg.enabled:
         return model
     from peft import get_peft_model
+    from peft.utils.error import NoMatchingPeftModuleError
 
     tied = {key.rsplit(".", 1)[0] for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items()
             for key in pair}
-    wrapped = get_peft_model(model, _peft_config(cfg, model))
+    names = [name for name, _ in model.named_modules()]
+    # peft fails only when no name matches: a misspelt one in a list would silently adapt less.
+    unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)] \
+        if isinstance(cfg.target_modules, list) else []
+    try:
+        if unknown:
+            raise NoMatchingPeftModuleError
+        wrapped = get_peft_model(model, _peft_config(cfg, model))
+    except NoMatchingPeftModuleError:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise InputError(f"policy.lora.target_modules={cfg.target_modules!r}: no module "
+                         f"{', '.join(unknown) or cfg.target_modules} in {type(model).__name__}; its linear layers "
+                         f"are {', '.join(linear)} (or \"all-linear\")") from None
     adapted = sorted(name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules()
                      if hasattr(module, "lora_A") and name.removeprefix(_PEFT_PREFIX) in tied)
     if adapted:
-        raise ValueError(f"policy.lora.target_modules={cfg.target_modules!r} adapts {', '.join(adapted)}, whose "
+        raise InputError(f"policy.lora.target_modules={cfg.target_modules!r} adapts {', '.join(adapted)}, whose "
                          "weight is tied to the input embedding (tie_word_embeddings): the merged export and "
                          "the generation weights would drop its adapter; leave it out of target_modules")
     return wrapped

@@ -80,6 +80,29 @@ def test_merged_export_equals_base_plus_adapter(tiny_model_path, tmp_path):
         assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
 
 
+def test_target_modules_the_model_lacks_fail_before_any_worker_starts():
+    from posttrain.config import InputError
+    from posttrain.policy.hf_io import load_model_configs
+    from posttrain.schemas import PolicyConfig
+
+    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["q_proj", "qkv"]})
+    with pytest.raises(InputError, match=r"policy.lora.target_modules=\['q_proj', 'qkv'\]: no module qkv in "
+                                         r"LlamaForCausalLM; its linear layers are .*down_proj.*q_proj"):
+        load_model_configs(cfg, with_reference=False)
+    with pytest.raises(InputError, match=r"no module \^qk\$ in"):  # a regex (peft's string form)
+        load_model_configs(cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"target_modules": "^qk$"})}),
+                           with_reference=False)
+    # The tied LM head is refused there too.
+    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["lm_head"]})
+    with pytest.raises(InputError, match="tied to the input embedding"):
+        load_model_configs(cfg, with_reference=False)
+    # Checked on the model of the run's kind: a reward model has a score head, a causal LM none.
+    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["q_proj", "score"]})
+    load_model_configs(cfg, with_reference=False, model_kind="sequence_classification")
+    with pytest.raises(InputError, match="no module score in LlamaForCausalLM"):
+        load_model_configs(cfg, with_reference=False)
+
+
 def test_reward_model_score_head_trains_and_exports(tiny_model_path):
     base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
     model = maybe_apply_lora(base, LoraConfig(enabled=True, rank=2, alpha=4.0))
