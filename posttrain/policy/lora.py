@@ -137,12 +137,18 @@ def save_adapter(
 ) -> None:
     """Write the adapter of a full peft state dict as `adapter_model.safetensors` +
     `adapter_config.json` (peft's layout). `model` (the base or wrapped model, any rank's
-    copy) picks the task type; None means a causal LM."""
+    copy) picks the task type; None means a causal LM. `base_model_name_or_path` (a config's
+    model name) is saved as the absolute folder it names, so that peft and transformers'
+    `from_pretrained(path)` find the base from anywhere ("embedded:<name>" or a relative folder
+    they could not); a hub id stays as it is."""
     from safetensors.torch import save_file
+
+    from posttrain.embedded import resolve_model_path
 
     os.makedirs(path, exist_ok=True)
     peft_cfg = _peft_config(cfg, model)
-    peft_cfg.base_model_name_or_path = base_model_name_or_path
+    base = os.path.expanduser(resolve_model_path(base_model_name_or_path))
+    peft_cfg.base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base_model_name_or_path
     peft_cfg.save_pretrained(str(path))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(sd).items()}
     save_file(tensors, os.path.join(str(path), "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -1,5 +1,7 @@
 """LoRA: only adapter weights train; merged and adapter-only exports reproduce the trained model."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -76,6 +78,31 @@ def test_merged_export_equals_base_plus_adapter(tiny_model_path, tmp_path):
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path / "adapter")
     reloaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
+
+
+@pytest.mark.parametrize("base_name", ["embedded:tiny", "relative"])
+def test_adapter_export_loads_with_transformers_from_anywhere(tiny_model_path, tmp_path, monkeypatch, base_name):
+    # The adapter names its base as a folder transformers and peft can open from any working
+    # directory: not "embedded:tiny" (an invalid hub id to them), nor a folder relative to the run.
+    import os
+    import shutil
+
+    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
+    x = _train(model)
+    model.eval()
+    with torch.no_grad():
+        trained = model(x).logits
+    if base_name == "relative":
+        shutil.copytree(tiny_model_path, tmp_path / "run" / "base")
+        monkeypatch.chdir(tmp_path / "run")
+        base_name = "base"
+    save_adapter(model.state_dict(), CFG, tmp_path / "adapter", base_name, model)
+    monkeypatch.chdir(tmp_path)
+    assert os.path.isabs(json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+                         ["base_model_name_or_path"])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()  # base + adapter
     with torch.no_grad():
         assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
 
