@@ -39,8 +39,8 @@ from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class, save_hf,
-                                   writing_folder)
+from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class,
+                                   resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -794,12 +794,6 @@ class FSDPPolicyWorker:
         if self.gen_engine is None:
             return {}
         return {**self.gen_engine.last_metrics, "generation/refit_s": self.last_refit_s}
-
-
-def resolve_tokenizer_path(cfg: PolicyConfig) -> str:
-    from posttrain.embedded import resolve_model_path
-
-    return resolve_model_path(cfg.tokenizer_name)
 
 
 def _accumulate(into: dict[str, float], metrics: dict[str, Any]) -> None:

@@ -56,11 +56,40 @@ def load_model_configs(cfg, *, with_reference: bool,
         return (path, config), (path, config)
     ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
     check_tensor_parallel(ref_config, tp, key="policy.reference_model_name")
-    if ref_config.vocab_size != config.vocab_size:
+    check_reference_vocabulary(cfg, config, ref_path, ref_config)
+    return (path, config), (ref_path, ref_config)
+
+
+def resolve_tokenizer_path(cfg) -> str:
+    """The folder or hub id of the policy's tokenizer (`policy.tokenizer.name`, else the model's own)."""
+    return resolve_model_path(cfg.tokenizer_name)
+
+
+def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
+    """The reference model scores the token ids the policy samples: each must be a row of its
+    embedding and mean the same token to it. Its vocabulary may be larger, as one tokenizer's
+    models pad their embeddings to different sizes (Qwen2.5-1.5B 151936 rows, Qwen2.5-7B 152064),
+    never smaller; and two tokenizers of the same size can differ (Llama 2 and Mistral 7B, 32000
+    each), so when the reference folder has a tokenizer, every token of the policy's must have
+    the same id in it."""
+    from transformers import AutoTokenizer
+
+    name = cfg.reference_model_name
+    if ref_config.vocab_size < config.vocab_size:
         raise InputError(f"policy.reference_model_name={name!r} has a vocabulary of {ref_config.vocab_size} "
                          f"tokens, the policy ({cfg.model_name!r}) {config.vocab_size}: the reference "
                          "scores the policy's tokens, so both need the same tokenizer")
-    return (path, config), (ref_path, ref_config)
+    try:
+        ref_vocab = AutoTokenizer.from_pretrained(ref_path).get_vocab()
+    except (OSError, ValueError):  # no tokenizer saved with the reference: the sizes are all there is
+        return
+    vocab = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg)).get_vocab()
+    differ = sorted((i, t) for t, i in vocab.items() if ref_vocab.get(t) != i)
+    if differ:
+        raise InputError(f"policy.reference_model_name={name!r}: {len(differ)} of the {len(vocab)} tokens of the "
+                         f"policy's tokenizer have another id (or none) in the reference's, e.g. "
+                         f"{', '.join(f'{t!r} (id {i})' for i, t in differ[:3])}: the reference scores the "
+                         "policy's token ids, so both need the same tokenizer")
 
 
 def model_class(model_kind: str):

@@ -625,15 +625,39 @@ def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tm
     from posttrain.config import InputError
 
     other = tmp_path / "other_vocab"
+    # Fewer rows than the policy's 104: the policy could sample ids the reference has no row for.
     LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=1000).save_pretrained(other)  # a config is all the check reads
+                vocab_size=100).save_pretrained(other)  # no tokenizer: the sizes are all the check reads
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={other}",
         "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",
     ))
     monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
-    with pytest.raises(InputError, match=r"policy.reference_model_name=.*vocabulary of 1000 tokens"):
+    with pytest.raises(InputError, match=r"policy.reference_model_name=.*vocabulary of 100 tokens"):
         run(cfg)
+    # The same number of tokens, another tokenizer (as Llama 2 and Mistral 7B): two ids swapped.
+    from posttrain.embedded import build_model, resolve_model_path
+    from posttrain.policy.hf_io import load_model_configs
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(resolve_model_path("embedded:tiny"), swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={swapped}"))
+    with pytest.raises(InputError, match=r"policy.reference_model_name=.*: 2 of the 104 tokens of the policy's "
+                                         r"tokenizer have another id \(or none\) in the reference's, e.g. 'a' "):
+        run(cfg)
+    # A larger embedding over the same tokenizer (Qwen2.5-7B teaching Qwen2.5-1.5B) is a teacher.
+    padded = tmp_path / "padded"
+    build_model("tiny", vocab_size=128).save_pretrained(padded)
+    shutil.copytree(resolve_model_path("embedded:tiny"), padded, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={padded}"))
+    assert load_model_configs(cfg.policy, with_reference=True)[1][1].vocab_size == 128
     missing = tmp_path / "no_teacher"
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={missing}"))
