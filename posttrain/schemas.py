@@ -295,7 +295,8 @@ class LoraConfig(Section):
     alpha: float = 16.0
     # Dropout on the adapter input.
     dropout: float = Field(0.0, ge=0, lt=1)
-    # Module names to adapt, or "all-linear".
+    # Names of the linear layers to adapt (e.g. [q_proj, v_proj]), "all-linear" (every one but
+    # the output layer), or a regular expression that whole module names match (peft's string form).
     target_modules: list[str] | str = "all-linear"
     # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only.
     export: Literal["merged", "adapter"] = "merged"

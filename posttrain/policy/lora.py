@@ -46,10 +46,12 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
     """`model` wrapped with trainable LoRA adapters when `cfg.enabled`, else `model` itself.
 
     Base weights are frozen (requires_grad False); lora_A is initialised randomly and lora_B
-    to zero, so the wrapped model starts out computing exactly the base model. A module whose
-    weight is tied to another's (the LM head of tied embeddings) cannot be adapted: the merged
-    weights would differ between the two, and the tied architecture that the HF export and the
-    generation refit load keeps only one of them.
+    to zero, so the wrapped model starts out computing exactly the base model. Only
+    torch.nn.Linear layers can be adapted, and every name in a list of target modules must be
+    one. A module whose weight is tied to another's (the LM head of tied embeddings) cannot be
+    adapted: the merged weights would differ between the two, and the tied architecture that
+    the HF export and the generation refit load keeps only one of them. Errors are InputErrors
+    naming policy.lora.target_modules.
     """
     if not cfg.enabled:
         return model
@@ -58,24 +60,35 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
 
     tied = {key.rsplit(".", 1)[0] for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items()
             for key in pair}
-    names = [name for name, _ in model.named_modules()]
-    # peft fails only when no name matches: a misspelt one in a list would silently adapt less.
-    unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in names)] \
-        if isinstance(cfg.target_modules, list) else []
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+    def targets_error(what: str) -> InputError:
+        return InputError(f"policy.lora.target_modules={cfg.target_modules!r}: {what} in {type(model).__name__}; "
+                          f"its linear layers are {', '.join(sorted({n.rsplit('.', 1)[-1] for n in linear}))} "
+                          "(a list of these names, \"all-linear\", or a regular expression that whole module "
+                          "names such as model.layers.0.self_attn.q_proj match)")
+
+    if isinstance(cfg.target_modules, list):
+        # peft fails only when no name matches (a misspelt one beside a valid one would silently
+        # adapt less), and with a module's whole repr for one it cannot adapt (self_attn).
+        unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in linear)]
+        if unknown or not cfg.target_modules:
+            raise targets_error(f"no linear layer named {', '.join(unknown) or '(an empty list)'}")
     try:
-        if unknown:
-            raise NoMatchingPeftModuleError
         wrapped = get_peft_model(model, _peft_config(cfg, model))
     except NoMatchingPeftModuleError:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
-        raise InputError(f"policy.lora.target_modules={cfg.target_modules!r}: no module "
-                         f"{', '.join(unknown) or cfg.target_modules} in {type(model).__name__}; its linear layers "
-                         f"are {', '.join(linear)} (or \"all-linear\")") from None
-    adapted = sorted(name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules()
-                     if hasattr(module, "lora_A") and name.removeprefix(_PEFT_PREFIX) in tied)
-    if adapted:
-        raise InputError(f"policy.lora.target_modules={cfg.target_modules!r} adapts {', '.join(adapted)}, whose "
+        raise targets_error("matches no module") from None
+    adapted = [name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules() if hasattr(module, "lora_A")]
+    # The merge (export, generation refit) computes W + scale * B @ A for torch Linear weights
+    # [out, in]: an embedding, or transformers' Conv1D (GPT-2; weight [in, out]) would fail there
+    # or, square, merge transposed without an error.
+    other = sorted(name for name in adapted if name not in linear)
+    if other:
+        raise targets_error(f"adapts {', '.join(other[:4])}, which are not torch.nn.Linear layers (LoRA here "
+                            "adapts and merges those only)")
+    tied_adapted = sorted(name for name in adapted if name in tied)
+    if tied_adapted:
+        raise InputError(f"policy.lora.target_modules={cfg.target_modules!r} adapts {', '.join(tied_adapted)}, whose "
                          "weight is tied to the input embedding (tie_word_embeddings): the merged export and "
                          "the generation weights would drop its adapter; leave it out of target_modules")
     return wrapped

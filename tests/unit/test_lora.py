@@ -112,22 +112,42 @@ def test_target_modules_the_model_lacks_fail_before_any_worker_starts():
     from posttrain.policy.hf_io import load_model_configs
     from posttrain.schemas import PolicyConfig
 
-    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["q_proj", "qkv"]})
-    with pytest.raises(InputError, match=r"policy.lora.target_modules=\['q_proj', 'qkv'\]: no module qkv in "
-                                         r"LlamaForCausalLM; its linear layers are .*down_proj.*q_proj"):
-        load_model_configs(cfg, with_reference=False)
-    with pytest.raises(InputError, match=r"no module \^qk\$ in"):  # a regex (peft's string form)
-        load_model_configs(cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"target_modules": "^qk$"})}),
-                           with_reference=False)
+    def check(targets, model_kind="causal_lm"):
+        cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": targets})
+        load_model_configs(cfg, with_reference=False, model_kind=model_kind)
+
+    # A misspelt name beside a valid one: peft adapted q_proj alone, silently.
+    with pytest.raises(InputError, match=r"policy.lora.target_modules=\['q_proj', 'qkv'\]: no linear layer named "
+                                         r"qkv in LlamaForCausalLM; its linear layers are .*down_proj.*q_proj"):
+        check(["q_proj", "qkv"])
+    with pytest.raises(InputError, match="no linear layer named self_attn in"):  # a module, not a layer
+        check(["self_attn"])
+    with pytest.raises(InputError, match="no linear layer named embed_tokens in"):
+        check(["embed_tokens"])
+    with pytest.raises(InputError, match=r"target_modules='q_proj': matches no module .* a regular expression"):
+        check("q_proj")  # peft's string form is a regex over whole names
+    check(r".*\.(q|v)_proj")
     # The tied LM head is refused there too.
-    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["lm_head"]})
     with pytest.raises(InputError, match="tied to the input embedding"):
-        load_model_configs(cfg, with_reference=False)
+        check(["lm_head"])
     # Checked on the model of the run's kind: a reward model has a score head, a causal LM none.
-    cfg = PolicyConfig(model_name="embedded:tiny", lora={"enabled": True, "target_modules": ["q_proj", "score"]})
-    load_model_configs(cfg, with_reference=False, model_kind="sequence_classification")
-    with pytest.raises(InputError, match="no module score in LlamaForCausalLM"):
-        load_model_configs(cfg, with_reference=False)
+    check(["q_proj", "score"], model_kind="sequence_classification")
+    with pytest.raises(InputError, match="no linear layer named score in LlamaForCausalLM"):
+        check(["q_proj", "score"])
+
+
+def test_layers_the_merge_cannot_handle_are_refused():
+    # GPT-2's projections are transformers' Conv1D (weight [in, out]): W + B @ A failed on the
+    # rectangular ones and silently merged the square ones transposed.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from posttrain.config import InputError
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32))
+    with pytest.raises(InputError, match=r"adapts transformer.h.0.attn.c_attn, .* which are not torch.nn.Linear"):
+        maybe_apply_lora(model, LoraConfig(enabled=True, rank=2))
+    with pytest.raises(InputError, match=r"no linear layer named c_proj in GPT2LMHeadModel"):
+        maybe_apply_lora(model, LoraConfig(enabled=True, rank=2, target_modules=["c_proj"]))
 
 
 def test_reward_model_score_head_trains_and_exports(tiny_model_path):
