@@ -203,6 +203,10 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
         # A run's folder (logger.log_dir), named instead of its final export.
         reason = (f"a run's folder, not a Hugging Face model folder; its final export is "
                   f"{os.path.join(path, EXPORT_DIR)}: name that")
+    elif os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):
+        reason = ("a LoRA adapter (adapter_config.json), not a whole model; export the run with "
+                  "policy.lora.export=merged, or convert its checkpoint with `posttrain convert dcp-to-hf` "
+                  "(which merges the adapter), and name that folder")
     elif not os.path.exists(os.path.expanduser(path)) and offline_if_hub_unreachable():
         reason = f"no such folder under {os.getcwd()}, nor in the local Hugging Face cache; {_HUB_OFFLINE_NOTE}"
     else:

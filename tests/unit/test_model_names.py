@@ -96,3 +96,12 @@ def test_the_default_model_holds_the_default_context():
     cfg = PolicyConfig()
     positions = AutoConfig.from_pretrained(resolve_model_path(cfg.model_name)).max_position_embeddings
     assert positions >= cfg.max_total_sequence_length
+
+
+def test_a_lora_adapter_as_model_name_says_how_to_get_a_whole_model(tmp_path):
+    # policy.lora.export=adapter writes adapter_config.json and no config.json: transformers'
+    # complaint was about a missing model_type key.
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(MissingInputError, match=r"policy.model_name=.*: a LoRA adapter \(adapter_config.json\), not "
+                                                 r"a whole model; export the run with policy.lora.export=merged"):
+        load_hf_config(str(tmp_path))
