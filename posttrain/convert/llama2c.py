@@ -39,6 +39,8 @@ import numpy as np
 from posttrain.config import InputError, MissingInputError
 
 HEADER_INTS = 7
+# llama2.c's export.py --version 1 / 2 (fp32 / int8) files start with uint32 0x616b3432 ("ak42").
+VERSIONED_MAGIC = (0x616B3432).to_bytes(4, "little")
 # Tokens of a llama2.c sentencepiece vocabulary (`llama2.c/tokenizer.py` trains with these ids).
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # The tokenizer has no pad token; <unk> (id 0) pads because byte fallback means it never
@@ -81,12 +83,18 @@ def read_llama2c(bin_path: str | os.PathLike) -> tuple[Llama2cHeader, dict[str, 
     raw = path.read_bytes()
     if len(raw) < HEADER_INTS * 4:
         raise InputError(f"{path}: {len(raw)} bytes is too short for the 7-int32 llama2.c header")
+    if raw[:4] == VERSIONED_MAGIC:
+        version = int(np.frombuffer(raw, np.int32, 1, offset=4)[0])
+        raise InputError(f"{path}: a llama2.c version-{version} export (export.py --version {version}, header "
+                         "magic 'ak42'); this converter reads the legacy format: re-export the model with "
+                         "`python export.py --version 0`")
     dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = (int(x) for x in np.frombuffer(raw, np.int32, HEADER_INTS))
     hdr = Llama2cHeader(dim, hidden, n_layers, n_heads, n_kv, abs(vocab), seq_len, shared_classifier=vocab > 0)
-    if min(dim, hidden, n_layers, n_heads, n_kv, hdr.vocab_size, seq_len) <= 0 or dim % n_heads or n_heads % n_kv:
+    if (min(dim, hidden, n_layers, n_heads, n_kv, hdr.vocab_size, seq_len) <= 0 or dim % n_heads or n_heads % n_kv
+            or hdr.head_dim % 2):
         raise InputError(
             f"{path}: implausible llama2.c header {hdr} (is this a llama2.c legacy-format .bin? "
-            "dim must divide by n_heads and n_heads by n_kv_heads)"
+            "dim must divide by n_heads into an even head size (rotary pairs), and n_heads by n_kv_heads)"
         )
     D, F, L, V, T, Hd = dim, hidden, n_layers, hdr.vocab_size, seq_len, hdr.head_dim
     kv_dim = n_kv * Hd

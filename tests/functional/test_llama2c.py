@@ -166,6 +166,18 @@ def test_converter_rejects_a_truncated_file(tmp_path, stories):
     with pytest.raises(ValueError, match="bad.bin.*fp32 values"):
         convert(bad, os.path.join(stories, "tok512.model"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # export.py --version 1 (its header: magic, version, then the 7 ints): named, with the way out.
+    versioned = tmp_path / "v1.bin"
+    versioned.write_bytes(np.array([0x616B3432, 1, 64, 172, 5, 8, 4, 512, 512], dtype=np.uint32).tobytes()
+                          + bytes(4096))
+    with pytest.raises(ValueError, match=r"v1.bin: a llama2.c version-1 export .* export.py --version 0"):
+        convert(versioned, os.path.join(stories, "tok512.model"), tmp_path / "out")
+    # An odd head size has no rotary pairs to permute: refused with the header.
+    odd = tmp_path / "odd.bin"
+    _write_random_llama2c(odd, dim=12, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match=r"odd.bin: implausible llama2.c header .*even head size"):
+        convert(odd, os.path.join(stories, "tok512.model"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def _write_random_llama2c(path, dim=16, hidden=40, layers=2, heads=4, kv_heads=2, vocab=512, seq_len=32):
