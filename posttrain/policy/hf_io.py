@@ -192,15 +192,24 @@ def writing_folder(out: Path) -> Iterator[Path]:
     the earlier model intact."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    old = tmp.with_name(tmp.name + "-old")
     try:
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp's folder is private; a model folder is an ordinary one
+        # The earlier model moves aside by renames only and is deleted once the new one is in
+        # place: deleting it first, a failure part way (a file that cannot be removed) lost both.
         if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old.exists():
+                os.rename(old, out)
+            raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str | os.PathLike, model_kind: str) -> None:

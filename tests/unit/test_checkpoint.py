@@ -380,6 +380,40 @@ def test_dcp_to_hf_names_the_checkpoints_of_a_checkpoint_dir_and_refuses_a_file_
     assert (tmp_path / "notes.txt").read_text() == "keep"
 
 
+def test_replacing_a_model_folder_keeps_the_new_model_when_the_old_cannot_be_deleted(tmp_path, monkeypatch):
+    # The export and both converters write through writing_folder. It deleted the earlier model
+    # first: a file that could not be removed stopped it there, and the new model, already
+    # written, was deleted too.
+    import shutil
+
+    from posttrain.policy import hf_io
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, ignore_errors=False):  # removes all but a file named "locked"
+        for f in os.listdir(path):
+            if f != "locked":
+                os.remove(os.path.join(path, f))
+        if not os.listdir(path):
+            return real_rmtree(path)
+        if not ignore_errors:
+            raise PermissionError(f"{path}/locked")
+
+    monkeypatch.setattr(hf_io.shutil, "rmtree", rmtree)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    (out / "locked").write_text("")
+    with hf_io.writing_folder(out) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert sorted(os.listdir(out)) == ["config.json"] and (out / "config.json").read_text() == "new"
+    # A write that fails leaves the earlier model as it was.
+    with pytest.raises(RuntimeError), hf_io.writing_folder(out) as tmp:
+        (tmp / "config.json").write_text("newer")
+        raise RuntimeError("cut short")
+    assert (out / "config.json").read_text() == "new"
+
+
 def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
     # Without hf_config/ in the checkpoint, the model comes from the run's config: read through
     # `defaults:` and interpolations, with the schema default when the config does not name one.
