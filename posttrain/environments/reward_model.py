@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from posttrain.config import InputError
 from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn, last_assistant_text
 from posttrain.schemas import EnvWorkerConfig, RewardModelEnvConfig, TokenizerConfig
 
@@ -28,23 +27,17 @@ class RewardModelEnvironment(EnvironmentInterface):
     config_class = RewardModelEnvConfig
 
     def __init__(self, cfg: EnvWorkerConfig):
-        from transformers import AutoModelForSequenceClassification
-
         from posttrain.data.processors import load_tokenizer
         from posttrain.embedded import resolve_model_path
+        from posttrain.policy.hf_io import load_pretrained
 
         self.cfg = RewardModelEnvConfig.model_validate(cfg.cfg)
         path = resolve_model_path(self.cfg.model_name)
         self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template),
                                         key="env.reward_model.cfg.model_name")
-        self.model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, output_loading_info=True)
-        if info["missing_keys"]:
-            # transformers initialises missing weights randomly and only logs it: a causal LM
-            # folder (no trained score head) would give every run different, meaningless rewards.
-            raise InputError(f"env.reward_model.cfg.model_name={self.cfg.model_name!r} is not a trained reward "
-                             f"model: {path} lacks {', '.join(sorted(info['missing_keys'])[:3])} (a causal LM has "
-                             "no score head); name the export of `posttrain rm` (checkpointing.export_hf_at_end)")
+        # A causal LM's folder (no trained score head) fails here: a random head would score noise.
+        self.model = load_pretrained("sequence_classification", path, "env.reward_model.cfg.model_name",
+                                     self.cfg.model_name, num_labels=1, dtype=torch.float32)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()

@@ -40,13 +40,14 @@ BACKENDS: dict[str, Callable[..., GenerationInterface]] = {"torch": _torch, "hf"
 
 def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokenizer=None):
     """Load a causal LM (and its tokenizer unless given) from a folder, hub id or `embedded:<name>`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from posttrain.embedded import resolve_model_path
     from posttrain.generation.torch_engine import DTYPES
+    from posttrain.policy.hf_io import load_pretrained
 
     path = resolve_model_path(model_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[precision])
+    model = load_pretrained("causal_lm", path, "policy.model_name", model_path, dtype=DTYPES[precision])
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

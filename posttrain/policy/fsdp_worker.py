@@ -39,7 +39,7 @@ from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, model_class,
+from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, load_pretrained, model_class,
                                    resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
@@ -264,7 +264,9 @@ class FSDPPolicyWorker:
         # Weights that are not in the checkpoint (a reward model's score head, LoRA's A) are
         # initialised randomly: the same seed on every rank gives every rank the same model.
         torch.manual_seed(0)
-        model = model_class(self.model_kind).from_pretrained(path, dtype=torch.float32, **kwargs)
+        key = "policy.model_name" if train else "policy.reference_model_name"
+        model = load_pretrained(self.model_kind, path, key, cfg.model_name if train else cfg.reference_model_name,
+                                new_head=train, dtype=torch.float32, **kwargs)
         if self.model_kind == "sequence_classification":
             model.config.pad_token_id = self.hf_config.pad_token_id
         if self._wants_blockwise():

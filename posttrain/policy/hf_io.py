@@ -101,6 +101,21 @@ def model_class(model_kind: str):
     return kinds[model_kind]
 
 
+def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head: bool = False, **kwargs):
+    """`from_pretrained` of `model_kind` from `path` (config `key` = `name`), failing when the folder
+    lacks weights of the model: transformers initialises those randomly and only logs it, so a
+    reward model's folder loaded as a causal LM (its LM head not tied to the embedding), or a
+    causal LM's as a reward model to score with, would compute noise. `new_head`: a sequence
+    classifier's head may be missing (`posttrain rm` starts it from a causal LM)."""
+    model, info = model_class(model_kind).from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in ("score", "classifier")))
+    if missing:
+        raise InputError(f"{key}={name!r}: {path} has no weights for {', '.join(missing[:3])}"
+                         f"{', ...' if len(missing) > 3 else ''} of {type(model).__name__} (a reward model's folder "
+                         "holds no LM head, a causal LM's no trained score head)")
+    return model
+
+
 def config_for_kind(config, model_kind: str):
     """`config` for `model_kind`: a reward model has one label. transformers 5's `from_config`
     takes no config kwargs (num_labels=1 there is a TypeError), so the label goes on a copy."""

@@ -49,3 +49,24 @@ def test_unsupported_or_incomplete_config_fails_at_load():
     # Through the command line's loader: a config error that names the key, before anything starts.
     with pytest.raises(ConfigError, match="policy.dynamic_batching.train_mb_tokens"):
         load_config("sft", None, ["policy.dynamic_batching.enabled=true"])
+
+
+def test_a_reward_model_folder_as_teacher_or_model_fails_instead_of_a_random_lm_head(cluster, tiny_model_path,
+                                                                                   tmp_path):
+    # A reward model export with its own LM-head-free weights (untied, as most large models): loaded
+    # as a causal LM, transformers initialised lm_head randomly and only logged it, so the teacher
+    # (or the evaluated model) computed noise.
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    from posttrain.config import InputError
+    from posttrain.generation import load_model_and_tokenizer
+
+    config = LlamaConfig.from_pretrained(tiny_model_path, tie_word_embeddings=False, num_labels=1)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path / "rm")
+    with pytest.raises(InputError, match=r"policy.reference_model_name='.*rm': .* has no weights for lm_head.weight "
+                                         r"of LlamaForCausalLM \(a reward model's folder holds no LM head"):
+        Policy(cluster, PolicyConfig(model_name=tiny_model_path, reference_model_name=str(tmp_path / "rm")),
+               init_reference=True)
+    with pytest.raises(InputError, match=r"policy.model_name='.*rm': .* has no weights for lm_head.weight"):
+        load_model_and_tokenizer(str(tmp_path / "rm"))

@@ -731,6 +731,7 @@ def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_pa
     from posttrain.config import InputError
     from posttrain.environments.reward_model import RewardModelEnvironment
 
-    with pytest.raises(InputError, match=r"env.reward_model.cfg.model_name=.* is not a trained reward model: .* "
-                                         r"lacks score.weight"):
+    with pytest.raises(InputError, match=r"env.reward_model.cfg.model_name=.*: .* has no weights for score.weight of "
+                                         r"LlamaForSequenceClassification \(a reward model's folder holds no LM head, "
+                                         r"a causal LM's no trained score head\)"):
         RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tiny_model_path)}))
