@@ -250,8 +250,11 @@ class FSDPPolicyWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
         freeze_setup_objects()
+        positions = {"policy.model_name": getattr(hf_config, "max_position_embeddings", None)}
+        if ref_config is not None and cfg.reference_model_name is not None:
+            positions["policy.reference_model_name"] = getattr(ref_config, "max_position_embeddings", None)
         return {"num_parameters": n_params, "load_s": time.perf_counter() - t0, "device": str(self.device),
-                "pad_id": self.pad_id, "max_position_embeddings": getattr(hf_config, "max_position_embeddings", None)}
+                "pad_id": self.pad_id, "max_position_embeddings": positions}
 
     def _load_and_shard(self, path: str, train: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh

@@ -48,12 +48,13 @@ class Policy:
         log.info("policy %s: %d workers (data parallel %d x tensor parallel %d), %.2fM parameters, "
                  "loaded in %.1f s", cfg.model_name, self.workers.world_size, self.dp, self.tp,
                  self.num_parameters / 1e6, info[0]["load_s"])
-        trained_positions = info[0]["max_position_embeddings"]
-        if trained_positions and cfg.max_total_sequence_length > trained_positions:
-            # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).
-            log.warning("policy.max_total_sequence_length=%d exceeds the model's max_position_embeddings=%d: "
-                        "positions past %d were not trained", cfg.max_total_sequence_length, trained_positions,
-                        trained_positions)
+        # The policy's, and the reference's (a distillation teacher scores the same sequences).
+        for key, trained_positions in info[0]["max_position_embeddings"].items():
+            if trained_positions and cfg.max_total_sequence_length > trained_positions:
+                # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).
+                log.warning("policy.max_total_sequence_length=%d exceeds the max_position_embeddings=%d of %s: "
+                            "positions past %d were not trained", cfg.max_total_sequence_length, trained_positions,
+                            key, trained_positions)
 
     # ------------------------------------------------------------------ checks
 

@@ -70,3 +70,14 @@ def test_a_reward_model_folder_as_teacher_or_model_fails_instead_of_a_random_lm_
                init_reference=True)
     with pytest.raises(InputError, match=r"policy.model_name='.*rm': .* has no weights for lm_head.weight"):
         load_model_and_tokenizer(str(tmp_path / "rm"))
+
+
+def test_a_teacher_trained_on_shorter_sequences_is_named_in_a_warning(cluster, caplog):
+    # embedded:small has 1024 positions, embedded:tiny 512: the teacher scores positions past its own.
+    cfg = PolicyConfig(model_name="embedded:small", reference_model_name="embedded:tiny", max_total_sequence_length=768)
+    with caplog.at_level("WARNING", logger="posttrain.policy.lm_policy"):
+        policy = Policy(cluster, cfg, init_reference=True)
+        policy.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert warnings == ["policy.max_total_sequence_length=768 exceeds the max_position_embeddings=512 of "
+                        "policy.reference_model_name: positions past 512 were not trained"]
