@@ -291,8 +291,8 @@ class LoraConfig(Section):
     enabled: bool = False
     # Adapter rank r.
     rank: int = Field(8, ge=1)
-    # Adapter scale numerator (scale = alpha / rank).
-    alpha: float = 16.0
+    # Adapter scale numerator (scale = alpha / rank; 0 would make the adapter, and training, a no-op).
+    alpha: float = Field(16.0, gt=0)
     # Dropout on the adapter input.
     dropout: float = Field(0.0, ge=0, lt=1)
     # Names of the linear layers to adapt (e.g. [q_proj, v_proj]), "all-linear" (every one but

@@ -339,6 +339,8 @@ def test_union_and_cross_field_errors():
     with pytest.raises(ConfigError) as e:
         load_config("grpo", None, ["policy.lora.target_modules=3"])
     assert "policy.lora.target_modules: got 3, expected a valid list or a valid string" in str(e.value)
+    with pytest.raises(ConfigError, match="policy.lora.alpha: got 0, expected greater than 0"):
+        load_config("grpo", None, ["policy.lora.alpha=0"])
     # Cross-field checks of a section run once its fields are valid.
     with pytest.raises(ConfigError) as e:
         load_config("grpo", None, ["policy.train_global_batch_size=6", "policy.train_micro_batch_size=4"])
