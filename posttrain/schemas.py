@@ -298,7 +298,9 @@ class LoraConfig(Section):
     # Names of the linear layers to adapt (e.g. [q_proj, v_proj]), "all-linear" (every one but
     # the output layer), or a regular expression that whole module names match (peft's string form).
     target_modules: list[str] | str = "all-linear"
-    # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only.
+    # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only (peft's
+    # layout, naming the base's folder: transformers' from_pretrained and posttrain eval's torch
+    # and hf backends load base + adapter from it; `posttrain convert dcp-to-hf` always merges).
     export: Literal["merged", "adapter"] = "merged"
 
 
