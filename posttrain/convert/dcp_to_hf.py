@@ -20,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 from posttrain.config import ConfigError, InputError, MissingInputError, load_yaml_with_defaults
-from posttrain.policy.hf_io import check_replaceable, config_for_kind, load_hf_config, model_class, save_hf
+from posttrain.policy.hf_io import (check_replaceable, config_for_kind, load_generation_config, load_hf_config,
+                                   model_class, save_hf)
 from posttrain.schemas import LoraConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     sd = {k: v.detach() for k, v in state["model"].items()}
     if lora.enabled:
         sd = merge_lora_state_dict(sd, lora)
-    save_hf(sd, hf_config, AutoTokenizer.from_pretrained(path), output, model_kind)
+    save_hf(sd, hf_config, AutoTokenizer.from_pretrained(path), output, model_kind, load_generation_config(path))
     log.info("wrote %s from %s", output, policy_dir)
     return Path(output)
 

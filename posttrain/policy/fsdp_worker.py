@@ -39,8 +39,8 @@ from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_model_configs, load_pretrained, model_class,
-                                   resolve_tokenizer_path, save_hf, writing_folder)
+from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_generation_config, load_model_configs,
+                                   load_pretrained, model_class, resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -219,6 +219,7 @@ class FSDPPolicyWorker:
                                                            model_kind=self.model_kind)
         ref_path, ref_config = reference or (None, None)
         self.model_path, self.hf_config = path, hf_config
+        self.generation_config = load_generation_config(path)  # for the export and the checkpoints
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
             self._score_cost = _attention_score_cost(hf_config)  # prefix sharing's cost model, once
         n_params = check_fits_in_memory(
@@ -706,7 +707,7 @@ class FSDPPolicyWorker:
         else:
             sd = self._base_weights(all_ranks=False)
             if self.rank == 0:
-                save_hf(sd, self.hf_config, self.tokenizer, path, self.model_kind)
+                save_hf(sd, self.hf_config, self.tokenizer, path, self.model_kind, self.generation_config)
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
@@ -723,6 +724,8 @@ class FSDPPolicyWorker:
                        Path(path) / TRAINER_STATE_FILE)
             # Lets `posttrain convert dcp-to-hf` rebuild the model without the run config.
             self.hf_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
+            if self.generation_config is not None:
+                self.generation_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
             self.tokenizer.save_pretrained(Path(path) / HF_CONFIG_DIR)
             meta = {"model_kind": self.model_kind, "lora": self.cfg.lora.model_dump()}
             (Path(path) / META_FILE).write_text(json.dumps(meta, indent=1))

@@ -227,8 +227,22 @@ def writing_folder(out: Path) -> Iterator[Path]:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str | os.PathLike, model_kind: str) -> None:
-    """Write `state_dict` (full, CPU) as a transformers checkpoint: safetensors + config + tokenizer.
+def load_generation_config(path: str):
+    """The `generation_config.json` of a model folder or hub id, or None when it has none. It can
+    hold stop ids that config.json lacks (Qwen2.5-Instruct: <|endoftext|> beside <|im_end|>),
+    which the generation backends stop on, and sampling defaults: an export must keep it."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str | os.PathLike, model_kind: str,
+            generation_config=None) -> None:
+    """Write `state_dict` (full, CPU) as a transformers checkpoint: safetensors + config + tokenizer,
+    and `generation_config` (the base model's; None: transformers derives one from `config`).
 
     The model is built on the meta device and takes the given tensors by assignment, so no
     extra copy is made and transformers handles tied weights and shard files itself.
@@ -236,6 +250,8 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config, tokenizer, path: str
     with torch.device("meta"):
         model = model_class(model_kind).from_config(config_for_kind(config, model_kind),
                                                     dtype=next(iter(state_dict.values())).dtype)
+    if generation_config is not None and model.can_generate():
+        model.generation_config = generation_config
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]

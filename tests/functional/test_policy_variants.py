@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from policy_oracle import full_state, make_batch, reference_logprobs
+from posttrain.convert.dcp_to_hf import convert as dcp_to_hf
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.losses.nll import NLLLoss
 from posttrain.losses.preference import BradleyTerryLoss
@@ -35,13 +36,26 @@ def no_pad_model_path(tiny_model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def policies(ray_session, no_pad_model_path):
+def two_eos_model_path(tiny_model_path, tmp_path_factory):
+    """The tiny model whose generation_config.json stops on one more id than its config.json, as
+    Qwen2.5-Instruct's (<|im_end|> in both, <|endoftext|> only in the generation config)."""
+    path = tmp_path_factory.mktemp("two_eos") / "model"
+    shutil.copytree(tiny_model_path, path)
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generation["eos_token_id"], 9]
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def policies(ray_session, no_pad_model_path, two_eos_model_path):
     def build(kind: str):
         workers = 2 if kind == "rm" else 1
         cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name=kind)
         if kind == "lora":
             # Dropout on the adapters' input: training draws random masks (eval-mode logprobs do not).
-            cfg = PolicyConfig(**BASE, lora={"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.5})
+            cfg = PolicyConfig(**{**BASE, "model_name": two_eos_model_path},
+                               lora={"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.5})
             return cluster, Policy(cluster, cfg, init_reference=False, name_prefix="lora")
         cfg = PolicyConfig(**{**BASE, "model_name": no_pad_model_path})
         return cluster, Policy(cluster, cfg, init_reference=False, model_kind="sequence_classification",
@@ -74,6 +88,12 @@ def test_lora_trains_adapters_and_exports_merged(policies, tiny_model_path, tmp_
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(reloaded, batch),
                                atol=2e-5, rtol=0)
+    # The base's generation config, with the stop id config.json lacks, goes with the export and,
+    # through the checkpoint, with `posttrain convert dcp-to-hf` (both wrote one derived from config.json).
+    policy.save_checkpoint(tmp_path / "step_1" / "policy")
+    dcp_to_hf(tmp_path / "step_1", tmp_path / "converted")
+    for folder in ("merged", "converted"):
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / folder).generation_config.eos_token_id == [7, 9]
 
 
 def test_a_step_with_dropout_after_loading_a_checkpoint_repeats_the_step_after_saving_it(policies, tmp_path):
