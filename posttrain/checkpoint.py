@@ -24,6 +24,7 @@ when no metric is named, and always the latest one (so at most k+1 remain).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -267,6 +268,17 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
         shutdown()
 
 
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
+    disk is full and which checkpoints stay."""
+
+
+def _exception_chain(err: BaseException | None):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
 class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one run (see the module docstring)."""
 
@@ -452,10 +464,32 @@ class CheckpointManager:
         tmp = self.begin_save(step)
         try:
             policy.save_checkpoint(tmp / "policy")
+            return self.finish_save(tmp, step, training_info, config_yaml, metrics.get(name) if name else None)
+        except Exception as e:
+            self.abort_save(tmp)  # also frees the space a disk-full save took
+            raise CheckpointSaveError(self._save_failed_message(step, e)) from e
         except BaseException:
             self.abort_save(tmp)
             raise
-        return self.finish_save(tmp, step, training_info, config_yaml, metrics.get(name) if name else None)
+
+    def _save_failed_message(self, step: int, err: BaseException) -> str:
+        """What `save` raises when writing `step` failed: the error's last line, whether the disk is
+        full, and the checkpoints that stay. A full disk often shows only as torch's zip writer's
+        "unexpected pos 704 vs 598" (DCP), so free space is checked as well as ENOSPC."""
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        cause = lines[-1].strip() if lines else type(err).__name__
+        kept = self.checkpoints()
+        free = shutil.disk_usage(self.dir).free
+        last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None
+        full = "No space left on device" in str(err) or any(
+            isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _exception_chain(err))
+        disk = f"{free / 2**20:.1f} MiB free there"
+        if full or (last_size is not None and free < last_size):
+            disk = (f"the disk is full: {disk}" + (f", {kept[-1].name} took {last_size / 2**20:.1f} MiB"
+                                                   if last_size is not None else ""))
+        stays = (f"the checkpoints saved before stay ({', '.join(p.name for p in kept)}); the next start resumes "
+                 f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
+        return f"saving checkpoint step_{step} in {self.dir} failed ({disk}): {cause}\n{stays}"
 
     def begin_save(self, step: int) -> Path:
         """A fresh temporary directory for checkpoint `step`; write `policy/` into it, then `finish_save`."""

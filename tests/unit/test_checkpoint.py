@@ -1,8 +1,11 @@
 """CheckpointManager: layout, top-k, resume, signature guard, start_fresh, atomicity under crashes."""
 
+import errno
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain.checkpoint import TRAINER_STATE_FILE, CheckpointManager, capture_rng_state, restore_rng_state, stop_message
+from posttrain.checkpoint import TRAINER_STATE_FILE, CheckpointManager, CheckpointSaveError, capture_rng_state, restore_rng_state, stop_message
 from posttrain.config import ConfigError
 from posttrain.schemas import CheckpointingConfig
 
@@ -352,9 +355,36 @@ def test_save_ranks_a_metric_this_step_did_not_measure_below_measured_ones(tmp_p
 
 def test_save_that_fails_leaves_no_checkpoint_behind(tmp_path):
     mgr = _mgr(tmp_path)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointSaveError, match="saving checkpoint step_1 in .* failed .*: disk full\n"
+                                                  "no checkpoint was saved before") as err:
         mgr.save(1, _Policy(fail=True), {"epoch": 0}, "a: 1\n", {})
+    assert isinstance(err.value.__cause__, OSError)  # the original error stays in the traceback
     assert mgr.checkpoints() == [] and list((tmp_path / "ckpt").iterdir()) == []
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+                                   OSError(errno.ENOSPC, "No space left on device")])
+def test_a_save_on_a_full_disk_says_so_and_names_the_checkpoints_that_stay(tmp_path, monkeypatch, error):
+    """DCP's writer (torch's zip writer) reports a full disk as "unexpected pos 704 vs 598" alone:
+    the error must say the disk is full, and what a restart resumes from."""
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+    _save(mgr, 2)
+
+    class FullDisk(_Policy):
+        def save_checkpoint(self, path):
+            super().save_checkpoint(path)
+            raise error
+
+    # Free space: none left while the save ran; after its partial files are removed, less than a checkpoint.
+    monkeypatch.setattr("posttrain.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 100))
+    with pytest.raises(CheckpointSaveError) as err:
+        mgr.save(3, FullDisk(), {"epoch": 0}, "a: 1\n", {})
+    assert re.match(rf"saving checkpoint step_3 in {re.escape(str(mgr.dir))} failed \(the disk is full: 0.0 MiB free "
+                    rf"there, step_2 took [0-9.]+ MiB\): .*{re.escape(str(error).splitlines()[-1])}\n"
+                    r"the checkpoints saved before stay \(step_1, step_2\); the next start resumes from step_2$",
+                    str(err.value)), str(err.value)
+    assert _steps(mgr) == [1, 2] and sorted(p.name for p in mgr.dir.iterdir()) == ["step_1", "step_2"]
 
 
 def test_metric_name_must_name_a_train_or_val_metric():
