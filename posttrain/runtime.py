@@ -64,7 +64,10 @@ def supervise_in_own_session() -> None:
             os._exit(128 + signal.SIGTERM)
         return
 
+    forwarded: set[int] = set()
+
     def forward(signum: int, _frame) -> None:
+        forwarded.add(signum)
         try:
             os.kill(child, signum)
         except ProcessLookupError:  # exited meanwhile: waitpid below returns its status
@@ -74,4 +77,11 @@ def supervise_in_own_session() -> None:
         signal.signal(s, forward)
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)  # -N when a signal N killed it
+    if code < 0 and -code not in forwarded:
+        # Killed by a signal it could not handle (the kernel's OOM killer sends SIGKILL): the job
+        # printed nothing, and its Ray node went with it, so this is the one place to say so.
+        name = signal.Signals(-code).name
+        why = " (the kernel's OOM killer sends it when memory runs out: see `dmesg`)" if -code == signal.SIGKILL else ""
+        print(f"posttrain: the job (pid {child}) was killed by {name}{why}; checkpoints saved before stay, "
+              "and the same command resumes from the latest", file=sys.stderr, flush=True)
     os._exit(128 - code if code < 0 else code)  # no atexit handlers here: they are the job's, in the child
