@@ -476,8 +476,12 @@ class CheckpointManager:
         """What `save` raises when writing `step` failed: the error's last line, whether the disk is
         full, and the checkpoints that stay. A full disk often shows only as torch's zip writer's
         "unexpected pos 704 vs 598" (DCP), so free space is checked as well as ENOSPC."""
+        from posttrain.distributed.worker_group import WorkerError
+
+        # A worker's error ends with its exception; a WorkerError (a worker died) starts with the
+        # worker it names, and ends with that worker's log.
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
-        cause = lines[-1].strip() if lines else type(err).__name__
+        cause = (lines[0] if isinstance(err, WorkerError) else lines[-1]).strip() if lines else type(err).__name__
         kept = self.checkpoints()
         free = shutil.disk_usage(self.dir).free
         last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None

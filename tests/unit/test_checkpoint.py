@@ -387,6 +387,20 @@ def test_a_save_on_a_full_disk_says_so_and_names_the_checkpoints_that_stay(tmp_p
     assert _steps(mgr) == [1, 2] and sorted(p.name for p in mgr.dir.iterdir()) == ["step_1", "step_2"]
 
 
+def test_a_save_a_dead_worker_ends_names_the_worker_not_its_last_log_line(tmp_path):
+    from posttrain.distributed.worker_group import WorkerError
+
+    class Killed(_Policy):
+        def save_checkpoint(self, path):
+            raise WorkerError("policy worker rank 1 (pid 7, node n) died: The actor died unexpectedly\n"
+                              "last lines of its log /x/rank1.log:\n11:38:53 rank 1: save_checkpoint\n")
+
+    mgr = _mgr(tmp_path)
+    with pytest.raises(CheckpointSaveError, match=r"failed \([0-9.]+ MiB free there\): policy worker rank 1 "
+                                                  r"\(pid 7, node n\) died: The actor died unexpectedly\n"):
+        mgr.save(1, Killed(), {"epoch": 0}, "a: 1\n", {})
+
+
 def test_metric_name_must_name_a_train_or_val_metric():
     assert CheckpointingConfig(metric_name="val:accuracy").metric_name == "val:accuracy"
     with pytest.raises(ValueError, match="should match pattern"):
