@@ -60,3 +60,21 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
         state = full_state(policy)
         for k, v in expected.items():
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_a_step_without_one_valid_token_has_no_ratio_extremes(policies):
+    # Every sample masked (an environment that failed them all): masked_min/max's +-inf of that
+    # optimizer step is no measurement, and no longer turns the step's mean into a non-finite value.
+    import math
+
+    from posttrain.data.batch import BatchedDataDict
+
+    masked, normal = _grpo_batch(), _grpo_batch()
+    masked["sample_mask"][:] = 0.0
+    for policy in policies:
+        m = policy.train(masked, ClippedPGLoss({}))
+        assert [k for k in m if k.endswith(("_min", "_max"))] == [] and math.isfinite(m["loss"])
+        m = policy.train(BatchedDataDict.from_batches([masked, normal]), ClippedPGLoss({}))
+        assert m["num_optimizer_steps"] == 2
+        for k in ("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
+            assert math.isfinite(m[k]), k
