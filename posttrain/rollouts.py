@@ -289,6 +289,7 @@ def run_rollouts(
     progress = {"global_step": global_step, "max_steps": max_steps}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for turn in range(max_turns):
+        last_turn = turn == max_turns - 1  # every conversation ends after it, whatever its environment says
         active = [c for c in convs if not c.done]
         if not active:
             break
@@ -327,20 +328,19 @@ def run_rollouts(
             ret = envs[task].step([c.messages for c in group],
                                   [{**{key: v for key, v in c.metadata.items() if key != ENV_ERROR_KEY},
                                     ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
-                                                  "last_turn": turn == max_turns - 1}}
+                                                  "last_turn": last_turn}}
                                    for c in group])
             for k, c in enumerate(group):
                 c.reward += float(ret.rewards[k])
-                earlier_error = c.metadata.get(ENV_ERROR_KEY)
-                if ret.metadata[k] is not None:
-                    c.metadata = {key: v for key, v in ret.metadata[k].items() if key != ROLLOUT_KEY}
-                if ret.metadata[k] is not None and ret.metadata[k].get(ENV_ERROR_KEY):
+                earlier_error, returned = c.metadata.get(ENV_ERROR_KEY), ret.metadata[k]
+                if returned is not None:
+                    c.metadata = {key: v for key, v in returned.items() if key != ROLLOUT_KEY}
+                if returned is not None and returned.get(ENV_ERROR_KEY):
                     c.env_errors += 1
                 elif earlier_error:
                     c.metadata[ENV_ERROR_KEY] = earlier_error  # the sample's log keeps it
                 if ret.tool_calls is not None and ret.tool_calls[k]:
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
-                last_turn = turn == max_turns - 1
                 if bool(ret.terminateds[k]) or last_turn or c.truncated:
                     c.done = True
                     continue

@@ -434,7 +434,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     gbs = cfg.policy.train_global_batch_size
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id
-    step = saved_step = s.start_step
+    step = s.start_step
 
     def rollouts_of(prompts: list[dict], version: int) -> RolloutResult:
         """`prompts`' rollouts, generated with the weights after `version` steps."""
@@ -523,7 +523,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                            f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
             # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
             # steps since the last periodic one.
-            if step > saved_step and s.checkpointer.should_save(step, last=True):
+            if step > last.saved_step and s.checkpointer.should_save(step, last=True):
                 _save(s, step, last.train, last.val,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
             break
@@ -597,9 +597,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             with timer.time("checkpoint"):
                 # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
                 # documented (policy.train's metrics alone lack them).
-                _save(s, step, last.train, last.val,
-                      loader_state=pipeline.loader_state if pipeline is not None else None)
-            saved_step = last.saved_step = step
+                _save(s, step, last.train, last.val, loader_state=last.loader_state)
+            last.saved_step = step
 
         # ---- metrics
         step_time = time.monotonic() - step_start

@@ -15,8 +15,8 @@ passes (`env.code.cfg.reward: all`) or the fraction that pass (`fraction`).
 - A program that fails, hangs or breaks a limit is a wrong program: it scores 0 (the
   observation says why) but is no environment error. With `max_attempts` > 1 (and
   `grpo.max_rollout_turns` as many) the failure goes back to the model, which answers again;
-  the attempt that passes, or the last one (by `max_attempts` or by the rollout's turns), scores. Only a row without tests or a harness
-  that returns nothing counts in `env_errors`.
+  the attempt that passes, or the last one (by `max_attempts` or by the rollout's turns),
+  scores. Only a row without tests or a harness that returns nothing counts in `env_errors`.
 - Not a security sandbox: the program runs as the user running posttrain, with that user's
   network and files. Train on untrusted tasks inside a container.
 """

@@ -22,7 +22,6 @@ import random
 import re
 from typing import Any
 
-
 from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
 from posttrain.schemas import DataConfig, EnvWorkerConfig, StoryEnvConfig
 

@@ -485,14 +485,14 @@ class FSDPPolicyWorker:
         self._compute_model().train()
         steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
-        out = {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]
-               if k not in ("lr", "skipped") and not k.endswith(("_min", "_max"))}
-        # A step without one valid token (every sample masked: an environment that failed them all)
-        # has no min or max (masked_min's +inf): the others' are the measurement, or none is.
-        for k in (k for k in steps[0] if k.endswith(("_min", "_max"))):
-            measured = [s[k] for s in steps if math.isfinite(s[k])]
-            if measured:
-                out[k] = sum(measured) / len(measured)
+        out = {}
+        for k in (k for k in steps[0] if k not in ("lr", "skipped")):
+            # Means over the steps; a step without one valid token (every sample masked: an environment
+            # that failed them all) has no min or max (masked_min's +inf): the others' are the
+            # measurement, or none is.
+            values = [s[k] for s in steps if not k.endswith(("_min", "_max")) or math.isfinite(s[k])]
+            if values:
+                out[k] = sum(values) / len(values)
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = len(steps)
         out["skipped_steps"] = sum(s["skipped"] for s in steps)
