@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 
 from posttrain.config import ConfigError, InputError
@@ -16,6 +17,8 @@ from posttrain.environments.reward_model import RewardModelEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
 from posttrain.environments.story import StoryEnvironment
 from posttrain.schemas import EnvWorkerConfig
+
+log = logging.getLogger(__name__)
 
 ENVIRONMENTS: dict[str, type[EnvironmentInterface]] = {
     "math": MathEnvironment,
@@ -52,9 +55,11 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
     """The environments `rows` name (their `task_name`), sorted, each checked by `resolve_env`
     against its `env_cfg` section (an `EnvConfig`). Rows without one are SFT rows, refused here:
     their prompt would hold the answer, and no environment knows how to score them.
-    `require_answers` (eval) also refuses rows without a reference `answer` for an environment that
-    `needs_answer`: each of their samples would score 0 as an environment error, a wrong score. GRPO
-    trains on such a file with those samples counted as env errors."""
+    Rows without a reference `answer` for an environment that `needs_answer` score 0 as an
+    environment error in every sample: `require_answers` (eval, where that is a wrong score)
+    refuses them; GRPO trains on such a file, those samples counted as env errors, with a warning
+    here (a whole column missing, e.g. a gold answer under another name, would otherwise show only
+    as env_errors in the step metrics)."""
     sft = [r for r in rows if "task_name" not in r]
     if sft:
         raise InputError(f"{len(sft)} of {len(rows)} rows are SFT rows (a conversation with its answer, keys "
@@ -64,13 +69,15 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
     names = sorted({r["task_name"] for r in rows})
     for name in names:
         factory = resolve_env(name, env_cfg.get_worker_cfg(name))
-        if require_answers and getattr(factory, "needs_answer", False):
+        if getattr(factory, "needs_answer", False):
             missing = [i for i, r in enumerate(rows) if r["task_name"] == name and r.get("answer") is None]
             if missing:
                 first = rows[missing[0]]["messages"][-1].get("content")
-                raise InputError(f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference "
-                                 f"`answer`, which it scores against (first: row {missing[0] + 1}, prompt "
-                                 f"{str(first)[:80]!r})")
+                what = (f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference `answer`, "
+                        f"which it scores against (first: row {missing[0] + 1}, prompt {str(first)[:80]!r})")
+                if require_answers:
+                    raise InputError(what)
+                log.warning("%s: each of their samples scores 0 and counts as an env error", what)
     return names
 
 

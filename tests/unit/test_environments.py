@@ -366,7 +366,7 @@ def test_sft_rows_fail_before_any_environment_starts():
     assert resolve_task_envs([prompt], EnvConfig()) == ["math"]
 
 
-def test_rows_without_the_answer_their_environment_scores_against_fail_at_setup():
+def test_rows_without_the_answer_their_environment_scores_against_fail_at_setup(caplog):
     from posttrain.environments import resolve_task_envs
     from posttrain.schemas import EnvConfig
 
@@ -378,7 +378,10 @@ def test_rows_without_the_answer_their_environment_scores_against_fail_at_setup(
     with pytest.raises(ValueError, match=r"1 of 3 rows for environment 'math' have no reference `answer`.*"
                                          r"first: row 3, prompt '2\+1='"):
         resolve_task_envs(rows, EnvConfig(), require_answers=True)
-    assert resolve_task_envs(rows, EnvConfig()) == ["math"]  # GRPO: scored 0 as env errors, counted
+    with caplog.at_level("WARNING", logger="posttrain.environments.registry"):
+        assert resolve_task_envs(rows, EnvConfig()) == ["math"]  # GRPO: scored 0 as env errors, counted
+    assert "1 of 3 rows for environment 'math' have no reference `answer`" in caplog.text  # and said at setup
+    assert "scores 0 and counts as an env error" in caplog.text
     # Code rows are scored by their tests, sliding-puzzle rows by their puzzle: no answer needed.
     code = {"messages": [{"role": "user", "content": "write f"}], "task_name": "code", "metadata": {"tests": []}}
     puzzle = {"messages": [{"role": "user", "content": "solve"}], "task_name": "sliding_puzzle", "answer": None}
