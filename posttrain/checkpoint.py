@@ -431,14 +431,25 @@ class CheckpointManager:
             since = f" Config changes since that checkpoint: {'; '.join(changes)}." if changes else ""
             raise InputError(f"cannot resume from {path}: {e}.{since} {_WAYS_OUT}") from None
 
+    def check_steps_left(self, path: Path, max_steps: int, key: str) -> None:
+        """Fail before any worker starts when the checkpoint at `path` is past the run's last
+        step (`key`, e.g. grpo.max_num_steps, lowered since): the resume would train nothing and
+        end as if the run were done."""
+        step = self.load_info(path)["step"]
+        if step > max_steps:
+            raise ConfigError(f"checkpoint {path} is at step {step}, past {key}={max_steps}: resuming from it would "
+                              f"train nothing. Raise {key} above {step} to continue the run. {_WAYS_OUT}")
+
     @classmethod
-    def resume_message(cls, path: str | Path, step: int, config_yaml: str) -> str:
-        """The console line of a resume from `path`: where from, and `config_changes`."""
+    def resume_message(cls, path: str | Path, step: int, config_yaml: str, last_step: int) -> str:
+        """The console line of a resume from `path`: where from, `config_changes`, and whether
+        steps are left before `last_step` (a rerun of a finished run trains nothing)."""
         changes = cls.config_changes(path, config_yaml)
+        done = "" if step < last_step else " (the run's last step: nothing left to train)"
         if not changes:
-            return f"resumed from {path} at step {step}"
-        return (f"resumed from {path} at step {step}, with {len(changes)} config change(s) since that checkpoint: "
-                + "; ".join(changes))
+            return f"resumed from {path} at step {step}{done}"
+        return (f"resumed from {path} at step {step}{done}, with {len(changes)} config change(s) since that "
+                "checkpoint: " + "; ".join(changes))
 
     @staticmethod
     def load_rng_state(path: str | Path) -> dict[str, Any]:
@@ -551,11 +562,17 @@ class CheckpointManager:
         _fsync_dir(tmp)
 
         final = self.dir / f"step_{step}"
-        if final.exists():  # saving a step again (e.g. after a resume): replace it
-            self._remove(final)
+        replaced = None
+        if final.exists():  # saving a step again (e.g. after a resume): the new one replaces it
+            # Renamed aside, not deleted, until the new one is in: a crash in between leaves the
+            # complete new save, which the next start's `_clean` puts in place.
+            replaced = final.with_name(f"{final.name}.deleting-{os.getpid()}")
+            os.replace(final, replaced)
         os.replace(tmp, final)
         self._writing.discard(tmp)
         _fsync_dir(self.dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         self._prune(latest=final)
         return final
 
@@ -607,11 +624,14 @@ class CheckpointManager:
         shutil.rmtree(doomed, ignore_errors=True)
 
     def _clean(self) -> None:
-        """Remove the temp dirs of killed saves (`_stale_save`); move marker-less step_N dirs aside (never
-        delete them)."""
+        """Remove the temp dirs of killed saves (`_stale_save`), but put one that was complete (killed
+        while it replaced its step_N) in place; move marker-less step_N dirs aside (never delete them)."""
         for p in self.dir.iterdir():
             m = _TMP_RE.match(p.name)
-            if (m and self._stale_save(p, int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
+            final = self.dir / f"step_{m.group(1)}" if m else None
+            if m and self._stale_save(p, int(m.group(2))) and (p / COMPLETE_MARKER).is_file() and not final.exists():
+                os.replace(p, final)
+            elif (m and self._stale_save(p, int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
                 shutil.rmtree(p, ignore_errors=True)
             elif _STEP_RE.match(p.name) and p.is_dir() and not (p / COMPLETE_MARKER).is_file():
                 os.replace(p, p.with_name(f"{p.name}.incomplete-{int(time.time())}"))

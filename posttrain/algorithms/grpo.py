@@ -153,8 +153,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name},
                                      cfg.policy)
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
-    if latest is not None:  # as does data that no longer matches the checkpoint's
+    if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
+        checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
 
     run_dir = Path(cfg.logger.log_dir)
     logger = training_logger(cfg, checkpointer, latest)
@@ -193,7 +194,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             policy.load_checkpoint(latest / "policy")
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
-            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg)))
+            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), g.max_num_steps))
         elif g.warmup_sft_steps:
             _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
         if generation is not policy and (latest is not None or g.warmup_sft_steps):

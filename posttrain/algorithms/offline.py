@@ -74,12 +74,12 @@ def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
 
 
 def start_run(
-    cfg: Any, algorithm: str, policy_cfg: PolicyConfig, loader: RowLoader, *, model_kind: str = "causal_lm",
-    init_reference: bool = False,
+    cfg: Any, algorithm: str, policy_cfg: PolicyConfig, loader: RowLoader, *, max_steps: int,
+    model_kind: str = "causal_lm", init_reference: bool = False,
 ) -> tuple[OfflineRun, Path | None]:
-    """Logger, checkpoint manager (its latest checkpoint is checked, and `loader` set to its data
-    position, before any worker starts), cluster and policy; returns the run and the checkpoint
-    to resume from (or None)."""
+    """Logger, checkpoint manager (its latest checkpoint is checked against the data and
+    `max_steps`, and `loader` set to its data position, before any worker starts), cluster and
+    policy; returns the run and the checkpoint to resume from (or None)."""
     load_model_configs(policy_cfg, with_reference=init_reference, model_kind=model_kind)  # fails before Ray starts
     # Nothing is sampled here, so the loss trains and validation measures the model's own
     # distribution: the policy's logprobs are of logits / policy.generation.temperature (for RL,
@@ -93,6 +93,7 @@ def start_run(
     latest = checkpointer.latest()
     if latest is not None:
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
+        checkpointer.check_steps_left(latest, max_steps, f"{algorithm}.max_num_steps")
     logger = training_logger(cfg, checkpointer, latest)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
@@ -117,7 +118,7 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
                   resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
 
 
-def resume(run: OfflineRun, latest: Path | None, cfg: Any) -> int:
+def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int) -> int:
     """Restore policy, optimizer and RNGs from `latest` (the data position `start_run` did); the
     step to start at."""
     if latest is None:
@@ -125,7 +126,7 @@ def resume(run: OfflineRun, latest: Path | None, cfg: Any) -> int:
     info = run.checkpointer.load_info(latest)
     run.policy.load_checkpoint(latest / "policy")
     restore_rng_state(run.checkpointer.load_rng_state(latest))
-    run.logger.console(run.checkpointer.resume_message(latest, info["step"], to_yaml(cfg)))
+    run.logger.console(run.checkpointer.resume_message(latest, info["step"], to_yaml(cfg), max_steps))
     return int(info["step"])
 
 
@@ -256,10 +257,10 @@ def offline_setup(
     data = offline_data(cfg, algo, process_rows, collate_fn)
     if policy_kwargs.get("model_kind", "causal_lm") == "causal_lm":  # a reward model does not pack
         check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False))
-    run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, **policy_kwargs)
+    run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:
-        start_step = resume(run, latest, cfg)
+        start_step = resume(run, latest, cfg, algo.max_num_steps)
     except BaseException:
         run.shutdown()
         raise

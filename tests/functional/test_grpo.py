@@ -156,7 +156,7 @@ def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arith
 def test_a_resume_onto_other_training_rows_fails_before_any_worker_starts(arithmetic_run, tmp_path, monkeypatch):
     from posttrain.algorithms import grpo
     from posttrain.checkpoint import complete_checkpoints
-    from posttrain.config import InputError
+    from posttrain.config import ConfigError, InputError
 
     tmp, _ = arithmetic_run
     first = complete_checkpoints(tmp / "ckpt")[0]
@@ -166,6 +166,10 @@ def test_a_resume_onto_other_training_rows_fails_before_any_worker_starts(arithm
                                                       f"data.train_data_path={tmp_path / 'train.jsonl'}"))
     monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
     with pytest.raises(InputError, match=r"saw 64 rows but the dataset now has 32.*data.train_data_path: "):
+        run(cfg)
+    # As does a step count lowered below the checkpoint's: the resume would train nothing.
+    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp_path, "grpo.max_num_steps=1"))
+    with pytest.raises(ConfigError, match=rf"{first.name} is at step 2, past grpo.max_num_steps=1: resuming"):
         run(cfg)
 
 

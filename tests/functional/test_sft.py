@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import offline, sft
-from posttrain.config import InputError, load_config
+from posttrain.config import ConfigError, InputError, load_config
 from posttrain.data.processors import collate
 
 # The Alpaca-style plain-text template of the example config (stories260K has no chat template).
@@ -94,6 +94,9 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch):
     with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 257 rows but the dataset now "
                                          r"has 240.*data.val_split_fraction: 0.05 -> 0.1.*start_fresh"):
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.val_split_fraction=0.1", *overrides))
+    # A step count lowered below the checkpoint's would train nothing: it fails the same way.
+    with pytest.raises(ConfigError, match=r"step_3 is at step 3, past sft.max_num_steps=2"):
+        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
 
 
 def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_data, tmp_path):

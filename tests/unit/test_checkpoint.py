@@ -126,7 +126,10 @@ def test_resume_names_the_config_keys_that_changed_since_the_checkpoint(tmp_path
     tmp = mgr.begin_save(3)
     path = mgr.finish_save(tmp, 3, {"epoch": 0}, to_yaml(saved), None)
     assert mgr.config_changes(path, to_yaml(saved)) == []
-    assert mgr.resume_message(path, 3, to_yaml(saved)) == f"resumed from {path} at step 3"
+    assert mgr.resume_message(path, 3, to_yaml(saved), 5) == f"resumed from {path} at step 3"
+    # A rerun of the finished run says it has nothing left to do.
+    assert mgr.resume_message(path, 3, to_yaml(saved), 3) == (f"resumed from {path} at step 3 (the run's last "
+                                                              "step: nothing left to train)")
     now = load_config("grpo", None, ["grpo.max_num_steps=5", "grpo.num_prompts_per_step=4",
                                      "policy.optimizer.kwargs={lr: 1e-4}", "+env.calc.target=tools.py:calc"])
     changes = mgr.config_changes(path, to_yaml(now))
@@ -135,8 +138,20 @@ def test_resume_names_the_config_keys_that_changed_since_the_checkpoint(tmp_path
                            "policy.optimizer.kwargs.weight_decay: 0.01 -> (not set)"]
     # An added section is one entry (cut to 80 characters), not one per default key inside it.
     assert changes[0].startswith('env.calc: (not set) -> {"num_workers": 1,') and changes[0].endswith("...")
-    assert mgr.resume_message(path, 3, to_yaml(now)) == (f"resumed from {path} at step 3, with {len(changes)} config "
+    assert mgr.resume_message(path, 3, to_yaml(now), 5) == (f"resumed from {path} at step 3, with {len(changes)} config "
                                                          "change(s) since that checkpoint: " + "; ".join(changes))
+
+
+def test_a_checkpoint_past_the_runs_last_step_is_refused(tmp_path):
+    # max_num_steps lowered below the checkpoint's step: the resume would train nothing and end
+    # as if done, so it fails (before any worker starts) naming the key and the way on.
+    mgr = _mgr(tmp_path)
+    path = mgr.finish_save(mgr.begin_save(4), 4, {"epoch": 0}, "{}", None)
+    mgr.check_steps_left(path, 4, "sft.max_num_steps")  # the finished run: a rerun is fine
+    mgr.check_steps_left(path, 10, "sft.max_num_steps")
+    with pytest.raises(ConfigError, match=r"step_4 is at step 4, past sft.max_num_steps=3: resuming from it would "
+                                          r"train nothing. Raise sft.max_num_steps above 4 .*start_fresh=true"):
+        mgr.check_steps_left(path, 3, "sft.max_num_steps")
 
 
 def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_any_worker_starts(tmp_path):
@@ -275,6 +290,28 @@ def test_a_killed_save_of_an_earlier_run_with_this_process_pid_is_cleaned_up(tmp
     writing = restarted.begin_save(3)  # this manager's own save in progress stays
     assert restarted.latest().name == "step_1" and writing.is_dir()
     restarted.abort_save(writing)
+
+
+def test_saving_a_step_again_keeps_the_old_one_until_the_new_one_is_in(tmp_path):
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+    _save(mgr, 2, 0.1)
+    assert _save(mgr, 2, 0.7).name == "step_2"  # a resumed run saves step 2 again
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
+    assert mgr.load_info(ckpt / "step_2")["metric_value"] == 0.7
+    # Killed between moving the old step_2 aside and renaming the new one in: the next start puts
+    # the complete new save in place (before, the old one was deleted first, and the new one
+    # then cleaned up as a killed save: both lost).
+    new = ckpt / f"step_2.tmp-{os.getpid()}"
+    shutil.copytree(ckpt / "step_2", new)
+    os.replace(ckpt / "step_2", ckpt / f"step_2.deleting-{os.getpid()}")
+    restarted = _mgr(tmp_path)
+    assert restarted.latest().name == "step_2" and sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
+    # A killed save without its marker is still removed, the complete step_2 kept.
+    partial = ckpt / f"step_2.tmp-{os.getpid()}"
+    _write_policy(partial / "policy")
+    assert _mgr(tmp_path).latest().name == "step_2" and not partial.exists()
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_first_save(tmp_path):
