@@ -5,7 +5,8 @@ model's last answer), tokenized exactly as the RM was trained
 (`posttrain.data.processors.tokenize_messages`, same chat template, BOS/EOS). Scores are
 unbounded Bradley-Terry logits; GRPO's group normalisation makes their scale irrelevant.
 Conversations are scored in batches of `batch_size`; a conversation that cannot be scored
-(no assistant message, longer than `max_length`) scores 0 and records the error.
+(no assistant message, longer than `max_length` or the RM's positions) scores 0 and records
+the error.
 
 Config (`env.reward_model.cfg`): `model_name` (an exported RM folder, e.g.
 `<log_dir>/hf` from `checkpointing.export_hf_at_end`), `chat_template` (the one the RM was
@@ -41,14 +42,21 @@ class RewardModelEnvironment(EnvironmentInterface):
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
+        # A conversation longer than the RM's positions would index past a learned position
+        # table (the batch's step fails: every sample in it an error) or score out of the RoPE
+        # range it was trained on: it is one sample's error, as one longer than max_length is.
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_length = min(self.cfg.max_length, positions or self.cfg.max_length)
+        self.length_key = ("max_length" if self.max_length == self.cfg.max_length
+                           else "the reward model's max_position_embeddings")
 
     def _tokenize(self, messages: list[dict[str, str]]) -> list[int]:
         from posttrain.data.processors import tokenize_messages
 
         last_assistant_text(messages)  # raises when there is nothing to score
         ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos)["input_ids"]
-        if len(ids) > self.cfg.max_length:
-            raise ValueError(f"the conversation has {len(ids)} tokens, more than max_length={self.cfg.max_length}")
+        if len(ids) > self.max_length:
+            raise ValueError(f"the conversation has {len(ids)} tokens, more than {self.length_key}={self.max_length}")
         return ids
 
     @torch.no_grad()

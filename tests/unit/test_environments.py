@@ -1,6 +1,7 @@
 """Environments: answer extraction, each environment's rules, verifier failures scoring 0,
 and the Ray facade (slicing, order, timeouts, crashes and restarts)."""
 
+import re
 import time
 
 import pytest
@@ -726,6 +727,26 @@ def test_reward_model_scores_padded_rows_as_each_alone(tiny_model_path, tmp_path
     together = env.step(convs, [{}, {}]).rewards
     alone = torch.cat([env.step([c], [{}]).rewards for c in convs])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_model_scores_0_for_a_conversation_past_its_positions(tiny_model_path, tmp_path):
+    # env max_length (4096 by default) above the RM's max_position_embeddings: a longer
+    # conversation is that sample's error, not scored past the positions the RM knows.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.environments.reward_model import RewardModelEnvironment
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    model.config.max_position_embeddings = 16
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path)}))
+    convs = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": answer}]
+             for answer in ("2", "two, as one and one make two")]
+    out = env.step(convs, [{}, {}])
+    assert "env_error" not in out.metadata[0] and out.rewards[0] != 0
+    assert out.rewards[1] == 0 and re.search(r"the conversation has \d+ tokens, more than the reward model's "
+                                             r"max_position_embeddings=16", out.metadata[1]["env_error"])
 
 
 def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_path):
