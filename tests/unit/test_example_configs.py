@@ -53,3 +53,17 @@ def test_grpo_math_1b_is_the_documented_gpu_exemplar():
     assert cfg.policy.generation.vllm_cfg.max_model_len == cfg.policy.max_total_sequence_length
     assert cfg.policy.train_global_batch_size == cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     assert "math" in cfg.env.model_dump()
+
+
+def test_training_exemplars_have_their_own_checkpoint_dir():
+    """A config inheriting another must not inherit its checkpoint_dir: run after it, it would
+    resume the other run's checkpoints instead of training."""
+    owners: dict[str, str] = {}
+    for path in ALL:
+        algo = algorithm_of(path)
+        if algo == "eval":
+            continue
+        name = str(path.relative_to(CONFIGS))
+        checkpoint_dir = load_config(algo, path).checkpointing.checkpoint_dir
+        assert checkpoint_dir not in owners, f"{name} and {owners[checkpoint_dir]} share {checkpoint_dir}"
+        owners[checkpoint_dir] = name
