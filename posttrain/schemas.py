@@ -730,7 +730,7 @@ class RewardModelEnvConfig(Section):
 
     model_name: str  # folder of the exported reward model (with its tokenizer)
     chat_template: str | None = None  # the RM's training template, if its tokenizer lacks it
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1)  # conversations scored per forward pass
     max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
     add_bos: bool = True  # as data.add_bos of the RM's training run
     add_eos: bool = True  # as data.add_eos of the RM's training run

@@ -177,7 +177,11 @@ def _sections() -> list[tuple[str, Any, str, list[tuple[str, Any, str]] | str | 
                 first_section_of[sub] = name
                 if sub in NAMED_ENTRIES:
                     entry_name, entry_model = NAMED_ENTRIES[sub]
-                    out.append((name, field, meaning, _entries(entry_model, f"{name}.{entry_name}.")))
+                    body = _entries(entry_model, f"{name}.{entry_name}.")
+                    if sub is schemas.EnvConfig:  # then the `cfg` keys of each built-in environment
+                        body += [entry for env, model in schemas.BUILTIN_ENV_CONFIGS.items()
+                                 for entry in _entries(model, f"{name}.{env}.cfg.")]
+                    out.append((name, field, meaning, body))
                 else:
                     out.append((name, field, meaning, _entries(sub, f"{name}.")))
     return out

@@ -513,6 +513,11 @@ def test_every_config_key_has_its_own_description():
     spec.loader.exec_module(gen)
     described = gen.descriptions()
     assert "policy.max_grad_norm" in described and "env.<name>.timeout_s" in described
+    # The settings of each built-in environment (env.<name>.cfg), which the `cfg` row points to.
+    from posttrain.schemas import BUILTIN_ENV_CONFIGS
+
+    for env, model in BUILTIN_ENV_CONFIGS.items():
+        assert {f"env.{env}.cfg.{key}" for key in model.model_fields} <= described.keys(), env
     missing = gen.missing_descriptions()
     assert not missing, (
         f"{len(missing)} config keys have no description; write a comment on or just above each field "
