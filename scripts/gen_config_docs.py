@@ -19,6 +19,7 @@ import ast
 import functools
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,9 @@ def _annotation_text(annotation: Any) -> str:
     if isinstance(annotation, type) and not getattr(annotation, "__args__", None):
         return annotation.__name__
     text = repr(annotation).replace("typing.", "").replace("NoneType", "None")
+    # `Annotated[str, FieldInfo(... MinLen(min_length=1) ...)]` -> `str`: the constraint is the
+    # description's to say, the repr of pydantic's FieldInfo is noise.
+    text = re.sub(r"Annotated\[([^,\[\]]+), FieldInfo\((?:[^()]|\([^()]*\))*\)\]", r"\1", text)
     for name in dir(schemas):
         text = text.replace(f"posttrain.schemas.{name}", name)
     return text
