@@ -4,10 +4,12 @@
 #   bash scripts/setup.sh          # runtime dependencies
 #   bash scripts/setup.sh --dev    # + test/benchmark dependencies (pytest, wandb, mlflow, trl)
 #
-# torch is installed first, pinned (POSTTRAIN_TORCH, default torch==2.13.0: on CPU machines
-# this is the CPU wheel), and every later install is constrained to the torch that is
-# installed, so no dependency can pull a multi-GB CUDA build over it. On a GPU machine, install
-# the CUDA torch you want into .venv first (or set POSTTRAIN_TORCH); it is kept as it is.
+# torch is installed first, pinned (POSTTRAIN_TORCH, default torch==2.13.0: the CPU wheel where
+# pip's configured sources offer it, as on this project's machines; plain PyPI's Linux wheel is
+# the CUDA build on any machine), and every later install is constrained to the torch that is
+# installed, so no dependency can pull a multi-GB CUDA build over it. Elsewhere, or on a GPU
+# machine, install the torch you want into .venv first (CPU: pip install torch==2.13.0
+# --index-url https://download.pytorch.org/whl/cpu), or set POSTTRAIN_TORCH; it is kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
