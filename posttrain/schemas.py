@@ -501,7 +501,7 @@ class ClippedPGLossConfig(Section):
     def _consistent(self) -> "ClippedPGLossConfig":
         modes = [k for k in ("force_on_policy_ratio", "disable_ppo_ratio", "use_cispo") if getattr(self, k)]
         if len(modes) > 1:
-            raise ValueError(f"loss_fn: {' and '.join(modes)} are mutually exclusive; set at most one")
+            raise ValueError(f"{' and '.join('loss_fn.' + m for m in modes)} are mutually exclusive; set at most one")
         if self.sequence_level_importance_ratios:
             if self.token_level_loss:
                 raise ValueError(

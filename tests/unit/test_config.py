@@ -564,6 +564,12 @@ def test_greedy_validation_with_several_samples_per_prompt_is_rejected():
     assert load_config("grpo", None, ["grpo.val_greedy=true"]).grpo.num_val_generations_per_prompt == 1
 
 
+def test_exclusive_loss_modes_are_named_by_their_dotted_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["loss_fn.use_cispo=true", "loss_fn.disable_ppo_ratio=true"])
+    assert "loss_fn: loss_fn.disable_ppo_ratio and loss_fn.use_cispo are mutually exclusive" in str(e.value)
+
+
 def test_on_policy_distillation_settings():
     with pytest.raises(ConfigError, match="needs a teacher: set policy.reference_model_name"):
         load_config("grpo", None, ["grpo.adv_estimator=on_policy_distillation"])
