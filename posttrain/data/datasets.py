@@ -5,8 +5,8 @@
    "math500" (RL/eval rows), "squad", "alpaca" (SFT rows), "local" (the files named by
    `data.train_data_path` / `data.val_data_path`);
 2. a local .jsonl / .json / .parquet file;
-3. a Hugging Face hub dataset name (when a hub is reachable; `data.dataset_kwargs` go to
-   `datasets.load_dataset`).
+3. a Hugging Face hub dataset name (when a hub is reachable), or a folder of data files
+   `datasets.load_dataset` reads (`data.dataset_kwargs` go to it).
 
 Registered shared-data sets read `$POSTTRAIN_SHARED_DATA` (default: `../shared/data` beside
 the project) unless `data.train_data_path` / `data.val_data_path` name other files. Relative
@@ -14,10 +14,10 @@ paths resolve against the working directory, then the project root.
 
 Local files are read through `datasets` (arrow), each row is normalised by
 `posttrain.data.formats` into a canonical row, and every error names the file and the row.
-When a dataset has no validation file, a seeded `data.val_split_fraction` of its rows is held
-out, so "train" and "val" never share a row. `data.prompt_file` (a template with one `{}`)
-wraps the first user message; `data.system_prompt_file` adds a system message to rows that
-have none.
+When a dataset has no validation file (or split), a seeded `data.val_split_fraction` of its
+rows is held out, so "train" and "val" never share a row. `data.prompt_file` (a template with
+one `{}`) wraps the first user message; `data.system_prompt_file` adds a system message to
+rows that have none.
 """
 
 from __future__ import annotations
@@ -331,23 +331,26 @@ def _stories(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
 
 def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """Split `split` of a hub dataset, or of a folder of data files `datasets.load_dataset` reads:
+    its "train" split, its "validation" (else "test") split; a dataset without either holds out
+    `data.val_split_fraction` of its train rows, which then leave the train side, as of a file."""
     import datasets
 
-    names = ("train",) if split == "train" else ("validation", "test")
-    errors = []
-    for hub_split in names:
-        try:
-            ds = datasets.load_dataset(cfg.dataset_name, split=hub_split, **cfg.dataset_kwargs)
-        except Exception as e:  # noqa: BLE001 - offline, unknown name or missing split: all reported below
-            errors.append(f"{hub_split}: {type(e).__name__}: {e}")
-            continue
-        return normalize_rows(ds.to_list(), f"hub:{cfg.dataset_name}[{hub_split}]", cfg)
-    if split == "val":  # a hub set with only a train split: hold out part of it
-        return _held_out(_hub(cfg, "train"), "val", cfg, f"hub:{cfg.dataset_name}")
-    raise InputError(
-        f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
-        f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: " + "; ".join(errors)
-    )
+    try:
+        splits = datasets.load_dataset(cfg.dataset_name, **cfg.dataset_kwargs)
+    except Exception as e:  # noqa: BLE001 - offline, unknown name, a folder it cannot read: said with the cause
+        raise InputError(
+            f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
+            f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: {type(e).__name__}: {e}"
+        ) from None
+    source = f"hub:{cfg.dataset_name}"
+    val_split = next((s for s in ("validation", "test") if s in splits), None)
+    if split == "val" and val_split is not None:
+        return normalize_rows(splits[val_split].to_list(), f"{source}[{val_split}]", cfg)
+    if "train" not in splits:
+        raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)})")
+    rows = normalize_rows(splits["train"].to_list(), f"{source}[train]", cfg)
+    return rows if val_split is not None else _held_out(rows, split, cfg, source)
 
 
 # --------------------------------------------------------------------------- entry point

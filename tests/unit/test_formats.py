@@ -428,3 +428,21 @@ def test_unknown_dataset_and_undetectable_format(tmp_path):
     path = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}, {"foo": 2}])
     with pytest.raises(DataFormatError, match=rf"{path} row 1: cannot tell the format"):
         load_rows(_cfg(path), "train")
+
+
+def test_folder_without_a_validation_split_holds_rows_out_of_train(tmp_path):
+    # A folder of data files (or a hub set) read by `datasets.load_dataset` with only a train split:
+    # validation held out a fraction of its rows, but training still read all of them, so every
+    # validation row was also trained on.
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for part in range(2):
+        _write_jsonl(folder / f"part{part}.jsonl", [{"question": f"q{part}-{i}", "answer": str(i)} for i in range(10)])
+    cfg = _cfg(str(folder), val_split_fraction=0.25, dataset_kwargs={"cache_dir": str(tmp_path / "cache")})
+    train, val = ({r["messages"][0]["content"] for r in load_rows(cfg, s)} for s in ("train", "val"))
+    assert (len(train), len(val)) == (15, 5) and not train & val
+    # A test split is the validation rows; training keeps all of its own.
+    _write_jsonl(folder / "test.jsonl", [{"question": "t", "answer": "1"}])
+    for part in range(2):
+        (folder / f"part{part}.jsonl").rename(folder / f"train-{part}.jsonl")
+    assert len(load_rows(cfg, "train")) == 20 and len(load_rows(cfg, "val")) == 1
