@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import render_chat, with_bos
+from posttrain.data.processors import encode_continuation, render_chat, with_bos
 from posttrain.environments.interfaces import (
     ENV_ERROR_KEY,
     ENV_METRICS_KEY,
@@ -126,7 +126,7 @@ def _observation_tokens(
     delta = full[len(prev):] if full.startswith(prev) else render_chat(
         tokenizer, shown, add_generation_prompt=add_generation_prompt
     )
-    return tokenizer(_turn_closing(tokenizer, before, last_token, tools) + delta, add_special_tokens=False)["input_ids"]
+    return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
 
 
 # Stands in for an assistant message's content to find what the template writes after it.

@@ -2,10 +2,11 @@
 
 A conversation is rendered with the tokenizer's chat template (`policy.tokenizer.chat_template`
 overrides it) one message at a time: the text each message adds to the rendered prefix is
-tokenized on its own, so the token boundaries of the loss mask are exact. The loss mask is 1
-on assistant tokens only (content and the template's end-of-turn marker, not the
-`<|assistant|>`-style header the generation prompt adds, so training matches generation;
-with `data.add_generation_prompt=false` prompts end without that header, so it is trained).
+tokenized on its own (as a continuation: `encode_continuation`), so the token boundaries of
+the loss mask are exact. The loss mask is 1 on assistant tokens only (content and the
+template's end-of-turn marker, not the `<|assistant|>`-style header the generation prompt
+adds, so training matches generation; with `data.add_generation_prompt=false` prompts end
+without that header, so it is trained).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
 them at the right; rows left without a single loss token are removed too. The counts come
@@ -164,9 +165,28 @@ def with_bos(ids: list[int], tokenizer) -> list[int]:
     return [bos, *ids]
 
 
+def encode_continuation(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` where it continues earlier text (the next message of a rendered
+    conversation, a multi-turn observation), as they read after a token boundary.
+
+    A sentencepiece tokenizer (Llama 2, Mistral v0.1, Phi-3, stories260K) writes a space before
+    the start of every text it encodes ("there" -> "\u2581there", "\n" -> "\u2581" "\n"): encoded
+    on its own, each message got a space the whole conversation does not have, which the model
+    then learnt to write at the start of every answer. Encoded after a newline whose tokens are
+    then dropped, it gets none; where the text merges with the newline (byte-level BPE's "\n\n"),
+    it is encoded on its own, as such tokenizers write no space.
+    """
+    anchor = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode("\n" + text, add_special_tokens=False)
+    if ids[: len(anchor)] == anchor:
+        return ids[len(anchor):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _extend(ids: list[int], mask: list[int], tokenizer, text: str, value: int) -> None:
+    """Append the tokens of `text`, which continues the text of `ids` (or starts it), with loss `value`."""
     if text:
-        new = tokenizer.encode(text, add_special_tokens=False)
+        new = encode_continuation(tokenizer, text) if ids else tokenizer.encode(text, add_special_tokens=False)
         ids.extend(new)
         mask.extend([value] * len(new))
 

@@ -30,6 +30,39 @@ def test_generation_prompt_is_the_prefix_of_the_training_row(tok, add_bos, add_g
     assert (ids[0] == tok.bos_token_id) is add_bos
 
 
+# Turns separated by newlines, which sentencepiece writes as byte tokens of their own: the whole
+# conversation's tokens split at every turn.
+NEWLINE_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ':\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:\\n' }}{% endif %}"
+)
+
+
+def test_sentencepiece_rows_and_observations_are_the_conversations_tokens(stories260k):
+    # A sentencepiece tokenizer writes a space before the start of every text it encodes: each
+    # message encoded on its own got one ("\u2581assistant", "\u2581Lily"), so SFT rows were not the
+    # prompt the model is asked in GRPO and eval followed by its answer, and trained it to open
+    # every answer with a space; multi-turn observations got one too.
+    from transformers import AutoTokenizer
+
+    sp = AutoTokenizer.from_pretrained(stories260k)
+    sp.chat_template = NEWLINE_TEMPLATE
+    prompt = [{"role": "user", "content": "Once upon a time"}]
+    convo = prompt + [{"role": "assistant", "content": "Lily said hi."}]
+    row = tokenize_messages(convo, sp, add_bos=True, add_eos=True)
+    whole = sp(sp.apply_chat_template(convo, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert row["input_ids"] == [sp.bos_token_id, *whole, sp.eos_token_id]
+    ids = render_prompt(sp, prompt)
+    assert row["input_ids"][: len(ids)] == ids and row["loss_mask"][: len(ids)] == [0] * len(ids)
+    assert sp.convert_ids_to_tokens(row["input_ids"][len(ids)])[0] != "\u2581"  # "Lily", not " Lily"
+    # The next turn of a rollout that stopped after the answer: the turn's closing newline, the
+    # observation and the generation prompt continue the conversation's tokens.
+    answer = row["input_ids"][len(ids):-2]  # without the template's closing newline and the EOS
+    obs = [{"role": "user", "content": "And then?"}]
+    next_turn = _observation_tokens(sp, convo, obs, last_token=answer[-1])
+    assert ids + answer + next_turn == render_prompt(sp, convo + obs)
+
+
 def test_observation_tokens_continue_the_conversation(tok):
     before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "up"}]
     eos = tok.eos_token_id  # the model ended its turn itself
