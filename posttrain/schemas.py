@@ -573,8 +573,8 @@ class DataConfig(Section):
     # Prepend BOS (unless the tokenizer has none or the template already starts with it) to
     # training rows and generation prompts alike.
     add_bos: bool = True
-    # Append EOS to SFT/DPO/RM rows unless the template already ends with it (it gets loss when
-    # the last message is the assistant's).
+    # Append EOS to SFT/DPO/RM rows unless the template already ends with it, or with it and
+    # whitespace (ChatML's "<|im_end|>\n"); it gets loss when the last message is the assistant's.
     add_eos: bool = True
     # Whether the chat template's generation prompt (the assistant header, e.g. "<|assistant|>")
     # ends every rendered prompt: generation prompts (GRPO, eval, multi-turn observations) and

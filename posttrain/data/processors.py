@@ -117,7 +117,8 @@ def tokenize_messages(
     Assistant messages at index >= `loss_start` get loss (a preference pair passes the
     length of its shared prompt, so earlier assistant turns of the context are not trained).
     `add_bos` prepends BOS unless the template already starts with it; `add_eos` appends EOS
-    unless the template already ends with it (it gets loss when the last message does).
+    unless the template already ends with it, or with it and whitespace (it gets loss when the
+    last message does).
     `add_generation_prompt` (`data.add_generation_prompt`): the template's generation prompt
     (assistant header) before a trained turn ends the prompt and gets no loss, as in the
     generation prompts of rollouts; false: it is trained as part of the assistant turn.
@@ -147,7 +148,9 @@ def tokenize_messages(
         prefixed = with_bos(ids, tokenizer)
         mask = [0] * (len(prefixed) - len(ids)) + mask
         ids = prefixed
-    if add_eos and eos is not None and (not ids or ids[-1] != eos):
+    # ChatML templates end each turn with "<|im_end|>\n", <|im_end|> being the EOS of Qwen's chat
+    # models: an EOS after the newline trained them on "<|im_end|>\n<|im_end|>".
+    if add_eos and eos is not None and not rendered.rstrip().endswith(tokenizer.eos_token):
         ids.append(eos)
         mask.append(mask[-1] if mask else 0)
     return {"input_ids": ids, "loss_mask": mask}

@@ -70,6 +70,22 @@ def test_assistant_only_mask_embedded_template(tok):
     assert no_bos["input_ids"] == ex["input_ids"][1:]
 
 
+def test_template_ending_turns_with_eos_and_a_newline_gets_no_second_eos():
+    # ChatML ("<|im_end|>\n" after every turn, <|im_end|> the EOS of Qwen's chat models): the
+    # EOS appended after the newline trained "<|im_end|>\n<|im_end|>".
+    from posttrain.embedded import build_tokenizer
+
+    chatml = build_tokenizer()
+    chatml.chat_template = chatml.chat_template.replace("'<|end|>'", "'<|end|>\\n'")
+    ex = tokenize_messages(CONVO[1:3], chatml)
+    assert chatml.decode(ex["input_ids"]) == "<s><|user|>1+1?<|end|>\n<|assistant|>2<|end|>\n"
+    assert _loss_text(chatml, ex) == "2<|end|>\n"
+    # A template that ends without EOS still gets one, trained with the last turn.
+    plain = build_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['content'] + '\\n' }}{% endfor %}"
+    assert _loss_text(plain, tokenize_messages(CONVO[1:3], plain)) == "2\n<|end|>"
+
+
 def test_add_generation_prompt_false_trains_the_assistant_header(tok):
     # data.add_generation_prompt=false (NeMo RL's SFT meaning): the prompt ends without the
     # template's generation prompt, so the <|assistant|> header is trained with the turn.
