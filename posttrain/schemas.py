@@ -542,7 +542,8 @@ class DPOLossConfig(Section):
 
 class DataConfig(Section):
     # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
-    # name ("gsm8k", "math500", "squad", ...) or a local .jsonl/.json/.parquet path.
+    # name ("gsm8k", "math500", "squad", ...), a local .jsonl/.json/.parquet path, a folder of
+    # such files or one `save_to_disk` wrote, or a Hugging Face hub dataset.
     dataset_name: str = "arithmetic"
     # Training file (.jsonl/.json/.parquet) of dataset_name "local"; for the other file-based
     # datasets (registered sets, a file named by dataset_name) it replaces their training file.

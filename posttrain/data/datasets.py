@@ -6,7 +6,8 @@
    `data.train_data_path` / `data.val_data_path`);
 2. a local .jsonl / .json / .parquet file;
 3. a Hugging Face hub dataset name (when a hub is reachable), or a folder of data files
-   `datasets.load_dataset` reads (`data.dataset_kwargs` go to it).
+   `datasets.load_dataset` reads (`data.dataset_kwargs` go to it), or a folder `save_to_disk`
+   wrote.
 
 Registered shared-data sets read `$POSTTRAIN_SHARED_DATA` (default: `../shared/data` beside
 the project) unless `data.train_data_path` / `data.val_data_path` name other files. Relative
@@ -331,18 +332,26 @@ def _stories(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
 
 def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
-    """Split `split` of a hub dataset, or of a folder of data files `datasets.load_dataset` reads:
-    its "train" split, its "validation" (else "test") split; a dataset without either holds out
-    `data.val_split_fraction` of its train rows, which then leave the train side, as of a file."""
+    """Split `split` of a hub dataset, of a folder of data files `datasets.load_dataset` reads, or
+    of a folder written by `save_to_disk`: its "train" split, its "validation" (else "test")
+    split; a dataset without either holds out `data.val_split_fraction` of its train rows, which
+    then leave the train side, as of a file. A folder holding one saved split is its train rows."""
     import datasets
 
+    folder = resolve_path(cfg.dataset_name)
     try:
-        splits = datasets.load_dataset(cfg.dataset_name, **cfg.dataset_kwargs)
+        if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+            # What `save_to_disk` writes (a DatasetDict, or one Dataset), which load_dataset refuses.
+            splits = datasets.load_from_disk(str(folder))
+        else:
+            splits = datasets.load_dataset(cfg.dataset_name, **cfg.dataset_kwargs)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, a folder it cannot read: said with the cause
         raise InputError(
             f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
             f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: {type(e).__name__}: {e}"
         ) from None
+    if isinstance(splits, datasets.Dataset):
+        splits = {"train": splits}
     source = f"hub:{cfg.dataset_name}"
     val_split = next((s for s in ("validation", "test") if s in splits), None)
     if split == "val" and val_split is not None:

@@ -446,3 +446,19 @@ def test_folder_without_a_validation_split_holds_rows_out_of_train(tmp_path):
     for part in range(2):
         (folder / f"part{part}.jsonl").rename(folder / f"train-{part}.jsonl")
     assert len(load_rows(cfg, "train")) == 20 and len(load_rows(cfg, "val")) == 1
+
+
+def test_save_to_disk_folder_is_read_with_its_splits(tmp_path):
+    # `Dataset.save_to_disk` folders stopped with datasets' "use `load_from_disk` instead", which no
+    # setting could do.
+    import datasets
+
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(8)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:6]),
+                          "test": datasets.Dataset.from_list(rows[6:])}).save_to_disk(str(tmp_path / "dict"))
+    assert [len(load_rows(_cfg(str(tmp_path / "dict")), s)) for s in ("train", "val")] == [6, 2]
+    # One saved split is the train rows, a fraction of them held out for validation.
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    cfg = _cfg(str(tmp_path / "one"), val_split_fraction=0.25)
+    train, val = load_rows(cfg, "train"), load_rows(cfg, "val")
+    assert (len(train), len(val)) == (6, 2) and not set(map(str, train)) & set(map(str, val))
