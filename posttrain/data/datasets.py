@@ -250,6 +250,11 @@ def normalize_rows(
 
 def load_file(path: str | os.PathLike, cfg: DataConfig, key: str) -> list[dict[str, Any]]:
     """Canonical rows of one local file; `key` is the config key that named it (for errors)."""
+    if resolve_path(path).is_dir():  # not "file not found": it is there
+        raise InputError(
+            f"{key}: {path} is a folder, not a {'/'.join(_FILE_SUFFIXES)} file: name one of its files, or the "
+            "folder itself as data.dataset_name (a folder of data files, or one save_to_disk wrote)"
+        )
     raw, source, numbers = read_file(_existing(path, key))
     return normalize_rows(raw, source, cfg, numbers)
 

@@ -425,6 +425,10 @@ def test_unknown_dataset_and_undetectable_format(tmp_path):
         load_rows(_cfg("no_such_org/no_such_dataset"), "train")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows(_cfg(str(tmp_path / "missing.jsonl")), "train")
+    # A folder is there: it was reported as "file not found".
+    with pytest.raises(InputError, match=rf"data.train_data_path: {tmp_path} is a folder, not a .jsonl/.json/.parquet "
+                                         r"file: .*as data.dataset_name"):
+        load_rows(_cfg("local", train_data_path=str(tmp_path)), "train")
     path = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}, {"foo": 2}])
     with pytest.raises(DataFormatError, match=rf"{path} row 1: cannot tell the format"):
         load_rows(_cfg(path), "train")
