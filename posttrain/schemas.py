@@ -615,7 +615,8 @@ class DataConfig(Section):
     # sliding_puzzle: how often the warm-up teacher, which otherwise plays shortest solutions,
     # moves the blank another way where the shortest move is `left` (its blind spot).
     demo_puzzle_error_rate: float = Field(0.0, ge=0, le=1)
-    # Extra keys of a dataset adapter (e.g. {"question_key": "q"}).
+    # Keyword arguments of `datasets.load_dataset` for a hub dataset or a folder (e.g. {"name":
+    # "full"}, the set's configuration), or sliding_puzzle's settings; other datasets read none.
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 

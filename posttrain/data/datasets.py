@@ -302,6 +302,9 @@ def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     return train if split == "train" else val
 
 
+# Registered datasets whose settings are `data.dataset_kwargs` (a hub dataset's go to `datasets.load_dataset`).
+_READS_DATASET_KWARGS = ("sliding_puzzle",)
+
 # name -> loader(cfg, split); paths are resolved when called, so POSTTRAIN_SHARED_DATA set
 # after import still applies.
 REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
@@ -382,9 +385,18 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     split = "val" if split == "validation" else split
     name = cfg.dataset_name
+    local_file = name not in REGISTRY and (resolve_path(name).suffix.lower() in _FILE_SUFFIXES
+                                           or resolve_path(name).is_file())
+    if cfg.dataset_kwargs and (local_file or name in REGISTRY) and name not in _READS_DATASET_KWARGS:
+        # Left unread, keys meant to pick a file's columns or a subset changed nothing, and no error said so.
+        raise InputError(
+            f"data.dataset_kwargs {sorted(cfg.dataset_kwargs)}: data.dataset_name={name!r} reads none; they go to "
+            "`datasets.load_dataset` for a hub dataset or a folder (e.g. {\"name\": \"full\"}) and set "
+            f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format"
+        )
     if name in REGISTRY:
         rows = REGISTRY[name](cfg, split)
-    elif resolve_path(name).suffix.lower() in _FILE_SUFFIXES or resolve_path(name).is_file():
+    elif local_file:
         rows = _files(name, None)(cfg, split)
     else:
         rows = _hub(cfg, split)

@@ -466,3 +466,15 @@ def test_save_to_disk_folder_is_read_with_its_splits(tmp_path):
     cfg = _cfg(str(tmp_path / "one"), val_split_fraction=0.25)
     train, val = load_rows(cfg, "train"), load_rows(cfg, "val")
     assert (len(train), len(val)) == (6, 2) and not set(map(str, train)) & set(map(str, val))
+
+
+def test_dataset_kwargs_no_dataset_reads_are_refused(tmp_path):
+    # The schema's example {"question_key": "q"} was read by nothing: a file whose question column
+    # it meant to name loaded as if it were not there.
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}] * 4)
+    for name in (path, "gsm8k", "local"):
+        with pytest.raises(InputError, match=rf"data.dataset_kwargs \['question_key'\]: data.dataset_name="
+                                             rf"'{re.escape(name)}' reads none"):
+            load_rows(_cfg(name, train_data_path=path, dataset_kwargs={"question_key": "q"}), "train")
+    puzzles = load_rows(_cfg("sliding_puzzle", num_train=2, dataset_kwargs={"size": 2}), "train")
+    assert len(puzzles) == 2
