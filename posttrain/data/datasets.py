@@ -164,7 +164,7 @@ def _top_level_is_object_with_data(path: Path) -> bool:
 
 
 def _read_text(path: Path) -> str:
-    """The text of a JSON/JSONL file: UTF-8, with or without the byte-order mark Windows editors write."""
+    """The text of a data or prompt file: UTF-8, with or without the byte-order mark Windows editors write."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8-sig")
@@ -407,13 +407,18 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     return apply_prompts(rows, cfg)
 
 
+def _prompt_text(path: str, key: str) -> str:
+    """A prompt file's text, read as the data files are (a byte-order mark, which Windows editors
+    write, went into every prompt), with its line ends read as "\n" as Python reads text files."""
+    return _read_text(_existing(path, key)).replace("\r\n", "\n").replace("\r", "\n")
+
+
 def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str, Any]]:
     """Wrap each row's first user message in `data.prompt_file` and add `data.system_prompt_file`."""
     if not cfg.prompt_file and not cfg.system_prompt_file:
         return rows
-    template = _existing(cfg.prompt_file, "data.prompt_file").read_text() if cfg.prompt_file else None
-    system = _existing(cfg.system_prompt_file, "data.system_prompt_file").read_text().strip() \
-        if cfg.system_prompt_file else None
+    template = _prompt_text(cfg.prompt_file, "data.prompt_file") if cfg.prompt_file else None
+    system = _prompt_text(cfg.system_prompt_file, "data.system_prompt_file").strip() if cfg.system_prompt_file else None
     if template is not None:
         # Without a `{}` the template replaced every question with its own text, and no error said so.
         try:

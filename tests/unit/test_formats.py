@@ -216,6 +216,15 @@ def test_prompt_and_system_prompt_files(tmp_path):
                           system_prompt_file=str(tmp_path / "s.txt")), "train")
     assert rows[0]["messages"][:2] == [{"role": "system", "content": "You are terse."},
                                        {"role": "user", "content": "Answer inside \\boxed{}: What is 1+1?"}]
+    # Saved with a byte-order mark (Windows editors): it went into every prompt; not UTF-8: a traceback.
+    (tmp_path / "p.txt").write_bytes("Q:\r\n{}".encode("utf-8-sig"))  # and Windows line ends, read as "\n"
+    (tmp_path / "s.txt").write_text("Sois bref.", encoding="utf-8-sig")
+    cfg = _cfg("local", train_data_path=path, val_data_path=path, prompt_file=str(tmp_path / "p.txt"),
+               system_prompt_file=str(tmp_path / "s.txt"))
+    assert [m["content"] for m in load_rows(cfg, "train")[0]["messages"][:2]] == ["Sois bref.", "Q:\nWhat is 1+1?"]
+    (tmp_path / "s.txt").write_bytes("Sois très bref.".encode("latin-1"))
+    with pytest.raises(DataFormatError, match=rf"{tmp_path / 's.txt'} line 1: not UTF-8 text"):
+        load_rows(cfg, "train")
     # A template without its `{}` (or with a named or second field) replaced every question with
     # its own text: the model never saw the questions.
     for bad, found in [("Put the answer in \\boxed{{}}.", "found 0 fields"), ("{} and {}", "found 2 fields"),
