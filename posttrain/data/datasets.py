@@ -102,8 +102,9 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         )
         # A JSON column of mixed types (an `answer` that is 26 in one row and "025" in another)
         # becomes a `Json` feature, which decodes its strings as JSON: "025" came back as 25, "true"
-        # as True. The plain parse keeps every value as written.
-        rows = None if builder == "json" and _has_json_feature(ds.features) else ds.to_list()
+        # as True. One of integers and decimals becomes floats: 26 came back as 26.0 (the answer
+        # "26.0"), 10000000000000001 as 1e16. The plain parse keeps every value as written.
+        rows = None if builder == "json" and _changes_values(ds.features) else ds.to_list()
     except Exception as e:  # noqa: BLE001 - re-raised with the bad line, or replaced by a plain parse
         if builder != "json":
             raise DataFormatError(f"{path}: cannot read the file: {e}") from e
@@ -122,18 +123,21 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     return rows, str(path), numbers
 
 
-def _has_json_feature(feature: Any) -> bool:
-    """Whether a `datasets` feature (a Features dict, a List of ..., a leaf) holds a `Json` one."""
+def _changes_values(feature: Any) -> bool:
+    """Whether a `datasets` feature (a Features dict, a List of ..., a leaf) holds a `Json` or a
+    float one, which may give JSON values other than those written (see `read_file`)."""
     import datasets
 
     if isinstance(feature, datasets.Json):
         return True
+    if isinstance(feature, datasets.Value):
+        return feature.dtype.startswith("float")
     if isinstance(feature, dict):
-        return any(_has_json_feature(f) for f in feature.values())
+        return any(_changes_values(f) for f in feature.values())
     if isinstance(feature, (list, tuple)):
-        return any(_has_json_feature(f) for f in feature)
+        return any(_changes_values(f) for f in feature)
     sub = getattr(feature, "feature", None)  # List, LargeList, Sequence
-    return sub is not None and _has_json_feature(sub)
+    return sub is not None and _changes_values(sub)
 
 
 def _json_line_numbers(path: Path) -> list[int]:

@@ -417,6 +417,13 @@ def test_a_column_of_mixed_types_keeps_its_values_as_written(tmp_path):
     path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
     whole = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
     assert [r["answer"] for r in whole] == ["26", "025", "true"]
+    # Integers beside a decimal: `datasets` types the column float, so 26 read as "26.0" and an
+    # integer past 2**53 lost its last digits.
+    rows = [{"question": "a?", "answer": 26}, {"question": "b?", "answer": 2.5},
+            {"question": "c?", "answer": 10**16 + 1}]
+    path = _write_jsonl(tmp_path / "numbers.jsonl", rows)
+    whole = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    assert [r["answer"] for r in whole] == ["26", "2.5", "10000000000000001"]
 
 
 def test_row_of_another_format_is_the_one_named(tmp_path):
