@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "validation")  # "validation" is an alias of "val"
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# `datasets` value types that hold JSON values as written.
+_JSON_VALUE_TYPES = ("string", "large_string", "int64", "bool", "null")
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -103,7 +105,8 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         # A JSON column of mixed types (an `answer` that is 26 in one row and "025" in another)
         # becomes a `Json` feature, which decodes its strings as JSON: "025" came back as 25, "true"
         # as True. One of integers and decimals becomes floats: 26 came back as 26.0 (the answer
-        # "26.0"), 10000000000000001 as 1e16. The plain parse keeps every value as written.
+        # "26.0"), 10000000000000001 as 1e16; one of dates written as strings becomes timestamps
+        # (a datetime, which no format takes as text). The plain parse keeps every value as written.
         rows = None if builder == "json" and _changes_values(ds.features) else ds.to_list()
     except Exception as e:  # noqa: BLE001 - re-raised with the bad line, or replaced by a plain parse
         if builder != "json":
@@ -124,14 +127,15 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
 
 
 def _changes_values(feature: Any) -> bool:
-    """Whether a `datasets` feature (a Features dict, a List of ..., a leaf) holds a `Json` or a
-    float one, which may give JSON values other than those written (see `read_file`)."""
+    """Whether a `datasets` feature (a Features dict, a List of ..., a leaf) holds one that may give
+    JSON values other than those written (see `read_file`): a `Json` one, or a leaf of another type
+    than JSON's strings, integers, booleans and nulls (floats, timestamps)."""
     import datasets
 
     if isinstance(feature, datasets.Json):
         return True
     if isinstance(feature, datasets.Value):
-        return feature.dtype.startswith("float")
+        return feature.dtype not in _JSON_VALUE_TYPES
     if isinstance(feature, dict):
         return any(_changes_values(f) for f in feature.values())
     if isinstance(feature, (list, tuple)):

@@ -424,6 +424,11 @@ def test_a_column_of_mixed_types_keeps_its_values_as_written(tmp_path):
     path = _write_jsonl(tmp_path / "numbers.jsonl", rows)
     whole = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
     assert [r["answer"] for r in whole] == ["26", "2.5", "10000000000000001"]
+    # Strings that are all dates: typed timestamps, the answer came back a datetime (an error).
+    path = _write_jsonl(tmp_path / "dates.jsonl", [{"question": "a?", "answer": "2024-01-01"},
+                                                    {"question": "b?", "answer": "2024-01-02 10:00:00"}])
+    whole = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    assert [r["answer"] for r in whole] == ["2024-01-01", "2024-01-02 10:00:00"]
 
 
 def test_row_of_another_format_is_the_one_named(tmp_path):
