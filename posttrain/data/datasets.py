@@ -239,7 +239,7 @@ def normalize_rows(
     if not raw:
         raise DataFormatError(f"{source}: the dataset is empty")
     numbers = numbers or list(range(1, len(raw) + 1))
-    fmt = cfg.format or detect_format(raw[0], where(source, numbers[0]))
+    fmt = cfg.format or _format_of_rows(raw, source, numbers, skip=cfg.on_malformed_row == "skip")
     rows, skipped, first_error = [], 0, None
     for n, r in zip(numbers, raw):
         try:
@@ -254,6 +254,21 @@ def normalize_rows(
     if not rows:
         raise DataFormatError(f"{source}: every row is malformed ({skipped} skipped); first error: {first_error}")
     return rows
+
+
+def _format_of_rows(raw: list[Any], source: str, numbers: list[int], skip: bool) -> str:
+    """The format of the first row; with `skip`, of the first row whose format can be told: a
+    malformed first row (one without its answer) is skipped and counted with the others, not the
+    end of the run."""
+    first_error = None
+    for n, r in zip(numbers, raw):
+        try:
+            return detect_format(r, where(source, n))
+        except DataFormatError as e:
+            if not skip:
+                raise
+            first_error = first_error or e
+    raise first_error
 
 
 def load_file(path: str | os.PathLike, cfg: DataConfig, key: str) -> list[dict[str, Any]]:

@@ -345,6 +345,19 @@ def test_malformed_row_skipped_and_counted(tmp_path, fmt, caplog):
     assert "skipped 2 malformed" in caplog.text and "row 2" in caplog.text
 
 
+def test_malformed_first_row_is_skipped_too(tmp_path, caplog):
+    # The format was told from the first row alone: one without its answer (or of no format)
+    # stopped the run although data.on_malformed_row=skip.
+    for first in ({"question": "1+1?"}, {"foo": 1}):
+        path = _write_jsonl(tmp_path / "d.jsonl", [first] + [{"question": "2+2?", "answer": "4"}] * 3)
+        with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+            rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, on_malformed_row="skip"), "train")
+        assert len(rows) == 3 and rows[0]["answer"] == "4"
+        assert "skipped 1 malformed math rows of 4 (first: " + f"{path} row 1: math row is missing" in caplog.text
+    with pytest.raises(DataFormatError, match=rf"{path} row 1: cannot tell the format"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+
+
 def test_preference_row_missing_rejected_key(tmp_path, shared_data):
     raw = json.load(open(f"{shared_data}/llamafactory_demo/dpo_en_demo.json"))[:10]
     del raw[6]["rejected"]
