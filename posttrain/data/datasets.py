@@ -86,8 +86,8 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     its 1-based position.
 
     A JSON file whose top level is an object holding a `data` list (SQuAD) is read from that
-    list; SQuAD's official nested layout (data/paragraphs/qas) is flattened to one row per
-    question.
+    list (rows under another key are refused); SQuAD's official nested layout
+    (data/paragraphs/qas) is flattened to one row per question.
     """
     import datasets
 
@@ -117,6 +117,8 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     if rows is None:
         rows = _parse_json_rows(path, kwargs.get("field"))
     numbers = list(range(1, len(rows) + 1))
+    if suffix == ".json" and "field" not in kwargs and len(rows) == 1:
+        _refuse_row_holder(rows[0], path)
     if rows and "paragraphs" in rows[0]:
         rows = _flatten_squad(rows, path)
         numbers = list(range(1, len(rows) + 1))
@@ -124,6 +126,23 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         lines = _json_line_numbers(path)
         numbers = lines if len(lines) == len(rows) else numbers
     return rows, str(path), numbers
+
+
+def _refuse_row_holder(top: Any, path: Path) -> None:
+    """Stop at a .json file that is one object holding its rows under a key other than `data`
+    ({"train": [...]}): read as one row of no format, it was refused as "row 1"."""
+    holders = [k for k, v in top.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)] \
+        if isinstance(top, dict) else []
+    if not holders:
+        return
+    try:
+        detect_format(top)
+    except DataFormatError:
+        raise DataFormatError(
+            f"{path}: the file is one JSON object whose {', '.join(f'`{k}`' for k in holders)} "
+            f"{'holds' if len(holders) == 1 else 'hold'} rows, not a list of rows: write them as a JSON list or JSON "
+            "lines, or under the key `data`"
+        ) from None
 
 
 def _changes_values(feature: Any) -> bool:

@@ -466,6 +466,14 @@ def test_unknown_dataset_and_undetectable_format(tmp_path):
     path = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}, {"foo": 2}])
     with pytest.raises(DataFormatError, match=rf"{path} row 1: cannot tell the format"):
         load_rows(_cfg(path), "train")
+    # Rows under a top-level key other than `data`: the whole file was "row 1" of no format.
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"train": [{"question": "1+1?", "answer": "2"}] * 3, "version": 1}))
+    with pytest.raises(DataFormatError, match=rf"{path}: the file is one JSON object whose `train` holds rows, not "
+                                              "a list of rows"):
+        load_rows(_cfg(str(path)), "train")
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}))
+    assert load_rows(_cfg("local", train_data_path=str(path), val_data_path=str(path)), "train")[0]["messages"]
 
 
 def test_folder_without_a_validation_split_holds_rows_out_of_train(tmp_path):
