@@ -146,6 +146,8 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+# Files from which AutoTokenizer tells a folder's tokenizer class (or reads the tokenizer whole).
+_TOKENIZER_CLASS_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
 _HUB_OFFLINE_NOTE = "the Hugging Face hub is unreachable from here, so models load offline: HF_HUB_OFFLINE=1"
 
 
@@ -209,6 +211,14 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
                   "(which merges the adapter), and name that folder")
     elif not os.path.exists(os.path.expanduser(path)) and offline_if_hub_unreachable():
         reason = f"no such folder under {os.getcwd()}, nor in the local Hugging Face cache; {_HUB_OFFLINE_NOTE}"
+    elif what == "a tokenizer" and os.path.isdir(os.path.expanduser(path)) and not any(
+            os.path.isfile(os.path.join(os.path.expanduser(path), f)) for f in _TOKENIZER_CLASS_FILES):
+        # transformers then fails with "Couldn't instantiate the backend tokenizer ... install
+        # sentencepiece or tiktoken", which neither says what is missing nor helps.
+        held = ", ".join(sorted(os.listdir(os.path.expanduser(path)))) or "nothing"
+        reason = (f"it holds {held} but no {' or '.join(_TOKENIZER_CLASS_FILES)}, which tell transformers the "
+                  "tokenizer's class: beside GPT-2's vocab.json and merges.txt, write a tokenizer_config.json of "
+                  '{"tokenizer_class": "GPT2Tokenizer"}')
     else:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = "local folder" if local else "hub id or folder"

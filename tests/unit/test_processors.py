@@ -127,6 +127,21 @@ def test_load_tokenizer_applies_config_template(tiny_model_path):
     assert t.apply_chat_template(CONVO[1:3], tokenize=False) == "1+1?|2|"
 
 
+def test_gpt2_vocab_and_merges_folder_says_what_it_lacks(shared_data, tmp_path):
+    # The shared GPT-2 folder (vocab.json, merges.txt) failed with transformers' first line,
+    # "Couldn't instantiate the backend tokenizer from one of:", and nothing after it.
+    import shutil
+
+    for f in ("vocab.json", "merges.txt"):
+        shutil.copy(f"{shared_data}/tokenizers/gpt2/{f}", tmp_path / f)
+    with pytest.raises(InputError, match=r"it holds merges.txt, vocab.json but no tokenizer_config.json or "
+                                         r"tokenizer.json or config.json.*\{\"tokenizer_class\": \"GPT2Tokenizer\"\}"):
+        load_tokenizer(TokenizerConfig(name=str(tmp_path)))
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    t = load_tokenizer(TokenizerConfig(name=str(tmp_path), chat_template=SQUAD_TEMPLATE))
+    assert t.encode("hello world") == [31373, 995] and t.pad_token == t.eos_token == "<|endoftext|>"
+
+
 def test_no_chat_template_is_a_clear_error(gpt2):
     bare = gpt2.__class__(tokenizer_object=gpt2.backend_tokenizer, eos_token="<|endoftext|>")
     with pytest.raises(ValueError, match="no chat template: set policy.tokenizer.chat_template"):
