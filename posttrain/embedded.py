@@ -31,8 +31,9 @@ from pathlib import Path
 
 EMBEDDED_PREFIX = "embedded:"
 # Bump when the recipe changes so cached folders are rebuilt (v2: small's 1024 positions; v3: the
-# chat template writes structured tool calls; v4: tiny's 512 positions).
-_VERSION = "v4"
+# chat template writes structured tool calls; v4: tiny's 512 positions; v5: a newline in a run of
+# them is a token, not the run one <unk>).
+_VERSION = "v5"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 ALPHABET = string.digits + "+-*/=()., ?!:;'\"\n" + string.ascii_letters + "#<>[]{}_|\\@$%^&~`"
@@ -71,7 +72,9 @@ def build_tokenizer():
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # One piece per character: "." matches no newline, which left a run of them ("\n\n", a
+    # paragraph break) one piece that is no token (<unk>).
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens(SPECIAL_TOKENS)
     tok = PreTrainedTokenizerFast(

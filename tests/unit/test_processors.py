@@ -86,6 +86,15 @@ def test_template_ending_turns_with_eos_and_a_newline_gets_no_second_eos():
     assert _loss_text(plain, tokenize_messages(CONVO[1:3], plain)) == "2\n<|end|>"
 
 
+def test_embedded_tokenizer_has_a_token_for_each_newline_of_a_run():
+    # A run of newlines (Alpaca's instruction "\n\n" input, a paragraph break) was one <unk>.
+    from posttrain.embedded import build_tokenizer
+
+    t = build_tokenizer()
+    ids = t.encode("a\n\n\nb", add_special_tokens=False)
+    assert ids == t.convert_tokens_to_ids(["a", "\n", "\n", "\n", "b"]) and t.decode(ids) == "a\n\n\nb"
+
+
 def test_add_generation_prompt_false_trains_the_assistant_header(tok):
     # data.add_generation_prompt=false (NeMo RL's SFT meaning): the prompt ends without the
     # template's generation prompt, so the <|assistant|> header is trained with the turn.
