@@ -364,7 +364,9 @@ def _stop_strings(value: Any, loc: str) -> list[str]:
 
 def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
     messages = _messages(_require(row, "conversations", loc, "sharegpt"), loc, "conversations")
-    if row.get("system"):
+    # A conversation's own system turn wins over the column, as in LLaMA-Factory (both gave two
+    # system messages, which many chat templates refuse), as a preference row's does.
+    if row.get("system") and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
     _require_assistant(messages, loc, "conversations")
     return _with_tools({"messages": messages}, row, loc)

@@ -52,6 +52,15 @@ def test_alpaca_sample(shared_data):
     assert match and match[0]["messages"][1] == {"role": "assistant", "content": with_input["output"]}
 
 
+def test_sharegpt_system_column_beside_a_system_turn():
+    # Both became system messages, the column's first.
+    row = {"system": "Column.", "conversations": [{"from": "system", "value": "Own."}, {"from": "human", "value": "hi"},
+                                                  {"from": "gpt", "value": "yo"}]}
+    assert [m["content"] for m in normalize_row(row, "sharegpt", "x row 1")["messages"]] == ["Own.", "hi", "yo"]
+    row["conversations"] = row["conversations"][1:]
+    assert [m["content"] for m in normalize_row(row, "sharegpt", "x row 1")["messages"]] == ["Column.", "hi", "yo"]
+
+
 def test_sharegpt_toolcall_sample(shared_data):
     # LLaMA-Factory's layout: `tools` a JSON string of bare function schemas, each call a
     # `function_call` turn of JSON text, each result an `observation`.
