@@ -590,7 +590,8 @@ class DataConfig(Section):
     truncation: Literal["drop", "truncate"] = "drop"
     # Use only the first this many training rows; null: all.
     max_train_samples: int | None = Field(None, ge=1)
-    # Use only the first this many validation rows; null: all.
+    # Use only the first this many validation rows (of a held-out split: a seeded random sample of
+    # them); null: all.
     max_val_samples: int | None = Field(None, ge=1)
     # A dataset without a validation file holds out this seeded fraction of its rows for validation.
     val_split_fraction: float = Field(0.05, gt=0, lt=1)

@@ -302,7 +302,8 @@ def load_file(path: str | os.PathLike, cfg: DataConfig, key: str) -> list[dict[s
 
 
 def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: str) -> list[dict[str, Any]]:
-    """The `split` side of a seeded train/val split of `rows` (val = `data.val_split_fraction`)."""
+    """The `split` side of a seeded train/val split of `rows` (val = `data.val_split_fraction`):
+    training rows in the file's order, validation rows in the seeded one."""
     n_val = max(1, math.ceil(len(rows) * cfg.val_split_fraction))
     if n_val >= len(rows):
         raise InputError(
@@ -311,8 +312,11 @@ def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: s
         )
     order = list(range(len(rows)))
     random.Random(cfg.seed).shuffle(order)
-    chosen = order[:n_val] if split == "val" else sorted(order[n_val:])
-    return [rows[i] for i in sorted(chosen)]
+    if split == "val":
+        # In the seeded order: a cap (data.max_val_samples, grpo.max_val_samples) then takes a random
+        # sample of them, not the ones nearest the top of a file sorted by subject or difficulty.
+        return [rows[i] for i in order[:n_val]]
+    return [rows[i] for i in sorted(order[n_val:])]
 
 
 def _files(train_path: str | os.PathLike | None, val_path: str | os.PathLike | None) -> Callable:

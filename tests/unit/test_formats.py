@@ -217,6 +217,20 @@ def test_prompt_completion_and_implicit_prompt_pairs(tmp_path):
     assert row["rejected"] == [{"role": "assistant", "content": "go away"}]
 
 
+def test_capped_held_out_validation_is_a_sample_of_the_file(tmp_path):
+    # The held-out rows came back in file order, so a cap (data.max_val_samples, GRPO's default
+    # grpo.max_val_samples=256) kept those nearest the top of the file: of a file sorted by
+    # subject or difficulty, the first subject or the easiest.
+    path = _write_jsonl(tmp_path / "sorted.jsonl", [{"question": f"q{i}", "answer": str(i)} for i in range(400)])
+    whole = load_rows(_cfg(path, val_split_fraction=0.25), "val")
+    capped = load_rows(_cfg(path, val_split_fraction=0.25, max_val_samples=20), "val")
+    assert capped == whole[:20] and len(whole) == 100
+    assert max(int(r["answer"]) for r in capped) > 200  # the capped rows are spread over the file
+    train = load_rows(_cfg(path, val_split_fraction=0.25), "train")
+    assert [int(r["answer"]) for r in train] == sorted(int(r["answer"]) for r in train)  # in file order
+    assert not {r["answer"] for r in train} & {r["answer"] for r in whole}
+
+
 def test_prompt_and_system_prompt_files(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 1+1?", "completion": "2"}] * 3)
     (tmp_path / "p.txt").write_text("Answer inside \\boxed{{}}: {}")
