@@ -27,9 +27,10 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
     prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
     squad               {"context", "question", "answers": {"text": [...]}}      (a flattened
                         SQuAD entry; the official nested file is flattened by the loader)
-    math                {"question" | "problem", "answer"} -> an RL/eval row
+    math                {"question" | "problem", "answer", "solution"?} -> an RL/eval row
                         {"messages": [user], "answer", "task_name": "math"}; a GSM8K answer
-                        ("... #### 18") keeps only its final number
+                        ("... #### 18") keeps only its final number; the worked solution (the
+                        GSM8K answer as written, else MATH's `solution`) is the `demonstration`
     code                {"text" | "prompt", "test_list", "test_setup_code"? | "test_imports"?} (MBPP,
                         full or sanitized) or {"prompt", "test", "entry_point"} (HumanEval) -> an
                         RL/eval row {"messages": [user], "task_name": "code", "metadata": {"tests",
@@ -469,11 +470,15 @@ def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
     question = _text(_require(row, key, loc, "math"), loc, key)
     answer = _require(row, "answer", loc, "math")
     answer = _text(str(answer) if isinstance(answer, (int, float)) else answer, loc, "answer")
+    # The worked solution is what SFT and GRPO's warm-up imitate: without it they trained the
+    # model to answer with the bare final number.
+    solution = row.get("solution") if isinstance(row.get("solution"), str) and row["solution"].strip() else None
     if "####" in answer:  # GSM8K: the reasoning, then "#### <final number>"
-        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        solution, answer = answer, answer.rsplit("####", 1)[1].strip().replace(",", "")
     metadata = {k: v for k, v in row.items() if k not in (key, "answer") and isinstance(v, (str, int, float))}
-    return {"messages": [{"role": "user", "content": question}], "answer": answer, "task_name": "math",
-            "metadata": metadata}
+    out = {"messages": [{"role": "user", "content": question}], "answer": answer, "task_name": "math",
+           "metadata": metadata}
+    return {**out, "demonstration": solution} if solution is not None else out
 
 
 def _from_code(row: dict[str, Any], loc: str) -> dict[str, Any]:

@@ -198,6 +198,11 @@ def test_gsm8k_and_math500_rl_rows(shared_data):
     math = load_rows(_cfg("math500"), "val")
     assert len(math) == 500 and math[0]["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert math[0]["metadata"]["level"] == 2
+    # The worked solutions are the demonstrations SFT and GRPO's warm-up train: GSM8K's answer as
+    # written (it kept only the final number, so they trained bare numbers), MATH's `solution`.
+    raw = json.loads(Path(f"{shared_data}/gsm8k/train.jsonl").read_text().split("\n", 1)[0])
+    assert train[0]["demonstration"] == raw["answer"] and raw["answer"].endswith("#### 72")
+    assert math[0]["demonstration"].endswith("$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$")
 
 
 def test_parquet_file(shared_data):
