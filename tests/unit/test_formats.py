@@ -44,7 +44,7 @@ def test_sharegpt_preference_sample(shared_data):
 def test_alpaca_sample(shared_data):
     rows = load_rows(_cfg("alpaca"), "train")
     raw = json.load(open(f"{shared_data}/llamafactory_demo/alpaca_en_demo.json"))
-    assert len(rows) == 949
+    assert len(rows) == 947  # 999, less 50 held out and 2 copies of held-out rows
     with_input = next(r for r in raw if r["input"])
     expected_user = f"{with_input['instruction']}\n\n{with_input['input']}"
     all_rows = rows + load_rows(_cfg("alpaca"), "val")
@@ -67,8 +67,8 @@ def test_sharegpt_toolcall_sample(shared_data):
     from posttrain.data.processors import tokenize_messages
     from posttrain.embedded import build_tokenizer
 
-    cfg = _cfg(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json")
-    rows = load_rows(cfg, "train") + load_rows(cfg, "val")
+    path = f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json"
+    rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")  # every row
     raw = json.loads(Path(f"{shared_data}/llamafactory_demo/glaive_toolcall_en_demo.json").read_text())
     assert {m["role"] for r in rows for m in r["messages"]} == {"user", "assistant", "tool"}
     # The schemas as templates take them, in OpenAI's form.
@@ -212,7 +212,7 @@ def test_parquet_file(shared_data):
 
 
 def test_prompt_completion_and_implicit_prompt_pairs(tmp_path):
-    path = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": "4"}] * 4)
+    path = _write_jsonl(tmp_path / "pc.jsonl", [{"prompt": f"2+2= ({i})", "completion": "4"} for i in range(4)])
     rows = load_rows(_cfg(path, val_split_fraction=0.25), "train")
     assert len(rows) == 3 and rows[0]["messages"][1] == {"role": "assistant", "content": "4"}
     hh = {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}],
@@ -234,6 +234,20 @@ def test_capped_held_out_validation_is_a_sample_of_the_file(tmp_path):
     train = load_rows(_cfg(path, val_split_fraction=0.25), "train")
     assert [int(r["answer"]) for r in train] == sorted(int(r["answer"]) for r in train)  # in file order
     assert not {r["answer"] for r in train} & {r["answer"] for r in whole}
+
+
+def test_held_out_rows_have_no_copy_in_training(tmp_path, caplog):
+    # A row the file repeats landed on both sides (4 of the 15 rows held out of the shared
+    # glaive_toolcall demo were training rows too): validation scored rows already trained on.
+    rows = [{"question": f"q{i % 10}", "answer": str(i % 10)} for i in range(40)]  # each row 4 times
+    path = _write_jsonl(tmp_path / "copies.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        train, val = (load_rows(_cfg(path, val_split_fraction=0.1), s) for s in ("train", "val"))
+    assert len(val) == 4 and train and not {r["answer"] for r in train} & {r["answer"] for r in val}
+    assert f"left out {36 - len(train)} training rows that are copies of validation rows" in caplog.text
+    path = _write_jsonl(tmp_path / "one.jsonl", rows[:1] * 4)
+    with pytest.raises(InputError, match="every training row is a copy of a row held out for validation"):
+        load_rows(_cfg(path, val_split_fraction=0.25), "train")
 
 
 def test_prompt_and_system_prompt_files(tmp_path):
