@@ -361,6 +361,8 @@ def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
 # Registered datasets whose settings are `data.dataset_kwargs` (a hub dataset's go to `datasets.load_dataset`).
 _READS_DATASET_KWARGS = ("sliding_puzzle",)
+# Registered datasets made from settings, which read no data files.
+_GENERATED = ("arithmetic", "sliding_puzzle", "stories")
 
 # name -> loader(cfg, split); paths are resolved when called, so POSTTRAIN_SHARED_DATA set
 # after import still applies.
@@ -450,6 +452,15 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
             f"data.dataset_kwargs {sorted(cfg.dataset_kwargs)}: data.dataset_name={name!r} reads none; they go to "
             "`datasets.load_dataset` for a hub dataset or a folder (e.g. {\"name\": \"full\"}) and set "
             f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format"
+        )
+    paths = [key for key in ("train_data_path", "val_data_path") if getattr(cfg, key)]
+    if paths and not local_file and (name not in REGISTRY or name in _GENERATED):
+        # Left unread, a validation file named for a hub set or the arithmetic task was not what
+        # validation scored, and no error said so.
+        why = "made from its settings" if name in REGISTRY else "its splits come from datasets"
+        raise InputError(
+            f"data.{paths[0]}: data.dataset_name={name!r} reads no data files ({why}); name the file as "
+            "data.dataset_name, or set data.dataset_name=local with data.train_data_path / data.val_data_path"
         )
     if name in REGISTRY:
         rows = REGISTRY[name](cfg, split)

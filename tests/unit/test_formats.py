@@ -562,3 +562,16 @@ def test_dataset_kwargs_no_dataset_reads_are_refused(tmp_path):
             load_rows(_cfg(name, train_data_path=path, dataset_kwargs={"question_key": "q"}), "train")
     puzzles = load_rows(_cfg("sliding_puzzle", num_train=2, dataset_kwargs={"size": 2}), "train")
     assert len(puzzles) == 2
+
+
+def test_data_file_paths_no_dataset_reads_are_refused(tmp_path):
+    # A validation file named beside the arithmetic task or a hub set (or a folder) was not read:
+    # validation scored the dataset's own rows.
+    path = _write_jsonl(tmp_path / "val.jsonl", [{"question": "1+1?", "answer": "2"}] * 2)
+    (tmp_path / "folder").mkdir()
+    _write_jsonl(tmp_path / "folder" / "train.jsonl", [{"question": "1+1?", "answer": "2"}] * 2)
+    for name, reads in (("arithmetic", "made from its settings"), (str(tmp_path / "folder"), "its splits come from")):
+        with pytest.raises(InputError, match=rf"data.val_data_path: data.dataset_name='{re.escape(name)}' reads no "
+                                             rf"data files \({reads}"):
+            load_rows(_cfg(name, val_data_path=path), "val")
+    assert load_rows(_cfg("gsm8k", train_data_path=path, val_data_path=path), "val")[0]["answer"] == "2"
