@@ -642,8 +642,11 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision
     """Whether the rollouts' generation logprobs are the policy's own (grpo.prev_logprobs_from_generation):
     mean exp(|generation - policy|) over the generated tokens within the precision's tolerance."""
     tolerance = _OWN_LOGPROBS_TOLERANCE[precision]
-    mask = batch["token_mask"] * batch["sample_mask"][:, None] if "sample_mask" in batch else batch["token_mask"]
-    err = float(masked_mean(torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()), mask))
+    # Every generated token, those of samples out of the loss too (overlong-filtered, environment
+    # errors): the engine sampled them all. Over the trained ones only, a first step whose samples
+    # were all masked compared nothing, and its mean of 0 passed the check for the whole run.
+    err = float(masked_mean(torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()),
+                            batch["token_mask"]))
     if err > tolerance:
         logger.console(f"grpo.prev_logprobs_from_generation: the generation logprobs differ from the policy's "
                        f"(mean exp|diff| = {err:.4f} > {tolerance}); recomputing prev_logprobs every step instead")

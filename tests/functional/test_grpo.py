@@ -585,6 +585,29 @@ def test_prev_logprobs_from_generation_after_checking_they_match(ray_session, tm
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
 
 
+def test_the_generation_logprob_check_compares_the_tokens_of_masked_samples_too():
+    # A first step whose samples are all out of the loss (overlong filtering with every sample
+    # truncated): the check compared nothing, found a mean error of 0, and reused the generation
+    # logprobs for the rest of the run, however far they were from the policy's.
+    from posttrain.algorithms.grpo import _generation_logprobs_match
+    from posttrain.data.batch import BatchedDataDict
+
+    class Console:
+        lines: list[str] = []
+
+        def console(self, line):
+            self.lines.append(line)
+
+    token_mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    batch = BatchedDataDict(token_mask=token_mask, sample_mask=torch.zeros(2),
+                            prev_logprobs=torch.full((2, 3), -1.0), generation_logprobs=torch.full((2, 3), -1.5))
+    logger = Console()
+    assert _generation_logprobs_match(batch, logger, "float32") is False
+    assert "mean exp|diff| = 1.6487" in logger.lines[0]  # exp(0.5) over the 3 generated tokens
+    batch["generation_logprobs"] = batch["prev_logprobs"] + 1e-4
+    assert _generation_logprobs_match(batch, logger, "float32") is True
+
+
 def test_on_policy_distillation_moves_the_student_toward_the_teacher(ray_session, tiny_model_path, tmp_path):
     # The teacher is embedded:tiny as it starts; the warm-up SFT on arithmetic answers moves the
     # student away from it, so the student starts the RL phase at a clear reverse KL from the
