@@ -490,7 +490,8 @@ class ClippedPGLossConfig(Section):
     token_level_loss: bool = True
     # GSPO: one ratio per sequence, exp(mean_t log(pi/pi_prev)); needs token_level_loss=false.
     sequence_level_importance_ratios: bool = False
-    # Ratio fixed to 1 (gradient of log pi): exact on-policy with one update per rollout.
+    # Ratio fixed to 1 (gradient of log pi): exact on-policy, so a step's rollouts must train in one
+    # optimizer step (policy.train_global_batch_size = the step's samples, grpo.num_iterations=1).
     force_on_policy_ratio: bool = False
     # REINFORCE: loss = -A * log pi (no ratio, no clipping).
     disable_ppo_ratio: bool = False
@@ -1301,6 +1302,25 @@ class GRPOMasterConfig(_MasterBase):
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a multiple "
                 f"of policy.train_global_batch_size ({self.policy.train_global_batch_size}): each step trains "
                 "on all of its samples in whole optimizer steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _on_policy_ratio_needs_one_update(self) -> "GRPOMasterConfig":
+        # The ratio fixed to 1 is the true one only for the update right after sampling: later
+        # optimizer steps of the same rollouts would train a moved policy on them with neither a
+        # ratio nor a clip, as if it had sampled them itself.
+        g = self.grpo
+        samples = g.num_prompts_per_step * g.num_generations_per_prompt
+        updates = samples // self.policy.train_global_batch_size * g.num_iterations
+        if self.loss_fn.force_on_policy_ratio and updates > 1:
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio=true is exact for one optimizer step per rollout batch, but each step "
+                f"would run {updates}: grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) / "
+                f"policy.train_global_batch_size ({self.policy.train_global_batch_size}), times grpo.num_iterations "
+                f"({g.num_iterations}); the later ones would train on an older policy's samples without a ratio or "
+                f"clip. Set policy.train_global_batch_size={samples} and grpo.num_iterations=1, or "
+                "loss_fn.force_on_policy_ratio=false (the clipped ratio)"
             )
         return self
 

@@ -622,3 +622,19 @@ def test_reward_shaping_and_scaling_the_first_step_would_refuse_fail_at_load():
     with pytest.raises(ConfigError, match=r"grpo.reward_scaling: source_max \(0.0\) must exceed source_min \(0.0\)"):
         load_config("grpo", None, ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.source_max=0"])
     assert load_config("grpo", None, ["grpo.reward_scaling.source_max=0"]).grpo.reward_scaling.source_max == 0
+
+
+def test_a_ratio_fixed_to_one_with_several_updates_per_rollout_batch_fails_at_load():
+    # Accepted before: the second optimizer step trained a moved policy on the first one's samples
+    # with ratio 1 and no clip.
+    batch = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_micro_batch_size=4"]
+    on_policy = [*batch, "loss_fn.force_on_policy_ratio=true"]
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, [*on_policy, "policy.train_global_batch_size=8"])
+    assert ("loss_fn.force_on_policy_ratio=true is exact for one optimizer step per rollout batch, but each step "
+            "would run 2") in str(e.value)
+    assert "Set policy.train_global_batch_size=16 and grpo.num_iterations=1" in str(e.value)
+    with pytest.raises(ConfigError, match="would run 3"):
+        load_config("grpo", None, [*on_policy, "policy.train_global_batch_size=16", "grpo.num_iterations=3"])
+    assert load_config("grpo", None, [*on_policy, "policy.train_global_batch_size=16"]).loss_fn.force_on_policy_ratio
+    assert load_config("grpo", None, [*batch, "policy.train_global_batch_size=8"]).policy.train_global_batch_size == 8
