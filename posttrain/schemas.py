@@ -967,7 +967,8 @@ class AsyncGRPOConfig(Section):
 class GRPOConfig(Section):
     # Prompts drawn per step.
     num_prompts_per_step: int = Field(16, ge=1)
-    # Samples per prompt (the group of the group baseline).
+    # Samples per prompt (the group of the group baseline): 2 or more for the grpo, rloo and dr_grpo
+    # estimators and for dynamic sampling, which compare a prompt's samples with each other.
     num_generations_per_prompt: int = Field(8, ge=1)
     # Assistant turns per rollout (1 = single turn); environments end rollouts earlier.
     max_rollout_turns: int = Field(1, ge=1)
@@ -1302,6 +1303,26 @@ class GRPOMasterConfig(_MasterBase):
                 f"grpo.num_prompts_per_step * grpo.num_generations_per_prompt ({samples}) must be a multiple "
                 f"of policy.train_global_batch_size ({self.policy.train_global_batch_size}): each step trains "
                 "on all of its samples in whole optimizer steps"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_to_compare(self) -> "GRPOMasterConfig":
+        # A group baseline compares a prompt's samples with each other: a group of one is its own
+        # baseline (advantage 0) and has no reward spread for dynamic sampling to keep.
+        g = self.grpo
+        if g.num_generations_per_prompt > 1:
+            return self
+        if g.adv_estimator in ("grpo", "rloo", "dr_grpo"):
+            raise ValueError(
+                f"grpo.adv_estimator={g.adv_estimator} compares each sample with the other samples of its prompt, "
+                "but grpo.num_generations_per_prompt=1: every advantage would be 0 and nothing learned; set it to "
+                "2 or more, or use grpo.adv_estimator=reinforce_pp (a group of one keeps its reward)"
+            )
+        if g.use_dynamic_sampling:
+            raise ValueError(
+                "grpo.use_dynamic_sampling=true drops the groups whose rewards are all equal, which with "
+                "grpo.num_generations_per_prompt=1 is every group; set it to 2 or more, or turn dynamic sampling off"
             )
         return self
 

@@ -638,3 +638,20 @@ def test_a_ratio_fixed_to_one_with_several_updates_per_rollout_batch_fails_at_lo
         load_config("grpo", None, [*on_policy, "policy.train_global_batch_size=16", "grpo.num_iterations=3"])
     assert load_config("grpo", None, [*on_policy, "policy.train_global_batch_size=16"]).loss_fn.force_on_policy_ratio
     assert load_config("grpo", None, [*batch, "policy.train_global_batch_size=8"]).policy.train_global_batch_size == 8
+
+
+def test_one_sample_per_prompt_with_a_group_baseline_fails_at_load():
+    # Accepted before: every group was its own baseline, so every advantage was 0 and the run
+    # trained nothing (dynamic sampling: dropped every group and stopped at step 0).
+    one = ["grpo.num_prompts_per_step=32", "grpo.num_generations_per_prompt=1"]
+    for estimator in ("grpo", "rloo", "dr_grpo"):
+        with pytest.raises(ConfigError, match=f"grpo.adv_estimator={estimator} compares each sample with the other "
+                                              "samples of its prompt, but grpo.num_generations_per_prompt=1"):
+            load_config("grpo", None, [*one, f"grpo.adv_estimator={estimator}"])
+    reinforce_pp = [*one, "grpo.adv_estimator=reinforce_pp"]
+    assert load_config("grpo", None, reinforce_pp).grpo.num_generations_per_prompt == 1
+    with pytest.raises(ConfigError, match="grpo.use_dynamic_sampling=true drops the groups whose rewards are all "
+                                          "equal, which with grpo.num_generations_per_prompt=1 is every group"):
+        load_config("grpo", None, [*reinforce_pp, "grpo.use_dynamic_sampling=true"])
+    distillation = [*one, "grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t"]
+    assert load_config("grpo", None, distillation).grpo.num_generations_per_prompt == 1
