@@ -923,7 +923,8 @@ class RewardShapingConfig(Section):
     # Penalty subtracted from the reward at max_response_length and beyond (a linear share of
     # it inside the buffer).
     overlong_buffer_penalty: float = 1.0
-    # Response length in tokens that gets the full penalty; null: policy.generation.max_new_tokens.
+    # Response length in tokens (over all of a rollout's turns) that gets the full penalty; null:
+    # policy.generation.max_new_tokens, single-turn only (grpo.max_rollout_turns=1).
     max_response_length: int | None = None
 
 
@@ -1255,6 +1256,14 @@ class GRPOMasterConfig(_MasterBase):
         rs = self.grpo.reward_shaping
         if not rs.enabled:
             return self
+        if rs.max_response_length is None and self.grpo.max_rollout_turns > 1:
+            # The shaping sees a rollout's generated tokens over all its turns; max_new_tokens bounds
+            # one turn, so games of several short turns would take the full penalty.
+            raise ValueError(
+                f"grpo.reward_shaping.enabled=true with grpo.max_rollout_turns={self.grpo.max_rollout_turns} needs "
+                "grpo.reward_shaping.max_response_length: the response length it penalizes counts the tokens of "
+                "every turn, while its default, policy.generation.max_new_tokens, bounds one turn"
+            )
         length, key = ((rs.max_response_length, "grpo.reward_shaping.max_response_length")
                        if rs.max_response_length is not None else
                        (self.policy.generation.max_new_tokens,

@@ -619,6 +619,14 @@ def test_reward_shaping_and_scaling_the_first_step_would_refuse_fail_at_load():
     cfg = load_config("grpo", None, [*shaping, "grpo.reward_shaping.overlong_buffer_length=64"])
     assert cfg.grpo.reward_shaping.overlong_buffer_length == 64
     assert load_config("grpo", None, ["policy.generation.max_new_tokens=64"]).grpo.reward_shaping.enabled is False
+    # Multi-turn: the response length counts every turn's tokens; max_new_tokens bounds one (a game of
+    # three 30-token turns took the full penalty of a 64-token limit it never reached).
+    multi_turn = [*shaping, "grpo.reward_shaping.overlong_buffer_length=16", "grpo.max_rollout_turns=3"]
+    with pytest.raises(ConfigError, match="grpo.reward_shaping.enabled=true with grpo.max_rollout_turns=3 needs "
+                                          "grpo.reward_shaping.max_response_length"):
+        load_config("grpo", None, multi_turn)
+    cfg = load_config("grpo", None, [*multi_turn, "grpo.reward_shaping.max_response_length=192"])
+    assert cfg.grpo.reward_shaping.max_response_length == 192
     with pytest.raises(ConfigError, match=r"grpo.reward_scaling: source_max \(0.0\) must exceed source_min \(0.0\)"):
         load_config("grpo", None, ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.source_max=0"])
     assert load_config("grpo", None, ["grpo.reward_scaling.source_max=0"]).grpo.reward_scaling.source_max == 0
