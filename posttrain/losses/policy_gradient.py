@@ -63,7 +63,8 @@ class ClippedPGLoss:
 
     Metrics are floats already divided by the global counts, so summing them over
     micro-batches and workers gives the global value; keys ending in `_min` / `_max` are
-    micro-batch extremes (reduce with min / max). `num_valid_samples` is a count (sums).
+    micro-batch extremes (reduce with min / max). `num_valid_samples` is a count (sums). A global
+    batch without one valid token reports only pg_loss, kl_penalty and num_valid_samples (all 0).
     """
 
     needs_pairs = False
@@ -190,9 +191,15 @@ class ClippedPGLoss:
         with torch.no_grad():
             true_ratio = ratios if ratios is not None else torch.exp(curr - prev)
             true_clamped = clamped if clamped is not None else true_ratio
+            metrics = {"pg_loss": float(pg_loss.detach()), "kl_penalty": float(kl_value.detach()),
+                       "num_valid_samples": float(sample_mask.sum())}
+            if toks == 0:
+                # No valid token in the global batch (every sample masked): the means over its tokens
+                # measured nothing, and a 0 (a ratio of 0) would be averaged into the other optimizer
+                # steps' values; they are left out, as masked_min's +inf leaves out the extremes.
+                return loss, metrics
             entropy = -masked_mean(torch.exp(curr - gen) * curr, mask, global_normalization_factor=toks)
-            metrics = {
-                "pg_loss": float(pg_loss.detach()),
+            metrics |= {
                 "probs_ratio": tok_mean(true_ratio),
                 "probs_ratio_min": masked_min(true_ratio, mask),
                 "probs_ratio_max": masked_max(true_ratio, mask),
@@ -201,11 +208,9 @@ class ClippedPGLoss:
                 "probs_ratio_clamped_max": masked_max(true_clamped, mask),
                 "clip_fraction": tok_mean(clipped_tokens),
                 "dual_clip_fraction": tok_mean(dual_clipped_tokens),
-                "kl_penalty": float(kl_value.detach()),
                 "token_mult_prob_error": tok_mean(torch.exp((gen - prev).abs() * mask)),
                 "gen_kl_error": tok_mean(calculate_kl(gen, prev, cfg.reference_policy_kl_type, None, None)),
                 "approx_entropy": float(entropy),
-                "num_valid_samples": float(sample_mask.sum()),
                 **is_metrics,
             }
         return loss, metrics

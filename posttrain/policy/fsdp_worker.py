@@ -486,11 +486,11 @@ class FSDPPolicyWorker:
         steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
         out = {}
-        for k in (k for k in steps[0] if k not in ("lr", "skipped")):
-            # Means over the steps; a step without one valid token (every sample masked: an environment
-            # that failed them all) has no min or max (masked_min's +inf): the others' are the
-            # measurement, or none is.
-            values = [s[k] for s in steps if not k.endswith(("_min", "_max")) or math.isfinite(s[k])]
+        for k in (k for k in dict.fromkeys(k for s in steps for k in s) if k not in ("lr", "skipped")):
+            # Means over the steps that measured k; a step without one valid token (every sample masked:
+            # an environment that failed them all) has no per-token means (the loss leaves them out)
+            # and no min or max (masked_min's +inf): the others' are the measurement, or none is.
+            values = [s[k] for s in steps if k in s and (not k.endswith(("_min", "_max")) or math.isfinite(s[k]))]
             if values:
                 out[k] = sum(values) / len(values)
         out["lr"] = steps[-1]["lr"]

@@ -62,7 +62,7 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
-def test_a_step_without_one_valid_token_has_no_ratio_extremes(policies):
+def test_a_step_without_one_valid_token_has_no_ratio_measurements(policies):
     # Every sample masked (an environment that failed them all): masked_min/max's +-inf of that
     # optimizer step is no measurement, and no longer turns the step's mean into a non-finite value.
     import math
@@ -74,7 +74,10 @@ def test_a_step_without_one_valid_token_has_no_ratio_extremes(policies):
     for policy in policies:
         m = policy.train(masked, ClippedPGLoss({}))
         assert [k for k in m if k.endswith(("_min", "_max"))] == [] and math.isfinite(m["loss"])
+        assert "probs_ratio" not in m and m["num_valid_samples"] == 0.0
         m = policy.train(BatchedDataDict.from_batches([masked, normal]), ClippedPGLoss({}))
         assert m["num_optimizer_steps"] == 2
         for k in ("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"):
             assert math.isfinite(m[k]), k
+        # Nor its means of 0: the ratio is the measuring step's (1: on-policy), not half of it.
+        assert m["probs_ratio"] == pytest.approx(1.0) and m["probs_ratio_clamped"] == pytest.approx(1.0)

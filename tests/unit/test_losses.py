@@ -223,6 +223,21 @@ def test_sample_mask_drops_a_row():
     assert m["num_valid_samples"] == 1.0
 
 
+def test_a_batch_without_a_valid_token_reports_no_per_token_means():
+    # Every sample masked (overlong filtering with all of them truncated): probs_ratio,
+    # token_mult_prob_error, sampling_importance_ratio... were 0, which the worker's mean over the
+    # optimizer steps averaged into the others' (a step of ratio 1 and an empty one logged 0.5).
+    curr, batch = make_batch(gen_weights=W)
+    batch["sample_mask"] = torch.zeros(2)
+    cfg = {"reference_policy_kl_penalty": 0.1, "use_importance_sampling_correction": True,
+           "truncated_importance_sampling_ratio": 2.5}
+    loss, m = ClippedPGLoss(cfg)(curr, batch, *valid_counts(batch))
+    assert loss.item() == 0.0
+    assert m == {"pg_loss": 0.0, "kl_penalty": 0.0, "num_valid_samples": 0.0}
+    loss.backward()
+    assert curr.grad.abs().sum() == 0
+
+
 def _random_batch(b=6, s=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     token_mask = (torch.rand(b, s, generator=g) > 0.3).float()
