@@ -323,6 +323,17 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
 
 
+def _step_batch(g, parts: list[BatchedDataDict], size: int, pad_id: int, max_new_tokens: int) -> BatchedDataDict:
+    """The step's first `size` rollouts of its generation rounds' (dynamic sampling: kept) ones, with
+    their advantages computed over all of them at once and before the cut, which may split a group:
+    REINFORCE++ whitens over the samples it trains, not over each round beside the zero-variance
+    groups dynamic sampling drops (their zeros shrank the std, scaling the advantages up by the
+    share of dropped groups)."""
+    batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id})
+    _rewards_to_advantages(g, batch, max_new_tokens)
+    return batch.slice(0, size)
+
+
 def _distillation_advantages(batch: BatchedDataDict) -> float:
     """On-policy distillation's per-token advantages, written into `batch`; returns the reverse KL
     to the teacher (mean over the trained tokens of log pi - log pi_teacher, at the sampled tokens)."""
@@ -509,12 +520,11 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             batch["group_ids"] = torch.arange(groups_so_far, groups_so_far + len(prompts)).repeat_interleave(
                 g.num_generations_per_prompt)
             groups_so_far += len(prompts)
-            with timer.time("advantages"):
-                _rewards_to_advantages(g, batch, cfg.policy.generation.max_new_tokens)
-                if g.use_dynamic_sampling:
+            if g.use_dynamic_sampling:
+                with timer.time("advantages"):
                     keep, ds_metrics = dynamic_sampling_keep(batch["rewards"], batch["group_ids"])
-                    rollout_metrics.update(ds_metrics)
-                    batch = batch.select_indices(keep)
+                rollout_metrics.update(ds_metrics)
+                batch = batch.select_indices(keep)
             parts.append(batch)
             if sum(b.size for b in parts) >= target:
                 break
@@ -531,7 +541,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         rollout_metrics.update(summarize_rollouts(step_convs))
         if g.use_dynamic_sampling:
             rollout_metrics["dynamic_sampling/rounds"] = float(len(parts))
-        batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id}).slice(0, min(usable, target))
+        with timer.time("advantages"):
+            batch = _step_batch(g, parts, min(usable, target), pad_id, cfg.policy.generation.max_new_tokens)
         groups = batch.pop("group_ids")
 
         # ---- logprobs before the update (the PPO ratio's denominator) and under the reference

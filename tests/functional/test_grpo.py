@@ -94,6 +94,40 @@ def test_interleaved_order_deals_each_group_round_robin():
     assert [sorted(x // 4 for x in order[i:i + 4].tolist()) for i in (0, 4)] == [[0, 0, 1, 1], [0, 0, 1, 1]]
 
 
+def test_reinforce_pp_whitens_over_the_kept_samples_of_every_round():
+    # Dynamic sampling, two rounds of two prompts x 2 samples. Round 1 keeps group 0 (rewards 1, 0)
+    # and drops group 1 (1, 1); round 2 keeps group 3 (0, 1) and drops group 2 (0, 0). The
+    # advantages were whitened per round, the dropped group's zeros in the std: +-1.22 instead of
+    # +-0.87, a scale that grew with the share of groups dropped.
+    from posttrain.advantages import dynamic_sampling_keep
+    from posttrain.algorithms.grpo import _step_batch
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    def round_of(rewards, first_group, length):
+        n = len(rewards)
+        batch = BatchedDataDict(
+            input_ids=torch.ones(n, length, dtype=torch.long), input_lengths=torch.full((n,), length),
+            token_mask=torch.ones(n, length), generation_logprobs=torch.zeros(n, length),
+            rewards=torch.tensor(rewards), truncated=torch.zeros(n, dtype=torch.bool),
+            env_errors=torch.zeros(n, dtype=torch.bool), response_lengths=torch.full((n,), float(length)),
+            group_ids=torch.arange(first_group, first_group + n // 2).repeat_interleave(2))
+        keep, _ = dynamic_sampling_keep(batch["rewards"], batch["group_ids"])
+        return batch.select_indices(keep)
+
+    parts = [round_of([1.0, 0.0, 1.0, 1.0], 0, 3), round_of([0.0, 0.0, 0.0, 1.0], 2, 5)]
+    batch = _step_batch(GRPOConfig(adv_estimator="reinforce_pp"), parts, 4, pad_id=0, max_new_tokens=8)
+    assert batch["group_ids"].tolist() == [0, 0, 3, 3] and batch["input_ids"].shape == (4, 5)
+    # Centred 0.5, -0.5, -0.5, 0.5; their std over the 4 trained samples (Bessel) is 1/sqrt(3).
+    expected = torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 * 3 ** 0.5
+    torch.testing.assert_close(batch["advantages"][:, 0], expected)
+    assert batch["advantages"][:2, 3:].abs().sum() == 0  # round 1's padding is no response token
+    # A cut to whole optimizer steps keeps the first rows, with the advantages of whole groups: group
+    # 3's first sample is compared with the second, cut off (grpo: (0 - 1) / std 0.707), not alone (0).
+    cut = _step_batch(GRPOConfig(), parts, 3, pad_id=0, max_new_tokens=8)
+    assert cut.size == 3 and cut["advantages"][2, 1].item() == pytest.approx(-(2 ** 0.5))
+
+
 def test_three_steps_have_sane_metrics(arithmetic_run):
     tmp, result = arithmetic_run
     train = _records(tmp / "logs", "train")
