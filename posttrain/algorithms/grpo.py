@@ -530,8 +530,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 break
         usable = sum(b.size for b in parts) // gbs * gbs
         if usable == 0:
-            logger.console(f"step {step}: no data left, or no group with reward variance in "
-                           f"{g.dynamic_sampling_max_gen_batches} rounds; stopping")
+            if prompts is None:
+                reason = f"the training prompts ran out (grpo.max_num_epochs={g.max_num_epochs})"
+            else:
+                reason = (f"dynamic sampling kept {sum(b.size for b in parts)} samples in {len(parts)} generation "
+                          f"rounds (grpo.dynamic_sampling_max_gen_batches), fewer than one optimizer step "
+                          f"(policy.train_global_batch_size={gbs}): the other groups' rewards were all equal")
+            logger.console(f"step {step}: {reason}; stopping")
             # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
             # steps since the last periodic one.
             if step > last.saved_step and s.checkpointer.should_save(step, last=True):

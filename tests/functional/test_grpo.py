@@ -445,6 +445,23 @@ def test_dynamic_sampling_rounds_and_weighted_reward_functions(ray_session, tmp_
         assert r["reward"] == pytest.approx(r["reward/even"] + 0.5 * r["reward/odd_length"])
 
 
+def test_dynamic_sampling_that_keeps_no_group_says_so_and_stops(ray_session, tmp_path, capsys):
+    # Every sample scores 1: no group has reward variance. The run stopped with "no data left, or no
+    # group with reward variance", which left the cause to guess.
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def one(response, metadata):\n    return 1.0\n")
+    cfg = load_config("grpo", QUICKSTART, _tiny(
+        tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
+        "data.task_name=one", f"env.one.target={rewards}:one", "checkpointing.enabled=false",
+    ))
+    assert run(cfg) == {}
+    assert ("step 0: dynamic sampling kept 0 samples in 2 generation rounds (grpo.dynamic_sampling_max_gen_batches), "
+            "fewer than one optimizer step (policy.train_global_batch_size=8): the other groups' rewards were all "
+            "equal; stopping") in " ".join(capsys.readouterr().out.split())  # the console wraps lines
+    assert _records(tmp_path / "logs", "train") == []
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.
