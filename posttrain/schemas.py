@@ -921,8 +921,8 @@ class RewardShapingConfig(Section):
     # Tokens before max_response_length over which the penalty grows linearly from 0.
     overlong_buffer_length: int = Field(128, ge=1)
     # Penalty subtracted from the reward at max_response_length and beyond (a linear share of
-    # it inside the buffer).
-    overlong_buffer_penalty: float = 1.0
+    # it inside the buffer); a negative one would reward overlong responses.
+    overlong_buffer_penalty: float = Field(1.0, ge=0)
     # Response length in tokens (over all of a rollout's turns) that gets the full penalty; null:
     # policy.generation.max_new_tokens, single-turn only (grpo.max_rollout_turns=1).
     max_response_length: int | None = None

@@ -258,12 +258,14 @@ def test_wrong_type_names_key_value_and_expected():
 
 def test_bounds_of_values_that_would_silently_misbehave():
     # A negative max_grad_norm flips the gradients (clip scales them by max_norm / norm), a
-    # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run.
+    # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run, a
+    # negative overlong penalty (read as "a negative reward") rewards overlong responses.
     with pytest.raises(ConfigError) as e:
         load_config("grpo", None, ["policy.max_grad_norm=-1", "policy.logprob_chunk_size=0",
                                    "loss_fn.kl_input_clamp_value=-1", "loss_fn.kl_output_clamp_value=0",
-                                   "data.max_input_seq_length=-5"])
+                                   "data.max_input_seq_length=-5", "grpo.reward_shaping.overlong_buffer_penalty=-1"])
     msg = str(e.value)
+    assert "grpo.reward_shaping.overlong_buffer_penalty: got -1, expected greater than or equal to 0" in msg
     assert "policy.max_grad_norm: got -1, expected greater than 0" in msg
     assert "policy.logprob_chunk_size: got 0, expected greater than or equal to 1" in msg
     assert "loss_fn.kl_input_clamp_value: got -1, expected greater than 0" in msg
