@@ -470,6 +470,7 @@ class ClippedPGLossConfig(Section):
     # The ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: ratio_clip_max > ratio_clip_min).
     ratio_clip_max: float = Field(0.2, ge=0)
     # Dual clip: for negative advantages the per-token loss is capped at -c * A (c > 1); null = off.
+    # The clipped PPO ratio's only: not with force_on_policy_ratio, disable_ppo_ratio or use_cispo.
     ratio_clip_c: float | None = Field(None, gt=1)
     # Weight the KL term by pi/pi_gen so it estimates KL under the current policy, not the sampler.
     use_on_policy_kl_approximation: bool = False
@@ -503,6 +504,10 @@ class ClippedPGLossConfig(Section):
         modes = [k for k in ("force_on_policy_ratio", "disable_ppo_ratio", "use_cispo") if getattr(self, k)]
         if len(modes) > 1:
             raise ValueError(f"{' and '.join('loss_fn.' + m for m in modes)} are mutually exclusive; set at most one")
+        if self.ratio_clip_c is not None and modes:
+            raise ValueError(f"loss_fn.ratio_clip_c (dual clip) has no effect with loss_fn.{modes[0]}=true: it caps "
+                             "the loss of a PPO ratio above c > 1, which that loss has not (no ratio, or one fixed "
+                             "at 1); unset one of them")
         if self.sequence_level_importance_ratios:
             if self.token_level_loss:
                 raise ValueError(

@@ -343,6 +343,11 @@ def test_config_defaults_validation_and_pickling():
                        "truncated_importance_sampling_ratio": 2.0})
     with pytest.raises(ValidationError, match="mutually exclusive"):
         ClippedPGLoss({"use_cispo": True, "disable_ppo_ratio": True})
+    for mode in ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio"):  # accepted and ignored before
+        with pytest.raises(ValidationError, match=rf"ratio_clip_c \(dual clip\) has no effect with loss_fn.{mode}"):
+            ClippedPGLoss({mode: True, "ratio_clip_c": 3.0})
+    assert ClippedPGLoss({"sequence_level_importance_ratios": True, "token_level_loss": False,
+                          "ratio_clip_c": 3.0}).cfg.ratio_clip_c == 3.0
     with pytest.raises(ValidationError, match="ratio_clp_min"):
         ClippedPGLoss({"ratio_clp_min": 0.1})
 
