@@ -1041,7 +1041,8 @@ class GRPOConfig(Section):
     # several optimizer steps, or for on-policy distillation's advantages). Exact when the generation engine computes the policy's own
     # logprobs (the torch backend in float32; in bf16 within bf16's rounding). Verified on the
     # first step of a run: when mean exp(|generation - policy|) exceeds 1.001 (float32) or 1.005
-    # (bf16/fp16) the run warns and recomputes them from then on.
+    # (bf16/fp16) the run warns and recomputes them from then on. Not with
+    # loss_fn.use_importance_sampling_correction, whose weights pi_prev / pi_gen it makes 1.
     prev_logprobs_from_generation: bool = False
     # Passes of optimizer steps over each step's rollouts (GRPO's mu, TRL's num_iterations): more
     # than 1 reuses expensive samples, the PPO ratio (denominator: the policy before the first
@@ -1340,6 +1341,28 @@ class GRPOMasterConfig(_MasterBase):
             )
         return self
 
+    def _updates_per_step(self) -> int:
+        """Optimizer steps per GRPO step; above 1 the loop computes prev_logprobs before the update."""
+        g = self.grpo
+        samples = g.num_prompts_per_step * g.num_generations_per_prompt
+        return samples // self.policy.train_global_batch_size * g.num_iterations
+
+    @model_validator(mode="after")
+    def _correction_needs_its_own_prev_logprobs(self) -> "GRPOMasterConfig":
+        # With prev_logprobs = the generation logprobs, the correction's weights pi_prev / pi_gen
+        # are 1 on every step after the first one's check.
+        g = self.grpo
+        uses_prev = self._updates_per_step() > 1 or g.adv_estimator == "on_policy_distillation"
+        if self.loss_fn.use_importance_sampling_correction and g.prev_logprobs_from_generation and uses_prev:
+            raise ValueError(
+                "loss_fn.use_importance_sampling_correction=true weighs each token by pi_prev / pi_gen, but "
+                "grpo.prev_logprobs_from_generation=true takes prev_logprobs from the generation logprobs (each "
+                "step uses them: several optimizer steps, or distillation), making every weight 1 once the first "
+                "step has checked them: the correction and its truncation would do nothing. Set "
+                "grpo.prev_logprobs_from_generation=false, or turn the correction off"
+            )
+        return self
+
     @model_validator(mode="after")
     def _on_policy_ratio_needs_one_update(self) -> "GRPOMasterConfig":
         # The ratio fixed to 1 is the true one only for the update right after sampling: later
@@ -1347,7 +1370,7 @@ class GRPOMasterConfig(_MasterBase):
         # ratio nor a clip, as if it had sampled them itself.
         g = self.grpo
         samples = g.num_prompts_per_step * g.num_generations_per_prompt
-        updates = samples // self.policy.train_global_batch_size * g.num_iterations
+        updates = self._updates_per_step()
         if self.loss_fn.force_on_policy_ratio and updates > 1:
             raise ValueError(
                 f"loss_fn.force_on_policy_ratio=true is exact for one optimizer step per rollout batch, but each step "

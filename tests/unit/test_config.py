@@ -665,3 +665,20 @@ def test_one_sample_per_prompt_with_a_group_baseline_fails_at_load():
         load_config("grpo", None, [*reinforce_pp, "grpo.use_dynamic_sampling=true"])
     distillation = [*one, "grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t"]
     assert load_config("grpo", None, distillation).grpo.num_generations_per_prompt == 1
+
+
+def test_an_importance_sampling_correction_against_the_generation_logprobs_themselves_fails_at_load():
+    # Accepted before: from the second step on prev_logprobs were the generation logprobs, so every
+    # correction weight pi_prev / pi_gen was 1 (the quickstart takes them from generation).
+    quickstart = ROOT / "examples/configs/grpo_quickstart.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", quickstart, ["loss_fn.use_importance_sampling_correction=true"])
+    assert ("loss_fn.use_importance_sampling_correction=true weighs each token by pi_prev / pi_gen, but "
+            "grpo.prev_logprobs_from_generation=true takes prev_logprobs from the generation logprobs") in str(e.value)
+    fixed = load_config("grpo", quickstart, ["loss_fn.use_importance_sampling_correction=true",
+                                             "grpo.prev_logprobs_from_generation=false"])
+    assert fixed.loss_fn.use_importance_sampling_correction
+    # One optimizer step per batch: prev_logprobs are the training forward's own, whatever the key says.
+    one_update = load_config("grpo", quickstart, ["loss_fn.use_importance_sampling_correction=true",
+                                                  "policy.train_global_batch_size=512"])
+    assert one_update.grpo.prev_logprobs_from_generation
