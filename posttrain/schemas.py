@@ -1018,7 +1018,7 @@ class GRPOConfig(Section):
     # on the whole global batches it has (none: the run stops).
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     # Prompts drawn per generation round = num_prompts_per_step x this (NeMo RL's oversampling
-    # for dynamic sampling); samples beyond the step's batch are dropped.
+    # for dynamic sampling, which it needs); samples beyond the step's batch are dropped.
     batch_multiplier: int = Field(1, ge=1)
     # Seed of the training-prompt order and of the driver's torch RNG (sampling: policy.generation.seed).
     seed: int = 42
@@ -1338,6 +1338,19 @@ class GRPOMasterConfig(_MasterBase):
             raise ValueError(
                 "grpo.use_dynamic_sampling=true drops the groups whose rewards are all equal, which with "
                 "grpo.num_generations_per_prompt=1 is every group; set it to 2 or more, or turn dynamic sampling off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _oversampling_for_dynamic_sampling(self) -> "GRPOMasterConfig":
+        # Without dynamic sampling the first round fills the batch: the extra prompts' samples
+        # would be generated and dropped, and the prompts used up.
+        g = self.grpo
+        if g.batch_multiplier > 1 and not g.use_dynamic_sampling:
+            raise ValueError(
+                f"grpo.batch_multiplier={g.batch_multiplier} oversamples prompts for dynamic sampling, but "
+                f"grpo.use_dynamic_sampling=false: each step would generate {g.batch_multiplier}x the samples it "
+                "trains and drop the rest, with their prompts; set grpo.batch_multiplier=1 or enable dynamic sampling"
             )
         return self
 

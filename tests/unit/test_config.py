@@ -682,3 +682,13 @@ def test_an_importance_sampling_correction_against_the_generation_logprobs_thems
     one_update = load_config("grpo", quickstart, ["loss_fn.use_importance_sampling_correction=true",
                                                   "policy.train_global_batch_size=512"])
     assert one_update.grpo.prev_logprobs_from_generation
+
+
+def test_oversampling_without_dynamic_sampling_fails_at_load():
+    # Accepted before: every step generated twice the samples it trained, dropped half, and used up
+    # twice the prompts.
+    with pytest.raises(ConfigError, match="grpo.batch_multiplier=2 oversamples prompts for dynamic sampling, but "
+                                          "grpo.use_dynamic_sampling=false"):
+        load_config("grpo", None, ["grpo.batch_multiplier=2"])
+    cfg = load_config("grpo", None, ["grpo.batch_multiplier=2", "grpo.use_dynamic_sampling=true"])
+    assert cfg.grpo.batch_multiplier == 2
