@@ -467,11 +467,16 @@ class CheckpointManager:
         "val:<name>"; `checkpointing.metric_name` picks the one that ranks checkpoints. A metric
         this step did not measure (a val: metric before the first validation, or a misspelt name)
         does not fail the run: the checkpoint is saved, ranked below every measured one, and a
-        warning lists the names there are."""
+        warning lists the names of its kind there are."""
         name = self.cfg.metric_name
         if name and name not in metrics:
-            log.warning("checkpoint step_%d: checkpointing.metric_name=%r not measured at this step, so it "
-                        "ranks below measured ones (available: %s)", step, name, ", ".join(sorted(metrics)))
+            # The names of its own kind (val: or train:) catch a misspelt one; a step that did not
+            # validate (the usual case for a val: name) has none, and all ~40 train: names are noise.
+            kind = name.split(":")[0] + ":"
+            same = sorted(k for k in metrics if k.startswith(kind))
+            log.warning("checkpoint step_%d: checkpointing.metric_name=%r not measured at this step, so it ranks "
+                        "below measured ones (%s)", step, name,
+                        f"measured: {', '.join(same)}" if same else f"no {kind} metric at this step")
         tmp = self.begin_save(step)
         try:
             policy.save_checkpoint(tmp / "policy")

@@ -381,13 +381,19 @@ def test_save_ranks_a_metric_this_step_did_not_measure_below_measured_ones(tmp_p
     mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=1)
     with caplog.at_level("WARNING", logger="posttrain.checkpoint"):
         first = mgr.save(1, _Policy(), {"epoch": 0}, "a: 1\n", {"train:loss": 2.0})  # no validation yet
-    assert "metric_name='val:loss' not measured at this step" in caplog.text and "train:loss" in caplog.text
+    assert "metric_name='val:loss' not measured at this step" in caplog.text and "(no val: metric at this step)" in caplog.text
+    assert "train:loss" not in caplog.text  # the train: names are no help for a val: one
     assert (first / "COMPLETE").is_file() and (first / "policy" / ".metadata").is_file()
     assert json.loads((first / "training_info.json").read_text())["metric_value"] is None
     mgr.save(2, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 3.0})
     mgr.save(3, _Policy(), {"epoch": 0}, "a: 1\n", {"val:loss": 4.0})
     # keep_top_k=1: the best measured (step 2) and the latest (step 3); the unmeasured one goes first.
     assert [p.name for p in mgr.checkpoints()] == ["step_2", "step_3"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.checkpoint"):  # a misspelt name: the measured ones of its kind
+        mgr.save(4, _Policy(), {"epoch": 0}, "a: 1\n", {"train:loss": 2.0, "val:los": 1.0, "val:accuracy": 0.5})
+    assert "metric_name='val:loss' not measured at this step, so it ranks below measured ones (measured: " \
+           "val:accuracy, val:los)" in caplog.text
 
 
 def test_save_that_fails_leaves_no_checkpoint_behind(tmp_path):
