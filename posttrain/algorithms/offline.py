@@ -169,29 +169,31 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
 
 
 def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of_train: bool) -> None:
-    """Sequence packing puts each row whole (each chosen/rejected pair together) in one micro-batch
-    and fails the step that draws one longer than the token budget: fail before any worker starts.
+    """Sequence packing puts each training row whole (each chosen/rejected pair together, which the
+    pair loss needs in one micro-batch) in one micro-batch, and fails the step that draws one longer
+    than the token budget: fail before any worker starts.
 
-    Training rows go through `train_mb_tokens` (and `logprob_mb_tokens` when `logprobs_of_train`:
-    DPO's reference logprobs), validation rows through `logprob_mb_tokens`.
+    Training units go through `train_mb_tokens`. Logprob passes (validation, and DPO's reference
+    logprobs of the training rows when `logprobs_of_train`) need no pairs: they pack row by row,
+    so only the longest row must fit `logprob_mb_tokens`.
     """
     sp = policy.sequence_packing
     if not sp.enabled:
         return
-
-    def size(ex: Any) -> int:  # tokens of one packing unit: a row, or a pair's two rows
-        return sum(len(e["input_ids"]) for e in ex) if isinstance(ex, tuple) else len(ex["input_ids"])
-
-    pairs = isinstance(data.loader.rows[0], tuple)
-    val = [int(n) for b in data.val_batches for n in b["input_lengths"].view(-1, 2 if pairs else 1).sum(-1)]
-    checks = [("train", max(map(size, data.loader.rows)), "train_mb_tokens")]
+    units = data.loader.rows
+    pairs = isinstance(units[0], tuple)
+    rows = [ex for unit in units for ex in unit] if pairs else units
+    longest_row = max(len(ex["input_ids"]) for ex in rows)
+    longest_unit = max(sum(len(ex["input_ids"]) for ex in unit) for unit in units) if pairs else longest_row
+    what = "pair (chosen + rejected, packed together)" if pairs else "row"
+    checks = [("train", what, longest_unit, "train_mb_tokens")]
     if logprobs_of_train:
-        checks.append(("train", checks[0][1], "logprob_mb_tokens"))
-    if val:
-        checks.append(("val", max(val), "logprob_mb_tokens"))
-    for split, longest, key in checks:
+        checks.append(("train", "row", longest_row, "logprob_mb_tokens"))
+    if data.val_batches:
+        longest_val = max(int(b["input_lengths"].max()) for b in data.val_batches)
+        checks.append(("val", "row", longest_val, "logprob_mb_tokens"))
+    for split, what, longest, key in checks:
         if longest > getattr(sp, key):
-            what = "pair (chosen + rejected, packed together)" if pairs else "row"
             raise InputError(f"policy.sequence_packing.{key}={getattr(sp, key)} is less than the longest {split} "
                              f"{what}, {longest} tokens: raise it to at least {longest}")
 

@@ -79,14 +79,35 @@ def test_step0_loss_matches_independent_computation(ray_session, stories260k, sh
     assert result["train/sft_loss"] == pytest.approx((-policy[0::2]).mean().item(), abs=1e-4)
 
 
-@pytest.mark.parametrize("key", ["train_mb_tokens", "logprob_mb_tokens"])
-def test_packing_budget_below_the_longest_pair_fails_before_any_worker_starts(stories260k, shared_data, tmp_path,
-                                                                               key):
-    # A pair is packed whole into one micro-batch: a budget of max_total_sequence_length holds every
-    # row but not every pair, which used to fail at the step that first drew such a pair.
-    budgets = {"train_mb_tokens": 4096, "logprob_mb_tokens": 4096, key: 512}
+@pytest.mark.parametrize("budgets, message", [
+    ({"train_mb_tokens": 512}, r"train_mb_tokens=512 is less than the longest train pair \(chosen \+ rejected, "
+                               r"packed together\), \d+ tokens"),
+    ({"logprob_mb_tokens": 256}, r"logprob_mb_tokens=256 is less than the longest (train|val) row, \d+ tokens"),
+], ids=["train_mb_tokens", "logprob_mb_tokens"])
+def test_packing_budget_below_the_longest_unit_fails_before_any_worker_starts(stories260k, shared_data, tmp_path,
+                                                                               budgets, message):
+    # A training pair is packed whole into one micro-batch: a budget of max_total_sequence_length holds
+    # every row but not every pair, which used to fail at the step that first drew such a pair.
+    budgets = {"train_mb_tokens": 4096, "logprob_mb_tokens": 4096, **budgets}
     cfg = _cfg(tmp_path, stories260k, shared_data, "policy.sequence_packing.enabled=true",
                *(f"policy.sequence_packing.{k}={v}" for k, v in budgets.items()))
-    with pytest.raises(InputError, match=rf"policy.sequence_packing.{key}=512 is less than the longest (train|val) "
-                                         r"pair \(chosen \+ rejected, packed together\), \d+ tokens"):
+    with pytest.raises(InputError, match=rf"policy.sequence_packing.{message}: raise it to at least \d+"):
         dpo.setup(cfg)  # no ray_session: it must fail before Ray starts
+
+
+def test_logprob_budget_needs_to_hold_a_row_not_a_pair(ray_session, stories260k, shared_data, tmp_path):
+    # Reference and validation logprobs pack row by row (no pair loss there): a logprob budget of
+    # max_total_sequence_length (512) holds every row, and the run works, though a pair is up to 1024
+    # tokens. It was refused at setup ("raise it to at least 1024").
+    cfg = _cfg(tmp_path, stories260k, shared_data, "policy.sequence_packing.enabled=true",
+               "policy.sequence_packing.train_mb_tokens=1024", "policy.sequence_packing.logprob_mb_tokens=512",
+               "dpo.max_num_steps=1", "dpo.val_period=0", "dpo.val_at_end=false", "dpo.val_batches=1",
+               "dpo.val_global_batch_size=4")
+    s = dpo.setup(cfg)
+    try:
+        longest_pair = max(len(c["input_ids"]) + len(r["input_ids"]) for c, r in s.loader.rows)
+        result = dpo.dpo_train(s)
+    finally:
+        s.run.shutdown()
+    assert longest_pair > 512
+    assert result["val/loss"] == pytest.approx(0.693147, abs=1e-5) and result["step"] == 1
