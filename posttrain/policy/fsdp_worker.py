@@ -380,7 +380,9 @@ class FSDPPolicyWorker:
         lengths = mb["input_lengths"]
         seq_len = ids.shape[1]
         if self.model_kind == "sequence_classification":
-            return model(input_ids=self._fit(ids, lengths), use_cache=False).logits[:, 0].float()
+            fitted = self._fit(ids, lengths)
+            self._model_tokens += fitted.numel()
+            return model(input_ids=fitted, use_cache=False).logits[:, 0].float()
         first = _first_trained(mb["token_mask"].to(self.device), lengths) if "token_mask" in mb else None
         lp = None
         if rows is not None:

@@ -110,7 +110,7 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
     cfg.policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     s = rm.setup(cfg)
     try:
-        rm.rm_train(s)
+        trained = rm.rm_train(s)
         batch = s.val_batches[0]
         scores = s.run.policy.get_scores(batch)["scores"]
         s.run.policy.export_hf(tmp_path / "hf")
@@ -124,3 +124,5 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
         padded = exported(input_ids=batch["input_ids"]).logits[:, 0]
     torch.testing.assert_close(scores, alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)  # the export pads as training did
+    # Positions through the model: the padded rows, not 0 (the score forward went uncounted).
+    assert trained["train/model_tokens"] >= trained["train/num_tokens"] > 0
