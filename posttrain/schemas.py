@@ -1098,8 +1098,10 @@ class SFTConfig(Section):
 
 
 class DPOConfig(SFTConfig):
-    # beta of DPO: strength of the implicit KL to the reference.
-    reference_policy_kl_penalty: float = Field(0.05, ge=0)
+    # beta of DPO: strength of the implicit KL to the reference. Must be positive: at 0 every
+    # preference loss is a constant (no gradient: the run trains nothing) and every reward is 0;
+    # IPO divides by it.
+    reference_policy_kl_penalty: float = Field(0.05, gt=0)
     # Average (not sum) the sequence logprobs in the preference loss. null: the loss's own
     # convention, sums for sigmoid (DPO), means for ipo (as TRL: IPO's squared loss on token sums
     # of long responses reaches 1e5 and its gradients 1e6) and simpo (always means).

@@ -143,3 +143,19 @@ def test_bad_inputs_and_registry():
     for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
         assert fn.loss_type in ("token", "sequence")
     assert dpo.needs_pairs and BradleyTerryLoss.needs_pairs and not NLLLoss.needs_pairs
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "ipo", "simpo"])
+def test_zero_beta_is_refused_at_load(name):
+    # beta = 0 makes the sigmoid and SimPO losses constants (log 2, -log sigma(-gamma)) with no gradient
+    # and every reward 0: the run trained nothing, silently; IPO divides by it. The config names the key
+    # (IPO failed in the loss, with a traceback, after the data was tokenized).
+    from posttrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"dpo.reference_policy_kl_penalty: got 0, expected greater than 0"):
+        load_config("dpo", None, ["dpo.reference_policy_kl_penalty=0", f"dpo.loss.name={name}"])
+    curr, mb = _pair_batch([[0.0, -1.0], [0.0, -2.0]], [[0.0, -1.5], [0.0, -1.5]], [[0, 1], [0, 1]])
+    loss, m = DPOLoss(beta=0.0)(curr, mb, *valid_counts(mb))
+    loss.backward()
+    # What the run got: log 2 whatever the policy, and no gradient.
+    assert loss.item() == pytest.approx(math.log(2)) and curr.grad.abs().sum() == 0 and m["reward_margin"] == 0
