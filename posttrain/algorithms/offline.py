@@ -10,6 +10,7 @@ optimizer step; `pair_policy_config` gives the policy the row counts.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -297,6 +298,7 @@ def offline_train(
     step = s.start_step
     while step < s.total_steps:
         timer.reset()
+        step_start = time.monotonic()
         # ---- data
         with timer.time("data"):
             batch = make_batch(next(s.loader))
@@ -306,6 +308,8 @@ def offline_train(
         # ---- policy update (one optimizer step on the global batch)
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
+        # The worker's step_time_s is its optimizer step's; this loop's (below) is the whole step's, as in GRPO.
+        train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
         step += 1
         # ---- validation
         measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
@@ -322,7 +326,8 @@ def offline_train(
                 save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
                                                      **{f"val:{k}": v for k, v in measured.items()}})
         # ---- logging
-        logger.log_metrics({**last, **timer.metrics()}, step=step, prefix="train")
+        logger.log_metrics({**last, "step_time_s": time.monotonic() - step_start, **timer.metrics()}, step=step,
+                           prefix="train")
         logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
                                                            if show in val_metrics else {})})
         if stop:

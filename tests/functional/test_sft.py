@@ -122,7 +122,13 @@ def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_
     cfg = _cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=1", "sft.val_period=0", "sft.val_at_start=false",
                f"sft.val_at_end={str(val_at_end).lower()}", "sft.val_batches=1", "sft.val_global_batch_size=8")
     result = sft.run(cfg)
-    val_steps = [r["step"] for r in map(json.loads, open(tmp_path / "logs" / "metrics.jsonl")) if r["prefix"] == "val"]
+    records = list(map(json.loads, open(tmp_path / "logs" / "metrics.jsonl")))
+    val_steps = [r["step"] for r in records if r["prefix"] == "val"]
     assert result["step"] == 1
     assert val_steps == ([1] if val_at_end else [])
     assert ("val/loss" in result) is val_at_end
+    # step_time_s is the whole step's, as GRPO's (it was the workers' optimizer step alone, which
+    # leaves out the data, the validation and the checkpoint).
+    train = next(r for r in records if r["prefix"] == "train")
+    phases = sum(v for k, v in train.items() if k.startswith("timing/") and k.count("/") == 1)
+    assert train["step_time_s"] >= phases >= train["timing/training"] > train["optimizer_step_time_s"] > 0
