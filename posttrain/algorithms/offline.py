@@ -239,8 +239,19 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
         except InputError as e:
             raise InputError(f"{split} split: {e}") from e
     val_batches = [collate_fn(c, tokenizer.pad_token_id) for c in chunks(examples["val"], algo.val_global_batch_size)]
-    loader = RowLoader(examples["train"], cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle,
-                       seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size")
+    try:
+        loader = RowLoader(examples["train"], cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle,
+                           seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size")
+    except InputError as e:
+        # Fewer rows than a batch: the counts that say why are logged only once the run starts, and
+        # "add data" is the wrong advice when the context length left most of the file out.
+        train = stats["train"]
+        left_out = train["rows"] - train["kept"]
+        why = (f"; {left_out} of the split's {train['rows']} rows were left out ({train['dropped']} longer than "
+               f"{max_len} tokens, dropped; {train['no_loss']} without a loss token in their first {max_len}): "
+               "a longer policy.max_total_sequence_length / data.max_input_seq_length keeps those the limit cut"
+               if left_out else "")
+        raise InputError(f"train split: {e}{why}") from None
     return OfflineData(tokenizer, loader, val_batches, stats)
 
 
