@@ -219,7 +219,7 @@ class OfflineData:
 
     tokenizer: Any
     loader: RowLoader
-    val_batches: list[BatchedDataDict]  # all of them; `algo.val_batches` caps how many are used
+    val_batches: list[BatchedDataDict]  # the first `algo.val_batches`: what validation runs on
     stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss
 
 
@@ -238,7 +238,9 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
             examples[split], stats[split] = process_rows(rows, tokenizer, cfg.data, max_len)
         except InputError as e:
             raise InputError(f"{split} split: {e}") from e
-    val_batches = [collate_fn(c, tokenizer.pad_token_id) for c in chunks(examples["val"], algo.val_global_batch_size)]
+    # Only the batches validation runs on: a row past them must not fail the packing check.
+    val_batches = [collate_fn(c, tokenizer.pad_token_id)
+                   for c in chunks(examples["val"], algo.val_global_batch_size)[: algo.val_batches]]
     try:
         loader = RowLoader(examples["train"], cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle,
                            seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size")
@@ -279,7 +281,7 @@ def offline_setup(
         run.shutdown()
         raise
     return OfflineSetup(cfg=cfg, run=run, tokenizer=data.tokenizer, loader=data.loader,
-                        val_batches=data.val_batches[: algo.val_batches], loss_fn=loss_fn, start_step=start_step,
+                        val_batches=data.val_batches, loss_fn=loss_fn, start_step=start_step,
                         total_steps=total_steps(algo.max_num_steps, start_step, data.loader))
 
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import offline, sft
 from posttrain.config import ConfigError, InputError, load_config
-from posttrain.data.processors import collate
+from posttrain.data.processors import collate, process_sft_rows
 
 # The Alpaca-style plain-text template of the example config (stories260K has no chat template).
 SFT_ALPACA = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_alpaca.yaml"
@@ -151,3 +151,28 @@ def test_too_few_rows_for_a_batch_says_how_many_the_context_length_left_out(shar
     assert m, err.value
     kept, left_out, dropped = map(int, m.groups())
     assert kept + left_out == 949 and left_out == dropped and kept < 128
+
+
+def test_packing_checks_only_the_validation_rows_validation_runs_on(tmp_path):
+    # sft.val_batches x sft.val_global_batch_size rows are validated; a longer row after them
+    # failed the setup's packing check ("raise policy.sequence_packing.logprob_mb_tokens").
+    def write(name, answers):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Q"},
+                                                         {"role": "assistant", "content": a}]}) + "\n"
+                                for a in answers))
+        return path
+
+    train, val = write("train.jsonl", ["short"] * 8), write("val.jsonl", ["short", "short", "long " * 40])
+    overrides = ["data.dataset_name=local", f"data.train_data_path={train}", f"data.val_data_path={val}",
+                 "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+                 "policy.sequence_packing.logprob_mb_tokens=64", "sft.val_global_batch_size=2"]
+    cfg = _cfg(tmp_path, "embedded:tiny", *overrides, "sft.val_batches=1")
+    data = offline.offline_data(cfg, cfg.sft, process_sft_rows, collate)
+    assert [b.size for b in data.val_batches] == [2]
+    offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=False)
+    # Validated, the long row still fails before any worker starts.
+    cfg = _cfg(tmp_path, "embedded:tiny", *overrides, "sft.val_batches=2")
+    data = offline.offline_data(cfg, cfg.sft, process_sft_rows, collate)
+    with pytest.raises(InputError, match=r"logprob_mb_tokens=64 is less than the longest val row, \d+ tokens"):
+        offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=False)
