@@ -134,7 +134,8 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
     if row.get("label") is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
             f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "
-            "would train the model to imitate; remove such rows, or set data.on_malformed_row=skip (counted)"
+            "would train the model to imitate (DPO and RM need `chosen`/`rejected` pairs, which KTO data has not); "
+            "remove such rows, or set data.on_malformed_row=skip (counted) to train SFT on the others"
         )
     return out
 
