@@ -1412,6 +1412,16 @@ class RMMasterConfig(_MasterBase):
     # The reward-model loop (Bradley-Terry on preference pairs): the keys of sft.
     rm: RMConfig = Field(default_factory=RMConfig)
 
+    @model_validator(mode="after")
+    def _no_sequence_packing(self) -> "RMMasterConfig":
+        # The policy workers run a reward model on padded rows whatever this says: silently, the run
+        # had neither packing nor the token-budget micro-batches it asked for.
+        if self.policy.sequence_packing.enabled:
+            raise ValueError("policy.sequence_packing.enabled=true: a reward model is not trained on packed rows "
+                             "(its score is the head's output at each row's last token); use "
+                             "policy.dynamic_batching for token-budget micro-batches")
+        return self
+
 
 class EvalMasterConfig(_MasterBase):
     # `posttrain eval`: samples per prompt, the headline metric, where results go (docs/evaluation.md).

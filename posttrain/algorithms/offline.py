@@ -271,8 +271,7 @@ def offline_setup(
     workers, resume. `policy_kwargs` go to `start_run` (model_kind, init_reference)."""
     torch.manual_seed(algo.seed)
     data = offline_data(cfg, algo, process_rows, collate_fn)
-    if policy_kwargs.get("model_kind", "causal_lm") == "causal_lm":  # a reward model does not pack
-        check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False))
+    check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False))
     run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:

@@ -42,6 +42,19 @@ def test_reward_model_type_picks_model_kind_and_loss():
         rm.reward_model_kind(load_config("sft").policy)
 
 
+def test_sequence_packing_is_refused_at_load():
+    # The workers never pack a reward model's rows: the run went on without packing (or the
+    # token-budget micro-batches asked for), and nothing said so.
+    from posttrain.config import ConfigError
+
+    packing = ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=1024",
+               "policy.sequence_packing.logprob_mb_tokens=1024"]
+    with pytest.raises(ConfigError, match=r"policy.sequence_packing.enabled=true: a reward model is not trained on "
+                                          r"packed rows .* use policy.dynamic_batching"):
+        load_config("rm", None, packing)
+    assert load_config("sft", None, packing).policy.sequence_packing.enabled  # causal LMs pack
+
+
 @pytest.mark.slow
 def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_path):
     train = _write(tmp_path / "train.jsonl", _pairs(4800, seed=0))
