@@ -1015,7 +1015,7 @@ class GRPOConfig(Section):
     # batches (at most dynamic_sampling_max_gen_batches per step) to fill the batch.
     use_dynamic_sampling: bool = False
     # Generation rounds per step at most with dynamic sampling; a step still short then trains
-    # on the whole global batches it has (none: the run stops).
+    # on the whole global batches it has (none: the run saves its last step and fails).
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     # Prompts drawn per generation round = num_prompts_per_step x this (NeMo RL's oversampling
     # for dynamic sampling, which it needs); samples beyond the step's batch are dropped.

@@ -401,6 +401,12 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
     return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
 
 
+class DynamicSamplingExhausted(RuntimeError):
+    """Dynamic sampling kept less than one optimizer step of groups with reward variance in
+    grpo.dynamic_sampling_max_gen_batches rounds: the run cannot go on (NeMo RL raises too), and
+    ending it as if it were done would read as a finished run to whatever launched it."""
+
+
 @dataclass
 class _LastComplete:
     """The loop's last complete step: what a checkpoint of it holds (the data position of its
@@ -542,6 +548,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             if step > last.saved_step and s.checkpointer.should_save(step, last=True):
                 _save(s, step, last.train, last.val,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
+            if prompts is not None:
+                raise DynamicSamplingExhausted(
+                    f"step {step}: {reason}. Raise grpo.dynamic_sampling_max_gen_batches or "
+                    "grpo.num_generations_per_prompt, or train on prompts the model solves only sometimes")
             break
         rollout_metrics.update(summarize_rollouts(step_convs))
         if g.use_dynamic_sampling:

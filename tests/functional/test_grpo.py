@@ -456,7 +456,12 @@ def test_dynamic_sampling_that_keeps_no_group_says_so_and_stops(ray_session, tmp
         "grpo.val_at_end=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2",
         "data.task_name=one", f"env.one.target={rewards}:one", "checkpointing.enabled=false",
     ))
-    assert run(cfg) == {}
+    from posttrain.algorithms.grpo import DynamicSamplingExhausted
+
+    # It fails (as NeMo RL's does), so that whatever launched it does not take it for a finished run.
+    with pytest.raises(DynamicSamplingExhausted, match=r"step 0: dynamic sampling kept 0 samples in 2 generation "
+                                                       r"rounds.*Raise grpo.dynamic_sampling_max_gen_batches"):
+        run(cfg)
     assert ("step 0: dynamic sampling kept 0 samples in 2 generation rounds (grpo.dynamic_sampling_max_gen_batches), "
             "fewer than one optimizer step (policy.train_global_batch_size=8): the other groups' rewards were all "
             "equal; stopping") in " ".join(capsys.readouterr().out.split())  # the console wraps lines
