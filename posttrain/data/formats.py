@@ -177,6 +177,22 @@ def _text(value: Any, loc: str, what: str, allow_empty: bool = False) -> str:
     return value
 
 
+def _content_text(value: Any, loc: str, what: str) -> Any:
+    """OpenAI's list of content parts ([{"type": "text", "text": ...}, ...]) as one string, its
+    text parts joined by newlines (as vLLM's chat front end does); any other value as it is. A
+    part of another type (an image) is refused: the models trained here read text only."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for i, part in enumerate(value):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+            raise DataFormatError(f"{loc}: `{what}[{i}]` is a content part of type {kind}; only text parts "
+                                  '({"type": "text", "text": ...}) are read')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _message(m: Any, loc: str, what: str) -> dict[str, str]:
     """One message in OpenAI ({role, content}) or ShareGPT ({from, value}) form."""
     if not isinstance(m, dict):
@@ -196,6 +212,7 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
         raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
     if role not in _ROLES:
         raise DataFormatError(f"{loc}: {what} has unknown role {role!r}; valid: {', '.join(_ROLES)}")
+    content = _content_text(content, loc, f"{what}.content")
     calls = _tool_calls(m.get("tool_calls"), loc, f"{what}.tool_calls") if role == "assistant" else None
     if content is None and calls:
         content = ""  # OpenAI's tool-calling turn: `content: null`, the calls in `tool_calls`

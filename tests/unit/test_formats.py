@@ -89,6 +89,18 @@ def test_sharegpt_toolcall_sample(shared_data):
     assert "<tool_call>{\"name\": " in tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
 
 
+def test_openai_content_parts_are_read_as_their_text():
+    # OpenAI's (and multimodal chat sets') list of content parts: text parts joined, others refused.
+    row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "1+1?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "2"}]}]}
+    assert normalize_row(row, "messages", "x row 1")["messages"] == [
+        {"role": "user", "content": "What is\n1+1?"}, {"role": "assistant", "content": "2"}]
+    row["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "x.png"}})
+    with pytest.raises(DataFormatError, match=r"x row 1: `messages\[0\].content\[2\]` is a content part of type "
+                                              r"'image_url'; only text parts"):
+        normalize_row(row, "messages", "x row 1")
+
+
 def test_openai_tool_calling_rows_keep_their_calls_and_train_on_them(tmp_path):
     # OpenAI's function-calling layout: a calling turn with `content: null` and structured
     # `tool_calls` (arguments as an object or as a JSON string), results naming their call.
