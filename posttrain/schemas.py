@@ -560,6 +560,9 @@ class DataConfig(Section):
     # Format of local files: auto-detected when null.
     format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math",
                     "code"] | None = None
+    # Rename the data's columns before the format is told, {its name: posttrain's}, e.g.
+    # {"query": "question", "solution": "answer"} (a TRL-style GRPO set) or {"output": "completion"}.
+    column_map: dict[str, str] = Field(default_factory=dict)
     # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
     # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it.
     max_input_seq_length: int | None = Field(None, ge=1)
@@ -625,6 +628,17 @@ class DataConfig(Section):
     # Keyword arguments of `datasets.load_dataset` for a hub dataset or a folder (e.g. {"name":
     # "full"}, the set's configuration), or sliding_puzzle's settings; other datasets read none.
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("column_map")
+    @classmethod
+    def _one_column_per_name(cls, mapping: dict[str, str]) -> dict[str, str]:
+        names = list(mapping.values())
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"renames several columns to {', '.join(map(repr, twice))}; one column per name")
+        if any(not k or not v for k, v in mapping.items()):
+            raise ValueError("column names must not be empty")
+        return mapping
 
 
 class EnvWorkerConfig(Section):

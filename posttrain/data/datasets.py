@@ -257,6 +257,7 @@ def normalize_rows(
     `numbers`: each row's number in errors (`read_file`'s); null: its 1-based position."""
     if not raw:
         raise DataFormatError(f"{source}: the dataset is empty")
+    raw = _rename_columns(raw, cfg.column_map, source)
     numbers = numbers or list(range(1, len(raw) + 1))
     fmt = cfg.format or _format_of_rows(raw, source, numbers, skip=cfg.on_malformed_row == "skip")
     rows, skipped, first_error = [], 0, None
@@ -273,6 +274,25 @@ def normalize_rows(
     if not rows:
         raise DataFormatError(f"{source}: every row is malformed ({skipped} skipped); first error: {first_error}")
     return rows
+
+
+def _rename_columns(raw: list[Any], mapping: dict[str, str], source: str) -> list[Any]:
+    """`raw` with its columns renamed by `data.column_map` ({the data's name: posttrain's}). A name
+    no row has (a typo), or a new name the data already uses for a column it keeps, is an error:
+    either would leave the rows as they were, or lose a column, without a word."""
+    if not mapping:
+        return raw
+    # `datasets` gives every row every column, None where a row has none: count only values.
+    present = {k for r in raw if isinstance(r, dict) for k, v in r.items() if v is not None}
+    absent = [old for old in mapping if old not in present]
+    if absent:
+        raise InputError(f"{source}: data.column_map renames {', '.join(map(repr, absent))}, which no row has "
+                         f"(its columns: {', '.join(sorted(present))})")
+    taken = [f"{old!r} -> {new!r}" for old, new in mapping.items() if new in present and new not in mapping]
+    if taken:
+        raise InputError(f"{source}: data.column_map renames {', '.join(taken)}, a column the data already has; "
+                         "rename that one too (or away), or drop the entry")
+    return [{mapping.get(k, k): v for k, v in r.items()} if isinstance(r, dict) else r for r in raw]
 
 
 def _format_of_rows(raw: list[Any], source: str, numbers: list[int], skip: bool) -> str:
@@ -451,8 +471,11 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         raise InputError(
             f"data.dataset_kwargs {sorted(cfg.dataset_kwargs)}: data.dataset_name={name!r} reads none; they go to "
             "`datasets.load_dataset` for a hub dataset or a folder (e.g. {\"name\": \"full\"}) and set "
-            f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format"
+            f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format and renamed by data.column_map"
         )
+    if cfg.column_map and name in _GENERATED:
+        raise InputError(f"data.column_map: data.dataset_name={name!r} is made from its settings, with no columns "
+                         "to rename")
     paths = [key for key in ("train_data_path", "val_data_path") if getattr(cfg, key)]
     if paths and not local_file and (name not in REGISTRY or name in _GENERATED):
         # Left unread, a validation file named for a hub set or the arithmetic task was not what

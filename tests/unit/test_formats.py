@@ -89,6 +89,29 @@ def test_sharegpt_toolcall_sample(shared_data):
     assert "<tool_call>{\"name\": " in tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
 
 
+def test_column_map_renames_the_datas_columns_before_the_format_is_told(tmp_path):
+    from pydantic import ValidationError
+
+    rows = [{"query": f"{a}+1=", "solution": str(a + 1), "source": "x"} for a in range(40)]
+    path = _write_jsonl(tmp_path / "trl.jsonl", rows)
+    with pytest.raises(DataFormatError, match=r"cannot tell the format from the keys \['query', 'solution', 'source'\]"):
+        load_rows(_cfg(path), "train")
+    train = load_rows(_cfg(path, column_map={"query": "question", "solution": "answer"}), "train")
+    assert train[0]["messages"] == [{"role": "user", "content": "0+1="}] and train[0]["answer"] == "1"
+    # A name no row has (a typo) would leave the rows as they were: refused, listing the columns.
+    with pytest.raises(InputError, match=r"trl.jsonl: data.column_map renames 'querry', which no row has \(its "
+                                         r"columns: query, solution, source\)"):
+        load_rows(_cfg(path, column_map={"querry": "question"}), "train")
+    # A new name the data uses for a column it keeps would lose that column.
+    with pytest.raises(InputError, match=r"renames 'query' -> 'source', a column the data already has"):
+        load_rows(_cfg(path, column_map={"query": "source"}), "train")
+    assert load_rows(_cfg(path, column_map={"query": "question", "solution": "answer", "source": "origin"}), "val")
+    with pytest.raises(ValidationError, match=r"renames several columns to 'answer'"):
+        _cfg(path, column_map={"query": "answer", "solution": "answer"})
+    with pytest.raises(InputError, match=r"data.column_map: data.dataset_name='arithmetic' is made from its settings"):
+        load_rows(_cfg("arithmetic", column_map={"a": "b"}), "train")
+
+
 def test_openai_content_parts_are_read_as_their_text():
     # OpenAI's (and multimodal chat sets') list of content parts: text parts joined, others refused.
     row = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "1+1?"}]},
