@@ -373,7 +373,8 @@ def run_rollouts(
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     """Means over conversations (a step's rollouts, over all its generation rounds): the reward and
     the share with a reward > 0 (accuracy), lengths and turns, plus each reward component's mean
-    as reward/<name> (samples scored by a list of reward functions), each environment metric's
+    as reward/<name> (over the samples a list of reward functions scored, less those a TRL
+    function returned None for), each environment metric's
     mean as env/<name> (over the samples that have it) and, when the model had tools, the turns
     with tool calls per conversation (tool_calls_mean)."""
     n = len(convs)
@@ -382,7 +383,8 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     env_metrics: dict[str, list[float]] = defaultdict(list)
     for c in convs:
         for name, value in (c.metadata or {}).get(REWARD_COMPONENTS_KEY, {}).items():
-            components[name].append(value)
+            if value is not None:  # a TRL function's "not applicable" to this sample
+                components[name].append(value)
         for name, value in (c.metadata or {}).get(ENV_METRICS_KEY, {}).items():
             env_metrics[name].append(value)
     return {

@@ -215,7 +215,12 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                 value = batch_values[label]
                 if isinstance(value, BaseException):
                     raise value
-                value = 0.0 if value is None else value  # TRL's None: not applicable, adds nothing
+                if value is None:
+                    # TRL's None: not applicable. It adds nothing, and its component stays None so
+                    # that reward/<function> averages the samples it applies to (TRL's nanmean);
+                    # as 0 it read as a wrong answer.
+                    values[label] = None
+                    continue
             else:
                 value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
             number = _real(value)
@@ -227,7 +232,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                 # components it made the step's logged reward/<function> mean NaN.
                 raise ValueError(f"reward function {label!r} of environment {self.name!r} returned {number}")
             values[label] = number
-        reward = sum(w * v for w, v in zip(self.weights, values.values()))
+        reward = sum(w * v for w, v in zip(self.weights, values.values()) if v is not None)
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)

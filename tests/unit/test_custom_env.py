@@ -487,7 +487,16 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     # trl_exact + 0.5 x len("q") (None for the long prompt: adds nothing) + 2 x exact
     assert ret.rewards.tolist() == [1 + 0.5 + 2, 0.5, 1 + 0 + 2] and ret.num_errors == 0
     assert ret.metadata[0]["reward_components"] == {"trl_exact": 1.0, "trl_prompt_length": 1.0, "exact": 1.0}
+    assert ret.metadata[2]["reward_components"] == {"trl_exact": 1.0, "trl_prompt_length": None, "exact": 1.0}
     assert all("_trl_reward_values" not in m for m in ret.metadata)
+    # reward/<function> averages the samples a function applies to, as TRL's nanmean: the
+    # long prompt's None counted as 0 and logged trl_prompt_length at 2/3, not 1.
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    convs = [Conversation(messages=[], metadata=m, task_name="trl", tokens=[], prompt_length=0, reward=float(r))
+             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+    metrics = summarize_rollouts(convs)
+    assert metrics["reward/trl_prompt_length"] == 1.0 and metrics["reward/trl_exact"] == pytest.approx(2 / 3)
     broken = _cfg(f"{rewards_file}:trl_wrong_count")
     ret = resolve_env("trl", broken)(broken).step([convo("a"), convo("b")], [{}, {}])
     assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
