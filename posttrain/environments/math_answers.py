@@ -15,14 +15,26 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
+# A \boxed argument without braces: the word after the command, less the sentence's punctuation.
+_BARE_ARGUMENT = re.compile(r"[^\s$]*[^\s$.,;:!?]")
+
+
 def extract_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...} (nested braces matched), None if there is none."""
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    """Content of the last \\boxed{...} / \\fbox{...} (nested braces matched), or the word after
+    a \\boxed without braces ("\\boxed 5$" gives "5"); None if there is none."""
+    start, cmd = max((text.rfind(cmd), cmd) for cmd in _BOX_COMMANDS)
     if start < 0:
         return None
-    brace = text.find("{", start)
-    if brace < 0:
-        return None
+    # The argument follows the command: a brace searched for further on ("\boxed 5, so
+    # $\frac{1}{2}$") read a later expression's "1" as the answer.
+    rest = text[start + len(cmd):]
+    after = rest.lstrip()
+    if not after.startswith("{"):
+        if rest[:1].isalpha():  # another command ("\boxedsymbol"), not a box
+            return None
+        word = _BARE_ARGUMENT.match(after)
+        return word[0] if word else None
+    brace = len(text) - len(after)
     depth = 0
     for i in range(brace, len(text)):
         if text[i] == "{":

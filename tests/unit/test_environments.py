@@ -43,6 +43,10 @@ def test_answer_extraction():
     assert extract_boxed(r"so \boxed{\frac{1}{2}} and \boxed{x^{2}+1}") == "x^{2}+1"
     assert extract_boxed(r"\fbox{7}") == "7"
     assert extract_boxed(r"\boxed{unclosed") is None
+    # Without braces the argument is the word after the command, not a later expression's braces.
+    assert extract_boxed(r"so $\boxed 5$, as $\frac{1}{2}$ of 10") == "5"
+    assert extract_boxed(r"it is \boxed -3.") == "-3" and extract_boxed(r"boxed: \boxed.") is None
+    assert extract_final_answer(r"\boxedsymbol{2} and 7") == "7"
     assert extract_final_answer("first 3, then 1,234.5 apples.") == "1234.5"
     assert extract_final_answer(r"-4 but \boxed{12} is final") == "12"
     assert extract_final_answer("it is -7.") == "-7"
