@@ -66,8 +66,17 @@ def _contract_violation(ret: Any, n: int) -> str | None:
     # failed later as "'list' object has no attribute 'float'", and a text observation
     # (StepResult takes one, EnvironmentReturn does not) crashed the driver's rollout.
     for field in ("rewards", "terminateds"):
-        if not isinstance(getattr(ret, field), torch.Tensor):
-            return f"{field} as a {type(getattr(ret, field)).__name__}, not a torch.Tensor"
+        value = getattr(ret, field)
+        if not isinstance(value, torch.Tensor):
+            return f"{field} as a {type(value).__name__}, not a torch.Tensor"
+        # One value per sample: a [B, 1] reward column passed the count above, then failed to
+        # concatenate with the other actors' slices and stopped the driver's rollout.
+        if value.dim() != 1:
+            return f"{field} of shape {list(value.shape)}, not [{n}]"
+    # The rollout reads each sample's metadata as a dict (None keeps what it had).
+    for i, m in enumerate(ret.metadata):
+        if m is not None and not isinstance(m, dict):
+            return f"metadata[{i}] = {m!r:.80}, not a dict"
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
         if not bool(ret.terminateds[i]) and not (_is_message(obs) or (
                 isinstance(obs, list) and obs and all(map(_is_message, obs)))):

@@ -533,8 +533,22 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
             return EnvironmentReturn(["try again"] * n, metadata, [None] * n, torch.zeros(n),
                                      torch.tensor([m[-1]["content"] == "end" for m in message_logs]), [None] * n)
 
+    # A reward column [B, 1] and a metadata entry that is no dict passed the check, then stopped
+    # the driver: concatenating the slices, reading the metadata.
+    class Column(Sloppy):
+        def step(self, message_logs, metadata):
+            ret = super().step(message_logs, metadata)
+            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards[:, None]})
+
+    class Named(Sloppy):
+        def step(self, message_logs, metadata):
+            ret = super().step(message_logs, metadata)
+            return type(ret)(**{**ret.__dict__, "metadata": ["done"] * len(message_logs)})
+
     for name, env_cls, answers, error in [
         ("listed", Listed, ["1", "1"], "rewards as a list, not a torch.Tensor"),
+        ("column", Column, ["1", "1"], "rewards of shape [2, 1], not [2]"),
+        ("named", Named, ["1", "1"], "metadata[0] = 'done', not a dict"),
         ("texts", Texts, ["end", "more"],
          "observations[1] = 'try again', not a message {'role': ..., 'content': ...} or a list of them"),
     ]:
