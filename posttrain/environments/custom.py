@@ -32,6 +32,7 @@ is resolved on the driver before Ray starts, so a wrong target fails in seconds,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib
@@ -274,7 +275,7 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
     done, `max_steps`), `log_metric(name, value)` (logged as env/<name>), `log_extra(column,
     values)` (one value per sample, shown in samples.jsonl), and every metadata key of the
     batch (the row's `answer` among them) as a list, None where a sample lacks it. A function
-    gets those it names (all with **kwargs). One that raises or returns the wrong count of
+    gets those it names (all with **kwargs); an `async def` one is awaited. One that raises or returns the wrong count of
     values gives every sample its exception (they score 0, recorded)."""
     starts = [next((i for i, m in enumerate(log) if m.get("role") == "assistant"), len(log)) for log in message_logs]
     rollout = [m.get(ROLLOUT_KEY) or {} for m in metadata]
@@ -300,7 +301,10 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
     for label, fn in fns.items():
         kwargs = {k: available[k] for k in _keywords_taken(fn, tuple(available))}
         try:
-            values = list(fn(**kwargs))
+            values = fn(**kwargs)
+            if inspect.iscoroutine(values):  # an `async def` function, which TRL awaits too
+                values = asyncio.run(values)
+            values = list(values)
             if len(values) != len(message_logs):
                 raise ValueError(f"returned {len(values)} values for {len(message_logs)} completions")
             bad = next((v for v in values if v is not None and _real(v) is None), None)
