@@ -166,7 +166,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
             return f"error: {name} timed out after {self.tool_timeout_s:g} s"
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
             return f"error: {name} raised {type(e).__name__}: {e}"
-        return result if isinstance(result, str) else json.dumps(result, default=str)
+        return result if isinstance(result, str) else json.dumps(result, default=_json_value)
 
     def close(self) -> None:
         if self._runner is not None:
@@ -237,6 +237,13 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
+
+
+def _json_value(value: Any) -> Any:
+    """What JSON cannot write of a tool's result: a NumPy or torch scalar or array as its numbers
+    (as text, np.int64(3) reached the model as "3", quoted), anything else as its text."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
 
 
 def _real(value: Any) -> float | None:

@@ -72,6 +72,16 @@ def add(a: int, b: int) -> int:
     """
     return a + b
 
+def mean(values: list[float]) -> float:
+    """The mean of some numbers.
+
+    Args:
+        values: The numbers.
+    """
+    import numpy as np
+
+    return {"mean": np.mean(values), "count": np.int64(len(values)), "values": np.array(values)}
+
 def divide(a: float, b: float) -> float:
     """Divide a by b.
 
@@ -337,6 +347,10 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     assert lines[2].startswith("error: malformed tool call, not JSON") and lines[3] == "2"
     assert lines[4] == "error: add raised TypeError: unsupported operand type(s) for +: 'int' and 'str'"
     assert ret.num_errors == 0 and not ret.terminateds[0]
+    # NumPy results read as numbers, not as their quoted text.
+    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:mean"])
+    ret = resolve_env("calc", cfg)(cfg).step([convo(_call("mean", values=[1, 2]))], [{}])
+    assert json.loads(ret.observations[0][0]["content"]) == {"mean": 1.5, "count": 2, "values": [1, 2]}
     # After max_tool_calls turns with calls the next answer is final, calls or not.
     ret = env.step([convo(_call("add", a=1, b=1))], [{"answer": "2", "tool_calls": 2}])
     assert ret.terminateds[0] and ret.rewards.tolist() == [0.0] and ret.observations[0]["role"] == "environment"
