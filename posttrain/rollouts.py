@@ -14,6 +14,7 @@ Prompts follow the rules of training rows (`posttrain.data.processors`): BOS by
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -375,7 +376,7 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     the share with a reward > 0 (accuracy), lengths and turns, plus each reward component's mean
     as reward/<name> (over the samples a list of reward functions scored, less those a TRL
     function returned None for), each environment metric's
-    mean as env/<name> (over the samples that have it) and, when the model had tools, the turns
+    mean as env/<name> (over the samples that have it as a number) and, when the model had tools, the turns
     with tool calls per conversation (tool_calls_mean)."""
     n = len(convs)
     lengths = [c.response_tokens for c in convs]
@@ -386,7 +387,10 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
             if value is not None:  # a TRL function's "not applicable" to this sample
                 components[name].append(value)
         for name, value in (c.metadata or {}).get(ENV_METRICS_KEY, {}).items():
-            env_metrics[name].append(value)
+            # Numbers only (a NumPy or torch scalar too): a sample's None ("not measured here") or
+            # text stopped the driver in the sum below, after the step's generation.
+            if isinstance(value, numbers.Real) or getattr(value, "shape", None) == ():
+                env_metrics[name].append(float(value))
     return {
         "reward": sum(c.reward for c in convs) / n,
         "accuracy": sum(c.reward > 0 for c in convs) / n,

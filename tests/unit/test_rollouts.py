@@ -478,6 +478,20 @@ def test_step_accuracy_is_over_the_same_conversations_as_the_reward():
     assert metrics["accuracy"] == 5 / 8 and metrics["reward"] == 3.5 / 8
 
 
+def test_env_metrics_average_the_samples_that_report_a_number():
+    # A sample's None ("not measured here") or text stopped the driver with a TypeError in the sum.
+    import numpy as np
+    import torch
+
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    values = [2, np.float32(4.0), torch.tensor(6.0), None, "n/a"]
+    convs = [Conversation(messages=[], metadata={"env_metrics": {"moves": v}}, task_name="t", tokens=[],
+                          prompt_length=0, reward=0.0) for v in values]
+    metrics = summarize_rollouts(convs)
+    assert metrics["env/moves"] == 4.0 and type(metrics["env/moves"]) is float
+
+
 @pytest.mark.parametrize("mask", [True, False])
 def test_a_sample_whose_environment_failed_stays_in_the_baseline_and_leaves_the_loss(tok, mask):
     # It scores 0 and is counted; by default its 0 is no evidence against the answer, so it only
