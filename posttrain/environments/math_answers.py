@@ -11,8 +11,9 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # A number as written in prose: thousands separators, decimals, a fraction "3/4" (read whole, not
 # as its denominator), and a sign, ASCII or the Unicode minus (U+2212) that models also write,
 # unless it follows a word or a number ("pages 10-12" ends in 12, not -12): a dropped sign or
-# denominator scored "-3" and "3/4" right against a gold answer of 3 and 4.
-_NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# denominator scored "-3" and "3/4" right against a gold answer of 3 and 4. A comma separates
+# thousands only before groups of three digits: "1,2,3" and "(3,4)" end in 3 and 4, not 123 and 34.
+_NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
 # A \boxed argument without braces: the word after the command, less the sentence's punctuation.

@@ -55,6 +55,10 @@ def test_answer_extraction():
     assert extract_final_answer("she ate 3/4 of it.") == "3/4"
     assert extract_final_answer("x = \u22127, not 7") == "7" and extract_final_answer("x = \u22127") == "-7"
     assert extract_final_answer("pages 10-12") == "12" and extract_final_answer("then (-2)") == "-2"
+    # Commas separate thousands only before groups of three digits.
+    assert extract_final_answer("the terms 1,2,3") == "3" and extract_final_answer("at (3,4)") == "4"
+    assert extract_final_answer("paid $1,234,567.89, then 12,3456") == "3456"
+    assert extract_final_answer("paid $1,234,567.89.") == "1234567.89"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
     assert gold_answer("#### 1,000") == "1000"
