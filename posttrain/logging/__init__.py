@@ -219,8 +219,16 @@ class Logger:
         self.close()  # also on an exception: stops the progress bar, finishes the W&B/MLflow runs
 
     def close(self) -> None:
+        """Close every backend, also when one fails (a full disk under metrics.jsonl): the others
+        still flush their files and end their W&B/MLflow runs; the first error is raised after."""
         if self._closed:
             return
         self._closed = True
+        error: Exception | None = None
         for backend in self._backends:
-            backend.close()
+            try:
+                backend.close()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other backends closed
+                error = error or e
+        if error is not None:
+            raise error

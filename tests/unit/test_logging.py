@@ -110,6 +110,25 @@ def test_mlflow_client_reads_back(tmp_path):
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
 
 
+def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    logger = Logger(_cfg(jsonl_enabled=True, mlflow_enabled=True), tmp_path, hparams={"a": 1})
+    logger.log_metrics({"loss": 1.0}, step=1)
+    jsonl, mlflow_backend = logger._backends
+
+    def disk_full():
+        raise OSError(28, "No space left on device")
+
+    jsonl.close = disk_full
+    with pytest.raises(OSError, match="No space left"):
+        logger.close()
+    # The MLflow run after the failing JSONL backend was still ended (it stayed RUNNING).
+    run = MlflowClient(tracking_uri=mlflow_backend.tracking_uri).get_run(mlflow_backend.run_id)
+    assert run.info.status == "FINISHED"
+    logger.close()  # a second close does nothing
+
+
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")  # logger.wandb.mode must win over the environment
     monkeypatch.setenv("WANDB_SILENT", "true")
