@@ -12,6 +12,7 @@ parameters that are new and names the changed ones in a warning (config.yaml has
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -20,8 +21,10 @@ from typing import Any
 
 from posttrain.schemas import MlflowConfig
 
-# MLflow limits: names of [A-Za-z0-9_-. /:]; parameter values of at most 6000 characters.
+# MLflow limits: names of [A-Za-z0-9_-. /:] and at most 250 characters; parameter values of
+# at most 6000 characters.
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+_MAX_KEY_LEN = 250
 _MAX_PARAM_LEN = 6000
 
 _log = logging.getLogger("posttrain")
@@ -60,13 +63,13 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(_BAD_CHARS.sub("_", f"{prefix}/{k}"), float(v), now, step) for k, v in metrics.items()]
+        batch = [Metric(_key(f"{prefix}/{k}"), float(v), now, step) for k, v in metrics.items()]
         self._client.log_batch(self.run_id, metrics=batch)
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        values = {_BAD_CHARS.sub("_", k): str(v)[:_MAX_PARAM_LEN] for k, v in _flatten(hparams).items()}
+        values = {_key(k): str(v)[:_MAX_PARAM_LEN] for k, v in _flatten(hparams).items()}
         changed = sorted(k for k, v in values.items() if self._logged_params.get(k, v) != v)
         if changed:
             _log.warning("MLflow keeps a run's parameters as first logged; the resumed run's changed %s "
@@ -78,6 +81,17 @@ class MlflowBackend:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+def _key(name: str) -> str:
+    """`name` as MLflow accepts it: other characters as `_`, and past 250 characters cut, with a
+    hash of the whole name appended so that two long names sharing a beginning stay two keys.
+    (A user's `env/<name>` metric or a key in a free-form config dict can be that long; MLflow
+    refuses the whole batch, which failed the run's setup.)"""
+    key = _BAD_CHARS.sub("_", name)
+    if len(key) <= _MAX_KEY_LEN:
+        return key
+    return f"{key[: _MAX_KEY_LEN - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

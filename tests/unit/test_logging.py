@@ -110,6 +110,23 @@ def test_mlflow_client_reads_back(tmp_path):
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
 
 
+def test_mlflow_takes_long_and_odd_names_and_values(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    long_a, long_b = "k" * 300 + "a", "k" * 300 + "b"
+    hparams = {"env": {"kwargs": {long_a: 1, long_b: 2, "weird key!": "x" * 7000, "items": [1, {"c": 3}]}}}
+    logger = Logger(_cfg(mlflow_enabled=True), tmp_path, hparams=hparams)
+    logger.log_metrics({f"env/{long_a}": 0.5, f"env/{long_b}": 0.25}, step=1)
+    backend = logger._backends[0]
+    logger.close()
+    run = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id)
+    params, metrics = run.data.params, run.data.metrics
+    assert len(params) == 4 and all(len(k) <= 250 for k in params)
+    assert sorted(v for k, v in params.items() if k.startswith("env.kwargs.kkk")) == ["1", "2"]
+    assert params["env.kwargs.weird key_"] == "x" * 6000 and params["env.kwargs.items"] == "[1, {'c': 3}]"
+    assert sorted(metrics.values()) == [0.25, 0.5] and all(len(k) <= 250 for k in metrics)
+
+
 def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
     from mlflow.tracking import MlflowClient
 
