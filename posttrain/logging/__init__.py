@@ -40,6 +40,9 @@ _log = _stdlib_logging.getLogger("posttrain")
 _TRACKER_RUNS = "tracker_runs.json"
 # What a run writes into its run dir that a later run would append to or mix with its own.
 _RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard", _TRACKER_RUNS)
+# Prefixes whose steps count something else than the run's steps: the warm-up SFT's, which only
+# a fresh run logs. A resume keeps them whole, whatever step its checkpoint is at.
+_OWN_STEP_AXES = ("warmup_sft",)
 
 
 class _Backend(Protocol):
@@ -73,6 +76,31 @@ def _read_tracker_runs(path: Path) -> dict[str, str]:
     return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
 
 
+def _drop_after(path: Path, step: int | None) -> None:
+    """Rewrite the JSONL file at `path` without its lines of steps after `step` (a resumed run logs
+    them again: they would be there twice) and without a line a crash left torn, which the next
+    line appended would join and make unreadable too. Lines of `_OWN_STEP_AXES` prefixes stay."""
+    if not path.is_file():
+        return
+    text = path.read_text()
+    lines = text.splitlines()
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        after = step is not None and isinstance(rec.get("step"), int) and rec["step"] > step
+        if not after or rec.get("prefix") in _OWN_STEP_AXES:
+            kept.append(line + "\n")
+    if len(kept) < len(lines) or not text.endswith("\n"):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)  # a crash here leaves the old file whole, never half of it
+
+
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None) -> None:
@@ -80,9 +108,9 @@ class Logger:
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
         `resumed_from`: the step of the checkpoint a resumed run continues from. What the stopped
-        run logged after it is replaced by this run's steps: TensorBoard hides those events and
-        the plots leave them out (metrics.jsonl keeps every line; a later line wins a step), and
-        the W&B and MLflow runs of the stopped run are continued rather than new ones started."""
+        run logged after it is replaced by this run's steps: metrics.jsonl and samples.jsonl drop
+        those lines, TensorBoard hides those events and the plots leave them out, and the W&B and MLflow runs
+        of the stopped run are continued rather than new ones started."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,10 +119,10 @@ class Logger:
         # this run's at the same steps (and its later steps would stay in this run's plots).
         self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in dict.fromkeys((*_RUN_LOGS, *also_move))
                                                      if (self.run_dir / n).exists()]) if fresh else None
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _drop_after(self.run_dir / name, resumed_from)
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
-        self._records: list[dict[str, Any]] = [
-            r for r in read_metrics(self.metrics_path)
-            if resumed_from is None or not isinstance(r.get("step"), int) or r["step"] <= resumed_from]
+        self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
         self.nonfinite_counts: dict[str, int] = {}
         self._closed = False
         hparams = json.loads(json.dumps(hparams or {}, default=str))
@@ -115,7 +143,7 @@ class Logger:
         if cfg.tensorboard_enabled:
             from posttrain.logging.tensorboard import TensorboardBackend
 
-            self._backends.append(TensorboardBackend(self.run_dir / "tensorboard", resumed_from))
+            self._backends.append(TensorboardBackend(self.run_dir / "tensorboard", resumed_from, _OWN_STEP_AXES))
         if cfg.wandb_enabled:
             from posttrain.logging.wandb import WandbBackend
 

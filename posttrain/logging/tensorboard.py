@@ -1,4 +1,6 @@
-"""TensorBoard backend: scalars as `<prefix>/<metric>`, the config once as text."""
+"""TensorBoard backend: scalars as `<prefix>/<metric>`, the config once as text. The prefixes
+on a step axis of their own (the warm-up SFT's steps) go to a TensorBoard run of their own,
+`<log_dir>/<prefix>`, out of reach of a resumed run's purge."""
 
 from __future__ import annotations
 
@@ -9,19 +11,29 @@ import yaml
 
 
 class TensorboardBackend:
-    def __init__(self, log_dir: Path, resumed_from: int | None = None) -> None:
+    def __init__(self, log_dir: Path, resumed_from: int | None = None, own_step_axes: tuple[str, ...] = ()) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = log_dir
         # A resumed run relogs the steps after its checkpoint: purge_step makes TensorBoard hide
-        # the stopped run's events from there on, which would otherwise show twice per step.
+        # the stopped run's events from there on, which would otherwise show twice per step. It
+        # hides every tag's, so the warm-up's (steps 10..warmup_sft_steps) are written elsewhere.
         self._writer = SummaryWriter(log_dir=str(log_dir),
                                      purge_step=None if resumed_from is None else resumed_from + 1)
+        self._own_step_axes = own_step_axes
+        self._axis_writers: dict[str, SummaryWriter] = {}
 
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
+        writer = self._writer
+        if prefix in self._own_step_axes:
+            from torch.utils.tensorboard import SummaryWriter
+
+            if prefix not in self._axis_writers:
+                self._axis_writers[prefix] = SummaryWriter(log_dir=str(self.log_dir / prefix))
+            writer = self._axis_writers[prefix]
         for key, value in metrics.items():
-            self._writer.add_scalar(f"{prefix}/{key}", value, global_step=step)
-        self._writer.flush()
+            writer.add_scalar(f"{prefix}/{key}", value, global_step=step)
+        writer.flush()
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         # Markdown code block keeps the YAML indentation in TensorBoard's text tab.
@@ -30,4 +42,5 @@ class TensorboardBackend:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        for writer in (self._writer, *self._axis_writers.values()):
+            writer.close()

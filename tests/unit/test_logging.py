@@ -324,6 +324,8 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
 
     cfg = _cfg(jsonl_enabled=True, plots_enabled=True, tensorboard_enabled=True)
     with Logger(cfg, tmp_path, hparams={"run": 1}, fresh=True) as logger:
+        for step in (10, 20):  # the warm-up SFT's own steps, before the run's
+            logger.log_metrics({"loss": step / 10}, step, prefix="warmup_sft")
         for step in (1, 2, 3):
             logger.log_metrics({"reward": 0.9}, step)
         logger.log_samples([{"prompt": "1+1="}], step=3)
@@ -331,16 +333,33 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     with Logger(cfg, tmp_path, hparams={"run": 1}, resumed_from=3) as logger:  # resumed: continues the same files
         logger.log_metrics({"reward": 0.8}, step=4)
         logger.log_metrics({"reward": 0.7}, step=5)
+        logger.log_samples([{"prompt": "2+2="}], step=5)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "prefix": "tr')  # killed mid-line
     # Stopped after step 5, resumed from a checkpoint at step 4: the relogged step 5 is the
-    # only one TensorBoard and the plots show (metrics.jsonl keeps both lines).
+    # only one metrics.jsonl, samples.jsonl, TensorBoard and the plots hold. The warm-up's steps
+    # 10 and 20, past the checkpoint's step on an axis of their own, are kept whole (they were
+    # dropped), and the torn line is gone rather than joined to the next.
     with Logger(cfg, tmp_path, hparams={"run": 1}, resumed_from=4) as logger:
         logger.log_metrics({"reward": 0.6}, step=5)
-        assert [(r["step"], r["reward"]) for r in logger._records] == [(1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 5]
+        logger.log_samples([{"prompt": "3+3="}], step=5)
+        assert [(r["step"], r.get("reward")) for r in logger._records if r["prefix"] == "train"] == [
+            (1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
+        plotted = logger.plot()
+    assert tmp_path / "plots" / "loss.png" in plotted
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["prefix"], r["step"]) for r in records] == [
+        ("warmup_sft", 10), ("warmup_sft", 20), *(("train", step) for step in (1, 2, 3, 4, 5))]
+    assert records[-1]["reward"] == .6
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == [{"step": 3, "prompt": "1+1="}, {"step": 5, "prompt": "3+3="}]
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward")] == [
         (1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
+    warmup = EventAccumulator(str(tmp_path / "tensorboard" / "warmup_sft"))
+    warmup.Reload()
+    assert [(e.step, e.value) for e in warmup.Scalars("warmup_sft/loss")] == [(10, 1.0), (20, 2.0)]
 
     # Started over in the same dir: its metrics, samples, events and plots are its own alone.
     with Logger(cfg, tmp_path, hparams={"run": 2}, fresh=True) as logger:
@@ -350,9 +369,10 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     (aside,) = tmp_path.glob("previous-*")
     assert logger.moved_aside == aside
     assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 0.1)]
-    assert [r["step"] for r in read_metrics(aside / "metrics.jsonl")] == [1, 2, 3, 4, 5, 5]
+    assert read_metrics(aside / "metrics.jsonl") == records
     assert not (tmp_path / "samples.jsonl").exists() and (aside / "samples.jsonl").is_file()
-    assert len(list((tmp_path / "tensorboard").iterdir())) == 1 and len(list((aside / "tensorboard").iterdir())) == 3
+    # The aside events: one file per run of the log dir, and the warm-up's folder.
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1 and len(list((aside / "tensorboard").iterdir())) == 4
     assert "run: 2" in (tmp_path / "config.yaml").read_text() and "run: 1" in (aside / "config.yaml").read_text()
     assert (tmp_path / "plots" / "reward.png").is_file() and (aside / "plots" / "reward.png").is_file()
     # A fresh run in an empty dir moves nothing.
