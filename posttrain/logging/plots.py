@@ -10,6 +10,7 @@ evaluation's pass@k / cons@k curve.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,27 @@ _META = ("step", "prefix", "time")
 
 def series_from_records(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     """`{"<prefix>/<metric>": {step: value}}`; a step logged twice (a resumed run) keeps the last value.
-    The `data/...` records, counts of the run's data logged once at step 0, are no curves: left out
-    (their `no_loss` row count was drawn in loss.png)."""
+    A step its prefix logged without the metric is NaN, a gap in the drawn line (else the line ran
+    straight across the steps that lacked it, as if they had been measured). The `data/...`
+    records, counts of the run's data logged once at step 0, are no curves: left out (their
+    `no_loss` row count was drawn in loss.png)."""
     series: dict[str, dict[int, float]] = {}
+    prefix_steps: dict[str, set[int]] = {}
+    series_prefix: dict[str, str] = {}
     for rec in records:
         step, prefix = rec.get("step"), rec.get("prefix", "")
         if not isinstance(step, int) or prefix.split("/")[0] == "data":
             continue
+        prefix_steps.setdefault(prefix, set()).add(step)
         for key, value in rec.items():
             if key in _META or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
-            series.setdefault(f"{prefix}/{key}" if prefix else key, {})[step] = float(value)
+            name = f"{prefix}/{key}" if prefix else key
+            series.setdefault(name, {})[step] = float(value)
+            series_prefix[name] = prefix
+    for name, values in series.items():
+        for step in prefix_steps[series_prefix[name]] - values.keys():
+            values[step] = math.nan
     return series
 
 
@@ -67,7 +78,8 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         steps = sorted(set().union(*(series[k] for k in timing)))
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
-        ax.stackplot(steps, [[series[k].get(s, 0.0) for s in steps] for k in timing],
+        # A phase a step did not run (validation, checkpoint) took no time in it.
+        ax.stackplot(steps, [[_or_zero(series[k].get(s, 0.0)) for s in steps] for k in timing],
                      labels=[k.split("timing/", 1)[1] for k in timing])
         _finish(ax, "step time breakdown", "seconds")
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / "timing.png"))
@@ -91,6 +103,10 @@ def plot_pass_at_k(results: dict[str, Any], path: Path) -> Path:
                 f"{sampled})", "share of prompts", xlabel="k")
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(FigureCanvasAgg(fig), fig, path)
+
+
+def _or_zero(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
 
 
 def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step") -> None:

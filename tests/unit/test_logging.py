@@ -394,6 +394,26 @@ def test_plots_leave_out_the_data_counts(tmp_path):
     logger.close()
 
 
+def test_plots_break_a_curve_at_the_steps_that_lack_it(tmp_path):
+    from posttrain.logging.plots import series_from_records
+
+    logger = Logger(_cfg(plots_enabled=True), tmp_path)
+    for step in range(1, 7):
+        reward = {} if step in (3, 4) else {"reward": step / 10}
+        validation = {"timing/validation": 2.0} if step % 3 == 0 else {}
+        logger.log_metrics({**reward, "loss": 1.0, "timing/generation": 1.0, **validation}, step)
+        if step % 3 == 0:
+            logger.log_metrics({"accuracy": step / 10}, step, prefix="val")
+    series = series_from_records(logger._records)
+    # Steps 3 and 4 logged no reward: a gap, not a line from step 2's value to step 5's.
+    reward = series["train/reward"]
+    assert sorted(reward) == [1, 2, 3, 4, 5, 6] and math.isnan(reward[3]) and math.isnan(reward[4])
+    assert [reward[s] for s in (1, 2, 5, 6)] == [.1, .2, .5, .6]
+    assert series["val/accuracy"] == {3: .3, 6: .6}  # validation every 3 steps: one line through its points
+    assert sorted(p.name for p in logger.plot()) == ["loss.png", "reward.png", "timing.png"]
+    logger.close()
+
+
 def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
     # The final export (hf/) of the earlier run in the same folder was overwritten at the end.
     from posttrain.algorithms.offline import EXPORT_DIR, training_logger
