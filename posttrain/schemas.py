@@ -885,7 +885,8 @@ class LoggerConfig(Section):
     tensorboard_enabled: bool = False
     # Log to MLflow (settings: logger.mlflow).
     mlflow_enabled: bool = False
-    # PNGs of reward/accuracy, loss, KL, entropy and the step-time breakdown in <log_dir>/plots.
+    # PNGs of reward/accuracy, loss, KL, entropy, the step-time breakdown and the warm-up SFT loss
+    # in <log_dir>/plots.
     plots_enabled: bool = True
     # Log each GPU's utilisation and memory (nvidia-smi) with the training metrics.
     monitor_gpus: bool = False

@@ -238,7 +238,7 @@ class Logger:
             return []
         from posttrain.logging.plots import plot_history
 
-        return plot_history(self._records, self.run_dir / "plots")
+        return plot_history(self._records, self.run_dir / "plots", _OWN_STEP_AXES)
 
     def __enter__(self) -> "Logger":
         return self

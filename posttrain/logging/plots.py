@@ -2,7 +2,8 @@
 
 One figure per group, for the groups that have data: `reward.png` (reward and accuracy),
 `loss.png`, `kl.png`, `entropy.png`, and `timing.png` (the step-time breakdown: the
-top-level `timing/<phase>` keys stacked). Metrics are matched by whole words of their leaf
+top-level `timing/<phase>` keys stacked); and `<prefix>.png` for each prefix on a step axis of
+its own (the warm-up SFT's loss, `warmup_sft.png`). Metrics are matched by whole words of their leaf
 name (`reward`, `val/accuracy`, `kl_penalty`, `gen_kl_error`, ...). Uses matplotlib's Agg
 canvas directly, so pyplot's global state is never touched. `plot_pass_at_k` draws an
 evaluation's pass@k / cons@k curve.
@@ -53,16 +54,24 @@ def series_from_records(records: list[dict[str, Any]]) -> dict[str, dict[int, fl
     return series
 
 
-def plot_history(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Write the PNGs for whichever groups have data; return their paths."""
+def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tuple[str, ...] = ()) -> list[Path]:
+    """Write the PNGs for whichever groups have data; return their paths. The metrics of the
+    `own_step_axes` prefixes (the warm-up SFT's) count other steps than the run's: each prefix
+    gets a figure of its own, `<prefix>.png` (on the run's axis, the warm-up's 1500 steps
+    squeezed the run's 100 into the left edge of loss.png, under a loss of another scale)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     series = series_from_records(records)
+    own_axis = {k for k in series if k.split("/", 1)[0] in own_step_axes}
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for group, words in _GROUPS.items():
-        keys = sorted(k for k in series if "timing/" not in k and any(word_match(k, w) for w in words))
+    figures = [(group, sorted(k for k in series if "timing/" not in k and k not in own_axis
+                              and any(word_match(k, w) for w in words)), "step")
+               for group, words in _GROUPS.items()]
+    figures += [(prefix, sorted(k for k in own_axis if k.startswith(f"{prefix}/")), f"{prefix} step")
+                for prefix in own_step_axes]
+    for name, keys, xlabel in figures:
         if not keys:
             continue
         fig = Figure(figsize=(7, 4), dpi=100)
@@ -70,8 +79,8 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         for key in keys[:_MAX_SERIES]:
             steps = sorted(series[key])
             ax.plot(steps, [series[key][s] for s in steps], marker="." if len(steps) < 50 else None, label=key)
-        _finish(ax, group, "value")
-        written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{group}.png"))
+        _finish(ax, name, "value", xlabel=xlabel)
+        written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{name}.png"))
 
     timing = sorted(k for k in series if k.split("/").count("timing") == 1 and k.split("timing/", 1)[1].count("/") == 0)
     if timing:
