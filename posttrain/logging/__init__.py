@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging as _stdlib_logging
 import math
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ _OWN_STEP_AXES = ("warmup_sft",)
 class _Backend(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None: ...
     def log_hparams(self, hparams: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
+    def close(self, failed: bool) -> None: ...
 
 
 def _scalar(value: Any) -> float | None:
@@ -248,14 +249,17 @@ class Logger:
 
     def close(self) -> None:
         """Close every backend, also when one fails (a full disk under metrics.jsonl): the others
-        still flush their files and end their W&B/MLflow runs; the first error is raised after."""
+        still flush their files and end their W&B/MLflow runs; the first error is raised after.
+        Called while an exception propagates (a crash: the runs close their logger in a `finally`
+        or an `except`), it marks the W&B and MLflow runs failed rather than finished."""
         if self._closed:
             return
         self._closed = True
+        failed = sys.exc_info()[1] is not None
         error: Exception | None = None
         for backend in self._backends:
             try:
-                backend.close()
+                backend.close(failed)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other backends closed
                 error = error or e
         if error is not None:

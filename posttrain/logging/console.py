@@ -105,7 +105,7 @@ class ConsoleBackend:
             table.add_row(*(_cell(row.get(c, "")) for c in columns))
         self.console.print(table)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.stop_progress()
 
 

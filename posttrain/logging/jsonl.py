@@ -25,7 +25,7 @@ class JsonlBackend:
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         """The config is written whole to `<run_dir>/config.yaml` by the Logger."""
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._f.close()
 
 

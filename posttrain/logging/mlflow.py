@@ -79,8 +79,8 @@ class MlflowBackend:
         for i in range(0, len(params), 100):  # MLflow accepts at most 100 params per batch
             self._client.log_batch(self.run_id, params=params[i : i + 100])
 
-    def close(self) -> None:
-        self._client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _key(name: str) -> str:

@@ -41,6 +41,6 @@ class TensorboardBackend:
         self._writer.add_text("config", text, global_step=0)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         for writer in (self._writer, *self._axis_writers.values()):
             writer.close()

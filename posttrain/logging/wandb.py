@@ -51,5 +51,5 @@ class WandbBackend:
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         """Given to `wandb.init(config=...)` at construction."""
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)

@@ -134,7 +134,7 @@ def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
     logger.log_metrics({"loss": 1.0}, step=1)
     jsonl, mlflow_backend = logger._backends
 
-    def disk_full():
+    def disk_full(failed):
         raise OSError(28, "No space left on device")
 
     jsonl.close = disk_full
@@ -144,6 +144,29 @@ def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
     run = MlflowClient(tracking_uri=mlflow_backend.tracking_uri).get_run(mlflow_backend.run_id)
     assert run.info.status == "FINISHED"
     logger.close()  # a second close does nothing
+
+
+def test_a_run_that_crashed_is_failed_in_mlflow_and_one_that_ended_is_finished(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    def status(logger):
+        backend = logger._backends[0]
+        return MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).info.status
+
+    with pytest.raises(RuntimeError):
+        with Logger(_cfg(mlflow_enabled=True), tmp_path / "a") as crashed:
+            raise RuntimeError("a worker died")
+    assert status(crashed) == "FAILED"  # it showed FINISHED, as a run that ended well
+    with pytest.raises(RuntimeError):
+        try:  # as the runs' shutdown: close in a `finally`
+            logger = Logger(_cfg(mlflow_enabled=True), tmp_path / "b")
+            raise RuntimeError("a worker died")
+        finally:
+            logger.close()
+    assert status(logger) == "FAILED"
+    with Logger(_cfg(mlflow_enabled=True), tmp_path / "c") as ended:
+        pass
+    assert status(ended) == "FINISHED"
 
 
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
