@@ -17,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 # Shown first, in this order, when present (matched as whole words of the metric's leaf name).
 KEY_METRICS = ("loss", "reward", "accuracy", "kl", "entropy", "grad_norm", "lr", "tokens_per_s")
@@ -100,9 +101,11 @@ class ConsoleBackend:
         table = Table(title=title, show_lines=True)
         columns = list(dict.fromkeys(k for row in rows for k in row))
         for col in columns:
-            table.add_column(col, overflow="fold")
+            table.add_column(Text(col), overflow="fold")
         for row in rows:
-            table.add_row(*(_cell(row.get(c, "")) for c in columns))
+            # As Text, not markup: a model's "[/x]" raised MarkupError (the run crashed in its
+            # validation) and its "[bold]" vanished from what it wrote.
+            table.add_row(*(Text(_cell(row.get(c, ""))) for c in columns))
         self.console.print(table)
 
     def close(self, failed: bool = False) -> None:

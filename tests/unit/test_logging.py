@@ -266,6 +266,18 @@ def test_console_line_and_progress(tmp_path):
     assert "train step 5/10 | loss 1" in out and "1+1=" in out and "2+2=" not in out
 
 
+def test_samples_print_as_the_model_wrote_them(tmp_path):
+    from rich.console import Console
+
+    logger = Logger(_cfg(console_enabled=True, num_val_samples_to_print=2), tmp_path)
+    logger._console.console = Console(record=True, width=120, force_terminal=False)
+    # Rich markup in a response: "[/x]" raised MarkupError, "[bold]" was swallowed.
+    logger.print_samples([{"prompt": "xs: list[int] = [/x]", "response": "[bold]4[/bold]\nnext line ✓"}])
+    logger.close()
+    out = logger._console.console.export_text()
+    assert "xs: list[int] = [/x]" in out and "[bold]4[/bold]" in out and "next line ✓" in out
+
+
 def test_data_counts_are_one_sentence_on_the_console_and_metrics_elsewhere(tmp_path):
     from rich.console import Console
 
