@@ -110,8 +110,10 @@ class Logger:
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
         `resumed_from`: the step of the checkpoint a resumed run continues from. What the stopped
         run logged after it is replaced by this run's steps: metrics.jsonl and samples.jsonl drop
-        those lines, TensorBoard hides those events and the plots leave them out, and the W&B and MLflow runs
-        of the stopped run are continued rather than new ones started."""
+        those lines, TensorBoard hides those events and the plots leave them out; what this run
+        logs again at a step the stopped run's records keep (the data counts every start logs at
+        step 0) is not written twice. The W&B and MLflow runs of the stopped run are continued
+        rather than new ones started."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +126,9 @@ class Logger:
             _drop_after(self.run_dir / name, resumed_from)
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
         self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
+        # What every start logs (the data counts at step 0) a resumed run logs again: the stopped
+        # run's records at those steps stand, so that each step is in every backend once.
+        self._kept = set() if resumed_from is None else {(r.get("prefix"), r.get("step")) for r in self._records}
         self.nonfinite_counts: dict[str, int] = {}
         self._closed = False
         hparams = json.loads(json.dumps(hparams or {}, default=str))
@@ -201,6 +206,8 @@ class Logger:
         `nonfinite_counts` with a warning naming the keys.
         """
         scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        if (prefix, step) in self._kept:
+            return scalars
         if self._gpu_monitor is not None and prefix == "train":
             scalars.update(self._gpu_monitor.read())
         bad = [k for k, v in scalars.items() if not math.isfinite(v)]

@@ -359,6 +359,7 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
 
     cfg = _cfg(jsonl_enabled=True, plots_enabled=True, tensorboard_enabled=True)
     with Logger(cfg, tmp_path, hparams={"run": 1}, fresh=True) as logger:
+        logger.log_metrics({"rows": 10}, 0, prefix="data/train")  # every start logs its data counts
         for step in (10, 20):  # the warm-up SFT's own steps, before the run's
             logger.log_metrics({"loss": step / 10}, step, prefix="warmup_sft")
         for step in (1, 2, 3):
@@ -376,6 +377,7 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     # 10 and 20, past the checkpoint's step on an axis of their own, are kept whole (they were
     # dropped), and the torn line is gone rather than joined to the next.
     with Logger(cfg, tmp_path, hparams={"run": 1}, resumed_from=4) as logger:
+        logger.log_metrics({"rows": 10}, 0, prefix="data/train")  # the stopped run's stands: not twice
         logger.log_metrics({"reward": 0.6}, step=5)
         logger.log_samples([{"prompt": "3+3="}], step=5)
         assert [(r["step"], r.get("reward")) for r in logger._records if r["prefix"] == "train"] == [
@@ -385,7 +387,7 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     assert sorted(p.name for p in plotted) == ["reward.png", "warmup_sft.png"]
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["prefix"], r["step"]) for r in records] == [
-        ("warmup_sft", 10), ("warmup_sft", 20), *(("train", step) for step in (1, 2, 3, 4, 5))]
+        ("data/train", 0), ("warmup_sft", 10), ("warmup_sft", 20), *(("train", step) for step in (1, 2, 3, 4, 5))]
     assert records[-1]["reward"] == .6
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples == [{"step": 3, "prompt": "1+1="}, {"step": 5, "prompt": "3+3="}]
@@ -393,6 +395,7 @@ def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continue
     acc.Reload()
     assert [(e.step, round(e.value, 3)) for e in acc.Scalars("train/reward")] == [
         (1, .9), (2, .9), (3, .9), (4, .8), (5, .6)]
+    assert [e.step for e in acc.Scalars("data/train/rows")] == [0]
     warmup = EventAccumulator(str(tmp_path / "tensorboard" / "warmup_sft"))
     warmup.Reload()
     assert [(e.step, e.value) for e in warmup.Scalars("warmup_sft/loss")] == [(10, 1.0), (20, 2.0)]
