@@ -3,7 +3,8 @@
 One figure per group, for the groups that have data: `reward.png` (reward and accuracy),
 `loss.png`, `kl.png`, `entropy.png`, and `timing.png` (the step-time breakdown: the
 top-level `timing/<phase>` keys stacked); and `<prefix>.png` for each prefix on a step axis of
-its own (the warm-up SFT's loss, `warmup_sft.png`). Metrics are matched by whole words of their leaf
+its own (the warm-up SFT's loss, `warmup_sft.png`). A curve of 500 steps or more is drawn
+faint, with its running mean over it. Metrics are matched by whole words of their leaf
 name (`reward`, `val/accuracy`, `kl_penalty`, `gen_kl_error`, ...). Uses matplotlib's Agg
 canvas directly, so pyplot's global state is never touched. `plot_pass_at_k` draws an
 evaluation's pass@k / cons@k curve.
@@ -25,6 +26,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "tools": ("tool",),  # tool_calls_mean, with env.<name>.tools
 }
 _MAX_SERIES = 8
+# From this many steps on, a curve is drawn with its running mean over 1/50 of them.
+_SMOOTH_FROM = 500
 _META = ("step", "prefix", "time")
 
 
@@ -78,7 +81,14 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
         ax = fig.add_subplot()
         for key in keys[:_MAX_SERIES]:
             steps = sorted(series[key])
-            ax.plot(steps, [series[key][s] for s in steps], marker="." if len(steps) < 50 else None, label=key)
+            values = [series[key][s] for s in steps]
+            if len(steps) < _SMOOTH_FROM:
+                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+                continue
+            # Thousands of noisy steps drew a solid band that hid the trend: the steps faint, and
+            # over them their running mean.
+            (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=0.5)
+            ax.plot(steps, running_mean(values, len(steps) // 50), color=raw.get_color(), label=f"{key} (mean)")
         _finish(ax, name, "value", xlabel=xlabel)
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{name}.png"))
 
@@ -93,6 +103,21 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
         _finish(ax, "step time breakdown", "seconds")
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / "timing.png"))
     return written
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value with the `window - 1` before it (fewer at the start), NaN and inf
+    left out (one inf would make every later mean inf or NaN); NaN where none is finite (a gap
+    stays a gap)."""
+    out: list[float] = []
+    total, count = 0.0, 0
+    for i, v in enumerate(values):
+        if math.isfinite(v):
+            total, count = total + v, count + 1
+        if i >= window and math.isfinite(values[i - window]):
+            total, count = total - values[i - window], count - 1
+        out.append(total / count if count else math.nan)
+    return out
 
 
 def plot_pass_at_k(results: dict[str, Any], path: Path) -> Path:

@@ -453,6 +453,16 @@ def test_plots_break_a_curve_at_the_steps_that_lack_it(tmp_path):
     logger.close()
 
 
+def test_long_curves_are_drawn_with_their_running_mean(tmp_path):
+    from posttrain.logging.plots import plot_history, running_mean
+
+    nan, inf = math.nan, math.inf
+    mean = running_mean([1.0, 3.0, nan, 5.0, inf, nan, nan, 7.0], window=2)
+    assert [None if math.isnan(v) else v for v in mean] == [1.0, 2.0, 3.0, 5.0, 5.0, None, None, 7.0]
+    records = [{"step": s, "prefix": "train", "reward": float(s % 2)} for s in range(1, 1001)]
+    assert [p.name for p in plot_history(records, tmp_path)] == ["reward.png"]
+
+
 def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
     # The final export (hf/) of the earlier run in the same folder was overwritten at the end.
     from posttrain.algorithms.offline import EXPORT_DIR, training_logger
