@@ -231,9 +231,13 @@ class Logger:
         rows = rows[: self.cfg.num_samples_to_dump]
         if not rows:
             return
-        with open(self.run_dir / f"{name}.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        path = self.run_dir / f"{name}.jsonl"
+        try:
+            with open(path, "a") as f:
+                for row in rows:
+                    f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        except OSError as e:  # a write's error names no file: "[Errno 28] No space left on device"
+            raise OSError(e.errno, e.strerror, str(path)) from e
 
     def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
         """Print up to `logger.num_val_samples_to_print` rows as a table (console backend only)."""

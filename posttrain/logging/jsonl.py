@@ -20,7 +20,10 @@ class JsonlBackend:
         self._f = open(path, "a", buffering=1)
 
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
-        self._f.write(json.dumps({"step": step, "prefix": prefix, "time": time.time(), **metrics}) + "\n")
+        try:
+            self._f.write(json.dumps({"step": step, "prefix": prefix, "time": time.time(), **metrics}) + "\n")
+        except OSError as e:  # a write's error names no file: "[Errno 28] No space left on device"
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
         """The config is written whole to `<run_dir>/config.yaml` by the Logger."""

@@ -127,6 +127,22 @@ def test_mlflow_takes_long_and_odd_names_and_values(tmp_path):
     assert sorted(metrics.values()) == [0.25, 0.5] and all(len(k) <= 250 for k in metrics)
 
 
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        (tmp_path / name).symlink_to("/dev/full")
+    logger = Logger(_cfg(jsonl_enabled=True), tmp_path)
+    with pytest.raises(OSError, match=r"No space left on device: '.*metrics.jsonl'"):
+        logger.log_metrics({"loss": 1.0}, step=1)
+    with pytest.raises(OSError, match=r"No space left on device: '.*samples.jsonl'"):
+        logger.log_samples([{"prompt": "1+1="}], step=1)
+    with pytest.raises(OSError, match="No space left"):  # the line still buffered
+        logger.close()
+
+
 def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
     from mlflow.tracking import MlflowClient
 
