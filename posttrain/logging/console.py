@@ -68,6 +68,10 @@ class ConsoleBackend:
             TimeRemainingColumn(),
             TextColumn("{task.fields[summary]}"),
             console=self.console,
+            # Forced colour (FORCE_COLOR, which many CI runners set) makes rich take a pipe for a
+            # terminal: each refresh and each printed line then wrote another frame of the bar
+            # into the log. Only a real terminal (or a notebook) shows the bar; the step lines stay.
+            disable=not (self.console.is_jupyter or _isatty(self.console.file)),
         )
         self._progress.start()
         self._task = self._progress.add_task("steps", total=total_steps, completed=initial_step, summary="")
@@ -110,6 +114,13 @@ class ConsoleBackend:
 
     def close(self, failed: bool = False) -> None:
         self.stop_progress()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _cell(value: Any) -> str:

@@ -282,6 +282,24 @@ def test_console_line_and_progress(tmp_path):
     assert "train step 5/10 | loss 1" in out and "1+1=" in out and "2+2=" not in out
 
 
+def test_no_progress_bar_frames_in_a_piped_log_with_forced_colour(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from posttrain.logging.console import ConsoleBackend
+
+    out = io.StringIO()  # a CI log: not a TTY, but FORCE_COLOR makes rich treat it as a terminal
+    backend = ConsoleBackend(Console(file=out, force_terminal=True, width=100))
+    backend.start_progress(20)
+    for step in range(1, 21):
+        backend.log_metrics({"loss": 1.0 / step}, step, "train")
+    assert backend._progress.tasks[0].completed == 20  # the bar's state is kept all the same
+    backend.close()
+    text = out.getvalue()
+    assert text.count("step ") == 20 and "steps" not in text  # one line per step, no bar frame
+
+
 def test_samples_print_as_the_model_wrote_them(tmp_path):
     from rich.console import Console
 
