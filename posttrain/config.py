@@ -639,8 +639,22 @@ def load_config(
     return validate(cfg, MASTER_CONFIGS[algorithm], source, origins, override_problems)
 
 
+def _escape_interpolations(node: Any) -> Any:
+    """`node` with every `${` in its strings escaped as OmegaConf reads it back literally: a
+    resolved value may hold one (`\\${x}` in the YAML is the text `${x}`), which the loader
+    would otherwise take for an interpolation. Backslashes right before a `${` are doubled, as
+    OmegaConf reads `\\\\` there as one backslash."""
+    if isinstance(node, dict):
+        return {k: _escape_interpolations(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_escape_interpolations(v) for v in node]
+    if isinstance(node, str) and "${" in node:
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
+    return node
+
+
 def to_yaml(config: BaseModel | dict[str, Any]) -> str:
     """The fully resolved config (every default filled in, or its `model_dump(mode="json")`) as
     YAML that `load_config` reads back the same, for the run directory."""
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(_escape_interpolations(data), Dumper=_Dumper, sort_keys=False)

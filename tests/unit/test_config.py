@@ -474,6 +474,16 @@ def test_to_yaml_roundtrip(tmp_path):
     # Strings that the config loader would read as numbers (`1e5` is a float to it) are quoted.
     cfg = load_config("sft", None, ['logger.wandb.name="1e5"', 'description="2E-3"'])
     assert load_config("sft", _write(tmp_path / "strings.yaml", to_yaml(cfg))) == cfg
+    # A literal `${` (escaped where it was set) stays literal, backslashes before it included:
+    # unescaped, the saved config.yaml failed to load as an interpolation of a missing key.
+    path = _write(tmp_path / "literal.yaml", r"""
+        policy:
+          generation:
+            stop_strings: ['\${x}', 'a\\\${y}', '${policy.model_name}']
+        """)
+    cfg = load_config("sft", path)
+    assert cfg.policy.generation.stop_strings == ["${x}", "a\\${y}", cfg.policy.model_name]
+    assert load_config("sft", _write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
 
 
 def test_typo_fails_fast_without_heavy_imports():
