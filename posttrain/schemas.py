@@ -161,6 +161,12 @@ class OptimizerConfig(Section):
                 f"policy.optimizer.kwargs sets no lr ({self.kwargs}); set kwargs replace the default "
                 f"{type(self)().kwargs} as a whole, so the optimizer's own default lr would apply: "
                 "set policy.optimizer.kwargs.lr too")
+        lr = self.kwargs["lr"]
+        # kwargs are free-form, so nothing else checks their types before the policy workers
+        # build the optimizer, after Ray started and the model loaded.
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise ValueError(f"policy.optimizer.kwargs.lr must be a number, got {lr!r}"
+                             + (" (a string: remove its quotes)" if isinstance(lr, str) else ""))
         return self
 
 

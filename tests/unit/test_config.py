@@ -294,6 +294,24 @@ def test_optimizer_kwargs_without_lr_are_an_error():
     assert cfg.policy.optimizer.kwargs == {"lr": 1e-3, "betas": [0.9, 0.99]}
 
 
+def test_an_optimizer_lr_that_is_not_a_number_fails_at_load(tmp_path):
+    # A quoted lr ("1e-5") reached torch as a string and failed in the policy workers, after
+    # Ray started and the model loaded.
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          optimizer:
+            kwargs: {lr: "1e-5"}
+        """)
+    with pytest.raises(ConfigError, match=re.escape(
+            "policy.optimizer.kwargs.lr must be a number, got '1e-5' (a string: remove its quotes)  "
+            f"[policy.optimizer set at {path}:3; policy.optimizer.kwargs.lr set at {path}:4]")):
+        load_config("grpo", path)
+    for value in ("true", "null", "[1e-5]"):
+        with pytest.raises(ConfigError, match="policy.optimizer.kwargs.lr must be a number"):
+            load_config("grpo", None, [f"policy.optimizer.kwargs.lr={value}"])
+    assert load_config("grpo", None, ["policy.optimizer.kwargs.lr=1"]).policy.optimizer.kwargs["lr"] == 1
+
+
 def test_the_batch_must_split_over_the_policy_workers_at_load():
     # Found otherwise after Ray started: by the Policy (tensor parallel) or at the first training step.
     # A check across sections reads as its message alone (it was prefixed with "<root>: ").
