@@ -143,6 +143,13 @@ for _cls in (_Loader, _Dumper):
     )
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, on one line (its own text spans several, quoting the input)."""
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    return problem + (f" ({context})" if context else "")
+
+
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
@@ -165,9 +172,7 @@ def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or str(e)
-        context = getattr(e, "context", None)
-        raise ConfigError(f"YAML syntax error at {where}: {problem}" + (f" ({context})" if context else "")) from None
+        raise ConfigError(f"YAML syntax error at {where}: {_yaml_problem(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -255,7 +260,10 @@ def _parse_value(text: str, override: str) -> Any:
     except yaml.YAMLError as e:
         if "${" in text:
             return text  # e.g. `${mul: a, b}`, not a YAML plain scalar but a valid interpolation
-        raise ConfigError(f"override {override!r}: cannot parse value {text!r}: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at character {mark.index + 1}" if mark is not None else ""
+        raise ConfigError(f"override {override!r}: cannot parse value {text!r} as YAML{at}: {_yaml_problem(e)}") \
+            from None
     dropped = text[node.end_mark.index if node is not None else 0 :].strip()
     if dropped:  # only a comment follows a value: YAML would drop it (`run #1` is "run") without a word
         fix = "remove it"  # from a list or mapping; a string keeps it when quoted

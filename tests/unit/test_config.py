@@ -119,6 +119,20 @@ def test_an_override_value_that_yaml_reads_partly_as_a_comment_is_an_error():
     assert (cfg.description, cfg.logger.wandb.name, cfg.policy.max_grad_norm) == ("run #1", "exp#1", 0.5)
 
 
+def test_an_override_value_that_is_not_yaml_is_one_line_naming_the_place():
+    # PyYAML's own text spans five lines quoting `in "<unicode string>", line 1, column 6`,
+    # which broke the one-line-per-problem list of the error.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["data.operations=[+,-,*]", "description=@x"])
+    assert str(e.value).splitlines()[1:] == [
+        "  - override 'data.operations=[+,-,*]': cannot parse value '[+,-,*]' as YAML at character 7: "
+        "expected alphabetic or numeric character, but found ']' (while scanning an alias)",
+        "  - override 'description=@x': cannot parse value '@x' as YAML at character 1: "
+        "found character '@' that cannot start any token (while scanning for the next token)",
+    ]
+    assert load_config("grpo", None, ["data.operations=[+,-,'*']"]).data.operations == ["+", "-", "*"]
+
+
 def test_an_empty_stop_string_is_a_config_error():
     # It passed the config and failed at the first generate call, after the model and Ray started.
     with pytest.raises(ConfigError, match=r"policy.generation.stop_strings\[1\]: got ''"):
