@@ -151,7 +151,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -396,7 +396,7 @@ class CheckpointManager:
         if self.policy is not None and saved.is_file():
             import yaml
 
-            changes = _state_layout_changes(yaml.safe_load(saved.read_text()) or {}, self.policy)
+            changes = _state_layout_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, self.policy)
             if changes:
                 raise ConfigError(
                     f"checkpoint {path} holds a model and optimizer state of other settings than this run's "
@@ -418,7 +418,7 @@ class CheckpointManager:
         saved = Path(path) / CONFIG_FILE
         if not saved.is_file():
             return []
-        return _config_diff(yaml.safe_load(saved.read_text()) or {}, yaml.safe_load(config_yaml) or {})
+        return _config_diff(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, yaml.safe_load(config_yaml) or {})
 
     def restore_data_position(self, path: Path, loader: Any, config_yaml: str) -> None:
         """Set `loader` (a RowLoader) to the data position of the checkpoint at `path`: called

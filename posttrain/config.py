@@ -663,6 +663,7 @@ def _escape_interpolations(node: Any) -> Any:
 
 def to_yaml(config: BaseModel | dict[str, Any]) -> str:
     """The fully resolved config (every default filled in, or its `model_dump(mode="json")`) as
-    YAML that `load_config` reads back the same, for the run directory."""
+    YAML that `load_config` reads back the same, for the run directory. Non-ASCII text stays as
+    it is (a Chinese system prompt, not "\\u7CFB..."): write it as UTF-8, as the loader reads."""
     data = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    return yaml.dump(_escape_interpolations(data), Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(_escape_interpolations(data), Dumper=_Dumper, sort_keys=False, allow_unicode=True)

@@ -174,7 +174,7 @@ class Logger:
         if self.moved_aside is not None:
             self.console(f"the earlier run's logs in {self.run_dir} were moved to {self.moved_aside}")
         if hparams:
-            (self.run_dir / "config.yaml").write_text(to_yaml(hparams))
+            (self.run_dir / "config.yaml").write_text(to_yaml(hparams), encoding="utf-8")
             for backend in self._backends:
                 backend.log_hparams(hparams)
 

@@ -516,6 +516,10 @@ def test_to_yaml_roundtrip(tmp_path):
     cfg = load_config("sft", path)
     assert cfg.policy.generation.stop_strings == ["${x}", "a\\${y}", cfg.policy.model_name]
     assert load_config("sft", _write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
+    # Non-ASCII text reads as written, not as "L\xF6sung \u6570\u5B66".
+    cfg = load_config("sft", None, ["description=Lösung 数学"])
+    assert "description: Lösung 数学\n" in to_yaml(cfg)
+    assert load_config("sft", _write(tmp_path / "unicode.yaml", to_yaml(cfg))) == cfg
 
 
 def test_typo_fails_fast_without_heavy_imports():
