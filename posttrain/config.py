@@ -408,10 +408,11 @@ def suggest_key(bad: str, valid: list[str]) -> str | None:
 
     In order: the same leaf name in another section (a misplaced key, e.g.
     `grpo.max_grad_norm` -> `policy.max_grad_norm`), then a segment-by-segment fuzzy
-    correction (`polcy.max_grad_nrom` -> `policy.max_grad_norm`), then the closest leaf
-    name anywhere.
+    correction (`polcy.max_grad_nrom` -> `policy.max_grad_norm`; list items keep their index,
+    `policy.scheduler[0].kwargz` -> `policy.scheduler[0].kwargs`), then the closest leaf name
+    anywhere.
     """
-    bad = re.sub(r"\[\d+\]", "", bad)
+    given, bad = bad, re.sub(r"\[\d+\]", "", bad)
     leaf = bad.rsplit(".", 1)[-1]
     by_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k != bad]
     if by_leaf:
@@ -421,8 +422,9 @@ def suggest_key(bad: str, valid: list[str]) -> str | None:
     for k in valid:
         parent, _, name = k.rpartition(".")
         children.setdefault(parent, []).append(name)
-    fixed, shown = "", ""  # the schema's key (with <name>) and the same key with the user's names
-    for part in bad.split("."):
+    fixed, shown = "", ""  # the schema's key (with <name>) and the same key with the user's names and indices
+    for segment in given.split("."):
+        part = segment.split("[", 1)[0]
         options = children.get(fixed, [])
         if part in options:
             choice = part
@@ -434,10 +436,10 @@ def suggest_key(bad: str, valid: list[str]) -> str | None:
                 break
             choice = match[0]
         fixed = f"{fixed}.{choice}" if fixed else choice
-        name = part if choice == ENTRY else choice
+        name = (part if choice == ENTRY else choice) + segment[len(part):]  # `[0]`: the user's index
         shown = f"{shown}.{name}" if shown else name
     else:
-        if fixed in valid and shown != bad:
+        if fixed in valid and shown != given:
             return shown
 
     leaves: dict[str, str] = {}

@@ -454,7 +454,7 @@ def test_unknown_algorithm_and_top_level_must_be_mapping(tmp_path):
     ("grpo.max_grad_norm", "policy.max_grad_norm"),  # right name, wrong section
     ("polcy.max_grad_norm", "policy.max_grad_norm"),
     ("policy.generaton.temprature", "policy.generation.temperature"),
-    ("policy.scheduler[0].kwargz", "policy.scheduler.kwargs"),
+    ("policy.scheduler[0].kwargz", "policy.scheduler[0].kwargs"),  # as the user names the item
     ("checkpointing.keep_topk", "checkpointing.keep_top_k"),
     ("env.math.num_worker", "env.math.num_workers"),  # an entry of env, named by the user
     ("zzzzzz", None),
