@@ -159,7 +159,7 @@ def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError(f"{path} is a folder, not a config file")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}{_closest_file(path)}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # e.g. a checkpoint or model file named by mistake
@@ -179,6 +179,17 @@ def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
         raise ConfigError(f"{path}: the top level of a config must be a mapping, got {type(data).__name__}")
     _walk_node(node, "", path, origins)
     return data
+
+
+def _closest_file(path: Path) -> str:
+    """" (did you mean <file>?)" naming the YAML file in `path`'s folder whose name is closest
+    to its name (`grpo_quickstrat.yaml`), or "" when none is close or the folder is not there."""
+    try:
+        names = [p.name for p in path.parent.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()]
+    except OSError:
+        return ""
+    match = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+    return f" (did you mean {path.parent / match[0]}?)" if match else ""
 
 
 def _walk_node(node: yaml.Node, prefix: str, path: Path, origins: dict[str, str]) -> None:
@@ -221,7 +232,8 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictCo
         parent_path = (path.parent / parent).resolve()
         if not parent_path.exists():
             raise ConfigError(
-                f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not exist"
+                f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not "
+                f"exist{_closest_file(parent_path)}"
             )
         merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins))
     try:

@@ -414,9 +414,18 @@ def test_vllm_python_is_checked_at_load(tmp_path):
     assert cfg.policy.generation.vllm_cfg.python == sys.executable
 
 
-def test_missing_file():
-    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml"):
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nowhere.yaml$"):
         load_config("grpo", "/nowhere.yaml")
+    # A misspelt name is answered with the closest file of its folder, also in `defaults:`.
+    _write(tmp_path / "grpo_quickstart.yaml", "grpo: {seed: 1}\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config file not found: {tmp_path / 'grpo_quickstrat.yaml'} (did you mean "
+            f"{tmp_path / 'grpo_quickstart.yaml'}?)")):
+        load_config("grpo", tmp_path / "grpo_quickstrat.yaml")
+    child = _write(tmp_path / "child.yaml", "defaults: grpo_quikstart.yaml\n")
+    with pytest.raises(ConfigError, match=re.escape(f"(did you mean {tmp_path / 'grpo_quickstart.yaml'}?)")):
+        load_config("grpo", child)
 
 
 def test_a_config_that_is_not_utf8_text_or_not_a_file_is_a_config_error(tmp_path):
