@@ -531,8 +531,15 @@ def format_errors(
     for inner, errs in by_key.items():
         first, key = errs[0], prefix + inner if inner else prefix.rstrip(".")
         if first["type"] == "extra_forbidden":
-            hint = suggest_key(inner, valid)
-            msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else _owners_hint(key, schema))
+            # A misspelt section holding one key (`polcy.max_grad_nrom=1`): the whole key is
+            # suggested (policy.max_grad_norm), not the section alone and the next typo later.
+            given, node = inner, first.get("input")
+            while isinstance(node, dict) and len(node) == 1:
+                (name, node), = node.items()
+                given += f".{name}"
+            owners = _owners_hint(key, schema)
+            hint = None if owners else suggest_key(given, valid) or suggest_key(inner, valid)
+            msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else owners)
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):

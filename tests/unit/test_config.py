@@ -247,6 +247,14 @@ def test_typo_names_key_place_and_suggestion(tmp_path):
     msg = str(e.value)
     assert "unknown key 'policy.max_grad_nrom' (did you mean policy.max_grad_norm?)" in msg
     assert f"{path.resolve()}:3" in msg
+    # A misspelt section holding one key suggests the whole key (it said "did you mean
+    # policy?", and the fixed override then failed on its second typo); with more keys, the section.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["polcy.max_grad_nrom=1", "grp.val_period=3", "lgger={log_dir: a, jsonl: b}"])
+    msg = str(e.value)
+    assert "unknown key 'polcy' (did you mean policy.max_grad_norm?)" in msg
+    assert "unknown key 'grp' (did you mean grpo.val_period?)" in msg
+    assert "unknown key 'lgger' (did you mean logger?)" in msg
 
 
 def test_a_section_of_another_command_says_whose_it_is(tmp_path):
@@ -366,7 +374,7 @@ def test_all_errors_reported_at_once(tmp_path):
     assert "unknown key 'grpo.max_grad_norm' (did you mean policy.max_grad_norm?)" in text
     assert "policy.precision: got 'fp8'" in text
     assert "data.num_digits: got -1, expected greater than or equal to 1" in text
-    assert "unknown key 'polcy' (did you mean policy?)" in text
+    assert "unknown key 'polcy' (did you mean policy.max_grad_norm?)" in text
 
 
 def test_union_and_cross_field_errors():
