@@ -9,8 +9,9 @@ Override forms (the Hydra ones NeMo RL users type):
 A list item is named `a.0.b` or `a[0].b`.
 Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`. Interpolations such
 as `${policy.model_name}` and `${mul:${policy.max_total_sequence_length},${grpo.seed}}`
-resolve after all merging, against the config with every schema default filled in (so they
-may name keys the YAML does not set).
+(also unquoted inside a list or mapping, `[${grpo.seed}, 2]`) resolve after all merging,
+against the config with every schema default filled in (so they may name keys the YAML does
+not set).
 
 Every problem of one config is reported in one `ConfigError`: each line names the dotted
 key, where it was set (file:line or the command line), the bad value, what was expected and
@@ -271,7 +272,9 @@ def _parse_value(text: str, override: str) -> Any:
         value = _yaml_load(text)
     except yaml.YAMLError as e:
         if "${" in text:
-            return text  # e.g. `${mul: a, b}`, not a YAML plain scalar but a valid interpolation
+            # Interpolations inside a list or mapping (`[${grpo.seed}, 2]`, as Hydra's grammar
+            # takes them) are not YAML; else a string that OmegaConf may still read (`a ${x}: b`).
+            return _parse_with_interpolations(text)
         mark = getattr(e, "problem_mark", None)
         at = f" at character {mark.index + 1}" if mark is not None else ""
         raise ConfigError(f"override {override!r}: cannot parse value {text!r} as YAML{at}: {_yaml_problem(e)}") \
@@ -283,6 +286,44 @@ def _parse_value(text: str, override: str) -> Any:
             fix = f"quote the value: {override.split('=', 1)[0]}={text.strip()!r}"
         raise ConfigError(f"override {override!r}: YAML reads {dropped!r} as a comment; {fix}")
     return value
+
+
+_PLACEHOLDER = "__posttrain_interpolation_{}__"
+
+
+def _parse_with_interpolations(text: str) -> Any:
+    """`text` parsed as YAML with each `${...}` (nested ones in one piece) read as a string in
+    its place; `text` itself if it is not YAML even so."""
+    spans: list[str] = []
+    out: list[str] = []
+    i = 0
+    while (start := text.find("${", i)) >= 0:
+        depth, end = 0, start + 1
+        while end < len(text):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+            end += 1
+        if depth:  # an unclosed `${`: for OmegaConf to report
+            return text
+        out += [text[i:start], _PLACEHOLDER.format(len(spans))]
+        spans.append(text[start : end + 1])
+        i = end + 1
+    try:
+        value = _yaml_load("".join(out) + text[i:])
+    except yaml.YAMLError:
+        return text
+
+    def restore(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {restore(k): restore(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [restore(v) for v in node]
+        if isinstance(node, str):
+            return re.sub(_PLACEHOLDER.format(r"(\d+)"), lambda m: spans[int(m.group(1))], node)
+        return node
+
+    return restore(value)
 
 
 def _key_parts(key: str) -> list[str]:

@@ -226,6 +226,16 @@ def test_interpolation_including_schema_defaults(tmp_path):
     assert cfg.policy.logprob_chunk_size == 4
     with pytest.raises(ConfigError, match=r"policy.scheduler\[0\].name: cannot resolve the interpolation"):
         load_config("grpo", path, ["policy.scheduler=[{name: '${nope}'}]"])
+    # Unquoted inside a list or mapping, as Hydra's grammar takes them: these were read as one
+    # string ('[2, 7]', "{lr: ...}") and refused as not a list or not a dict.
+    cfg = load_config("grpo", path, ["policy.generation.stop_token_ids=[${policy.train_micro_batch_size}, 7]",
+                                     "policy.optimizer.kwargs={lr: ${mul:${policy.train_micro_batch_size},1e-5}}",
+                                     "policy.generation.stop_strings=[a${policy.model_name}, '\\${x}']"])
+    assert cfg.policy.generation.stop_token_ids == [2, 7]
+    assert cfg.policy.optimizer.kwargs == {"lr": 2e-5}
+    assert cfg.policy.generation.stop_strings == ["amy/model", "${x}"]
+    with pytest.raises(ConfigError, match=r"override 'policy.generation.stop_token_ids=\[\${mul: 2': .*BRACE_CLOSE"):
+        load_config("grpo", path, ["policy.generation.stop_token_ids=[${mul: 2"])
 
 
 def test_interpolation_errors_name_key_and_place(tmp_path):
