@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 from collections.abc import Callable
@@ -67,6 +68,14 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
                          "(a conversation's last assistant message is then its answer), or give the rows a "
                          "task_name (docs/environments.md)")
     names = sorted({r["task_name"] for r in rows})
+    # An entry no row names configures nothing. One inherited from another config (`arithmetic`
+    # beside a `digits` task) is harmless; one named like an environment the data uses is a typo
+    # (`env.mth.num_workers=2` left math at its defaults).
+    for entry in sorted(set(env_cfg.model_extra or {}) - set(names)):
+        close = difflib.get_close_matches(entry, names, n=1, cutoff=0.75)
+        if close:
+            raise ConfigError(f"env.{entry}: no data row names environment {entry!r} (task_name), which so "
+                              f"configures nothing; did you mean env.{close[0]}? (the data's: {', '.join(names)})")
     for name in names:
         factory = resolve_env(name, env_cfg.get_worker_cfg(name))
         if getattr(factory, "needs_answer", False):

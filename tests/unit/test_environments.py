@@ -375,6 +375,20 @@ def test_sft_rows_fail_before_any_environment_starts():
     assert resolve_task_envs([prompt], EnvConfig()) == ["math"]
 
 
+def test_an_env_entry_named_like_the_datas_environment_but_not_it_fails_at_setup():
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    # `env.mth.num_workers=2` made an entry no row names: math ran at its defaults, without a word.
+    prompt = {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "math"}
+    with pytest.raises(ValueError, match=re.escape(
+            "env.mth: no data row names environment 'mth' (task_name), which so configures nothing; "
+            "did you mean env.math? (the data's: math)")):
+        resolve_task_envs([prompt], EnvConfig.model_validate({"mth": {"num_workers": 2}}))
+    # An entry unlike any of the data's (inherited from another config) is left alone.
+    assert resolve_task_envs([prompt], EnvConfig.model_validate({"math": {}, "sliding_puzzle": {}})) == ["math"]
+
+
 def test_rows_without_the_answer_their_environment_scores_against_fail_at_setup(caplog):
     from posttrain.environments import resolve_task_envs
     from posttrain.schemas import EnvConfig
