@@ -93,8 +93,8 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch):
     # Other training rows (a larger validation split) cannot continue at the saved position: the
     # resume fails before any worker starts, naming the config change.
     monkeypatch.setattr(offline, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
-    with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 257 rows but the dataset now "
-                                         r"has 240.*data.val_split_fraction: 0.05 -> 0.1.*start_fresh"):
+    with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 250 rows but the dataset now "
+                                         r"has 231.*data.val_split_fraction: 0.05 -> 0.1.*start_fresh"):
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.val_split_fraction=0.1", *overrides))
     # A step count lowered below the checkpoint's would train nothing: it fails the same way.
     with pytest.raises(ConfigError, match=r"step_3 is at step 3, past sft.max_num_steps=2"):
