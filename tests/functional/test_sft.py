@@ -136,7 +136,7 @@ def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_
 
 
 def test_too_few_rows_for_a_batch_says_how_many_the_context_length_left_out(shared_data, tmp_path):
-    # 949 Alpaca training rows, most longer than 128 characters (the embedded tokenizer's tokens): the
+    # 947 Alpaca training rows, most longer than 128 characters (the embedded tokenizer's tokens): the
     # error said only "the dataset has 90 rows ... add data", as the counts that explain it are logged
     # once the run starts. No ray_session: it fails before Ray starts.
     cfg = _cfg(tmp_path, "embedded:tiny", "policy.max_total_sequence_length=128", "policy.train_global_batch_size=128",
@@ -144,13 +144,13 @@ def test_too_few_rows_for_a_batch_says_how_many_the_context_length_left_out(shar
     with pytest.raises(InputError) as err:
         sft.setup(cfg)
     m = re.fullmatch(r"train split: the dataset has (\d+) rows, fewer than one batch of 128: add data or lower "
-                     r"policy.train_global_batch_size; (\d+) of the split's 949 rows were left out \((\d+) longer than "
+                     r"policy.train_global_batch_size; (\d+) of the split's 947 rows were left out \((\d+) longer than "
                      r"128 tokens, dropped; 0 without a loss token in their first 128\): a longer "
                      r"policy.max_total_sequence_length / data.max_input_seq_length keeps those the limit cut",
                      str(err.value))
     assert m, err.value
     kept, left_out, dropped = map(int, m.groups())
-    assert kept + left_out == 949 and left_out == dropped and kept < 128
+    assert kept + left_out == 947 and left_out == dropped and kept < 128
 
 
 def test_packing_checks_only_the_validation_rows_validation_runs_on(tmp_path):
