@@ -594,8 +594,6 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # One call: the workers run every pass's optimizer steps back to back.
             train_metrics = policy.train(passes[0] if len(passes) == 1 else BatchedDataDict.from_batches(passes),
                                          s.loss_fn)
-        # The worker's step_time_s is the mean of its optimizer steps; this loop's is the GRPO step's.
-        train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
         # async ones before each queued batch, in the pipeline's thread)

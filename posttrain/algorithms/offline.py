@@ -320,8 +320,6 @@ def offline_train(
         # ---- policy update (one optimizer step on the global batch)
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
-        # The worker's step_time_s is its optimizer step's; this loop's (below) is the whole step's, as in GRPO.
-        train_metrics["optimizer_step_time_s"] = train_metrics.pop("step_time_s")
         step += 1
         # ---- validation
         measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
