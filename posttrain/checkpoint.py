@@ -633,10 +633,11 @@ class CheckpointManager:
         while it replaced its step_N) in place; move marker-less step_N dirs aside (never delete them)."""
         for p in self.dir.iterdir():
             m = _TMP_RE.match(p.name)
+            stale = m is not None and self._stale_save(p, int(m.group(2)))
             final = self.dir / f"step_{m.group(1)}" if m else None
-            if m and self._stale_save(p, int(m.group(2))) and (p / COMPLETE_MARKER).is_file() and not final.exists():
+            if stale and (p / COMPLETE_MARKER).is_file() and not final.exists():
                 os.replace(p, final)
-            elif (m and self._stale_save(p, int(m.group(2)))) or re.search(r"\.deleting-\d+$", p.name):
+            elif stale or re.search(r"\.deleting-\d+$", p.name):
                 shutil.rmtree(p, ignore_errors=True)
             elif _STEP_RE.match(p.name) and p.is_dir() and not (p / COMPLETE_MARKER).is_file():
                 os.replace(p, p.with_name(f"{p.name}.incomplete-{int(time.time())}"))

@@ -27,7 +27,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Collection, Iterable, TypeVar, get_type_hints
+from typing import Any, Callable, Collection, Iterable, TypeVar, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -313,17 +313,18 @@ def _parse_with_interpolations(text: str) -> Any:
         value = _yaml_load("".join(out) + text[i:])
     except yaml.YAMLError:
         return text
+    placeholder = re.compile(_PLACEHOLDER.format(r"(\d+)"))
+    return _map_strings(value, lambda s: placeholder.sub(lambda m: spans[int(m.group(1))], s), keys=True)
 
-    def restore(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {restore(k): restore(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [restore(v) for v in node]
-        if isinstance(node, str):
-            return re.sub(_PLACEHOLDER.format(r"(\d+)"), lambda m: spans[int(m.group(1))], node)
-        return node
 
-    return restore(value)
+def _map_strings(node: Any, fn: Callable[[str], str], keys: bool = False) -> Any:
+    """`node` (YAML data: dicts, lists, scalars) with `fn` applied to each string value, and
+    with `keys` to each mapping key too."""
+    if isinstance(node, dict):
+        return {(_map_strings(k, fn, keys) if keys else k): _map_strings(v, fn, keys) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_map_strings(v, fn, keys) for v in node]
+    return fn(node) if isinstance(node, str) else node
 
 
 def _key_parts(key: str) -> list[str]:
@@ -714,13 +715,7 @@ def _escape_interpolations(node: Any) -> Any:
     resolved value may hold one (`\\${x}` in the YAML is the text `${x}`), which the loader
     would otherwise take for an interpolation. Backslashes right before a `${` are doubled, as
     OmegaConf reads `\\\\` there as one backslash."""
-    if isinstance(node, dict):
-        return {k: _escape_interpolations(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_escape_interpolations(v) for v in node]
-    if isinstance(node, str) and "${" in node:
-        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
-    return node
+    return _map_strings(node, lambda s: re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s))
 
 
 def to_yaml(config: BaseModel | dict[str, Any]) -> str:
