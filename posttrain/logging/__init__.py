@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from posttrain.checkpoint import move_aside
 from posttrain.config import to_yaml
-from posttrain.logging.jsonl import read_metrics
+from posttrain.logging.jsonl import naming_file, parse_lines
 from posttrain.logging.timer import Timer
 from posttrain.schemas import LoggerConfig
 
@@ -77,29 +77,23 @@ def _read_tracker_runs(path: Path) -> dict[str, str]:
     return {k: v for k, v in runs.items() if isinstance(v, str)} if isinstance(runs, dict) else {}
 
 
-def _drop_after(path: Path, step: int | None) -> None:
+def _drop_after(path: Path, step: int | None) -> list[dict[str, Any]]:
     """Rewrite the JSONL file at `path` without its lines of steps after `step` (a resumed run logs
     them again: they would be there twice) and without a line a crash left torn, which the next
-    line appended would join and make unreadable too. Lines of `_OWN_STEP_AXES` prefixes stay."""
+    line appended would join and make unreadable too. Lines of `_OWN_STEP_AXES` prefixes stay.
+    Returns the records kept."""
     if not path.is_file():
-        return
+        return []
     text = path.read_text()
     lines = text.splitlines()
-    kept = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        after = step is not None and isinstance(rec.get("step"), int) and rec["step"] > step
-        if not after or rec.get("prefix") in _OWN_STEP_AXES:
-            kept.append(line + "\n")
+    kept = [rec for rec in parse_lines(lines) if isinstance(rec, dict) and (
+        step is None or not isinstance(rec.get("step"), int) or rec["step"] <= step
+        or rec.get("prefix") in _OWN_STEP_AXES)]
     if len(kept) < len(lines) or not text.endswith("\n"):
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(kept))
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))  # as written: json.dumps lines
         tmp.replace(path)  # a crash here leaves the old file whole, never half of it
+    return kept
 
 
 class Logger:
@@ -122,10 +116,9 @@ class Logger:
         # this run's at the same steps (and its later steps would stay in this run's plots).
         self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in dict.fromkeys((*_RUN_LOGS, *also_move))
                                                      if (self.run_dir / n).exists()]) if fresh else None
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            _drop_after(self.run_dir / name, resumed_from)
+        _drop_after(self.run_dir / "samples.jsonl", resumed_from)
         # Earlier records of this run dir (a resumed run) so that the plots cover the whole run.
-        self._records: list[dict[str, Any]] = read_metrics(self.metrics_path)
+        self._records: list[dict[str, Any]] = _drop_after(self.metrics_path, resumed_from)
         # What every start logs (the data counts at step 0) a resumed run logs again: the stopped
         # run's records at those steps stand, so that each step is in every backend once.
         self._kept = set() if resumed_from is None else {(r.get("prefix"), r.get("step")) for r in self._records}
@@ -232,12 +225,9 @@ class Logger:
         if not rows:
             return
         path = self.run_dir / f"{name}.jsonl"
-        try:
-            with open(path, "a") as f:
-                for row in rows:
-                    f.write(json.dumps({"step": step, **row}, default=str) + "\n")
-        except OSError as e:  # a write's error names no file: "[Errno 28] No space left on device"
-            raise OSError(e.errno, e.strerror, str(path)) from e
+        with naming_file(path), open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
 
     def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
         """Print up to `logger.num_val_samples_to_print` rows as a table (console backend only)."""
