@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from posttrain.config import InputError
+from posttrain.data.formats import row_name
 from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import aggregate
 from posttrain.schemas import EvalMasterConfig
@@ -91,7 +92,7 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     for i, row in enumerate(rows):
         if "messages" not in row:
             raise InputError(
-                f"eval: row {i + 1} of {name!r} has keys {sorted(row)}; evaluation needs prompt `messages` "
+                f"eval: {row_name(row, f'row {i + 1} of {name!r}')} has keys {sorted(row)}; evaluation needs prompt `messages` "
                 "(set data.format, e.g. data.format=math)"
             )
     return rows
@@ -113,7 +114,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
         i = overlong[0]
         raise InputError(
             f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
-            f"within policy.max_total_sequence_length={limit} (first: row {i + 1}, {lengths[i]} tokens); raise it or "
+            f"within policy.max_total_sequence_length={limit} (first: {row_name(rows[i], f'row {i + 1}')}, {lengths[i]} tokens); raise it or "
             "set policy.generation.overlong_prompt=truncate"
         )
 

@@ -38,6 +38,7 @@ from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_stat
 from posttrain.config import InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
+from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import RayVirtualCluster
@@ -88,17 +89,18 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     limit = cfg.policy.max_total_sequence_length - 1
     kept, dropped = [], 0
     for i, row in enumerate(rows, start=1):
-        with naming_row(f"{split} row {i}", row["messages"]):
+        name = row_name(row, f"{split} row {i}")
+        with naming_row(name, row["messages"]):
             ids = render_prompt(tokenizer, row["messages"], cfg.data.add_bos,
                                 add_generation_prompt=cfg.data.add_generation_prompt, tools=row.get("tools"))
         n = len(ids)
         if n <= limit:
-            kept.append({**row, PROMPT_IDS_KEY: array("i", ids)})  # 4 bytes a token, not a list's 8+
+            kept.append(with_fields(row, **{PROMPT_IDS_KEY: array("i", ids)}))  # 4 bytes a token, not a list's 8+
         elif cfg.data.truncation == "drop":
             dropped += 1
         else:
             raise InputError(
-                f"{split} row {i}: the prompt is {n} tokens, more than policy.max_total_sequence_length - 1 "
+                f"{name}: the prompt is {n} tokens, more than policy.max_total_sequence_length - 1 "
                 f"({limit}) leaves room for; set data.truncation=drop to drop such rows (they are counted)"
             )
     if not kept:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.config import InputError, MissingInputError
-from posttrain.data.formats import DataFormatError, detect_format, normalize_row, where
+from posttrain.data.formats import DataFormatError, SourcedRow, detect_format, normalize_row, where, with_fields
 from posttrain.embedded import cache_root
 from posttrain.schemas import DataConfig
 
@@ -263,7 +263,8 @@ def normalize_rows(
     rows, skipped, first_error = [], 0, None
     for n, r in zip(numbers, raw):
         try:
-            rows.append(normalize_row(r, fmt, where(source, n), cfg.task_name))
+            loc = where(source, n)
+            rows.append(SourcedRow(normalize_row(r, fmt, loc, cfg.task_name), loc))
         except DataFormatError as e:
             if cfg.on_malformed_row == "error":
                 raise
@@ -494,7 +495,7 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     cap = cfg.max_train_samples if split == "train" else cfg.max_val_samples
     rows = rows[:cap] if cap else rows
     if cfg.task_name is not None:  # RL/eval rows (the ones with a task_name) go to this environment
-        rows = [{**r, "task_name": cfg.task_name} if "task_name" in r else r for r in rows]
+        rows = [with_fields(r, task_name=cfg.task_name) if "task_name" in r else r for r in rows]
     return apply_prompts(rows, cfg)
 
 
@@ -524,7 +525,7 @@ def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str,
             )
     out = []
     for row in rows:
-        row = dict(row)
+        row = with_fields(row)
         key = "prompt_messages" if "prompt_messages" in row else "messages"
         msgs = [dict(m) for m in row[key]]
         if template is not None:

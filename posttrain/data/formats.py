@@ -85,6 +85,33 @@ def where(source: str, row_number: int) -> str:
     return f"{source} row {row_number}"
 
 
+class SourcedRow(dict):
+    """A canonical row that remembers where it was read (`where`, as `where()` writes it).
+
+    Errors raised after a row left its file (a chat template refusing it, a prompt too long for
+    the context) then name the file and row: its place in a split says little once rows were held
+    out for validation or capped. A plain dict otherwise (equality, JSON, pickling); a copy made
+    with `{**row}` forgets the place, `with_fields` keeps it."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, row: dict[str, Any], where: str):
+        super().__init__(row)
+        self.where = where
+
+
+def with_fields(row: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """`{**row, **fields}`, still knowing where `row` was read."""
+    out = {**row, **fields}
+    return SourcedRow(out, row.where) if isinstance(row, SourcedRow) else out
+
+
+def row_name(row: dict[str, Any], fallback: str) -> str:
+    """How an error names `row`: the file and row it was read from, else `fallback` (e.g.
+    "train row 3", its place in the split; generated rows come from no file)."""
+    return getattr(row, "where", None) or fallback
+
+
 def detect_format(row: dict[str, Any], loc: str = "row") -> str:
     """The format of a row from its keys (see the module docstring)."""
     if not isinstance(row, dict):

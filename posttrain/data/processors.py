@@ -27,7 +27,7 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.formats import demonstration_messages
+from posttrain.data.formats import demonstration_messages, row_name
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
@@ -89,8 +89,8 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
 
 @contextlib.contextmanager
 def naming_row(row: str, messages: list[dict]) -> Iterator[None]:
-    """Errors of rendering one dataset row as InputErrors naming it (`row`, e.g. "row 3": 1-based,
-    within its split) and its roles: many chat templates raise on a conversation they refuse
+    """Errors of rendering one dataset row as InputErrors naming it (`row`: `row_name`'s, the file
+    and row it was read from, else e.g. "row 3": 1-based, within its split) and its roles: many chat templates raise on a conversation they refuse
     (Mistral's and Gemma's on two user turns in a row, Gemma's on a system message), naming no row."""
     from jinja2 import TemplateError
 
@@ -233,10 +233,10 @@ def process_sft_rows(
             # trains on its reference answer after it, as GRPO's warm-up does.
             demo = demonstration_messages(row)
             if demo is None:
-                raise InputError(f"row {n}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
+                raise InputError(f"{row_name(row, f'row {n}')}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
                                  "or `demonstration`, so SFT has no response to train on")
             messages = messages + demo
-        with naming_row(f"row {n}", messages):
+        with naming_row(row_name(row, f"row {n}"), messages):
             ex = tokenize_messages(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                    tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)
@@ -264,7 +264,7 @@ def process_preference_rows(
         prompt = row["prompt_messages"]
         pair, statuses = [], []
         for side in ("chosen", "rejected"):
-            with naming_row(f"row {n}", prompt + row[side]):
+            with naming_row(row_name(row, f"row {n}"), prompt + row[side]):
                 ex = tokenize_messages(prompt + row[side], tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                        loss_start=len(prompt), tools=row.get("tools"),
                                        add_generation_prompt=cfg.add_generation_prompt)

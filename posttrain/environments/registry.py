@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 
 from posttrain.config import ConfigError, InputError
+from posttrain.data.formats import row_name, with_fields
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
@@ -83,7 +84,7 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
             if missing:
                 first = rows[missing[0]]["messages"][-1].get("content")
                 what = (f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference `answer`, "
-                        f"which it scores against (first: row {missing[0] + 1}, prompt {str(first)[:80]!r})")
+                        f"which it scores against (first: {row_name(rows[missing[0]], f'row {missing[0] + 1}')}, prompt {str(first)[:80]!r})")
                 if require_answers:
                     raise InputError(what)
                 log.warning("%s: each of their samples scores 0 and counts as an env error", what)
@@ -109,7 +110,7 @@ def with_tool_schemas(rows: list[dict], env_cfg) -> list[dict]:
         name = row.get("task_name", "math")
         if name not in schemas:
             schemas[name] = _tool_schemas(name, env_cfg.get_worker_cfg(name))
-        out.append({**row, "tools": schemas[name]} if schemas[name] else row)
+        out.append(with_fields(row, tools=schemas[name]) if schemas[name] else row)
     return out
 
 

@@ -221,6 +221,51 @@ def test_row_the_chat_template_rejects_is_named():
         process_preference_rows([pair], tok, DataConfig(), max_len=100)
 
 
+def test_rejected_or_overlong_row_is_named_by_its_file_and_line(tmp_path):
+    # Errors raised after the rows left their file named the row's place in its split, which is not
+    # its line once rows were held out for validation (or a blank line skipped): the user could
+    # not find it. Rows read from a file keep their place through the split, data.task_name,
+    # the prompt files and GRPO's prompt rendering.
+    import json
+
+    from posttrain.algorithms.grpo import _fit_prompts
+    from posttrain.config import load_config
+    from posttrain.embedded import build_tokenizer
+
+    def chat(i: int) -> list[dict]:
+        users = [{"role": "user", "content": f"q{i}"}] * (2 if i == 6 else 1)
+        return [*users, {"role": "assistant", "content": "a"}]
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n" + "".join(json.dumps({"messages": chat(i)}) + "\n" for i in range(10)))  # row i: line i + 2
+    (tmp_path / "prompt.txt").write_text("Q: {}")
+    cfg = DataConfig(dataset_name=str(path), val_split_fraction=0.3, prompt_file=str(tmp_path / "prompt.txt"))
+
+    def bad_at(rows: list[dict]) -> int | None:
+        return next((n for n, r in enumerate(rows, start=1) if len(r["messages"]) == 3), None)
+
+    loaded = next(rows for rows in (load_rows(cfg, s) for s in ("train", "val")) if bad_at(rows))
+    assert bad_at(loaded) != 8  # its place in the split is not its line
+    tok = build_tokenizer()
+    tok.chat_template = ALTERNATING_TEMPLATE
+    with pytest.raises(InputError, match=rf"^{path} row 8 \(roles user, user, assistant\): the chat template rejects"):
+        process_sft_rows(loaded, tok, cfg, max_len=100)
+
+    # An RL prompt too long for the context, in a math file with data.task_name set.
+    math_rows = [{"question": "1+1=" if i != 2 else "9" * 40 + "+1=", "answer": "2"} for i in range(4)]
+    math = tmp_path / "math.jsonl"
+    math.write_text("".join(json.dumps(r) + "\n" for r in math_rows))
+    grpo = load_config("grpo", None, ["policy.max_total_sequence_length=24", f"data.dataset_name={math}",
+                                      "data.val_data_path=" + str(math), "data.task_name=math",
+                                      "data.truncation=truncate"])
+    with pytest.raises(InputError, match=rf"^{math} row 3: the prompt is \d+ tokens, more than"):
+        _fit_prompts(load_rows(grpo.data, "val"), build_tokenizer(), grpo, "val")
+    # Generated rows come from no file: their place in the split names them.
+    with pytest.raises(InputError, match=r"^train row 1: the prompt is"):
+        _fit_prompts([{"messages": [{"role": "user", "content": "9" * 40}], "task_name": "t"}], build_tokenizer(),
+                     grpo, "train")
+
+
 def test_preference_pairs_mask_responses_only(tok, shared_data):
     cfg = DataConfig(dataset_name=f"{shared_data}/llamafactory_demo/dpo_en_demo.json", truncation="truncate")
     rows = load_rows(cfg, "train")
