@@ -36,6 +36,7 @@ import shutil
 import signal
 import threading
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,10 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
 
 def missing_files(path: Path) -> list[str]:
     """The files a resume reads from the checkpoint `path` that are not there or cannot be read,
-    relative to it: a checkpoint copied or cleaned up in part still holds its COMPLETE marker."""
+    relative to it: a checkpoint copied or cleaned up in part (or to a full disk) still holds its
+    COMPLETE marker. Truncated files count: a torch file whose zip directory is gone, a shard
+    shorter than the data `.metadata` places in it (torch's "failed finding central directory"
+    from a worker, after the workers had started)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     missing = [name for name in (INFO_FILE, RNG_FILE, f"policy/{TRAINER_STATE_FILE}")
@@ -91,14 +95,34 @@ def missing_files(path: Path) -> list[str]:
             json.loads((path / INFO_FILE).read_text())
         except (ValueError, OSError):  # truncated or not UTF-8
             missing.append(f"{INFO_FILE} (unreadable)")
+    for name in (RNG_FILE, f"policy/{TRAINER_STATE_FILE}"):
+        if name not in missing and not _is_zip(path / name):  # torch.save's format: its directory is at the end
+            missing.append(f"{name} (unreadable)")
     try:
-        # The shards `.metadata` lists (one or more per rank of the run that saved).
-        shards = {s.relative_path for s in FileSystemReader(path / "policy").read_metadata().storage_data.values()}
+        # The shards `.metadata` lists (one or more per rank of the run that saved), each as long
+        # as the end of the last item in it.
+        ends: dict[str, int] = {}
+        for s in FileSystemReader(path / "policy").read_metadata().storage_data.values():
+            ends[s.relative_path] = max(ends.get(s.relative_path, 0), s.offset + s.length)
     except FileNotFoundError:
         return missing + ["policy/.metadata"]
     except (pickle.UnpicklingError, EOFError, OSError):  # a truncated or foreign file
         return missing + ["policy/.metadata (unreadable)"]
-    return missing + [f"policy/{f}" for f in sorted(shards) if not (path / "policy" / f).is_file()]
+    for name, end in sorted(ends.items()):
+        shard = path / "policy" / name
+        if not shard.is_file():
+            missing.append(f"policy/{name}")
+        elif shard.stat().st_size < end:
+            missing.append(f"policy/{name} (truncated: {shard.stat().st_size} of {end} bytes)")
+    return missing
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -259,7 +259,8 @@ def test_sigkill_mid_save_resumes_from_previous(tmp_path):
 
 @pytest.mark.parametrize("damage", ["policy/__0_0.distcp", "policy/trainer_state.pt", "policy/.metadata",
                                     "rng_state.pt", "training_info.json", "truncated training_info.json",
-                                    "truncated policy/.metadata"])
+                                    "truncated policy/.metadata", "truncated policy/__0_0.distcp",
+                                    "truncated policy/trainer_state.pt", "truncated rng_state.pt"])
 def test_a_complete_checkpoint_missing_a_file_fails_before_any_worker_starts_naming_it(tmp_path, damage):
     from posttrain.config import MissingInputError
 
@@ -274,7 +275,8 @@ def test_a_complete_checkpoint_missing_a_file_fails_before_any_worker_starts_nam
     with pytest.raises(MissingInputError) as e:
         mgr.latest()
     assert f"step_2 lacks {name}" in str(e.value) and "move step_2 out of" in str(e.value)
-    assert ("(unreadable)" in str(e.value)) == damage.startswith("truncated")
+    assert bool(re.search(rf"{re.escape(name)} \((unreadable|truncated: 20 of \d+ bytes)\)", str(e.value))) \
+        == damage.startswith("truncated")
     os.replace(path, tmp_path / "step_2.bad")  # the way out it names: resume from the one before
     assert mgr.latest().name == "step_1"
 
