@@ -109,8 +109,15 @@ class RowLoader:
                 f"has shuffle={self.shuffle}, seed={self.seed}: resuming would repeat some rows of the current "
                 "epoch and skip others; put data.shuffle and the algorithm's seed back"
             )
-        self.epoch = int(state["epoch"])
-        self.index = int(state["index"])
+        epoch, index = int(state["epoch"]), int(state["index"])
+        # Inside an epoch past the limit (max_num_epochs lowered since): the resume would train
+        # nothing and end as if the run were done. At index 0 the previous epoch was just used up.
+        if self.max_epochs is not None and (epoch, index) > (self.max_epochs, 0):
+            raise InputError(
+                f"the checkpoint's data loader is in epoch {epoch + 1}, past this run's max_num_epochs="
+                f"{self.max_epochs}: resuming would train nothing; raise max_num_epochs above {epoch} to continue"
+            )
+        self.epoch, self.index = epoch, index
         # Checkpoints from before the count: whole epochs of whole batches, the best estimate.
         self.served = int(state.get("served", self.epoch * self.batches_per_epoch * self.batch_size + self.index))
         self._order = self._make_order()

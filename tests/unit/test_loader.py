@@ -85,3 +85,21 @@ def test_resume_refuses_another_row_order():
     next(unshuffled)
     RowLoader(ROWS, 4, seed=9, shuffle=False).load_state_dict(unshuffled.state_dict())
     RowLoader(ROWS, 4, seed=3).load_state_dict({"epoch": 0, "index": 4, "num_rows": 10, "seed": 3})
+
+
+def test_resume_refuses_a_position_past_a_lowered_max_epochs_but_not_a_used_up_last_epoch():
+    first = RowLoader(ROWS, 2, max_epochs=3)
+    for _ in range(12):
+        next(first)  # inside epoch 2 (the third)
+    for max_epochs in (2, 1):  # lowered since: it would train nothing and end as if done
+        with pytest.raises(ValueError, match=r"in epoch 3, past this run's max_num_epochs=" + str(max_epochs)):
+            RowLoader(ROWS, 2, max_epochs=max_epochs).load_state_dict(first.state_dict())
+    resumed = RowLoader(ROWS, 2, max_epochs=3)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.batches_left == 3
+    # A run that drew past its last batch (GRPO's end of the prompts) saved epoch max_epochs at row 0:
+    # a rerun of the finished run, not a lowered limit.
+    assert len(list(resumed)) == 3
+    again = RowLoader(ROWS, 2, max_epochs=3)
+    again.load_state_dict(resumed.state_dict())
+    assert again.batches_left == 0
