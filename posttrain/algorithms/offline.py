@@ -119,16 +119,17 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
                   resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
 
 
-def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int) -> int:
-    """Restore policy, optimizer and RNGs from `latest` (the data position `start_run` did); the
-    step to start at."""
+def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loader: RowLoader) -> int:
+    """Restore policy, optimizer and RNGs from `latest` (the data position `start_run` did, in
+    `loader`); the step to start at."""
     if latest is None:
         return 0
-    info = run.checkpointer.load_info(latest)
+    step = int(run.checkpointer.load_info(latest)["step"])
     run.policy.load_checkpoint(latest / "policy")
     restore_rng_state(run.checkpointer.load_rng_state(latest))
-    run.logger.console(run.checkpointer.resume_message(latest, info["step"], to_yaml(cfg), max_steps))
-    return int(info["step"])
+    # The run's last step counts the epochs left too: a rerun of a run whose data ran out trains nothing.
+    run.logger.console(run.checkpointer.resume_message(latest, step, to_yaml(cfg), total_steps(max_steps, step, loader)))
+    return step
 
 
 def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
@@ -275,7 +276,7 @@ def offline_setup(
     run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:
-        start_step = resume(run, latest, cfg, algo.max_num_steps)
+        start_step = resume(run, latest, cfg, algo.max_num_steps, data.loader)
     except BaseException:
         run.shutdown()
         raise

@@ -523,3 +523,27 @@ def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
         _model_source(policy, str(tmp_path / "nowhere.yaml"))
     (tmp_path / "step_1" / "config.yaml").write_text("policy: {model_name: embedded:small}\n")
     assert _model_source(policy, None) == "embedded:small"  # the config the run saved with its checkpoint
+
+
+def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left_to_train(tmp_path):
+    from types import SimpleNamespace
+
+    from posttrain.algorithms import offline
+    from posttrain.config import load_config
+    from posttrain.data.loader import RowLoader
+
+    rows = [{"i": i} for i in range(10)]
+    first = RowLoader(rows, 2, max_epochs=1)
+    for _ in range(5):  # the one epoch, well before sft.max_num_steps=50
+        next(first)
+    mgr = _mgr(tmp_path)
+    path = _save(mgr, 5, dataloader=first.state_dict())
+    lines = []
+    run = SimpleNamespace(checkpointer=mgr, policy=SimpleNamespace(load_checkpoint=lambda p: None),
+                          logger=SimpleNamespace(console=lines.append))
+    cfg = load_config("sft", None, ["sft.max_num_steps=50"])
+    for max_epochs, note in ((1, True), (2, False)):
+        loader = RowLoader(rows, 2, max_epochs=max_epochs)
+        loader.load_state_dict(first.state_dict())
+        assert offline.resume(run, path, cfg, 50, loader) == 5
+        assert ("at step 5 (the run's last step: nothing left to train)" in lines[-1]) == note, lines[-1]
