@@ -315,10 +315,10 @@ class CheckpointManager:
         self.policy = policy
         self.moved_aside: Path | None = None
         self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
+        if cfg.enabled:  # before start_fresh moves anything, which needs the folder writable too
+            self._check_writable()
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
-        if cfg.enabled:
-            self._check_writable()
         self._started = time.monotonic()
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)

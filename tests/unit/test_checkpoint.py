@@ -316,7 +316,7 @@ def test_saving_a_step_again_keeps_the_old_one_until_the_new_one_is_in(tmp_path)
     assert _mgr(tmp_path).latest().name == "step_2" and not partial.exists()
 
 
-def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_first_save(tmp_path):
+def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_first_save(tmp_path, monkeypatch):
     from posttrain.config import MissingInputError
 
     (tmp_path / "a_file").write_text("")
@@ -329,6 +329,14 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_f
             CheckpointManager(CheckpointingConfig(checkpoint_dir=str(read_only / "runs" / "ckpt")), SIG)
     CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
     assert not (tmp_path / "new").exists()  # nothing is created before a save
+    # start_fresh, which moves the old checkpoints aside in it, is refused the same way (it failed
+    # with the OSError of its move). os.access stands in for a read-only mount, which root meets too.
+    _save(_mgr(tmp_path), 1)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path / "ckpt") else real_access(p, mode))
+    with pytest.raises(MissingInputError, match=r"ckpt is not writable"):
+        _mgr(tmp_path, start_fresh=True)
+    assert (tmp_path / "ckpt" / "step_1" / "COMPLETE").is_file() and not list((tmp_path / "ckpt").glob("previous-*"))
     # Disabled, it is neither written nor checked.
     CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "a_file" / "ckpt"), enabled=False), SIG)
 
