@@ -501,8 +501,9 @@ class CheckpointManager:
             log.warning("checkpoint step_%d: checkpointing.metric_name=%r not measured at this step, so it ranks "
                         "below measured ones (%s)", step, name,
                         f"measured: {', '.join(same)}" if same else f"no {kind} metric at this step")
-        tmp = self.begin_save(step)
+        tmp = self.dir / f"step_{step}.tmp-{os.getpid()}"
         try:
+            tmp = self.begin_save(step)  # its mkdir fails on a disk full to the last block, too
             policy.save_checkpoint(tmp / "policy")
             return self.finish_save(tmp, step, training_info, config_yaml, metrics.get(name) if name else None)
         except Exception as e:

@@ -438,6 +438,18 @@ def test_a_save_on_a_full_disk_says_so_and_names_the_checkpoints_that_stay(tmp_p
                     r"the checkpoints saved before stay \(step_1, step_2\); the next start resumes from step_2$",
                     str(err.value)), str(err.value)
     assert _steps(mgr) == [1, 2] and sorted(p.name for p in mgr.dir.iterdir()) == ["step_1", "step_2"]
+    # A disk full to its last block fails the save's first mkdir already: named the same way.
+    real_mkdir = type(mgr.dir).mkdir
+
+    def mkdir(self, *a, **k):
+        if ".tmp-" in self.name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(type(mgr.dir), "mkdir", mkdir)
+    with pytest.raises(CheckpointSaveError, match=r"step_3 .* failed \(the disk is full: .*\n.*resumes from step_2$"):
+        mgr.save(3, _Policy(), {"epoch": 0}, "a: 1\n", {})
+    assert _steps(mgr) == [1, 2]
 
 
 def test_a_save_a_dead_worker_ends_names_the_worker_not_its_last_log_line(tmp_path):
