@@ -607,8 +607,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
 
-        # ---- validation
-        if (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps):
+        # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
+        # grace period, which a long validation before the save would spend)
+        due = (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
+        if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
                 if pipeline is not None:  # validate the current weights, not the queued ones
                     pipeline.wait()

@@ -322,9 +322,11 @@ def offline_train(
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
         step += 1
-        # ---- validation
+        # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
+        # grace period, which a long validation before the save would spend)
         measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
-        if (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps):
+        due = (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps)
+        if due and s.run.checkpointer.stop_signal is None:
             with timer.time("validation"):
                 val_metrics = measured = validate()
             logger.log_metrics(val_metrics, step=step, prefix="val")

@@ -567,3 +567,32 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
         loader.load_state_dict(first.state_dict())
         assert offline.resume(run, path, cfg, 50, loader) == 5
         assert ("at step 5 (the run's last step: nothing left to train)" in lines[-1]) == note, lines[-1]
+
+
+def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_first(tmp_path):
+    """A scheduler kills the job a grace period after its SIGTERM: a long validation due at the
+    step must not run before the save (the validation of a step without a signal still runs)."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms import offline
+    from posttrain.config import load_config
+    from posttrain.data.loader import RowLoader
+
+    mgr = _mgr(tmp_path)
+    validated = []
+
+    class Policy(_Policy):
+        def train(self, batch, loss_fn):
+            if len(validated) == 1:  # step 2: the signal arrives while it trains
+                mgr.stop_signal = "SIGTERM"
+            return {"loss": 1.0, "num_tokens": 8.0}
+
+    logger = SimpleNamespace(start_progress=lambda *a: None, update_progress=lambda *a: None, plot=lambda: None,
+                             console=lambda m: None, log_metrics=lambda m, step, prefix: None)
+    cfg = load_config("sft", None, ["sft.val_period=1", "sft.val_at_start=false"])
+    s = SimpleNamespace(run=SimpleNamespace(policy=Policy(), logger=logger, checkpointer=mgr), cfg=cfg,
+                        loader=RowLoader([{"i": i} for i in range(10)], 2), loss_fn=None, start_step=0, total_steps=5)
+    result = offline.offline_train(s, cfg.sft, lambda rows: rows, lambda: validated.append(1) or {"loss": 2.0},
+                                   show="loss")
+    assert result["step"] == 2 and len(validated) == 1  # step 1 validated; step 2 saved at once
+    assert _steps(mgr) == [2]
