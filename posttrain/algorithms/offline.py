@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
-from posttrain.config import InputError, to_yaml
+from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.loader import RowLoader
@@ -114,9 +114,27 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     """The Logger of a training run in `logger.log_dir`: resumed from `latest`, it continues the
     logs there; started over, it first moves an earlier run's logs and its final export (hf/,
     which this run's would overwrite) aside."""
+    check_export_is_not_an_input(cfg, fresh=latest is None)
     return Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
                   also_move=(EXPORT_DIR,),
                   resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+
+
+def check_export_is_not_an_input(cfg: Any, fresh: bool) -> None:
+    """Fail when a model the run loads lies in `<logger.log_dir>/hf/`, the final export of the
+    run there, which a fresh start moves aside (the workers then found no such folder) and
+    `checkpointing.export_hf_at_end` replaces with this run's: what the error message for a run
+    folder given as a model (`policy.model_name=<log_dir>`) advises, with the same config."""
+    export = (Path(cfg.logger.log_dir) / EXPORT_DIR).resolve()
+    if not (fresh and export.exists()) and not cfg.checkpointing.export_hf_at_end:
+        return
+    what = ("would move aside as an earlier run's (this run starts over)" if fresh and export.exists() else
+            "would replace with its own (checkpointing.export_hf_at_end)")
+    for key, name in (("policy.model_name", cfg.policy.model_name), ("policy.tokenizer.name", cfg.policy.tokenizer.name),
+                      ("policy.reference_model_name", cfg.policy.reference_model_name)):
+        if name and export in (Path(name).resolve(), *Path(name).resolve().parents):
+            raise ConfigError(f"{key}={name} is in {export}, the final export of logger.log_dir={cfg.logger.log_dir}, "
+                              f"which this run {what}: copy the model out of it, or set another logger.log_dir")
 
 
 def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loader: RowLoader) -> int:

@@ -596,3 +596,28 @@ def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_fir
                                    show="loss")
     assert result["step"] == 2 and len(validated) == 1  # step 1 validated; step 2 saved at once
     assert _steps(mgr) == [2]
+
+
+def test_a_model_in_the_runs_own_final_export_is_refused_before_anything_moves_it(tmp_path):
+    # The advice for a run folder given as a model is its hf/ export; with the same config, a fresh
+    # start moved that folder aside and then failed to load "no such folder".
+    from posttrain.algorithms import offline
+    from posttrain.config import load_config
+
+    export = tmp_path / "logs" / "hf"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+
+    def cfg(*overrides):
+        return load_config("sft", None, [f"logger.log_dir={tmp_path / 'logs'}", f"policy.model_name={export}",
+                                         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", *overrides])
+
+    with pytest.raises(ConfigError, match=rf"policy.model_name={re.escape(str(export))} is in .*logger.log_dir=.*"
+                                          r"would move aside as an earlier run's.*another logger.log_dir"):
+        offline.training_logger(cfg(), CheckpointManager(cfg().checkpointing, SIG), None)
+    assert (export / "config.json").is_file() and not list((tmp_path / "logs").glob("previous-*"))
+    # A resume moves nothing, but the export at its end would replace the model it trains.
+    with pytest.raises(ConfigError, match=r"would replace with its own \(checkpointing.export_hf_at_end\)"):
+        offline.check_export_is_not_an_input(cfg("checkpointing.export_hf_at_end=true"), fresh=False)
+    offline.check_export_is_not_an_input(cfg(), fresh=False)
+    offline.check_export_is_not_an_input(cfg(f"logger.log_dir={tmp_path / 'other'}"), fresh=True)
