@@ -96,9 +96,10 @@ class DynamicBatchingConfig(Section):
 class SequencePackingConfig(Section):
     # Pack several sequences per row (position ids restart, no cross-sequence attention).
     enabled: bool = False
-    # Token budget of one packed training micro-batch.
+    # Token budget of one packed training micro-batch; holds whole sequences, so at least the
+    # longest row (GRPO: policy.max_total_sequence_length, checked at load).
     train_mb_tokens: int | None = Field(None, ge=1)
-    # Token budget of one packed logprob micro-batch.
+    # Token budget of one packed logprob micro-batch (the same lower bound).
     logprob_mb_tokens: int | None = Field(None, ge=1)
     # Bin-packing heuristic (NeMo RL's names).
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit"] = (
@@ -1342,6 +1343,23 @@ class GRPOMasterConfig(_MasterBase):
                 f"of policy.train_global_batch_size ({self.policy.train_global_batch_size}): each step trains "
                 "on all of its samples in whole optimizer steps"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _packing_budgets_hold_a_rollout(self) -> "GRPOMasterConfig":
+        # A packed micro-batch holds whole sequences, and a rollout may run up to
+        # max_total_sequence_length; a smaller budget failed inside the workers at the first
+        # step with a long rollout, after the setup, the warm-up and that step's generation.
+        # (SFT, DPO and RM check their data's longest row at setup instead.)
+        sp, longest = self.policy.sequence_packing, self.policy.max_total_sequence_length
+        if not sp.enabled:
+            return self
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            if getattr(sp, key) < longest:
+                raise ValueError(
+                    f"policy.sequence_packing.{key} ({getattr(sp, key)}) is less than "
+                    f"policy.max_total_sequence_length ({longest}), the longest a rollout can get: a packed "
+                    f"micro-batch holds whole sequences; raise it to at least {longest}")
         return self
 
     @model_validator(mode="after")

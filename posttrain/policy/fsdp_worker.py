@@ -354,8 +354,9 @@ class FSDPPolicyWorker:
         lengths = [int(x) for x in batch["input_lengths"].tolist()]
         packing = cfg.sequence_packing.enabled and self.model_kind == "causal_lm"
         if packing:
-            budget = cfg.sequence_packing.train_mb_tokens if train else cfg.sequence_packing.logprob_mb_tokens
-            mbs = packed_microbatches(lengths, budget, cfg.sequence_packing.algorithm, group)
+            key = "train_mb_tokens" if train else "logprob_mb_tokens"
+            mbs = packed_microbatches(lengths, getattr(cfg.sequence_packing, key), cfg.sequence_packing.algorithm,
+                                      group, budget_key=f"policy.sequence_packing.{key}")
             return [[i for row in mb for i in row] for mb in mbs], [[len(row) for row in mb] for mb in mbs]
         if cfg.dynamic_batching.enabled:
             budget = cfg.dynamic_batching.train_mb_tokens if train else cfg.dynamic_batching.logprob_mb_tokens

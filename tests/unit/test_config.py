@@ -723,6 +723,22 @@ def test_a_ratio_fixed_to_one_with_several_updates_per_rollout_batch_fails_at_lo
     assert load_config("grpo", None, [*batch, "policy.train_global_batch_size=8"]).policy.train_global_batch_size == 8
 
 
+def test_grpo_packing_budgets_below_the_longest_rollout_fail_at_load():
+    # Accepted before: the workers refused the first rollout longer than the budget mid-run, after
+    # the setup and that step's generation ("raise the *_mb_tokens setting").
+    packing = ["policy.max_total_sequence_length=128", "policy.sequence_packing.enabled=true"]
+    for key, other in (("train_mb_tokens", "logprob_mb_tokens"), ("logprob_mb_tokens", "train_mb_tokens")):
+        with pytest.raises(ConfigError, match=rf"policy.sequence_packing.{key} \(64\) is less than "
+                                              r"policy.max_total_sequence_length \(128\), the longest a rollout"):
+            load_config("grpo", None, [*packing, f"policy.sequence_packing.{key}=64",
+                                       f"policy.sequence_packing.{other}=1024"])
+    budgets = ["policy.sequence_packing.train_mb_tokens=128", "policy.sequence_packing.logprob_mb_tokens=256"]
+    assert load_config("grpo", None, [*packing, *budgets]).policy.sequence_packing.enabled
+    # SFT checks its data's longest row at setup instead: short rows may use a smaller budget.
+    load_config("sft", None, [*packing, "policy.sequence_packing.train_mb_tokens=64",
+                              "policy.sequence_packing.logprob_mb_tokens=64"])
+
+
 def test_one_sample_per_prompt_with_a_group_baseline_fails_at_load():
     # Accepted before: every group was its own baseline, so every advantage was 0 and the run
     # trained nothing (dynamic sampling: dropped every group and stopped at step 0).

@@ -46,6 +46,9 @@ def test_packed_microbatches_rows_and_pairs():
     assert mbs == [[[2, 3], [0, 1]], [[4, 5]]]
     with pytest.raises(ValueError, match="pair of sequences has 10 tokens"):
         packed_microbatches(lengths, 8, "first_fit", group=2)
+    with pytest.raises(ValueError, match=r"more than the micro-batch token budget 4; raise "
+                                         r"policy.sequence_packing.train_mb_tokens$"):
+        packed_microbatches(lengths, 4, "first_fit", budget_key="policy.sequence_packing.train_mb_tokens")
 
 
 def test_dynamic_microbatches_budget():
