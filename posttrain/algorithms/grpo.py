@@ -111,23 +111,31 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     return kept, dropped
 
 
+def generation_cluster(cfg: GRPOMasterConfig) -> RayVirtualCluster:
+    """The bundles of the separate generation workers (policy.generation.colocated.enabled=false),
+    beside the policy workers' own: one worker per node of `colocated.resources`."""
+    res = cfg.policy.generation.colocated.resources
+    num_nodes = res.num_nodes or 1
+    gpus = cfg.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node
+    nodes_set, gpus_set = ("null" if v is None else v for v in (res.num_nodes, res.gpus_per_node))
+    return RayVirtualCluster(
+        cfg.cluster.model_copy(update={"num_nodes": num_nodes, "gpus_per_node": gpus, "workers_per_node": 1}),
+        name="generation",
+        asked=(f"the separate generation workers of policy.generation.colocated.enabled=false, beside the policy "
+               f"workers' own: policy.generation.colocated.resources.num_nodes={nodes_set} (null: 1), "
+               f"gpus_per_node={gpus_set} (null: cluster.gpus_per_node={cfg.cluster.gpus_per_node}), "
+               f"one worker per {'GPU' if gpus else 'node'} with cluster.cpus_per_worker="
+               f"{cfg.cluster.cpus_per_worker:g} CPUs"),
+    )
+
+
 def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, RayVirtualCluster | None]:
     """The policy itself when colocated; else generation workers on their own bundles."""
     if cfg.policy.generation.colocated.enabled:
         return policy, None
     from posttrain.generation.workers import GenerationWorkerGroup
 
-    res = cfg.policy.generation.colocated.resources
-    cluster = RayVirtualCluster(
-        cfg.cluster.model_copy(update={
-            "num_nodes": res.num_nodes or 1,
-            "gpus_per_node": cfg.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node,
-            "workers_per_node": 1,
-        }),
-        name="generation",
-        purpose=" (the separate generation workers, policy.generation.colocated.enabled=false, each with "
-                "cluster.cpus_per_worker CPUs beside the policy workers' own)",
-    )
+    cluster = generation_cluster(cfg)
     generation = GenerationWorkerGroup(
         cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
         cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,

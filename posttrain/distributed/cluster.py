@@ -65,9 +65,10 @@ class PlacementError(InputError, RuntimeError):
 class RayVirtualCluster:
     """A placement group of one bundle per worker; `world_size` bundles in rank order."""
 
-    def __init__(self, cfg: ClusterConfig, name: str = "posttrain", purpose: str = ""):
-        """`purpose`: what these workers are for, when the cluster's keys do not say it alone (in
-        the error when Ray cannot place them), e.g. separate generation workers beside the policy's."""
+    def __init__(self, cfg: ClusterConfig, name: str = "posttrain", asked: str | None = None):
+        """`asked`: the config keys and values `cfg` was made of, for the error when Ray cannot place
+        the workers (default: the `cluster` section's), e.g. separate generation workers' own keys:
+        their `cfg` is derived, and its values under the `cluster.*` names would not be the user's."""
         init_ray(cfg)
         self.cfg = cfg
         self.use_gpus = cfg.gpus_per_node > 0
@@ -88,11 +89,11 @@ class RayVirtualCluster:
             total = ray.cluster_resources()
             remove_placement_group(self.placement_group)
             self.placement_group = None
+            asked = asked or (f"cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
+                              f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker:g}")
             raise PlacementError(
-                f"the Ray cluster cannot hold the requested workers{purpose}: asked for {self.world_size} bundles "
-                f"of {bundle} (cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
-                f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker}); "
-                f"Ray offers {_fmt(offered)} available of {_fmt(total)} total "
+                f"the Ray cluster cannot hold the requested workers: asked for {self.world_size} bundles "
+                f"of {bundle} ({asked}); Ray offers {_fmt(offered)} available of {_fmt(total)} total "
                 f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)"
             )
         log.info("placement group ready: %d bundles of %s", self.world_size, bundle)

@@ -75,6 +75,25 @@ def test_unsatisfiable_request_fails_fast_with_numbers(ray_session):
     assert time.monotonic() - t0 < 10 and isinstance(e.value, RuntimeError)
 
 
+def test_separate_generation_workers_that_do_not_fit_are_named_by_their_own_keys(ray_session):
+    # The error listed the derived cluster's values under the `cluster.*` names: a user who set
+    # cluster.workers_per_node=2 read "workers_per_node=1".
+    from posttrain.algorithms.grpo import generation_cluster
+    from posttrain.config import load_config
+
+    cfg = load_config("grpo", None, ["cluster.workers_per_node=2", "cluster.cpus_per_worker=64",
+                                     "cluster.placement_timeout_s=1", "policy.generation.colocated.enabled=false",
+                                     "policy.train_global_batch_size=16"])
+    with pytest.raises(PlacementError) as e:
+        generation_cluster(cfg)
+    msg = str(e.value)
+    assert ("asked for 1 bundles of {'CPU': 64.0} (the separate generation workers of "
+            "policy.generation.colocated.enabled=false, beside the policy workers' own: "
+            "policy.generation.colocated.resources.num_nodes=null (null: 1), gpus_per_node=null (null: "
+            "cluster.gpus_per_node=0), one worker per node with cluster.cpus_per_worker=64 CPUs); Ray offers") in msg
+    assert "workers_per_node" not in msg
+
+
 def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name="short")
     g = RayWorkerGroup(cluster, EchoWorker, "solo", name_prefix="solo")
