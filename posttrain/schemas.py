@@ -43,7 +43,8 @@ class ClusterConfig(Section):
     cpus_per_worker: float = Field(1.0, gt=0)
     # Ray address to join ("auto" = RAY_ADDRESS or a running local cluster); null starts one.
     address: str | None = None
-    # Seconds to wait for a placement group before failing with what was asked and offered.
+    # Seconds to wait for a placement group before failing with what was asked and offered (no
+    # wait when the request exceeds the total of the local Ray node the run started itself).
     placement_timeout_s: float = Field(30.0, gt=0)
 
     @property

@@ -4,7 +4,8 @@ CPU machines (`cluster.gpus_per_node == 0`) get `workers_per_node` bundles of
 `cpus_per_worker` CPUs per node; GPU machines get one bundle per GPU (each with
 `cpus_per_worker` CPUs too). The same code joins an existing Ray cluster (`cluster.address`
 or `RAY_ADDRESS`) or starts a local one. A request the cluster cannot hold fails at setup
-within `cluster.placement_timeout_s`, naming what was asked and what Ray offers.
+within `cluster.placement_timeout_s` (at once when it exceeds the resources of a Ray node this
+process started, which never grow), naming what was asked and what Ray offers.
 """
 
 from __future__ import annotations
@@ -50,12 +51,16 @@ def local_ray_node_lost() -> bool:
     timeouts until then).
     Reads Ray's node handle (`ray._private.worker._global_node`, not public API): False when it
     is absent (a joined cluster) or unreadable."""
+    return any(info.process.poll() is not None for info in _local_raylets())
+
+
+def _local_raylets() -> list:
+    """The raylet processes of the Ray node this process started (none when it joined a cluster)."""
     try:
         node = ray._private.worker._global_node
-        raylets = node.all_processes.get("raylet", []) if node is not None else []
-        return any(info.process.poll() is not None for info in raylets)
+        return list(node.all_processes.get("raylet", [])) if node is not None else []
     except Exception:  # noqa: BLE001 - a private handle: never let it break a shutdown
-        return False
+        return []
 
 
 class PlacementError(InputError, RuntimeError):
@@ -82,11 +87,14 @@ class RayVirtualCluster:
         # One node per `per_node` bundles when several nodes are asked for; PACK otherwise
         # keeps a single-node job on one node (cheaper collectives).
         strategy = "PACK" if cfg.num_nodes == 1 else "SPREAD"
+        total = ray.cluster_resources()
+        # A Ray node this process started has no autoscaler: what exceeds its total never fits,
+        # so that fails at once instead of after the placement timeout.
+        never = bool(_local_raylets()) and any(n * self.world_size > total.get(k, 0) for k, n in bundle.items())
         self.placement_group = placement_group(self.bundles, strategy=strategy, name=f"{name}-pg")
-        ready = self.placement_group.wait(timeout_seconds=cfg.placement_timeout_s)
+        ready = not never and self.placement_group.wait(timeout_seconds=cfg.placement_timeout_s)
         if not ready:
-            offered = ray.available_resources()
-            total = ray.cluster_resources()
+            offered, total = ray.available_resources(), ray.cluster_resources()
             remove_placement_group(self.placement_group)
             self.placement_group = None
             asked = asked or (f"cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
@@ -94,7 +102,8 @@ class RayVirtualCluster:
             raise PlacementError(
                 f"the Ray cluster cannot hold the requested workers: asked for {self.world_size} bundles "
                 f"of {bundle} ({asked}); Ray offers {_fmt(offered)} available of {_fmt(total)} total "
-                f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)"
+                + ("(the Ray node this run started: its resources are fixed)" if never else
+                   f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)")
             )
         log.info("placement group ready: %d bundles of %s", self.world_size, bundle)
 

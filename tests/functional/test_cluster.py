@@ -75,6 +75,16 @@ def test_unsatisfiable_request_fails_fast_with_numbers(ray_session):
     assert time.monotonic() - t0 < 10 and isinstance(e.value, RuntimeError)
 
 
+def test_more_than_the_local_node_holds_fails_without_waiting_for_the_timeout(ray_session):
+    # The Ray node this process started (the CLI's, this session's) has fixed resources: asking for
+    # more than it has waited the whole placement_timeout_s (30 s by default) before failing.
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"asked for 64 bundles of \{'CPU': 1.0\}.*\(the Ray node this run "
+                                             r"started: its resources are fixed\)"):
+        RayVirtualCluster(ClusterConfig(workers_per_node=64))
+    assert time.monotonic() - t0 < 10
+
+
 def test_separate_generation_workers_that_do_not_fit_are_named_by_their_own_keys(ray_session):
     # The error listed the derived cluster's values under the `cluster.*` names: a user who set
     # cluster.workers_per_node=2 read "workers_per_node=1".
