@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from posttrain.config import format_errors
 
 
+# The compute dtypes a model (policy, generation engine) can run in.
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
@@ -206,7 +210,7 @@ class ColocatedConfig(Section):
 class VllmConfig(Section):
     # vLLM's async engine (NeMo RL key; the offline engine is used).
     async_engine: bool = False
-    precision: str | None = None  # defaults to policy.precision
+    precision: Precision | None = None  # defaults to policy.precision
     # vLLM tensor parallelism.
     tensor_parallel_size: int = Field(1, ge=1)
     # vLLM pipeline parallelism.
@@ -249,7 +253,7 @@ class TorchEngineConfig(Section):
     max_batch_size: int = Field(256, ge=1)
     # Upper bound on KV-cache tokens held at once (memory bound); null = max_batch_size * context.
     max_tokens_in_flight: int | None = Field(None, ge=1)
-    precision: str | None = None  # defaults to policy.precision
+    precision: Precision | None = None  # defaults to policy.precision
 
 
 class GenerationConfig(Section):
@@ -348,7 +352,7 @@ class PolicyConfig(Section):
     # Compute dtype; master weights, gradients and optimizer states stay float32. bfloat16 is
     # 2-3x faster per training step than float32 on CPU (AMX) even for the 1M model, and the
     # usual choice on GPUs (benchmarks/results/train_throughput.md).
-    precision: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    precision: Precision = "bfloat16"
     # Positions per chunk of the float32 log-softmax over the vocabulary when computing token
     # logprobs (bounds memory: positions x vocab); null: all positions at once.
     logprob_chunk_size: int | None = Field(None, ge=1)

@@ -307,6 +307,19 @@ def test_bounds_of_values_that_would_silently_misbehave():
     assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
 
 
+def test_a_generation_engine_precision_that_is_no_dtype_fails_at_load():
+    # It was any string, and "bf16" failed at the engine's start with a bare KeyError: 'bf16'.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.generation.torch_cfg.precision=bf16",
+                                   "policy.generation.vllm_cfg.precision=fp16"])
+    msg = str(e.value)
+    assert "policy.generation.torch_cfg.precision: got 'bf16', expected 'float32', 'bfloat16' or 'float16'" in msg
+    assert "policy.generation.vllm_cfg.precision: got 'fp16', expected 'float32', 'bfloat16' or 'float16'" in msg
+    cfg = load_config("grpo", None, ["policy.generation.torch_cfg.precision=float32"])
+    assert cfg.policy.generation.torch_cfg.precision == "float32"
+    assert cfg.policy.generation.vllm_cfg.precision is None
+
+
 def test_an_optimizer_name_that_is_neither_registered_nor_a_path_fails_at_load():
     # It failed in the policy workers, after Ray started and the model loaded.
     with pytest.raises(ConfigError, match=r"policy.optimizer.name: unknown optimizer 'adamww'; valid: adamw, adam, "
