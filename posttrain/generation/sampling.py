@@ -101,12 +101,16 @@ class StopChecker:
     row every step would dominate a small model's step time, so a row's tail is decoded only
     when its new token could complete one of the stop strings: its text (as it reads after other
     text) contains a stop string's last character, or it is a partial character (byte-level BPE).
+    Tokens are decoded as they read after other text (the prompt) throughout: a sentencepiece
+    token decoded first in its text drops the space it starts with ("\u2581was" -> "was"), which
+    would hide a stop string beginning with that space in the first generated tokens.
     """
 
     def __init__(self, tokenizer, stop_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.stop_token_ids = sorted(set(int(t) for t in stop_token_ids))
         self._token_texts: list[str] | None = None
+        self._anchor: tuple[list[int], str] | None = None
         self._candidate_cache: dict[tuple[frozenset[str], int], torch.Tensor] = {}
 
     def stop_id_tensor(self, device) -> torch.Tensor:
@@ -128,14 +132,20 @@ class StopChecker:
             self._candidate_cache[key] = mask
         return self._candidate_cache[key]
 
-    def _texts_after_text(self) -> list[str]:
-        """Each token's text as it reads after other text (here after "a"): decoded alone, a
-        sentencepiece token drops the space it starts with ("\u2581was" -> "was"), which would hide
-        that it completes a stop string ending in a space."""
-        anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
-        prefix = self.tokenizer.decode(anchor)
-        texts = self.tokenizer.batch_decode([anchor + [i] for i in range(len(self.tokenizer))])
+    def _after_text(self, rows: list[list[int]]) -> list[str]:
+        """The text of each token list as it reads after other text (here after "a"): decoded
+        alone, a sentencepiece token drops the space it starts with ("\u2581was" -> "was"), which
+        would hide that it completes a stop string ending in a space, or begins one."""
+        if self._anchor is None:
+            anchor = self.tokenizer.encode("a", add_special_tokens=False)[-1:]
+            self._anchor = anchor, self.tokenizer.decode(anchor)
+        anchor, prefix = self._anchor
+        texts = self.tokenizer.batch_decode([anchor + r for r in rows])
         return [t[len(prefix) :] if t.startswith(prefix) else t for t in texts]
+
+    def _texts_after_text(self) -> list[str]:
+        """Each token's text as it reads after other text."""
+        return self._after_text([[i] for i in range(len(self.tokenizer))])
 
     def ends_with_stop_string(self, generated: list[int], stop_strings: list[str]) -> bool:
         """Whether the decoded `generated` tokens contain one of `stop_strings` ending in the last token."""
@@ -143,7 +153,6 @@ class StopChecker:
             return False
         # 4 tokens per character covers byte-level BPE; the extra 4 covers a cut partial character.
         tail_tokens = 4 * max(len(s) for s in stop_strings) + 4
-        text = self.tokenizer.decode(generated[-tail_tokens:])
-        prev = self.tokenizer.decode(generated[-tail_tokens:-1]) if len(generated) > 1 else ""
+        text, prev = self._after_text([generated[-tail_tokens:], generated[-tail_tokens:-1]])
         # A match already present without the last token would have stopped the row earlier.
         return any(s in text and s not in prev for s in stop_strings)

@@ -103,6 +103,23 @@ def test_stop_string_ending_in_a_space_with_a_sentencepiece_tokenizer(stories260
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_beginning_with_a_space_at_the_first_generated_token(stories260k, backend):
+    """The generated text reads as it follows the prompt: "\u2581a" as the first generated token is
+    " a" (decoded alone, "a"), so " a little" ends the row there as it would anywhere later (it
+    was never matched, and the row ran to max_new_tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k).eval()
+    tok = AutoTokenizer.from_pretrained(stories260k)
+    prompt = [tok.bos_token_id] + tok.encode("Once upon a time, there was", add_special_tokens=False)
+    batch = BatchedDataDict(input_ids=torch.tensor([prompt]), input_lengths=torch.tensor([len(prompt)]))
+    out = engine(backend, model, tok, max_new_tokens=8, stop_strings=[" a little"]).generate(batch, greedy=True)
+    gen = out["output_ids"][0, len(prompt) : int(out["unpadded_sequence_lengths"][0])].tolist()
+    assert tok.convert_ids_to_tokens(gen) == ["\u2581a", "\u2581little"]
+    assert out["truncated"].tolist() == [False]
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_stop_string_begun_in_the_prompt_is_not_matched(model_tok, backend):
     """Only generated text is searched: a stop string whose first token ends the prompt does not
     end the row at the next token."""
