@@ -772,7 +772,7 @@ class FSDPPolicyWorker:
     # ------------------------------------------------------------------ colocated generation
 
     def generate(self, shard: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """Generate with the torch engine on this rank's unsharded copy of the policy.
+        """Generate with the torch (or hf) backend on this rank's unsharded copy of the policy.
 
         After each optimizer step the copy is refit in process from the gathered full state
         dict (a collective, so every rank takes part even with an empty shard)."""
@@ -790,10 +790,13 @@ class FSDPPolicyWorker:
             from posttrain.generation import build_generation
 
             # Loaded once from the model folder (so buffers such as rotary frequencies are
-            # built), then refit in place from the live weights.
+            # built), then refit in place from the live weights. hf runs on this copy as the torch
+            # engine does (it is the backend for architectures the torch engine cannot run); vLLM
+            # loads its own model, so colocated vLLM is not implemented: the torch engine generates.
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
+            backend = "hf" if self.cfg.generation.backend == "hf" else "torch"
             self.gen_engine = build_generation(
-                "torch", model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
+                backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
                 max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
                 device=self.device, rank=self.rank,
             )

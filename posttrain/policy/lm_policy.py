@@ -146,7 +146,7 @@ class Policy:
     # ------------------------------------------------------------------ generation
 
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """Colocated generation: each worker generates its shard with the torch engine on its own
+        """Colocated generation: each worker generates its shard with the torch (or hf) backend on its own
         unsharded copy of the current weights (refit in process after each train step)."""
         # Every rank generates on its own full copy of the weights: a share of the rows each.
         return self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id}, replicas=1)
