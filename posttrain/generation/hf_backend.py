@@ -23,6 +23,7 @@ from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_s
 from posttrain.generation.interfaces import (
     prepare_prompts,
     assemble_output,
+    generation_metrics,
     pad_token_id,
 )
 from posttrain.generation.sampling import SamplingSettings, StopChecker, version_seed
@@ -69,11 +70,14 @@ class HFGeneration:
         settings = SamplingSettings.from_config(cfg, greedy)
         # HF samples from the global RNG: seed a forked copy so runs are reproducible and the
         # caller's RNG state is untouched.
+        t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(version_seed(cfg.seed, self.weight_version) + self._calls)
             self._calls += 1
             generated, gen_lp, truncated = self._generate(prompts, stops, settings)
-        return assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+        out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
+        return out
 
     def _generate(self, prompts, stops, s: SamplingSettings):
         """Per row: generated tokens, their logprobs, and whether it hit no stop."""

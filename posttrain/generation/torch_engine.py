@@ -31,6 +31,7 @@ from posttrain.data.packing import round_up
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
     assemble_padded,
+    generation_metrics,
     pad_rows,
     pad_token_id,
     prepare_prompts,
@@ -382,12 +383,7 @@ class TorchGeneration:
         # touching hundreds of per-row tensors (bookkeeping was ~20% of a 512-row GRPO rollout).
         padded, plen = pad_rows(prompts, self.pad_id)
         out = assemble_padded(padded, plen, *self._run(padded, plen, stops, settings), prompt_truncated, self.pad_id)
-        elapsed = time.perf_counter() - t0
-        self.last_metrics = {
-            "generation/tokens": float(out["generation_lengths"].sum()),
-            "generation/tokens_per_s": float(out["generation_lengths"].sum()) / max(elapsed, 1e-9),
-            "generation/truncated_prompts": float(prompt_truncated.sum()),
-        }
+        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------------ the decode loop

@@ -28,6 +28,7 @@ from posttrain.distributed.weight_sync import resolve_state_dict
 from posttrain.generation.interfaces import (
     prepare_prompts,
     assemble_output,
+    generation_metrics,
     pad_token_id,
 )
 from posttrain.generation.sampling import SamplingSettings
@@ -129,10 +130,5 @@ class VllmGeneration:
             gen_lp.append(torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float32))
             truncated.append(c.finish_reason == "length")
         out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
-        elapsed = time.perf_counter() - t0
-        self.last_metrics = {
-            "generation/tokens": float(out["generation_lengths"].sum()),
-            "generation/tokens_per_s": float(out["generation_lengths"].sum()) / max(elapsed, 1e-9),
-            "generation/truncated_prompts": float(prompt_truncated.sum()),
-        }
+        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out
