@@ -1,13 +1,13 @@
 """The `hf` backend: transformers' `model.generate`, the slow reference (and the fallback for
 architectures the torch engine does not run).
 
-Rows are left-padded and generated as one batch. Stop strings are matched per row on the
-generated tokens only, by a stopping criterion with the torch engine's rules (HF's own
-`stop_strings` are one set for the whole batch and also match a string begun in the prompt,
-which ends the row there). Logprobs come from the processed scores HF samples from (after
-temperature/top-k/top-p; greedy: raw logits), so they match the torch engine's definition.
-Each row is then cut with the same stop rules as the torch engine (first stop token id, first
-completed stop string, or the row's token limit).
+Rows are left-padded and generated as one batch (one per token limit, see `_generate`). Stop
+strings are matched per row on the generated tokens only, by a stopping criterion with the
+torch engine's rules (HF's own `stop_strings` are one set for the whole batch and also match a
+string begun in the prompt, which ends the row there). Logprobs come from the processed scores
+HF samples from (after temperature/top-k/top-p; greedy: raw logits), so they match the torch
+engine's definition. Each row is then cut with the same stop rules as the torch engine (first
+stop token id, first completed stop string, or the row's token limit).
 """
 
 from __future__ import annotations
@@ -80,11 +80,27 @@ class HFGeneration:
         return out
 
     def _generate(self, prompts, stops, s: SamplingSettings):
-        """Per row: generated tokens, their logprobs, and whether it hit no stop."""
+        """Per row: generated tokens, their logprobs, and whether it hit no stop.
+
+        Rows go to `generate` in groups of one token limit: `generate` runs every row of a batch
+        for the batch's longest limit, so a prompt near the context would run past it, beyond
+        the position embeddings of a model that has learned ones (GPT-2: an IndexError)."""
+        limits = torch.clamp(self.context - torch.tensor([len(p) for p in prompts]), max=self.cfg.max_new_tokens)
+        groups: dict[int, list[int]] = {}
+        for j, limit in enumerate(limits.tolist()):
+            groups.setdefault(limit, []).append(j)
+        rows = {}
+        for limit, js in groups.items():
+            got = self._generate_group([prompts[j] for j in js], [stops[j] for j in js], limit, s)
+            rows.update(zip(js, zip(*got)))
+        generated, gen_lp, truncated = zip(*(rows[j] for j in range(len(prompts))))
+        return list(generated), list(gen_lp), list(truncated)
+
+    def _generate_group(self, prompts, stops, limit: int, s: SamplingSettings):
+        """`_generate` for rows that may all generate `limit` tokens."""
         n = len(prompts)
         plen = torch.tensor([len(p) for p in prompts])
         width = int(plen.max())
-        limits = torch.clamp(self.context - plen, max=self.cfg.max_new_tokens)
         input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for j, p in enumerate(prompts):
@@ -101,7 +117,7 @@ class HFGeneration:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 do_sample=not s.greedy,
-                max_new_tokens=int(limits.max()),
+                max_new_tokens=limit,
                 eos_token_id=self.stop.stop_token_ids,
                 pad_token_id=self.pad_id,
                 stopping_criteria=StoppingCriteriaList([_GeneratedStopStrings(self.stop, width, stops)]),
@@ -118,8 +134,8 @@ class HFGeneration:
         generated, gen_lp, truncated = [], [], []
         for j in range(n):
             toks = seqs[j].tolist()
-            end, stopped = int(limits[j]), False
-            for t in range(min(int(limits[j]), len(toks))):
+            end, stopped = limit, False
+            for t in range(min(limit, len(toks))):
                 if toks[t] in stop_ids or self.stop.ends_with_stop_string(toks[: t + 1], stops[j]):
                     end, stopped = t + 1, True
                     break

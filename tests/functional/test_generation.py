@@ -451,14 +451,29 @@ def test_eos_ids_of_the_generation_config_end_a_row(backend):
         assert out["output_ids"][i, : int(out["unpadded_sequence_lengths"][i])].tolist() == ref[0].tolist()
 
 
-def test_unsupported_architecture_points_to_hf():
+def gpt2():
+    """A GPT-2 (learned position embeddings for CTX positions) with the embedded tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from posttrain.embedded import build_tokenizer
 
     tok = build_tokenizer()
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=CTX))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=CTX)), tok
+
+
+def test_unsupported_architecture_points_to_hf():
+    model, tok = gpt2()
     with pytest.raises(ConfigError, match="backend=hf"):  # printed alone by the CLI
         engine("torch", model, tok)
     out = engine("hf", model, tok, max_new_tokens=4).generate(make_batch(tok), greedy=True)
     assert out["output_ids"].shape[0] == len(PROMPTS)
+
+
+def test_hf_backend_keeps_a_prompt_near_the_context_within_the_position_embeddings():
+    """A batch holding a prompt 4 tokens short of the context and a short one: generate ran both
+    for the short one's 30 tokens, past GPT-2's last position embedding (IndexError)."""
+    model, tok = gpt2()
+    batch = make_batch(tok, ["y" * (CTX - 4), "ab"])
+    out = engine("hf", model.eval(), tok, max_new_tokens=30, ignore_eos=True).generate(batch)
+    assert out["generation_lengths"].tolist() == [4, 30]
+    assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
