@@ -302,6 +302,19 @@ def test_sampling_after_a_refit_depends_on_the_weights_version_alone(model_tok, 
     assert other.generate(batch)["output_ids"].tolist() != fresh.generate(batch)["output_ids"].tolist()
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_engines_of_neighbouring_seeds_sample_apart(model_tok, backend):
+    """Worker ranks r and r + 1 (seeds s + r): the hf backend seeded each call with seed + calls
+    made, so rank 1's first call sampled what rank 0's second did (a batch sharded over two
+    workers after rank 0 alone took a smaller one repeated its samples)."""
+    model, tok = model_tok
+    batch = make_batch(tok, repeat=2)
+    rank0 = engine(backend, model, tok, max_new_tokens=16, seed=0)
+    rank0.generate(batch)
+    rank1 = engine(backend, model, tok, max_new_tokens=16, seed=1)
+    assert rank0.generate(batch)["output_ids"].tolist() != rank1.generate(batch)["output_ids"].tolist()
+
+
 def test_hf_backend_ignores_logits_processors_of_the_generation_config(model_tok):
     """A checkpoint's generation_config.json may ask for a repetition penalty and more: the hf
     backend still samples the documented distribution (its greedy output is the torch engine's)."""
