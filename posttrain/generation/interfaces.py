@@ -128,6 +128,10 @@ def combine_stop_strings(cfg_stop: list[str] | None, batch: BatchedDataDict, n: 
     for i in range(n):
         s = list(cfg_stop or [])
         if rows is not None and rows[i]:
+            # A bare string would be read as its characters, each one a stop string.
+            if isinstance(rows[i], str) or not all(isinstance(x, str) for x in rows[i]):
+                raise ValueError(f"stop strings of row {i} must be a list of strings (an environment's "
+                                 f"next_stop_strings: one list per sample), got {rows[i]!r:.80}")
             s += [x for x in rows[i] if x not in s]
         if any(x == "" for x in s):
             raise ValueError(f"empty stop string for row {i}; stop strings must be non-empty")

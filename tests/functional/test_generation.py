@@ -350,6 +350,20 @@ def test_empty_prompt_is_an_error(model_tok, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_a_rows_stop_strings_that_are_not_a_list_of_strings_are_an_error(model_tok, backend):
+    # A bare string (an environment's next_stop_strings entry "</answer>") made each of its
+    # characters a stop string: the row ended at the first "<", "/", "a", ... it generated.
+    model, tok = model_tok
+    batch = make_batch(tok)
+    batch["stop_strings"] = [None, "</answer>"] + [None] * (batch.size - 2)
+    with pytest.raises(ValueError, match=r"stop strings of row 1 must be a list of strings .* got '</answer>'"):
+        engine(backend, model, tok).generate(batch)
+    batch["stop_strings"] = [None, ["</answer>", 7]] + [None] * (batch.size - 2)
+    with pytest.raises(ValueError, match="stop strings of row 1 must be a list of strings"):
+        engine(backend, model, tok).generate(batch)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_overlong_prompt_error_and_truncate(model_tok, backend):
     model, tok = model_tok
     texts = PROMPTS[:2] + ["y" * (CTX + 5)]
