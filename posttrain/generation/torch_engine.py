@@ -107,9 +107,17 @@ class _Weights:
         # Rotary embedding as one complex multiply: cos + i sin for every position, computed once
         # by the model's own rotary module (so any rope scaling applies). transformers rotates
         # dims (j, j + d/2) together; refresh() reorders q/k rows so those pairs are adjacent.
+        # Dynamic (NTK) scaling depends on the sequence length and is off within the model's
+        # original context: those positions come from a call over that span alone (exact for every
+        # sequence that fits it), the positions past it from a call over all of them (scaled for
+        # the whole context; no one table matches a forward whose scaling follows its own length).
+        # One call over all positions scaled them all: another model than the policy's.
         rot = model.model.rotary_emb
-        pos = torch.arange(max_positions, device=rot.inv_freq.device)[None]
-        cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=pos.device), pos)
+        zero = torch.zeros(1, dtype=torch.float32, device=rot.inv_freq.device)
+        pos = torch.arange(max_positions, device=zero.device)[None]
+        short = min(max_positions, getattr(rot, "original_max_seq_len", max_positions))
+        (cos, sin), (cos_long, sin_long) = rot(zero, pos[:, :short]), rot(zero, pos)
+        cos, sin = torch.cat([cos, cos_long[:, short:]], dim=1), torch.cat([sin, sin_long[:, short:]], dim=1)
         half = self.head_dim // 2
         self.cis = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float()).to(device)  # [P, d/2]
         self.pair_order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()

@@ -449,6 +449,28 @@ def config_llama(extra_vocab: int = 0):
     return model, tok
 
 
+def test_dynamic_rope_scaling_with_a_context_past_the_models_matches_hf():
+    """Dynamic NTK scaling is off for a sequence within max_position_embeddings (32 here): the
+    engine's rotary table, computed for the whole context (128), had it on at every position."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         rope_scaling={"rope_type": "dynamic", "factor": 2.0}, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    perturb_(model, std=0.3, seed=4)
+    batch = make_batch(tok)  # the longest prompt (19 tokens) + 12 stays within 32 positions
+    ref = engine("hf", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    out = engine("torch", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+
+
 def test_model_vocabulary_padded_past_the_tokenizer_with_stop_strings():
     """Embeddings padded to a round size (Qwen2.5: 151,936 rows for 151,665 tokens): a sampled id
     the tokenizer does not know is an ordinary token, also for the stop-string check."""
