@@ -9,8 +9,8 @@ each slot of the batch has its own position, so prompts need no left padding and
 sequence's slot is refilled by a waiting prompt (continuous batching) while the others go on.
 
 Supported architectures: the Llama family as laid out by transformers (`model_type` in
-`SUPPORTED_MODEL_TYPES`: Llama, Mistral without a sliding window, Qwen2, Qwen3). For any
-other causal LM use the `hf` backend (the error says so).
+`SUPPORTED_MODEL_TYPES`: Llama, Mistral and Qwen2 without a sliding window shorter than the
+context, Qwen3). For any other causal LM use the `hf` backend (the error says so).
 
 KV-cache memory is bounded by `torch_cfg.max_tokens_in_flight`: the engine runs at most
 `max_tokens_in_flight // slot_length` slots, where a slot holds the longest prompt plus
@@ -65,17 +65,23 @@ class UnsupportedModelError(ConfigError, NotImplementedError):
     CLI prints the message alone (it printed a traceback into the engine)."""
 
 
-def check_supported(model) -> None:
-    """Raise a clear error when `model` is not a Llama-family causal LM this engine can run."""
+def check_supported(model, context: int | None = None) -> None:
+    """Raise a clear error when `model` is not a Llama-family causal LM this engine can run on
+    sequences of up to `context` tokens (None: the model's max_position_embeddings).
+
+    A sliding window at least as long as the context never slides (each position sees all
+    earlier ones), as Mistral 7B v0.1's 4,096 does at the usual RL contexts."""
     mt = getattr(model.config, "model_type", None)
+    context = context or model.config.max_position_embeddings
     problem = None
     if mt not in SUPPORTED_MODEL_TYPES:
         problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
     elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         problem = "the model does not have the `model.layers` / `lm_head` layout"
     elif getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
-        if model.config.sliding_window < model.config.max_position_embeddings:
-            problem = f"sliding-window attention (window {model.config.sliding_window}) is not supported"
+        if model.config.sliding_window < context:
+            problem = (f"sliding-window attention (window {model.config.sliding_window}, shorter than the "
+                       f"{context}-token context) is not supported")
     if problem:
         raise UnsupportedModelError(
             f"the torch generation engine cannot run this model: {problem}; use "
@@ -91,7 +97,7 @@ class _Weights:
     """
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_positions: int):
-        check_supported(model)
+        check_supported(model, max_positions)
         self.model = model
         self.dtype = dtype
         self.device = device

@@ -432,6 +432,30 @@ def test_other_llama_family_models_match_hf(arch):
     torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
 
 
+def test_a_sliding_window_no_shorter_than_the_context_is_full_attention():
+    """Mistral 7B v0.1 (window 4,096 of 32,768 positions) at a shorter context: the window never
+    slides, so the torch engine runs it (it refused any window under max_position_embeddings)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8 * CTX,
+                           sliding_window=CTX, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    perturb_(model, std=0.3, seed=4)
+    batch = make_batch(tok)
+    ref = engine("hf", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    out = engine("torch", model, tok, max_new_tokens=12).generate(batch, greedy=True)
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=1e-4, rtol=0)
+    model.config.sliding_window = CTX - 1  # slides within the context
+    with pytest.raises(ConfigError, match=f"window {CTX - 1}, shorter than the {CTX}-token context"):
+        engine("torch", model, tok)
+
+
 def config_llama(extra_vocab: int = 0):
     """A perturbed 2-layer GQA Llama built from its config, with the embedded tokenizer; its
     embedding has `extra_vocab` rows past the tokenizer's vocabulary."""
