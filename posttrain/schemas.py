@@ -269,7 +269,7 @@ class GenerationConfig(Section):
     # Sample among the k most likely tokens; null = all.
     top_k: int | None = Field(None, ge=1)
     # Token ids that end a row (besides EOS).
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Strings that end a row (non-empty); they stay in the output.
     stop_strings: list[Annotated[str, Field(min_length=1)]] | None = None
     # Keep generating past EOS (only stop_token_ids, stop_strings and max_new_tokens end a row);

@@ -320,6 +320,14 @@ def test_a_generation_engine_precision_that_is_no_dtype_fails_at_load():
     assert cfg.policy.generation.vllm_cfg.precision is None
 
 
+def test_a_negative_stop_token_id_fails_at_load():
+    # No token has it: the torch engine never stopped on it, and HF generate then ignored every
+    # EOS id ("should consist of positive integers"), running each batch to max_new_tokens.
+    with pytest.raises(ConfigError, match=r"policy.generation.stop_token_ids\[1\]: got -1, expected greater than or "
+                                          r"equal to 0"):
+        load_config("grpo", None, ["policy.generation.stop_token_ids=[5, -1]"])
+
+
 def test_an_optimizer_name_that_is_neither_registered_nor_a_path_fails_at_load():
     # It failed in the policy workers, after Ray started and the model loaded.
     with pytest.raises(ConfigError, match=r"policy.optimizer.name: unknown optimizer 'adamww'; valid: adamw, adam, "
