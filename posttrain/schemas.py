@@ -1266,6 +1266,21 @@ class GRPOMasterConfig(_MasterBase):
         return self
 
     @model_validator(mode="after")
+    def _vllm_in_separate_workers(self) -> "GRPOMasterConfig":
+        # Colocated generation runs on the policy worker's own copy of the live weights; vLLM loads
+        # its own model and memory plan, so it runs in generation workers of its own. Silently
+        # generating with the torch engine instead would not be what the config says.
+        gen = self.policy.generation
+        if gen.backend == "vllm" and gen.colocated.enabled:
+            raise ValueError(
+                "policy.generation.backend=vllm runs in separate generation workers: set "
+                "policy.generation.colocated.enabled=false and give them their own resources "
+                "(policy.generation.colocated.resources.gpus_per_node / num_nodes); colocated vLLM, sharing the "
+                "training devices, is not implemented. Or generate inside the policy workers with backend=torch or hf"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _async_needs(self) -> "GRPOMasterConfig":
         if not self.grpo.async_grpo.enabled:
             return self

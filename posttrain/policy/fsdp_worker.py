@@ -791,12 +791,11 @@ class FSDPPolicyWorker:
 
             # Loaded once from the model folder (so buffers such as rotary frequencies are
             # built), then refit in place from the live weights. hf runs on this copy as the torch
-            # engine does (it is the backend for architectures the torch engine cannot run); vLLM
-            # loads its own model, so colocated vLLM is not implemented: the torch engine generates.
+            # engine does (it is the backend for architectures the torch engine cannot run). vLLM
+            # loads its own model: colocated vLLM is not implemented, and GRPO's config refuses it.
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
-            backend = "hf" if self.cfg.generation.backend == "hf" else "torch"
             self.gen_engine = build_generation(
-                backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
+                self.cfg.generation.backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
                 max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
                 device=self.device, rank=self.rank,
             )

@@ -429,7 +429,7 @@ def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(InputError, match=r"backend=vllm, but vllm is not installed .*backend=torch"):
-        check_backend_installed(load_config("grpo", None, ["policy.generation.backend=vllm"]).policy.generation)
+        check_backend_installed(load_config("eval", None, ["policy.generation.backend=vllm"]).policy.generation)
     check_backend_installed(load_config("grpo", None, []).policy.generation)  # torch: nothing to install
     # Separate workers under another venv's Python: that venv is checked instead (vllm_cfg.python).
     other = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
@@ -802,3 +802,15 @@ def test_oversampling_without_dynamic_sampling_fails_at_load():
         load_config("grpo", None, ["grpo.batch_multiplier=2"])
     cfg = load_config("grpo", None, ["grpo.batch_multiplier=2", "grpo.use_dynamic_sampling=true"])
     assert cfg.grpo.batch_multiplier == 2
+
+
+def test_grpo_refuses_colocated_vllm():
+    # The policy workers' colocated generation cannot run vLLM (it loads its own model): it used
+    # to generate with the torch engine instead, whatever the config said.
+    with pytest.raises(ConfigError, match=r"policy.generation.backend=vllm runs in separate generation workers: "
+                                          r"set policy.generation.colocated.enabled=false"):
+        load_config("grpo", None, ["policy.generation.backend=vllm"])
+    cfg = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false"])
+    assert cfg.policy.generation.backend == "vllm"
+    # Evaluation builds its generation backend in the driver: no placement to refuse.
+    assert load_config("eval", None, ["policy.generation.backend=vllm"]).policy.generation.backend == "vllm"

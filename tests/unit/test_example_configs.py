@@ -47,8 +47,10 @@ def test_example_config_validates(path, tmp_path):
 def test_grpo_math_1b_is_the_documented_gpu_exemplar():
     cfg = load_config("grpo", CONFIGS / "grpo_math_1B.yaml")
     assert cfg.policy.model_name == cfg.policy.tokenizer.name == "Qwen/Qwen2.5-1.5B"
-    assert (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node) == (1, 8)
-    assert cfg.policy.generation.backend == "vllm"
+    # 8 GPUs: 4 train, 4 generate (vLLM runs in generation workers of its own).
+    assert (cfg.cluster.num_nodes, cfg.cluster.gpus_per_node) == (1, 4)
+    assert cfg.policy.generation.backend == "vllm" and not cfg.policy.generation.colocated.enabled
+    assert cfg.policy.generation.colocated.resources.gpus_per_node == 4
     assert cfg.policy.dynamic_batching.train_mb_tokens == 512 * 4
     assert cfg.policy.generation.vllm_cfg.max_model_len == cfg.policy.max_total_sequence_length
     assert cfg.policy.train_global_batch_size == cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
