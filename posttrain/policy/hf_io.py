@@ -107,7 +107,10 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
     reward model's folder loaded as a causal LM (its LM head not tied to the embedding), or a
     causal LM's as a reward model to score with, would compute noise. `new_head`: a sequence
     classifier's head may be missing (`posttrain rm` starts it from a causal LM)."""
+    from posttrain.policy.lora import merge_loaded_adapter
+
     model, info = model_class(model_kind).from_pretrained(path, output_loading_info=True, **kwargs)
+    model = merge_loaded_adapter(model)  # a LoRA adapter's folder: its base + adapter, as plain weights
     missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in ("score", "classifier")))
     if missing:
         raise InputError(f"{key}={name!r}: {path} has no weights for {', '.join(missing[:3])}"

@@ -94,6 +94,31 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
     return wrapped
 
 
+def merge_loaded_adapter(model: Any) -> Any:
+    """`model` with the LoRA adapter that transformers' `from_pretrained` loaded beside it (a folder
+    of `policy.lora.export=adapter`, naming its base) merged into plain Linear layers.
+
+    transformers computes base + adapter in its forward, but leaves peft layers whose `.weight`
+    is the base weight alone: the torch generation engine and the policy's state dicts read
+    weights, so they would silently run or train from the base model without the adapter.
+    Merged, every reader sees the one model the folder describes. A model without a loaded
+    adapter is returned as it is.
+    """
+    if not getattr(model, "_hf_peft_config_loaded", False):
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+                model.set_submodule(name, module.get_base_layer())
+    model._hf_peft_config_loaded = False
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model
+
+
 def is_lora_state_dict(sd: dict[str, Any]) -> bool:
     return any(".lora_A." in k for k in sd)
 

@@ -107,6 +107,30 @@ def test_adapter_export_loads_with_transformers_from_anywhere(tiny_model_path, t
         assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
 
 
+def test_an_adapter_folder_loads_as_plain_merged_weights(tiny_model_path, tmp_path):
+    # transformers loads base + adapter into peft layers whose `.weight` is the base weight: the
+    # torch engine (posttrain eval of a policy.lora.export=adapter folder) read those and sampled
+    # from the untrained base model, silently.
+    from transformers import AutoTokenizer
+
+    from posttrain.generation import load_model_and_tokenizer
+
+    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
+    x = _train(model)
+    model.eval()
+    with torch.no_grad():
+        trained = model(x).logits
+    save_adapter(model.state_dict(), CFG, tmp_path / "adapter", tiny_model_path, model)
+    merged = merge_lora_state_dict(model.state_dict(), CFG)
+    loaded, _ = load_model_and_tokenizer(str(tmp_path / "adapter"), tokenizer=AutoTokenizer.from_pretrained(tiny_model_path))
+    assert not any("lora" in k or "base_layer" in k for k in loaded.state_dict())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(loaded.get_parameter(q), merged[q], atol=1e-6)
+    assert not torch.allclose(merged[q], AutoModelForCausalLM.from_pretrained(tiny_model_path).get_parameter(q))
+    with torch.no_grad():
+        assert torch.allclose(loaded.eval()(x).logits, trained, atol=1e-5)
+
+
 def test_target_modules_the_model_lacks_fail_before_any_worker_starts():
     from posttrain.config import InputError
     from posttrain.policy.hf_io import load_model_configs
