@@ -116,11 +116,14 @@ def read_llama2c(bin_path: str | os.PathLike) -> tuple[Llama2cHeader, dict[str, 
     if not hdr.shared_classifier:
         shapes.append(("wcls", (V, D)))
     expected = sum(int(np.prod(s)) for _, s in shapes)
-    floats = np.frombuffer(raw, np.float32, offset=HEADER_INTS * 4)
-    if floats.size != expected:
+    # In bytes: a file cut mid-value (a partial download) is not a whole number of fp32 values.
+    payload = len(raw) - HEADER_INTS * 4
+    if payload != 4 * expected:
         raise InputError(
-            f"{path}: holds {floats.size} fp32 values after the header, the header {hdr} implies {expected}"
+            f"{path}: holds {payload} bytes after the header, the header {hdr} implies {expected} fp32 values "
+            f"({4 * expected} bytes): a file cut short or not this model's"
         )
+    floats = np.frombuffer(raw, np.float32, offset=HEADER_INTS * 4)
     arrays: dict[str, np.ndarray] = {}
     pos = 0
     for name, shape in shapes:
