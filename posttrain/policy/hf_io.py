@@ -193,6 +193,10 @@ def check_replaceable(out: Path) -> None:
     """A model folder named by `--output` is replaced as a whole: refuse one that is not a model
     folder (a `--output results` meant as `results/stories260K-hf` would delete every run in it)."""
     if not out.exists():
+        # Its folders are made at the end, after the conversion's work: a file among them fails now.
+        blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise InputError(f"--output {out}: {blocking} is a file, not a folder")
         return
     if not out.is_dir():
         raise InputError(f"--output {out}: exists and is not a folder")

@@ -486,6 +486,10 @@ def test_dcp_to_hf_names_the_checkpoints_of_a_checkpoint_dir_and_refuses_a_file_
     (tmp_path / "notes.txt").write_text("keep")
     with pytest.raises(InputError, match="--output .*notes.txt: exists and is not a folder"):
         convert(tmp_path / "ckpt" / "step_2", tmp_path / "notes.txt")
+    # A file on the way to a new folder: refused before the conversion's work, not as a
+    # FileExistsError traceback when the folders are made at its end.
+    with pytest.raises(InputError, match=r"--output .*notes.txt/hf: .*notes.txt is a file, not a folder"):
+        convert(tmp_path / "ckpt" / "step_2", tmp_path / "notes.txt" / "hf")
     assert (tmp_path / "notes.txt").read_text() == "keep"
 
 
