@@ -45,7 +45,9 @@ class _AnswerRecorder:
     """Wraps an environment so that each sample's extracted answer (`EnvironmentReturn.answers`)
     is kept in its metadata: the rollout loop keeps a conversation's metadata, and cons@k
     votes over these answers, as text: an environment of the user's that answers with a number
-    (StepResult(answer=42)) crashed the vote after the whole generation."""
+    (StepResult(answer=42)) crashed the vote after the whole generation. A blank answer (the
+    `arithmetic` environment's for an empty response) is no answer: it casts no vote, so it is
+    counted in `num_no_answer` too."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
@@ -54,7 +56,8 @@ class _AnswerRecorder:
         ret = self.env.step(message_logs, metadata)
         for k, answer in enumerate(ret.answers):
             base = ret.metadata[k] if ret.metadata[k] is not None else metadata[k]
-            ret.metadata[k] = {**base, ANSWER_KEY: None if answer is None else str(answer)}
+            text = None if answer is None else str(answer)
+            ret.metadata[k] = {**base, ANSWER_KEY: text if text and text.strip() else None}
         return ret
 
 

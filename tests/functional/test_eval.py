@@ -79,8 +79,9 @@ def test_eval_arithmetic_config(ray_session, tmp_path):
     _check_consistent(results, samples, 200, 4)
     assert results["metric"] == "pass@4" and results["score"] == results["pass@4"]
     assert all(s["task_name"] == "arithmetic" and s["prompt"][0]["content"].endswith("=") for s in samples)
-    # The arithmetic environment's answer is the whole response: cons@k votes over responses.
-    assert all(s["extracted_answer"] == s["response"].strip() for s in samples)
+    # The arithmetic environment's answer is the whole response: cons@k votes over responses
+    # (an empty one is no answer).
+    assert all(s["extracted_answer"] == (s["response"].strip() or None) for s in samples)
     assert (save / "config.yaml").is_file() and (save / "metrics.jsonl").is_file()
     assert (save / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
     # Another model evaluated with the same config and folder: the earlier results are kept.
@@ -145,6 +146,19 @@ def test_answers_an_environment_gives_as_numbers_are_voted_on_as_text():
     answers = [m[ANSWER_KEY] for m in ret.metadata]
     assert answers == ["2", "3", "2", None]
     assert aggregate([answers], [[r > 0 for r in ret.rewards.tolist()]])["cons@4"] == 1.0  # "2" wins, 2 of 4
+
+
+def test_a_blank_answer_is_counted_as_no_answer():
+    # The arithmetic environment answers with the response itself, "" when it is empty: the vote
+    # ignored it, but num_no_answer (answers that are None) counted it as an answer.
+    from posttrain.algorithms.eval import ANSWER_KEY, _AnswerRecorder
+    from posttrain.environments.arithmetic import ArithmeticEnvironment
+    from posttrain.schemas import EnvWorkerConfig
+
+    env = ArithmeticEnvironment(EnvWorkerConfig())
+    ret = _AnswerRecorder(env).step([[{"role": "assistant", "content": c}] for c in ("46", "", "  ")],
+                                    [{"answer": "46"}] * 3)
+    assert [m[ANSWER_KEY] for m in ret.metadata] == ["46", None, None]
 
 
 def test_eval_rejects_k_above_n():
