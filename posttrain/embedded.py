@@ -204,8 +204,10 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
             "a posttrain checkpoint"
         reason = (f"{held}, not a Hugging Face model folder; convert it with `posttrain convert "
                   f"dcp-to-hf --checkpoint {checkpoint} --output <folder>` and name that folder")
-    elif os.path.isfile(os.path.join(os.path.expanduser(path), EXPORT_DIR, "config.json")):
-        # A run's folder (logger.log_dir), named instead of its final export.
+    elif any(os.path.isfile(os.path.join(os.path.expanduser(path), EXPORT_DIR, f))
+             for f in ("config.json", "adapter_config.json")):
+        # A run's folder (logger.log_dir), named instead of its final export (policy.lora.export=adapter:
+        # an adapter, which loads as its base + adapter).
         reason = (f"a run's folder, not a Hugging Face model folder; its final export is "
                   f"{os.path.join(path, EXPORT_DIR)}: name that")
     elif os.path.isfile(os.path.join(os.path.expanduser(path), "adapter_config.json")):

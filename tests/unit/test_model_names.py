@@ -84,6 +84,15 @@ def test_a_posttrain_checkpoint_as_model_name_says_to_convert_it(tmp_path):
     with pytest.raises(MissingInputError, match=rf"a run's folder, not a Hugging Face model folder; its final export "
                                                  rf"is {run / 'hf'}: name that"):
         load_hf_config(str(run))
+    from posttrain.data.processors import load_policy_tokenizer
+    from posttrain.schemas import PolicyConfig
+
+    # Also when the export is a LoRA adapter (policy.lora.export=adapter), which has no config.json:
+    # the tokenizer's load said to write a GPT-2 tokenizer_config.json.
+    (run / "hf" / "config.json").rename(run / "hf" / "adapter_config.json")
+    with pytest.raises(MissingInputError, match=rf"a run's folder, not a Hugging Face model folder; its final export "
+                                                 rf"is {run / 'hf'}: name that"):
+        load_policy_tokenizer(PolicyConfig(model_name=str(run)))
 
 
 def test_the_default_model_holds_the_default_context():
