@@ -64,6 +64,17 @@ def _model_source(policy_dir: Path, config_path: str | None) -> str:
                             f"(tried {', '.join(map(str, candidates))}); pass --config")
 
 
+def _cause(error: BaseException) -> str:
+    """`error` in one line: a CheckpointException's text is every rank's whole traceback, so its
+    first rank's own error stands for it."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def convert(checkpoint: str | Path, output: str | Path, config_path: str | None = None) -> Path:
     """Write the policy weights of `checkpoint` as a transformers checkpoint in `output`."""
     import torch.distributed.checkpoint as dcp
@@ -93,7 +104,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
         # A truncated or foreign checkpoint: name it, no traceback (CheckpointException, what
         # dcp raises for an unreadable one, is a BaseException).
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001
-            raise InputError(f"cannot read the checkpoint in {policy_dir} ({type(e).__name__}: {e}); a save cut "
+            raise InputError(f"cannot read the checkpoint in {policy_dir} ({_cause(e)}); a save cut "
                              "short or files copied in part? Convert another step_N") from e
     sd = {k: v.detach() for k, v in state["model"].items()}
     if lora.enabled:

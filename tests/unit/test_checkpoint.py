@@ -625,3 +625,30 @@ def test_a_model_in_the_runs_own_final_export_is_refused_before_anything_moves_i
         offline.check_export_is_not_an_input(cfg("checkpointing.export_hf_at_end=true"), fresh=False)
     offline.check_export_is_not_an_input(cfg(), fresh=False)
     offline.check_export_is_not_an_input(cfg(f"logger.log_dir={tmp_path / 'other'}"), fresh=True)
+
+
+def test_dcp_to_hf_of_a_truncated_weights_file_names_the_error_without_a_traceback(tmp_path, tiny_model_path):
+    # dcp raises a CheckpointException whose text is every rank's whole traceback: the one-line
+    # input error quoted all of it.
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.config import InputError
+    from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, convert
+
+    policy = tmp_path / "step_1" / "policy"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(policy))
+    model.config.save_pretrained(policy / HF_CONFIG_DIR)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(policy / HF_CONFIG_DIR)
+    (weights,) = policy.glob("*.distcp")
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(InputError) as err:
+        convert(tmp_path / "step_1", tmp_path / "hf")
+    assert re.fullmatch(rf"cannot read the checkpoint in {re.escape(str(policy))} \([A-Za-z]+Error[^\n]*\); "
+                        r"a save cut short or files copied in part\? Convert another step_N", str(err.value))
+    assert not (tmp_path / "hf").exists()
