@@ -322,6 +322,8 @@ class CheckpointManager:
         self._started = time.monotonic()
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
+        self._last_check: float | None = None  # when stop_reason last ran: once a step, before its save
+        self._longest_step_s = 0.0  # the longest time between two of them (a step, its validation and save)
 
     def _check_writable(self) -> None:
         """The first save comes `save_period` steps into the run: a checkpoint_dir it could not
@@ -343,13 +345,29 @@ class CheckpointManager:
         return self.cfg.enabled and (last or step % self.cfg.save_period == 0)
 
     def stop_reason(self) -> str | None:
-        """Why the run must save a checkpoint and end cleanly after this step, or None: the job's
-        time limit (`checkpointing.checkpoint_must_save_by`, counted from this manager's creation)
-        has passed, or the process got SIGTERM or SIGINT (see `stop_on_signals`)."""
+        """Why the run must save a checkpoint and end cleanly after this step, or None: the process
+        got SIGTERM or SIGINT (see `stop_on_signals`), or the job's time limit
+        (`checkpointing.checkpoint_must_save_by`, counted from this manager's creation) would pass
+        before the next step and its save end. Called once a step, before the step's save.
+
+        The next step is expected to take as long as the longest so far, validation and save
+        included (as NeMo RL fits the last save into the limit): stopping only once the limit had
+        passed saved after it, when the scheduler may already have killed the job."""
+        now = time.monotonic()
+        if self._last_check is not None:
+            self._longest_step_s = max(self._longest_step_s, now - self._last_check)
+        self._last_check = now
         if self.stop_signal is not None:
             return f"{self.stop_signal} received"
-        if self.save_deadline_s is not None and time.monotonic() - self._started >= self.save_deadline_s:
+        if self.save_deadline_s is None:
+            return None
+        left = self.save_deadline_s - (now - self._started)
+        if left <= 0:
             return f"checkpointing.checkpoint_must_save_by={self.cfg.checkpoint_must_save_by} reached"
+        if left < self._longest_step_s:
+            return (f"checkpointing.checkpoint_must_save_by={self.cfg.checkpoint_must_save_by} would pass during "
+                    f"the next step ({left:.0f} s left; the longest step so far, with its validation and save, "
+                    f"took {self._longest_step_s:.0f} s)")
         return None
 
     @contextlib.contextmanager

@@ -938,7 +938,8 @@ class CheckpointingConfig(Section):
     # stop signal ends skips it; the resumed run that finishes exports).
     export_hf_at_end: bool = False
     # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts: the run saves a checkpoint
-    # and ends cleanly once it is reached (for schedulers that kill jobs); null = no limit.
+    # and ends cleanly by then (for schedulers that kill jobs): after the last step that leaves
+    # time for one more as long as the longest so far, validation and save included; null = no limit.
     checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d{1,2}:\d{1,2}:\d{1,2}$")
 
 

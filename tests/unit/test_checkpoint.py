@@ -348,6 +348,26 @@ def test_rng_capture_restore_roundtrip():
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == a
 
 
+def test_checkpoint_must_save_by_stops_when_the_next_step_would_not_end_in_time(tmp_path, monkeypatch):
+    # It stopped only after the limit had passed, so the last save came after it: with a scheduler
+    # killing the job at that limit, the steps since the last periodic save were lost.
+    import posttrain.checkpoint as ckpt
+
+    clock = [1000.0]
+    monkeypatch.setattr(ckpt.time, "monotonic", lambda: clock[0])
+    mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:01:40")  # 100 s
+    reasons = []
+    for step_s in (10, 30, 10, 10, 10, 10, 10):  # the step at 30 s: its validation and save
+        clock[0] += step_s
+        reasons.append(mgr.stop_reason())
+    # At 70 s, 30 s are left: time for one more step as long as the 30-s one. At 80 s, 20 s: stop and save.
+    assert reasons[:5] == [None] * 5
+    assert reasons[5] == ("checkpointing.checkpoint_must_save_by=00:00:01:40 would pass during the next step (20 s "
+                          "left; the longest step so far, with its validation and save, took 30 s)")
+    clock[0] += 30
+    assert mgr.stop_reason() == "checkpointing.checkpoint_must_save_by=00:00:01:40 reached"
+
+
 def test_checkpoint_must_save_by(tmp_path):
     mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:00:00")
     assert mgr.save_deadline_s == 0
