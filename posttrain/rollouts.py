@@ -397,6 +397,9 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
         "response_length_mean": sum(lengths) / n,
         "response_length_max": float(max(lengths)),
         "truncation_rate": sum(c.truncated for c in convs) / n,
+        # Conversations whose prompt the engine cut from the left to fit the context
+        # (policy.generation.overlong_prompt=truncate; a later turn's, as GRPO's setup fits the first).
+        "prompt_truncated": float(sum(c.prompt_truncated for c in convs)),
         "turns_mean": sum(c.turns for c in convs) / n,
         "env_errors": float(sum(c.env_errors for c in convs)),
         "generated_tokens": float(sum(lengths)),

@@ -191,6 +191,7 @@ def test_a_prompt_the_engine_truncated_keeps_its_answer_and_aligned_tokens(tok):
     assert (cut.response, cut.prompt_truncated, cut.prompt_length) == ("42", True, 10)
     assert cut.tokens == full[0][-10:] + answer and cut.generated_mask == [0] * 10 + [1] * len(answer)
     assert (whole.response, whole.prompt_truncated, whole.tokens) == ("42", False, full[1] + answer)
+    assert result.metrics["prompt_truncated"] == 1  # counted in the step's metrics, as eval counts it
     b = result.batch
     assert b["input_lengths"].tolist() == [10 + len(answer), len(full[1]) + len(answer)]
     assert b["token_mask"][0, : 10 + len(answer)].tolist() == cut.generated_mask
