@@ -95,6 +95,10 @@ def build_generation(backend: str, *, model=None, model_path: str | None = None,
                                  device=device)
     if model is None:
         model, tokenizer = load_model_and_tokenizer(model_path, precision, tokenizer)
+        if backend == "hf":
+            # model.generate runs where the model is (loaded on the CPU); the torch engine copies
+            # the weights it needs to `device` itself, so its source model stays where it is.
+            model = model.to(device)
     if tokenizer is None:
         raise ValueError("build_generation(model=...) needs the tokenizer too")
     return BACKENDS[backend](model=model, tokenizer=tokenizer, cfg=cfg,
