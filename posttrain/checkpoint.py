@@ -315,8 +315,11 @@ class CheckpointManager:
         self.policy = policy
         self.moved_aside: Path | None = None
         self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
+        self._lock_fd: int | None = None
         if cfg.enabled:  # before start_fresh moves anything, which needs the folder writable too
             self._check_writable()
+            if self.dir.parent.is_dir():  # else nothing is created before the first save, which locks
+                self._lock()
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
         self._started = time.monotonic()
@@ -336,6 +339,35 @@ class CheckpointManager:
             what = "not a folder" if not existing.is_dir() else "not writable"
             raise MissingInputError(f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: cannot write it "
                                     f"({existing} is {what})")
+
+    def _lock(self) -> None:
+        """One run at a time per checkpoint_dir: a second one (a job restarted while the first still
+        runs or saves, the same config started twice) would save the same steps over each other's
+        and resume from whichever it read. The lock is the operating system's, on a hidden file
+        beside the folder (start_fresh moves the folder itself aside), so it ends with the process
+        however it ends; a file system without locks is not checked."""
+        import fcntl
+        import socket
+
+        path = self.dir.parent / f".{self.dir.name}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                log.warning("%s: cannot lock it (%s); another run on this checkpoint_dir would not be noticed",
+                            path, e.strerror)
+                self._lock_fd = -1  # not tried again at the first save
+                return
+            raise InputError(
+                f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: another run is using it ({holder}); "
+                "wait for it to end or stop it, or give this run its own checkpointing.checkpoint_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._lock_fd = fd  # held open (a POSIX lock ends when any of the process's fds of the file closes)
 
     # ----------------------------------------------------------------- queries
 
@@ -557,6 +589,8 @@ class CheckpointManager:
     def begin_save(self, step: int) -> Path:
         """A fresh temporary directory for checkpoint `step`; write `policy/` into it, then `finish_save`."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.enabled and self._lock_fd is None:
+            self._lock()
         tmp = self.dir / f"step_{step}.tmp-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)

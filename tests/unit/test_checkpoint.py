@@ -348,6 +348,38 @@ def test_rng_capture_restore_roundtrip():
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == a
 
 
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_until_the_first_ends(tmp_path):
+    # Two runs on one folder (a job restarted while the first still ran or saved) both resumed
+    # from the same step and saved the same steps over each other's.
+    from posttrain.config import InputError
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from posttrain.checkpoint import CheckpointManager
+            from posttrain.schemas import CheckpointingConfig
+            CheckpointManager(CheckpointingConfig(checkpoint_dir={str(tmp_path / "ckpt")!r}), {{}})
+            print("ready", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(InputError, match=rf"checkpoint_dir={re.escape(str(tmp_path / 'ckpt'))}: another run is "
+                                             rf"using it \(pid {holder.pid} on "):
+            _mgr(tmp_path)
+        _mgr(tmp_path, enabled=False)  # a run that saves nothing takes no lock
+    finally:
+        holder.kill()
+        holder.wait()
+    _mgr(tmp_path)  # the lock ended with its process, however it ended
+    _mgr(tmp_path)  # and one process may open the folder again (a resume in the same process)
+    # A run whose folder does not exist yet creates nothing before its first save, which locks.
+    fresh = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
+    assert not (tmp_path / "new").exists()
+    _save(fresh, 1)
+    assert (tmp_path / "new" / ".ckpt.lock").read_text().startswith(f"pid {os.getpid()} on ")
+
+
 def test_checkpoint_must_save_by_stops_when_the_next_step_would_not_end_in_time(tmp_path, monkeypatch):
     # It stopped only after the limit had passed, so the last save came after it: with a scheduler
     # killing the job at that limit, the steps since the last periodic save were lost.
