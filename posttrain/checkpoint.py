@@ -292,6 +292,23 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
         shutdown()
 
 
+def _same_signature(stored: Any, current: dict[str, Any]) -> bool:
+    """Whether a checkpoint's signature is this run's: the same values, a model folder named
+    another way (`x`, `x/`, `./x`, its absolute path) being the same model."""
+    if not isinstance(stored, dict) or stored.keys() != current.keys():
+        return stored == current
+
+    def same(key: str, a: Any, b: Any) -> bool:
+        if a == b:
+            return True
+        try:
+            return key == "model_name" and os.path.samefile(a, b)
+        except (OSError, TypeError, ValueError):  # not two existing paths
+            return False
+
+    return all(same(k, v, current[k]) for k, v in stored.items())
+
+
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
     disk is full and which checkpoints stay."""
@@ -461,7 +478,7 @@ class CheckpointManager:
                 f"before it. {_WAYS_OUT}"
             )
         stored = self.load_info(path).get("signature")
-        if stored != self.signature:
+        if not _same_signature(stored, self.signature):
             raise ConfigError(
                 f"checkpoint {path} was made for {stored}, but this run is {self.signature}: refusing to "
                 f"resume from it. {_WAYS_OUT}"

@@ -348,6 +348,23 @@ def test_rng_capture_restore_roundtrip():
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == a
 
 
+def test_a_model_folder_named_another_way_resumes_and_another_model_does_not(tmp_path, monkeypatch):
+    # `x`, `x/` and `./x` were three models to the resume, which refused the checkpoint.
+    from posttrain.config import ConfigError
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"))
+    _save(CheckpointManager(cfg, {"algorithm": "sft", "model_name": "model"}), 1)
+    for name in ("model/", "./model", str(tmp_path / "model")):
+        assert CheckpointManager(cfg, {"algorithm": "sft", "model_name": name}).latest().name == "step_1"
+    for sig in ({"algorithm": "sft", "model_name": "other"}, {"algorithm": "dpo", "model_name": "model"},
+                {"algorithm": "sft", "model_name": "embedded:tiny"}):
+        with pytest.raises(ConfigError, match="refusing to resume"):
+            CheckpointManager(cfg, sig).latest()
+
+
 def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_until_the_first_ends(tmp_path):
     # Two runs on one folder (a job restarted while the first still ran or saved) both resumed
     # from the same step and saved the same steps over each other's.
