@@ -112,8 +112,8 @@ def missing_files(path: Path) -> list[str]:
         shard = path / "policy" / name
         if not shard.is_file():
             missing.append(f"policy/{name}")
-        elif shard.stat().st_size < end:
-            missing.append(f"policy/{name} (truncated: {shard.stat().st_size} of {end} bytes)")
+        elif (size := shard.stat().st_size) < end:
+            missing.append(f"policy/{name} (truncated: {size} of {end} bytes)")
     return missing
 
 
@@ -568,7 +568,7 @@ class CheckpointManager:
             log.warning("checkpoint step_%d: checkpointing.metric_name=%r not measured at this step, so it ranks "
                         "below measured ones (%s)", step, name,
                         f"measured: {', '.join(same)}" if same else f"no {kind} metric at this step")
-        tmp = self.dir / f"step_{step}.tmp-{os.getpid()}"
+        tmp = self._tmp_dir(step)
         try:
             tmp = self.begin_save(step)  # its mkdir fails on a disk full to the last block, too
             policy.save_checkpoint(tmp / "policy")
@@ -603,12 +603,16 @@ class CheckpointManager:
                  f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
         return f"saving checkpoint step_{step} in {self.dir} failed ({disk}): {cause}\n{stays}"
 
+    def _tmp_dir(self, step: int) -> Path:
+        """Where this process writes checkpoint `step` before `finish_save` renames it (`_TMP_RE`)."""
+        return self.dir / f"step_{step}.tmp-{os.getpid()}"
+
     def begin_save(self, step: int) -> Path:
         """A fresh temporary directory for checkpoint `step`; write `policy/` into it, then `finish_save`."""
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.enabled and self._lock_fd is None:
             self._lock()
-        tmp = self.dir / f"step_{step}.tmp-{os.getpid()}"
+        tmp = self._tmp_dir(step)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()

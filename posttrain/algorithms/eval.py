@@ -95,8 +95,8 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     for i, row in enumerate(rows):
         if "messages" not in row:
             raise InputError(
-                f"eval: {row_name(row, f'row {i + 1} of {name!r}')} has keys {sorted(row)}; evaluation needs prompt `messages` "
-                "(set data.format, e.g. data.format=math)"
+                f"eval: {row_name(row, f'row {i + 1} of {name!r}')} has keys {sorted(row)}; evaluation needs "
+                "prompt `messages` (set data.format, e.g. data.format=math)"
             )
     return rows
 
@@ -117,8 +117,8 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
         i = overlong[0]
         raise InputError(
             f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
-            f"within policy.max_total_sequence_length={limit} (first: {row_name(rows[i], f'row {i + 1}')}, {lengths[i]} tokens); raise it or "
-            "set policy.generation.overlong_prompt=truncate"
+            f"within policy.max_total_sequence_length={limit} (first: {row_name(rows[i], f'row {i + 1}')}, "
+            f"{lengths[i]} tokens); raise it or set policy.generation.overlong_prompt=truncate"
         )
 
 

@@ -90,8 +90,9 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
 @contextlib.contextmanager
 def naming_row(row: str, messages: list[dict]) -> Iterator[None]:
     """Errors of rendering one dataset row as InputErrors naming it (`row`: `row_name`'s, the file
-    and row it was read from, else e.g. "row 3": 1-based, within its split) and its roles: many chat templates raise on a conversation they refuse
-    (Mistral's and Gemma's on two user turns in a row, Gemma's on a system message), naming no row."""
+    and row it was read from, else e.g. "row 3": 1-based, within its split) and its roles: many
+    chat templates raise on a conversation they refuse (Mistral's and Gemma's on two user turns
+    in a row, Gemma's on a system message), naming no row."""
     from jinja2 import TemplateError
 
     try:
@@ -227,16 +228,16 @@ def process_sft_rows(
     for n, row in enumerate(rows, start=1):
         if "messages" not in row:
             raise InputError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
-        messages = row["messages"]
+        messages, name = row["messages"], row_name(row, f"row {n}")
         if row.get("task_name") is not None:
             # An RL/eval row (a math or code file, the embedded arithmetic task) is a prompt: SFT
             # trains on its reference answer after it, as GRPO's warm-up does.
             demo = demonstration_messages(row)
             if demo is None:
-                raise InputError(f"{row_name(row, f'row {n}')}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
+                raise InputError(f"{name}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
                                  "or `demonstration`, so SFT has no response to train on")
             messages = messages + demo
-        with naming_row(row_name(row, f"row {n}"), messages):
+        with naming_row(name, messages):
             ex = tokenize_messages(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                    tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         ex, status = _fit(ex, max_len, cfg.truncation)

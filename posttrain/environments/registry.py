@@ -82,9 +82,11 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
         if getattr(factory, "needs_answer", False):
             missing = [i for i, r in enumerate(rows) if r["task_name"] == name and r.get("answer") is None]
             if missing:
-                first = rows[missing[0]]["messages"][-1].get("content")
+                first = rows[missing[0]]
+                prompt = first["messages"][-1].get("content")
                 what = (f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference `answer`, "
-                        f"which it scores against (first: {row_name(rows[missing[0]], f'row {missing[0] + 1}')}, prompt {str(first)[:80]!r})")
+                        f"which it scores against (first: {row_name(first, f'row {missing[0] + 1}')}, "
+                        f"prompt {str(prompt)[:80]!r})")
                 if require_answers:
                     raise InputError(what)
                 log.warning("%s: each of their samples scores 0 and counts as an env error", what)

@@ -122,8 +122,10 @@ class _Weights:
         zero = torch.zeros(1, dtype=torch.float32, device=rot.inv_freq.device)
         pos = torch.arange(max_positions, device=zero.device)[None]
         short = min(max_positions, getattr(rot, "original_max_seq_len", max_positions))
-        (cos, sin), (cos_long, sin_long) = rot(zero, pos[:, :short]), rot(zero, pos)
-        cos, sin = torch.cat([cos, cos_long[:, short:]], dim=1), torch.cat([sin, sin_long[:, short:]], dim=1)
+        cos, sin = rot(zero, pos[:, :short])
+        if short < max_positions:
+            cos_long, sin_long = rot(zero, pos)
+            cos, sin = torch.cat([cos, cos_long[:, short:]], dim=1), torch.cat([sin, sin_long[:, short:]], dim=1)
         half = self.head_dim // 2
         self.cis = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float()).to(device)  # [P, d/2]
         self.pair_order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()

@@ -795,7 +795,8 @@ class FSDPPolicyWorker:
             # loads its own model: colocated vLLM is not implemented, and GRPO's config refuses it.
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
             self.gen_engine = build_generation(
-                self.cfg.generation.backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer, cfg=self.cfg.generation,
+                self.cfg.generation.backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer,
+                cfg=self.cfg.generation,
                 max_total_sequence_length=self.cfg.max_total_sequence_length, precision=self.cfg.precision,
                 device=self.device, rank=self.rank,
             )

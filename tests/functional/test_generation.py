@@ -86,18 +86,23 @@ def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(model_tok, ba
     assert out["truncated"].tolist() == [False] + [True] * (batch.size - 1)
 
 
-@pytest.mark.parametrize("backend", ["torch", "hf"])
-def test_stop_string_ending_in_a_space_with_a_sentencepiece_tokenizer(stories260k, backend):
-    """stories260K's sentencepiece tokens carry their leading space ("\u2581a"), which they lose
-    when decoded alone: the stop string "was " is completed by the token after "was"."""
+def _stories_greedy(stories260k, backend: str, text: str, **gen_cfg):
+    """stories260K's greedy continuation of `text` by `backend`: (tokenizer, generated ids, output batch)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(stories260k).eval()
     tok = AutoTokenizer.from_pretrained(stories260k)
-    prompt = [tok.bos_token_id] + tok.encode("Once upon a", add_special_tokens=False)
+    prompt = [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
     batch = BatchedDataDict(input_ids=torch.tensor([prompt]), input_lengths=torch.tensor([len(prompt)]))
-    out = engine(backend, model, tok, max_new_tokens=20, stop_strings=["was "]).generate(batch, greedy=True)
-    gen = out["output_ids"][0, len(prompt) : int(out["unpadded_sequence_lengths"][0])].tolist()
+    out = engine(backend, model, tok, **gen_cfg).generate(batch, greedy=True)
+    return tok, out["output_ids"][0, len(prompt) : int(out["unpadded_sequence_lengths"][0])].tolist(), out
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_stop_string_ending_in_a_space_with_a_sentencepiece_tokenizer(stories260k, backend):
+    """stories260K's sentencepiece tokens carry their leading space ("\u2581a"), which they lose
+    when decoded alone: the stop string "was " is completed by the token after "was"."""
+    tok, gen, out = _stories_greedy(stories260k, backend, "Once upon a", max_new_tokens=20, stop_strings=["was "])
     assert tok.decode(gen) == "time, there was a"  # the documented story, cut after "was "
     assert out["truncated"].tolist() == [False]
 
@@ -107,14 +112,8 @@ def test_stop_string_beginning_with_a_space_at_the_first_generated_token(stories
     """The generated text reads as it follows the prompt: "\u2581a" as the first generated token is
     " a" (decoded alone, "a"), so " a little" ends the row there as it would anywhere later (it
     was never matched, and the row ran to max_new_tokens)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(stories260k).eval()
-    tok = AutoTokenizer.from_pretrained(stories260k)
-    prompt = [tok.bos_token_id] + tok.encode("Once upon a time, there was", add_special_tokens=False)
-    batch = BatchedDataDict(input_ids=torch.tensor([prompt]), input_lengths=torch.tensor([len(prompt)]))
-    out = engine(backend, model, tok, max_new_tokens=8, stop_strings=[" a little"]).generate(batch, greedy=True)
-    gen = out["output_ids"][0, len(prompt) : int(out["unpadded_sequence_lengths"][0])].tolist()
+    tok, gen, out = _stories_greedy(stories260k, backend, "Once upon a time, there was", max_new_tokens=8,
+                                    stop_strings=[" a little"])
     assert tok.convert_ids_to_tokens(gen) == ["\u2581a", "\u2581little"]
     assert out["truncated"].tolist() == [False]
 

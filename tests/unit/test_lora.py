@@ -30,6 +30,15 @@ def _train(model, steps=3):
     return x
 
 
+def _trained_lora(tiny_model_path):
+    """A LoRA model of the tiny model after `_train`, in eval mode: (model, its inputs, their logits)."""
+    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
+    x = _train(model)
+    model.eval()
+    with torch.no_grad():
+        return model, x, model(x).logits
+
+
 def test_disabled_is_identity(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert maybe_apply_lora(model, LoraConfig()) is model
@@ -50,11 +59,7 @@ def test_only_adapter_parameters_change(tiny_model_path):
 
 
 def test_merged_export_equals_base_plus_adapter(tiny_model_path, tmp_path):
-    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
-    x = _train(model)
-    model.eval()
-    with torch.no_grad():
-        trained = model(x).logits
+    model, x, trained = _trained_lora(tiny_model_path)
     sd = model.state_dict()
     merged = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_path))
     merged.load_state_dict(merge_lora_state_dict(sd, CFG), strict=True)
@@ -89,11 +94,7 @@ def test_adapter_export_loads_with_transformers_from_anywhere(tiny_model_path, t
     import os
     import shutil
 
-    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
-    x = _train(model)
-    model.eval()
-    with torch.no_grad():
-        trained = model(x).logits
+    model, x, trained = _trained_lora(tiny_model_path)
     if base_name == "relative":
         shutil.copytree(tiny_model_path, tmp_path / "run" / "base")
         monkeypatch.chdir(tmp_path / "run")
@@ -115,11 +116,7 @@ def test_an_adapter_folder_loads_as_plain_merged_weights(tiny_model_path, tmp_pa
 
     from posttrain.generation import load_model_and_tokenizer
 
-    model = maybe_apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_path), CFG)
-    x = _train(model)
-    model.eval()
-    with torch.no_grad():
-        trained = model(x).logits
+    model, x, trained = _trained_lora(tiny_model_path)
     save_adapter(model.state_dict(), CFG, tmp_path / "adapter", tiny_model_path, model)
     merged = merge_lora_state_dict(model.state_dict(), CFG)
     loaded, _ = load_model_and_tokenizer(str(tmp_path / "adapter"), tokenizer=AutoTokenizer.from_pretrained(tiny_model_path))
