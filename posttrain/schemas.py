@@ -384,6 +384,14 @@ class PolicyConfig(Section):
     # rows, and train/zero_gradient_fraction is the share of rows left out. TRL and NeMo RL
     # train them.
     skip_zero_gradient_samples: bool = True
+    # Turn the model's dropout off while training (its dropout layers and attention dropout
+    # rates; LoRA's own, policy.lora.dropout, stays as set; the exported config keeps the
+    # model's rates). GRPO's ratios compare the training pass with the generation (or previous)
+    # logprobs, and DPO's the policy with its reference: with dropout on, a model such as GPT-2
+    # (0.1) starts with ratios and reward margins that are noise, not 1 and 0. null: off for
+    # `posttrain grpo`, `dpo` and `rm` (TRL's default for DPO and reward models), the model's own
+    # for `posttrain sft`.
+    disable_dropout: bool | None = None
     # Clip the global L2 norm of the gradients to this before each optimizer step; null: no
     # clipping (the norm is logged as grad_norm either way).
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -1225,6 +1233,13 @@ class _MasterBase(Section):
                 f"policy.reward_model_cfg.enabled=true, but `posttrain {command}` {verb} a causal LM, not a "
                 "reward model (`posttrain rm` trains those); set it to false or leave it unset"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dropout_by_command(self) -> "_MasterBase":
+        # One home for the default the field's comment gives: SFT is plain supervised training.
+        if self.policy.disable_dropout is None:
+            self.policy.disable_dropout = not isinstance(self, SFTMasterConfig)
         return self
 
     @model_validator(mode="after")

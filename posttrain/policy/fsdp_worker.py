@@ -39,8 +39,9 @@ from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, load_generation_config, load_model_configs,
-                                   load_pretrained, model_class, resolve_tokenizer_path, save_hf, writing_folder)
+from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, disable_dropout, load_generation_config,
+                                   load_model_configs, load_pretrained, model_class, resolve_tokenizer_path, save_hf,
+                                   writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -276,6 +277,8 @@ class FSDPPolicyWorker:
         if self._wants_blockwise():
             enable_blockwise(model)  # long shared-prefix rows then skip their masked scores
         if train:
+            if cfg.disable_dropout:
+                disable_dropout(model)  # before LoRA: its adapters' dropout is policy.lora.dropout
             model = maybe_apply_lora(model, cfg.lora)
             if cfg.dtensor_cfg.activation_checkpointing:
                 # Non-reentrant checkpointing is the variant that composes with FSDP2.

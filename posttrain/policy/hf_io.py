@@ -119,6 +119,23 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
     return model
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout of `model` to 0 in place, its `nn.Dropout` layers and the rates its
+    attention modules keep as floats (Llama-like `attention_dropout`, passed to the attention
+    kernel in training mode), leaving the config (and so an export) as it was. Returns how many
+    were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                changed += value > 0
+                setattr(module, name, 0.0)
+    return changed
+
+
 def config_for_kind(config, model_kind: str):
     """`config` for `model_kind`: a reward model has one label. transformers 5's `from_config`
     takes no config kwargs (num_labels=1 there is a TypeError), so the label goes on a copy."""

@@ -629,6 +629,13 @@ def test_every_config_key_has_its_own_description():
 # --------------------------------------------------------------------------- cross-key checks
 
 
+def test_dropout_is_off_by_default_except_for_sft():
+    for algo, off in (("grpo", True), ("dpo", True), ("rm", True), ("sft", False)):
+        assert load_config(algo).policy.disable_dropout is off
+    assert load_config("sft", None, ["policy.disable_dropout=true"]).policy.disable_dropout is True
+    assert load_config("grpo", None, ["policy.disable_dropout=false"]).policy.disable_dropout is False
+
+
 def test_reward_model_cfg_enabled_follows_the_command():
     # Unset, the command decides: only `posttrain rm` trains a reward model.
     for algo in ("grpo", "sft", "dpo", "eval"):

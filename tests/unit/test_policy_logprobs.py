@@ -1,5 +1,5 @@
 """Token-aligned logprobs from logits, how loss metrics combine over micro-batches, and the
-attention kernel the policy picks."""
+attention kernel the policy picks, and the dropout it turns off."""
 
 import torch
 
@@ -48,3 +48,20 @@ def test_auto_attention_kernel_is_eager_for_short_cpu_sequences_only():
     assert kernel("cpu", max_total_sequence_length=257) == "sdpa"  # eager's length^2 scores cost more
     assert kernel("cuda", max_total_sequence_length=64) == "sdpa"
     assert kernel("cpu", max_total_sequence_length=4096, attn_implementation="eager") == "eager"
+
+
+def test_disable_dropout_zeroes_layers_and_attention_rates_but_not_the_config():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from posttrain.policy.hf_io import disable_dropout
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=32))
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=50, attention_dropout=0.2))
+    ids = torch.arange(1, 9)[None]
+    for model, n in ((gpt2, 4), (llama, 1)):  # GPT-2: embeddings, attention, its output, MLP output
+        model.train()
+        assert not torch.equal(model(ids).logits, model(ids).logits)  # masks drawn: the test can fail
+        assert disable_dropout(model) == n
+        assert torch.equal(model(ids).logits, model(ids).logits)  # training mode, no mask drawn
+    assert gpt2.config.attn_pdrop == 0.1 and llama.config.attention_dropout == 0.2  # an export keeps them
