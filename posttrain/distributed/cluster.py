@@ -3,9 +3,9 @@
 CPU machines (`cluster.gpus_per_node == 0`) get `workers_per_node` bundles of
 `cpus_per_worker` CPUs per node; GPU machines get one bundle per GPU (each with
 `cpus_per_worker` CPUs too). The same code joins an existing Ray cluster (`cluster.address`
-or `RAY_ADDRESS`) or starts a local one. A request the cluster cannot hold fails at setup
-within `cluster.placement_timeout_s` (at once when it exceeds the resources of a Ray node this
-process started, which never grow), naming what was asked and what Ray offers.
+or `RAY_ADDRESS`) or starts a local one. A request the cluster cannot hold (its resources, or
+more nodes than it has) fails at setup within `cluster.placement_timeout_s` (at once on a Ray
+node this process started, which never grows), naming what was asked and what Ray offers.
 """
 
 from __future__ import annotations
@@ -90,15 +90,17 @@ class RayVirtualCluster:
         total = ray.cluster_resources()
         # A Ray node this process started has no autoscaler: what exceeds its total never fits,
         # so that fails at once instead of after the placement timeout.
-        never = bool(_local_raylets()) and any(n * self.world_size > total.get(k, 0) for k, n in bundle.items())
+        started_here = bool(_local_raylets())
+        never = started_here and any(n * self.world_size > total.get(k, 0) for k, n in bundle.items())
+        asked = asked or (f"cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
+                          f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker:g}")
+        _wait_for_nodes(cfg.num_nodes, 0.0 if started_here else cfg.placement_timeout_s, asked)
         self.placement_group = placement_group(self.bundles, strategy=strategy, name=f"{name}-pg")
         ready = not never and self.placement_group.wait(timeout_seconds=cfg.placement_timeout_s)
         if not ready:
             offered, total = ray.available_resources(), ray.cluster_resources()
             remove_placement_group(self.placement_group)
             self.placement_group = None
-            asked = asked or (f"cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
-                              f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker:g}")
             raise PlacementError(
                 f"the Ray cluster cannot hold the requested workers: asked for {self.world_size} bundles "
                 f"of {bundle} ({asked}); Ray offers {_fmt(offered)} available of {_fmt(total)} total "
@@ -124,6 +126,21 @@ class RayVirtualCluster:
         if remover.is_alive():
             log.warning("the Ray placement group was not removed within %.0f s (is the Ray node "
                         "shutting down?); leaving it to Ray's shutdown", timeout_s)
+
+
+def _wait_for_nodes(num_nodes: int, timeout_s: float, asked: str) -> None:
+    """Wait up to `timeout_s` for the Ray cluster to have `num_nodes` alive nodes. SPREAD placement
+    is best effort: without this, workers asked on several nodes all landed on one node's spare
+    CPUs, and the job ran with a layout that was not the config's."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := sum(bool(n.get("Alive")) for n in ray.nodes())) < num_nodes:
+        if time.monotonic() >= deadline:
+            raise PlacementError(
+                f"the Ray cluster has {alive} node(s), fewer than the {num_nodes} asked for ({asked}); "
+                + ("start the job on a Ray cluster of that many nodes (cluster.address or RAY_ADDRESS), or set "
+                   "the number of nodes to the cluster's" if timeout_s == 0 else
+                   f"waited {timeout_s:g} s = cluster.placement_timeout_s for nodes to join"))
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _fmt(resources: dict[str, float]) -> str:

@@ -85,6 +85,16 @@ def test_more_than_the_local_node_holds_fails_without_waiting_for_the_timeout(ra
     assert time.monotonic() - t0 < 10
 
 
+def test_more_nodes_than_the_ray_cluster_has_fail_at_once(ray_session):
+    # The 2 one-CPU workers fit on this session's single node: SPREAD placed them both there and
+    # the run went on as a one-node job.
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"the Ray cluster has 1 node\(s\), fewer than the 2 asked for "
+                                             r"\(cluster.num_nodes=2, gpus_per_node=0, workers_per_node=1"):
+        RayVirtualCluster(ClusterConfig(num_nodes=2, workers_per_node=1, cpus_per_worker=1))
+    assert time.monotonic() - t0 < 10
+
+
 def test_separate_generation_workers_that_do_not_fit_are_named_by_their_own_keys(ray_session):
     # The error listed the derived cluster's values under the `cluster.*` names: a user who set
     # cluster.workers_per_node=2 read "workers_per_node=1".
