@@ -21,6 +21,7 @@ Preference batches interleave pairs: row 2i is chosen, row 2i+1 rejected.
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any, Iterator
 
 import torch
@@ -128,7 +129,9 @@ def tokenize_messages(
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
+    starts = []  # where the text of each message begins in `rendered`
     for i, msg in enumerate(messages):
+        starts.append(len(rendered))
         full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         trains = msg["role"] == "assistant" and i >= loss_start
         if trains and add_generation_prompt:
@@ -144,6 +147,7 @@ def tokenize_messages(
             )
         _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
         rendered = full
+    check_tool_turns_rendered(messages, rendered, starts)
     eos = tokenizer.eos_token_id
     if add_bos:
         prefixed = with_bos(ids, tokenizer)
@@ -155,6 +159,33 @@ def tokenize_messages(
         ids.append(eos)
         mask.append(mask[-1] if mask else 0)
     return {"input_ids": ids, "loss_mask": mask}
+
+
+def check_tool_turns_rendered(messages: list[dict], rendered: str, starts: list[int]) -> None:
+    """Fail when the chat template left out a tool call or a tool result of `messages`, whose
+    text `rendered` holds from `starts[i]` on for message i.
+
+    A template that knows only system/user/assistant (a plain-text one set in
+    policy.tokenizer.chat_template, a base model's) renders neither an assistant's `tool_calls`
+    nor a `tool` message, without an error: SFT on tool-calling data (the shared glaive demo)
+    then trained empty assistant turns and answers that quote results the model never saw. Each
+    call's function name, and each result's text (or its JSON-escaped form, as templates that
+    write it with `tojson` show it), must appear from that message's start on (a template may
+    render a run of results at its end).
+    """
+    for i, msg in enumerate(messages):
+        after = rendered[starts[i]:]
+        missing = [f"its call of {c['function']['name']!r}" for c in msg.get("tool_calls") or []
+                   if c["function"]["name"] not in after]
+        result = str(msg.get("content") or "").strip()
+        if msg["role"] == "tool" and result and result not in after and json.dumps(result)[1:-1] not in after:
+            missing.append("the tool result")
+        if missing:
+            raise InputError(
+                f"the chat template does not render {' and '.join(missing)} (message {i}, role {msg['role']!r}), so "
+                "training would see the conversation without it; set policy.tokenizer.chat_template to a template "
+                "that renders tool calls and tool results (the model's own, if it was trained on tool use)"
+            )
 
 
 def with_bos(ids: list[int], tokenizer) -> list[int]:

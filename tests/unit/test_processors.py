@@ -292,3 +292,37 @@ def test_collate_contract(tok):
     assert batch["token_mask"][:, 0].eq(0).all() and batch["sample_mask"].tolist() == [1.0, 1.0]
     pairs = collate_pairs([(a, b), (b, a)], pad_id=tok.pad_token_id)
     assert torch.equal(pairs["input_ids"][1], batch["input_ids"][1]) and pairs.size == 4
+
+
+TOOL_CONVO = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": '{"temp": "21 C"}', "tool_call_id": "call0", "name": "get_weather"},
+    {"role": "assistant", "content": "It is 21 C."},
+]
+
+
+def test_template_that_leaves_out_tool_turns_is_an_error():
+    # A plain template knowing only system/user/assistant rendered the call as an empty assistant
+    # turn and the result not at all, without an error: SFT trained on "\n\n" and "It is 21 C.".
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    ex = tokenize_messages(TOOL_CONVO, tok)  # the embedded template renders calls and results
+    assert '"get_weather"' in tok.decode(ex["input_ids"]) and "21 C" in _loss_text(tok, ex)
+    plain = build_tokenizer()
+    plain.chat_template = ("{% for m in messages %}{% if m['role'] != 'tool' %}{{ '<|' + m['role'] + '|>' + "
+                           "m['content'] + '<|end|>' }}{% endif %}{% endfor %}")
+    with pytest.raises(InputError, match=r"^row 1 \(roles user, assistant, tool, assistant\): the chat template does "
+                                         r"not render its call of 'get_weather' \(message 1, role 'assistant'\)"):
+        process_sft_rows([{"messages": TOOL_CONVO}], plain, DataConfig(), max_len=1000)
+    # A template that writes the calls but drops the results.
+    plain.chat_template = plain.chat_template.replace("m['content']", "m['content'] + (m['tool_calls'] | tojson "
+                                                      "if m['tool_calls'] is defined else '')")
+    with pytest.raises(InputError, match=r"does not render the tool result \(message 2, role 'tool'\)"):
+        tokenize_messages(TOOL_CONVO, plain)
+    # One that writes results JSON-escaped (tojson) shows them.
+    plain.chat_template = plain.chat_template.replace("{% if m['role'] != 'tool' %}", "{% if true %}").replace(
+        "m['content'] +", "(m['content'] | tojson if m['role'] == 'tool' else m['content']) +", 1)
+    assert '\\"temp\\"' in plain.decode(tokenize_messages(TOOL_CONVO, plain)["input_ids"])
