@@ -243,8 +243,13 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
     calls = _tool_calls(m.get("tool_calls"), loc, f"{what}.tool_calls") if role == "assistant" else None
     if content is None and calls:
         content = ""  # OpenAI's tool-calling turn: `content: null`, the calls in `tool_calls`
-    # An assistant turn may be empty (e.g. a tool call carried elsewhere); others may not.
-    out = {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=role == "assistant")}
+    if role == "assistant" and not calls and isinstance(content, str) and not content.strip():
+        # As an empty alpaca `output` or DPO `chosen` is: trained, it teaches the model to answer
+        # with nothing but its end of turn (ShareGPT dumps hold blank turns where a reply failed).
+        raise DataFormatError(f"{loc}: `{what}.content` is empty: an assistant turn without text or tool calls "
+                              "would train the model to answer with nothing")
+    # A tool-calling assistant turn may be empty (OpenAI's `content: null`); others may not.
+    out = {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=bool(calls))}
     if calls:
         out["tool_calls"] = calls
     if role == "tool":  # which call the result answers and the tool's name, for templates that show them

@@ -612,3 +612,23 @@ def test_data_file_paths_no_dataset_reads_are_refused(tmp_path):
                                              rf"data files \({reads}"):
             load_rows(_cfg(name, val_data_path=path), "val")
     assert load_rows(_cfg("gsm8k", train_data_path=path, val_data_path=path), "val")[0]["answer"] == "2"
+
+
+def test_assistant_turn_without_text_or_tool_calls_is_malformed():
+    # A blank gpt turn (ShareGPT dumps hold them where a reply failed) was trained as it stood:
+    # the model learnt to answer with its end of turn alone. An empty alpaca `output` or DPO
+    # `chosen` was already refused; a tool-calling turn may still have no text.
+    blank = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " \n"}]}
+    with pytest.raises(DataFormatError, match=r"^f row 1: `messages\[1\]\.content` is empty: an assistant turn "
+                                              "without text or tool calls"):
+        normalize_row(blank, "messages", "f row 1")
+    gpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]}
+    with pytest.raises(DataFormatError, match=r"`conversations\[1\]\.content` is empty"):
+        normalize_row(gpt, "sharegpt", "f row 1")
+    pair = {"prompt": "q", "chosen": [{"role": "assistant", "content": ""}], "rejected": "b"}
+    with pytest.raises(DataFormatError, match=r"`chosen\[0\]\.content` is empty"):
+        normalize_row(pair, "preference", "f row 1")
+    call = {"type": "function", "function": {"name": "add", "arguments": {}}}
+    calling = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "content": "0"}, {"role": "assistant", "content": "0"}]}
+    assert normalize_row(calling, "messages", "f row 1")["messages"][1]["content"] == ""
