@@ -184,7 +184,8 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
         logger.log_metrics(counts, step=0, prefix=f"data/{split}", console=False)
         logger.console(
             f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
-            f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token)"
+            f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token"
+            + (f", {counts['identical']} pairs whose sides are the same tokens" if "identical" in counts else "") + ")"
         )
 
 
@@ -239,7 +240,7 @@ class OfflineData:
     tokenizer: Any
     loader: RowLoader
     val_batches: list[BatchedDataDict]  # the first `algo.val_batches`: what validation runs on
-    stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss
+    stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss (, identical: pairs)
 
 
 def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callable) -> OfflineData:

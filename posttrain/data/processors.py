@@ -285,8 +285,9 @@ def process_preference_rows(
     rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
 ) -> tuple[list[tuple[Example, Example]], dict[str, int]]:
     """Tokenize preference rows into (chosen, rejected) example pairs. Loss tokens are the
-    responses only; a pair is dropped when either side is (counts as in `process_sft_rows`)."""
-    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    responses only; a pair is dropped when either side is (counts as in `process_sft_rows`), and
+    when its sides are the same tokens (counted as `identical`)."""
+    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0, "identical": 0}
     out = []
     for n, row in enumerate(rows, start=1):
         if "prompt_messages" not in row:
@@ -303,8 +304,13 @@ def process_preference_rows(
             ex, status = _fit(ex, max_len, cfg.truncation)
             pair.append(ex)
             statuses.append(status)
+        if pair[0] is not None and pair[1] is not None and pair[0]["input_ids"] == pair[1]["input_ids"]:
+            # Responses that differ only past the cut at the context (or in what the template strips):
+            # as a pair with chosen == rejected (refused when read), it prefers nothing, yet took a
+            # place in its batch and counted as a miss in the accuracy.
+            pair, statuses = [None, None], [*statuses, "identical"]
         # One count per pair, for what happened to it (a drop outranks a truncation).
-        status = next((s for s in ("dropped", "no_loss", "truncated") if s in statuses), None)
+        status = next((s for s in ("dropped", "no_loss", "identical", "truncated") if s in statuses), None)
         if status:
             stats[status] += 1
         if all(ex is not None for ex in pair):

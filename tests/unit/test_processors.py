@@ -326,3 +326,21 @@ def test_template_that_leaves_out_tool_turns_is_an_error():
     plain.chat_template = plain.chat_template.replace("{% if m['role'] != 'tool' %}", "{% if true %}").replace(
         "m['content'] +", "(m['content'] | tojson if m['role'] == 'tool' else m['content']) +", 1)
     assert '\\"temp\\"' in plain.decode(tokenize_messages(TOOL_CONVO, plain)["input_ids"])
+
+
+def test_pair_whose_sides_are_the_same_tokens_is_left_out_and_counted(tok):
+    # Responses that differ only past the cut at the context became one sequence twice: the pair
+    # had no gradient, yet filled a place in its batch and counted as a miss in the accuracy.
+    prompt = [{"role": "user", "content": "q"}]
+    pair = {"prompt_messages": prompt, "chosen": [{"role": "assistant", "content": "a" * 40 + "good"}],
+            "rejected": [{"role": "assistant", "content": "a" * 40 + "bad"}]}
+    short = {"prompt_messages": prompt, "chosen": [{"role": "assistant", "content": "good"}],
+             "rejected": [{"role": "assistant", "content": "bad"}]}
+    pairs, stats = process_preference_rows([pair, short, pair], tok, DataConfig(truncation="truncate"), max_len=30)
+    assert stats == {"rows": 3, "kept": 1, "truncated": 0, "dropped": 0, "no_loss": 0, "identical": 2}
+    assert [_loss_text(tok, ex) for ex in pairs[0]] == ["good<|end|>", "bad<|end|>"]
+    # Past the cut they differ: both kept (and truncated).
+    pairs, stats = process_preference_rows([pair], tok, DataConfig(truncation="truncate"), max_len=60)
+    assert stats["kept"] == 1 and stats["identical"] == 0
+    with pytest.raises(ValueError, match=r"no preference pairs left .*'identical': 1"):
+        process_preference_rows([pair], tok, DataConfig(truncation="truncate"), max_len=30)
