@@ -178,7 +178,9 @@ def check_tool_turns_rendered(messages: list[dict], rendered: str, starts: list[
         missing = [f"its call of {c['function']['name']!r}" for c in msg.get("tool_calls") or []
                    if c["function"]["name"] not in after]
         result = str(msg.get("content") or "").strip()
-        if msg["role"] == "tool" and result and result not in after and json.dumps(result)[1:-1] not in after:
+        # transformers' `tojson` keeps non-ASCII characters as they are (ensure_ascii=False).
+        escaped = json.dumps(result, ensure_ascii=False)[1:-1]
+        if msg["role"] == "tool" and result and result not in after and escaped not in after:
             missing.append("the tool result")
         if missing:
             raise InputError(

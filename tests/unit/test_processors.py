@@ -298,19 +298,19 @@ TOOL_CONVO = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "content": '{"temp": "21 C"}', "tool_call_id": "call0", "name": "get_weather"},
-    {"role": "assistant", "content": "It is 21 C."},
+    {"role": "tool", "content": '{"temp": "21 °C"}', "tool_call_id": "call0", "name": "get_weather"},
+    {"role": "assistant", "content": "It is 21 °C."},
 ]
 
 
 def test_template_that_leaves_out_tool_turns_is_an_error():
     # A plain template knowing only system/user/assistant rendered the call as an empty assistant
-    # turn and the result not at all, without an error: SFT trained on "\n\n" and "It is 21 C.".
+    # turn and the result not at all, without an error: SFT trained on "\n\n" and "It is 21 °C.".
     from posttrain.embedded import build_tokenizer
 
     tok = build_tokenizer()
     ex = tokenize_messages(TOOL_CONVO, tok)  # the embedded template renders calls and results
-    assert '"get_weather"' in tok.decode(ex["input_ids"]) and "21 C" in _loss_text(tok, ex)
+    assert '"get_weather"' in tok.decode(ex["input_ids"]) and "It is 21 " in _loss_text(tok, ex)
     plain = build_tokenizer()
     plain.chat_template = ("{% for m in messages %}{% if m['role'] != 'tool' %}{{ '<|' + m['role'] + '|>' + "
                            "m['content'] + '<|end|>' }}{% endif %}{% endfor %}")
