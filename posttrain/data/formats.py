@@ -38,7 +38,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         environment
     preference          {"chosen", "rejected"} with the shared context in `conversations`
                         (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
-                        (chosen/rejected are full conversations sharing a prefix). Each
+                        (chosen/rejected are full conversations sharing a prefix, which may
+                        end with a given `prompt`, as in UltraFeedback binarized). Each
                         response may be a string, one message, or a list of messages.
 
 A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
@@ -487,10 +488,21 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     context_key = next((k for k in ("conversations", "prompt", "messages", "context") if row.get(k)), None)
     if context_key is None:
         prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)
-    elif isinstance(row[context_key], str):
-        prompt = [{"role": "user", "content": _text(row[context_key], loc, context_key)}]
     else:
-        prompt = _messages(row[context_key], loc, context_key)
+        if isinstance(row[context_key], str):
+            prompt = [{"role": "user", "content": _text(row[context_key], loc, context_key)}]
+        else:
+            prompt = _messages(row[context_key], loc, context_key)
+        if chosen[0]["role"] != "assistant" and rejected[0]["role"] != "assistant":
+            # Whole conversations beside a copy of their prompt (UltraFeedback binarized: `prompt`
+            # the question, `chosen`/`rejected` [user, assistant]): as TRL reads them, the prompt
+            # is the start they share, which must end with the given one.
+            shared, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)
+            if shared[-len(prompt):] != prompt:
+                raise DataFormatError(f"{loc}: `chosen` and `rejected` are whole conversations whose shared start "
+                                      f"does not end with `{context_key}`; give the responses alone, or no "
+                                      f"`{context_key}`")
+            prompt = shared
     if row.get("system") and prompt[0]["role"] != "system":
         prompt.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
     for key, resp in (("chosen", chosen), ("rejected", rejected)):

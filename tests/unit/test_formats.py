@@ -632,3 +632,21 @@ def test_assistant_turn_without_text_or_tool_calls_is_malformed():
     calling = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                             {"role": "tool", "content": "0"}, {"role": "assistant", "content": "0"}]}
     assert normalize_row(calling, "messages", "f row 1")["messages"][1]["content"] == ""
+
+
+def test_whole_conversation_pairs_beside_their_prompt_are_split_at_the_shared_start():
+    # UltraFeedback binarized (the usual DPO set) gives the question as `prompt` and each response
+    # as the whole [user, assistant] conversation: it was refused ("`chosen` must start with an
+    # assistant message"), where TRL reads the prompt as the start the two share.
+    user = {"role": "user", "content": "What is 2+2?"}
+    row = {"prompt": "What is 2+2?", "chosen": [user, {"role": "assistant", "content": "4"}],
+           "rejected": [user, {"role": "assistant", "content": "5"}], "messages": [user], "score_chosen": 8.0}
+    assert normalize_row(row, detect_format(row), "f row 1") == {
+        "prompt_messages": [user], "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}]}
+    system = {"role": "system", "content": "Be brief."}
+    row = {**row, "chosen": [system, *row["chosen"]], "rejected": [system, *row["rejected"]]}
+    assert normalize_row(row, "preference", "f row 1")["prompt_messages"] == [system, user]
+    with pytest.raises(DataFormatError, match=r"^f row 1: `chosen` and `rejected` are whole conversations whose shared "
+                                              "start does not end with `prompt`"):
+        normalize_row({**row, "prompt": "What is 3+3?"}, "preference", "f row 1")
