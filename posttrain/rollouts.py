@@ -120,14 +120,21 @@ def _observation_tokens(
     Without the rest the next turns would see a conversation no template (and no warm-up or
     SFT row) ever renders.
     """
-    roles = [m.get("role", "user") for m in observation]
-    shown = [{**m, "role": "user" if r == "environment" else r} for m, r in zip(observation, roles)]
+    before, shown = _as_shown(before), _as_shown(observation)
     prev = render_chat(tokenizer, before, add_generation_prompt=False, tools=tools)
     full = render_chat(tokenizer, before + shown, add_generation_prompt=add_generation_prompt, tools=tools)
     delta = full[len(prev):] if full.startswith(prev) else render_chat(
         tokenizer, shown, add_generation_prompt=add_generation_prompt
     )
     return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
+
+
+def _as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with an environment's message (or one without a role) as the user turn it is
+    shown as. The earlier observations too: a template that refuses other roles (Mistral's,
+    Gemma's) raised on the conversation's first observation once it rendered the second, and
+    stopped every rollout of three turns or more."""
+    return [m if m.get("role") not in (None, "environment") else {**m, "role": "user"} for m in messages]
 
 
 # Stands in for an assistant message's content to find what the template writes after it.

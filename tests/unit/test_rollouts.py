@@ -130,14 +130,17 @@ class _EchoGeneration:
 
 
 class _OneMoreTurnEnv:
-    """Asks once more after the first answer, then ends the conversation."""
+    """Asks once more after each answer until the model has answered `turns` times."""
+
+    def __init__(self, turns=2):
+        self.turns = turns
 
     def step(self, message_logs, metadata):
         import torch
 
         from posttrain.environments.interfaces import EnvironmentReturn
 
-        done = [sum(m["role"] == "assistant" for m in log) >= 2 for log in message_logs]
+        done = [sum(m["role"] == "assistant" for m in log) >= self.turns for log in message_logs]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": "again"} for _ in message_logs],
             metadata=[{} for _ in message_logs], next_stop_strings=[None for _ in message_logs],
@@ -195,6 +198,32 @@ def test_a_prompt_the_engine_truncated_keeps_its_answer_and_aligned_tokens(tok):
     b = result.batch
     assert b["input_lengths"].tolist() == [10 + len(answer), len(full[1]) + len(answer)]
     assert b["token_mask"][0, : 10 + len(answer)].tolist() == cut.generated_mask
+
+
+# Mistral's and Gemma's way: only user and assistant turns, alternating, else the template raises.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def test_a_template_of_alternating_turns_renders_every_observation_as_a_user_turn():
+    # The second observation was rendered after the first kept as an "environment" message, which
+    # such a template refuses: every rollout of three turns or more stopped with a TemplateError.
+    from posttrain.embedded import build_tokenizer
+
+    strict = build_tokenizer()
+    strict.chat_template = STRICT_TEMPLATE
+    gen = _EchoGeneration(strict, replies=["up", "left", "down"])
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    (conv,) = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv(turns=3)}, strict, max_turns=3,
+                           max_seq_len=200).conversations
+    assert [m["role"] for m in conv.exchange] == ["assistant", "environment", "assistant", "environment", "assistant"]
+    assert strict.decode(gen.prompts[2]) == ("<s><|user|>go<|end|><|assistant|>up<|end|><|user|>again<|end|>"
+                                             "<|assistant|>left<|end|><|user|>again<|end|><|assistant|>")
+    assert conv.response == "up\nleft\ndown"
 
 
 def test_conversation_separates_the_prompt_from_the_exchange(tok):
