@@ -32,8 +32,8 @@ TOOL_CALLS_KEY = "tool_calls"
 # what comes back): {"completion_ids": the conversation's tokens after its prompt, "global_step":
 # the GRPO steps done, "max_steps": grpo.max_num_steps (the steps are None outside GRPO),
 # "last_turn": whether the conversation ends after this step whatever the environment says
-# (grpo.max_rollout_turns reached): its last chance to score}. TRL reward functions get the
-# first three as `completion_ids` and `trainer_state`.
+# (grpo.max_rollout_turns reached, or the answer cut at the token limit): its last chance to
+# score}. TRL reward functions get the first three as `completion_ids` and `trainer_state`.
 ROLLOUT_KEY = "_rollout"
 # Metadata keys of a sample's metrics ({name: number}, logged as env/<name> means over the
 # samples that have them) and of extra values shown with it in samples.jsonl ({column: value});

@@ -96,8 +96,9 @@ class _EchoGeneration:
     was given; with `keep`, it first cuts longer prompts to their last `keep` tokens, as an
     engine does with overlong_prompt=truncate."""
 
-    def __init__(self, tok, replies=("1",), eos=True, keep=None):
+    def __init__(self, tok, replies=("1",), eos=True, keep=None, truncated=False):
         self.tok, self.prompts, self.replies, self.calls, self.eos = tok, [], list(replies), 0, eos
+        self.truncated = truncated  # every answer reported as cut at the token limit
         self.keep, self.prompt_truncated = keep, []
         self.stop_strings = []  # the batch's per-row stop strings of each call
 
@@ -124,7 +125,7 @@ class _EchoGeneration:
             logprobs=torch.zeros(len(rows), width),
             generation_lengths=torch.full((len(rows),), len(new)),
             unpadded_sequence_lengths=torch.tensor([len(r) for r in rows]),
-            truncated=torch.zeros(len(rows), dtype=torch.bool),
+            truncated=torch.full((len(rows),), self.truncated),
             prompt_truncated=torch.tensor(self.prompt_truncated[-len(rows):]),
         )
 
@@ -415,6 +416,23 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     assert second["completion_ids"] == conv.tokens[conv.prompt_length:] and len(second["completion_ids"]) > 6
     assert second["last_turn"] is True  # max_turns=2: the conversation ends after it whatever the environment says
     assert ROLLOUT_KEY not in conv.metadata and result.metrics["env/turn"] == 2.0
+
+
+def test_an_answer_cut_at_the_token_limit_is_the_environments_last_turn(tok):
+    # The conversation ends after a truncated answer whatever the environment says; told it was
+    # not the last turn, the code environment (reward: fraction, max_attempts: 2) held back the
+    # attempt's score for a retry that never came, and the sample scored 0 for 1 of 2 tests passed.
+    from posttrain.environments.code import CodeEnvironment
+    from posttrain.schemas import EnvWorkerConfig
+
+    env = CodeEnvironment(EnvWorkerConfig(cfg={"reward": "fraction", "max_attempts": 2}))
+    gen = _EchoGeneration(tok, replies=["x = 1"], truncated=True)
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "code",
+             "metadata": {"tests": ["assert x == 1", "assert x == 2"]}}]
+    result = run_rollouts(gen, rows, {"code": env}, tok, max_turns=2, max_seq_len=200)
+    (conv,) = result.conversations
+    assert (conv.turns, conv.truncated, conv.metadata["attempt"]) == (1, True, 1)
+    assert conv.reward == 0.5 and result.batch["rewards"].tolist() == [0.5]
 
 
 def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_others(tok):
