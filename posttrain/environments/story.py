@@ -47,6 +47,7 @@ def count_mentions(text: str, word: str) -> int:
 
 class StoryEnvironment(PerSampleEnvironment):
     config_class = StoryEnvConfig
+    needs_answer = True  # the animal
 
     def __init__(self, cfg: EnvWorkerConfig):
         self.cfg = StoryEnvConfig.model_validate(cfg.cfg)

@@ -43,6 +43,18 @@ def test_missing_answer_scores_zero_with_an_error():
     assert "answer" in ret.metadata[0]["env_error"]
 
 
+def test_eval_refuses_story_rows_without_the_animal_at_setup():
+    # A file of story prompts (data.task_name=story) without `answer`: eval took it, and every
+    # sample scored 0 as an environment error instead of the run failing at setup naming the rows.
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    rows = [{"messages": [{"role": "user", "content": "Lily had a pet dog."}], "task_name": "story"}]
+    with pytest.raises(ValueError, match="1 of 1 rows for environment 'story' have no reference `answer`"):
+        resolve_task_envs(rows, EnvConfig(), require_answers=True)
+    assert resolve_task_envs([{**rows[0], "answer": "dog"}], EnvConfig(), require_answers=True) == ["story"]
+
+
 def test_bad_env_config_is_rejected():
     with pytest.raises(ValueError):
         StoryEnvironment(EnvWorkerConfig(cfg={"min_mentions": 0}))
