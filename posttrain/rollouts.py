@@ -130,11 +130,11 @@ def _observation_tokens(
 
 
 def _as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with an environment's message (or one without a role) as the user turn it is
-    shown as. The earlier observations too: a template that refuses other roles (Mistral's,
-    Gemma's) raised on the conversation's first observation once it rendered the second, and
-    stopped every rollout of three turns or more."""
-    return [m if m.get("role") not in (None, "environment") else {**m, "role": "user"} for m in messages]
+    """`messages` with an environment's message as the user turn it is shown as. The earlier
+    observations too: a template that refuses other roles (Mistral's, Gemma's) raised on the
+    conversation's first observation once it rendered the second, and stopped every rollout of
+    three turns or more."""
+    return [{**m, "role": "user"} if m["role"] == "environment" else m for m in messages]
 
 
 # Stands in for an assistant message's content to find what the template writes after it.
@@ -356,6 +356,9 @@ def run_rollouts(
                     continue
                 obs = ret.observations[k]
                 obs = obs if isinstance(obs, list) else [obs]  # several: one tool result per call
+                # A message without a role is the environment's, as a text observation is: kept
+                # without one, it stopped the step at the logs, which read each message's role.
+                obs = [m if m.get("role") else {**m, "role": "environment"} for m in obs]
                 obs_tokens = _next_turn_tokens(tokenizer, c, obs, add_generation_prompt)
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True

@@ -418,6 +418,22 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     assert ROLLOUT_KEY not in conv.metadata and result.metrics["env/turn"] == 2.0
 
 
+def test_an_observation_without_a_role_is_the_environments(tok):
+    # The environment contract takes any message with a content; one without a role was kept
+    # as it came, and the step stopped after its generation where the logs read the model's turns.
+    class NoRole(_OneMoreTurnEnv):
+        def step(self, message_logs, metadata):
+            ret = super().step(message_logs, metadata)
+            ret.observations = [{"content": "again"} for _ in message_logs]
+            return ret
+
+    gen = _EchoGeneration(tok, replies=["up", "left"])
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    (conv,) = run_rollouts(gen, rows, {"t": NoRole()}, tok, max_turns=2, max_seq_len=200).conversations
+    assert conv.exchange[1] == {"role": "environment", "content": "again"} and conv.response == "up\nleft"
+    assert tok.decode(gen.prompts[1]) == "<s><|user|>go<|end|><|assistant|>up<|end|><|user|>again<|end|><|assistant|>"
+
+
 def test_an_answer_cut_at_the_token_limit_is_the_environments_last_turn(tok):
     # The conversation ends after a truncated answer whatever the environment says; told it was
     # not the last turn, the code environment (reward: fraction, max_attempts: 2) held back the
