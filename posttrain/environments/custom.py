@@ -38,7 +38,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import numbers
 import os
@@ -61,12 +60,14 @@ from posttrain.environments.interfaces import (
     StepResult,
     last_assistant_text,
 )
-from posttrain.environments.timeout import (
-    SubprocessRunner,
-    call_pickled,
-    import_cloudpickle,
+from posttrain.environments.timeout import SubprocessRunner, import_cloudpickle
+from posttrain.environments.tool_calls import (
+    ToolCall,
+    call_pickled_tool,
+    parse_tool_calls,
+    tool_call_ids,
+    tool_result_text,
 )
-from posttrain.environments.tool_calls import ToolCall, parse_tool_calls, tool_call_ids
 from posttrain.schemas import EnvWorkerConfig
 
 # Keywords a reward function receives when its signature names them (or takes **kwargs).
@@ -153,20 +154,18 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         name, args = call.name, call.arguments
         if name not in self.tools:
             return f"error: there is no tool {name!r}; the tools are {', '.join(self.tools)}"
-        try:
-            if self._runner is None:
-                result = self.tools[name](**args)
-            else:
-                if name not in self._pickled:
-                    import ray.cloudpickle
+        if self._runner is None:
+            return tool_result_text(self.tools[name], name, args)
+        if name not in self._pickled:
+            import ray.cloudpickle
 
-                    self._pickled[name] = ray.cloudpickle.dumps(self.tools[name])
-                result = self._runner.run(call_pickled, (self._pickled[name], args), self.tool_timeout_s)
+            self._pickled[name] = ray.cloudpickle.dumps(self.tools[name])
+        try:
+            return self._runner.run(call_pickled_tool, (self._pickled[name], name, args), self.tool_timeout_s)
         except TimeoutError:
             return f"error: {name} timed out after {self.tool_timeout_s:g} s"
-        except USER_CODE_ERRORS as e:  # noqa: BLE001 - a failing call is the model's to see, not an environment error
-            return f"error: {name} raised {type(e).__name__}: {e}"
-        return result if isinstance(result, str) else json.dumps(result, default=_json_value)
+        except USER_CODE_ERRORS as e:  # noqa: BLE001 - the child could not run it (unpickling it failed)
+            return f"error: {name} could not run: {type(e).__name__}: {e}"
 
     def close(self) -> None:
         if self._runner is not None:
@@ -237,13 +236,6 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
-
-
-def _json_value(value: Any) -> Any:
-    """What JSON cannot write of a tool's result: a NumPy or torch scalar or array as its numbers
-    (as text, np.int64(3) reached the model as "3", quoted), anything else as its text."""
-    tolist = getattr(value, "tolist", None)
-    return tolist() if callable(tolist) else str(value)
 
 
 def _real(value: Any) -> float | None:

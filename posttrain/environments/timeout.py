@@ -55,18 +55,8 @@ class SubprocessRunner:
             self._pool = None
 
 
-def call_pickled(blob: bytes, kwargs: dict[str, Any]) -> Any:
-    """In the child: the function pickled by value in `blob` (cloudpickle), called with
-    `kwargs`. For a user's function whose file the child could not import by name."""
-    import pickle
-
-    try:
-        return pickle.loads(blob)(**kwargs)
-    except SystemExit as e:  # it would end the pool's worker: the call would wait out its time limit
-        raise RuntimeError(f"SystemExit: {e}") from None
-
-
 def import_cloudpickle() -> None:
-    """A child's warm-up for `call_pickled`: unpickling a by-value function imports Ray's
-    cloudpickle, which should not count against the first call's time limit."""
+    """A child's warm-up for a function pickled by value (`tool_calls.call_pickled_tool`):
+    unpickling it imports Ray's cloudpickle, which should not count against the first call's
+    time limit."""
     import ray.cloudpickle  # noqa: F401

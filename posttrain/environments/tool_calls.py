@@ -2,7 +2,8 @@
 
 `parse_tool_calls` reads the calls of a model's answer (Hermes tags, or a bare JSON call as Llama
 3.x and Mistral write them); `ToolCall.message` gives a call in the OpenAI message form that
-templates read from an assistant message's `tool_calls`; `tool_call_ids` names the calls. Used by
+templates read from an assistant message's `tool_calls`; `tool_call_ids` names the calls; `tool_result_text` runs one and gives what the model reads
+back (`call_pickled_tool`: in a child process). Used by
 the tool environments (`posttrain.environments.custom`) and by the data formats, which turn tool
 calls written as text (LLaMA-Factory's ShareGPT `function_call` turns) into that form. No torch.
 """
@@ -108,3 +109,32 @@ def _read_call(call: Any) -> ToolCall:
     if not isinstance(args, dict):
         return ToolCall(name, id=call_id, error=f"malformed tool call to {name}: its arguments must be an object")
     return ToolCall(name, args, call_id)
+
+
+def tool_result_text(fn: Any, name: str, arguments: dict[str, Any]) -> str:
+    """What the model reads back from calling tool `name` (`fn`) with `arguments`: the result, as
+    JSON unless it is a string, or what went wrong, which is the model's to see and no environment
+    error (SystemExit too: `USER_CODE_ERRORS`, whose module needs torch; a result JSON cannot
+    write, a dict with tuple keys, was one)."""
+    try:
+        result = fn(**arguments)
+        return result if isinstance(result, str) else json.dumps(result, default=_json_value)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the tool's failure, shown to the model
+        return f"error: {name} raised {type(e).__name__}: {e}"
+
+
+def call_pickled_tool(blob: bytes, name: str, arguments: dict[str, Any]) -> str:
+    """`tool_result_text` in the child process of a tool with a time limit, of the tool pickled by
+    value in `blob` (cloudpickle: its file is not importable in the child). Text comes back: an
+    exception or a result of a class from the tool's file would not unpickle in the parent, and
+    the model read a MaybeEncodingError about pickling instead of the tool's error."""
+    import pickle
+
+    return tool_result_text(pickle.loads(blob), name, arguments)
+
+
+def _json_value(value: Any) -> Any:
+    """What JSON cannot write of a tool's result: a NumPy or torch scalar or array as its numbers
+    (as text, np.int64(3) reached the model as "3", quoted), anything else as its text."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
