@@ -790,13 +790,20 @@ BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
 }
 
 
-def check_turns_for_tool_calls(env: "EnvConfig", turns: int, key: str) -> None:
-    """Each tool call takes a turn and the answer one more: fewer turns would end conversations
-    mid-call, unscored."""
+def check_rollout_turns(env: "EnvConfig", data: "DataConfig", turns: int, key: str) -> None:
+    """Each tool call takes a turn and the answer one more, and each move of a sliding puzzle
+    one: fewer turns would end conversations mid-call, unscored, or games before their
+    max_moves, unsolved (with the default grpo.max_rollout_turns=1, after one move)."""
     for name, worker in (env.model_extra or {}).items():
         if worker.tools and turns < worker.max_tool_calls + 1:
             raise ValueError(f"env.{name}.max_tool_calls={worker.max_tool_calls} needs {key} >= "
                              f"{worker.max_tool_calls + 1} (a turn per call, one for the answer), got {turns}")
+    if data.dataset_name == "sliding_puzzle":
+        max_moves = SlidingPuzzleEnvConfig.model_validate(env.get_worker_cfg("sliding_puzzle").cfg).max_moves
+        if turns < max_moves:
+            raise ValueError(f"env.sliding_puzzle.cfg.max_moves={max_moves} needs {key} >= {max_moves} (a turn per "
+                             f"move), got {turns}: every game would end after {turns} move(s); lower max_moves "
+                             "for shorter games")
 
 
 class EnvConfig(Section):
@@ -1277,8 +1284,8 @@ class GRPOMasterConfig(_MasterBase):
     env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
-    def _turns_for_tool_calls(self) -> "GRPOMasterConfig":
-        check_turns_for_tool_calls(self.env, self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
+    def _enough_rollout_turns(self) -> "GRPOMasterConfig":
+        check_rollout_turns(self.env, self.data, self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
         return self
 
     @model_validator(mode="after")
@@ -1505,8 +1512,8 @@ class EvalMasterConfig(_MasterBase):
     env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
-    def _turns_for_tool_calls(self) -> "EvalMasterConfig":
-        check_turns_for_tool_calls(self.env, self.eval.max_rollout_turns, "eval.max_rollout_turns")
+    def _enough_rollout_turns(self) -> "EvalMasterConfig":
+        check_rollout_turns(self.env, self.data, self.eval.max_rollout_turns, "eval.max_rollout_turns")
         return self
 
 

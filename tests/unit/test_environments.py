@@ -222,6 +222,21 @@ def _solution(board):
     raise AssertionError("unsolvable")
 
 
+def test_too_few_rollout_turns_for_a_sliding_puzzles_moves_fail_at_config_load():
+    # With grpo.max_rollout_turns at its default of 1 every game ended after one move, scored 0
+    # unless that solved it, and nothing said why no puzzle was ever solved.
+    from posttrain.config import ConfigError, load_config
+
+    keys = ["data.dataset_name=sliding_puzzle"]
+    with pytest.raises(ConfigError, match=r"env.sliding_puzzle.cfg.max_moves=8 needs grpo.max_rollout_turns >= 8 "
+                                          r"\(a turn per move\), got 1"):
+        load_config("grpo", None, keys)
+    with pytest.raises(ConfigError, match=r"max_moves=3 needs eval.max_rollout_turns >= 3 .* got 2"):
+        load_config("eval", None, [*keys, "env.sliding_puzzle.cfg.max_moves=3", "eval.max_rollout_turns=2"])
+    assert load_config("grpo", None, [*keys, "env.sliding_puzzle.cfg.max_moves=3", "grpo.max_rollout_turns=3"])
+    assert load_config("grpo", None, ["grpo.max_rollout_turns=1"])  # arithmetic rows: one turn is theirs
+
+
 def test_sliding_puzzle_game_is_won_turn_by_turn():
     cfg = SlidingPuzzleEnvConfig(size=2, shuffle_moves=4, max_moves=8)
     env = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg=cfg.model_dump()))
