@@ -44,9 +44,6 @@ class EnvironmentActor:
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
         return self.env.step(message_logs, metadata)
 
-    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
-        return self.env.global_post_process_and_metrics(batch)
-
     def close(self) -> None:
         self.env.close()
 
@@ -262,12 +259,6 @@ class EnvironmentGroup:
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"environment {self.name!r} actor {i} did not restart within {timeout_s:g} s") from e
                 time.sleep(0.2)
-
-    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
-        import ray
-
-        self.wait_ready()
-        return ray.get(self._actors[0].global_post_process_and_metrics.remote(batch))
 
     def shutdown(self) -> None:
         """Close the environments (their child processes) and stop the actors."""

@@ -110,10 +110,6 @@ class EnvironmentInterface(ABC):
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         """Score the last assistant message of each conversation; see the module docstring."""
 
-    def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
-        """Optional hook on the whole rollout batch (e.g. task-level metrics); default: unchanged, none."""
-        return batch, {}
-
     def close(self) -> None:
         """Release processes or files the environment holds (called before its actor is stopped)."""
 

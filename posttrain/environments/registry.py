@@ -45,12 +45,20 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         if name in ENVIRONMENTS:
             raise ConfigError(f"env.{name}.target: {name!r} is a built-in environment; give yours another name "
                               "(and its rows that task_name, or set data.task_name)")
-        return env_factory(name, cfg)
-    if name not in ENVIRONMENTS:
+        factory = env_factory(name, cfg)
+    elif name not in ENVIRONMENTS:
         raise ConfigError(f"unknown environment {name!r} (a row's task_name, or data.task_name); valid: "
                           f"{', '.join(sorted(ENVIRONMENTS))}, or your own class or reward function in "
                           f"env.{name}.target (docs/environments.md)")
-    return ENVIRONMENTS[name]
+    else:
+        factory = ENVIRONMENTS[name]
+    if inspect.isclass(factory) and hasattr(factory, "global_post_process_and_metrics"):
+        # NeMo RL's hook on the whole batch: nothing here calls it, and an environment ported with
+        # one would lose what it computes without a word.
+        raise ConfigError(f"environment {name!r} ({factory.__qualname__}) defines global_post_process_and_metrics, "
+                          "which posttrain does not call: return per-sample numbers in each sample's "
+                          "metadata['env_metrics'] (logged as env/<name> means; docs/environments.md) and remove it")
+    return factory
 
 
 def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) -> list[str]:

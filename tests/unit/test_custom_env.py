@@ -277,6 +277,25 @@ def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
         resolve_env("chess", EnvWorkerConfig())
 
 
+def test_an_environment_with_nemo_rls_batch_hook_is_refused_naming_what_to_do_instead(tmp_path):
+    # Nothing calls global_post_process_and_metrics: a NeMo RL environment ported with one ran, and
+    # the metrics it computed there never reached a log.
+    (tmp_path / "ported.py").write_text(textwrap.dedent("""
+        from posttrain.environments import PerSampleEnvironment, StepResult
+
+        class Ported(PerSampleEnvironment):
+            def step_one(self, messages, metadata):
+                return StepResult(observation="", reward=1.0, terminated=True, metadata=metadata)
+
+            def global_post_process_and_metrics(self, batch):
+                return batch, {"accuracy": 1.0}
+    """))
+    with pytest.raises(ConfigError, match=r"environment 'p' \(Ported\) defines global_post_process_and_metrics, "
+                                          r"which posttrain does not call: return per-sample numbers in each "
+                                          r"sample's metadata\['env_metrics'\]"):
+        resolve_env("p", _cfg(f"{tmp_path / 'ported.py'}:Ported"))
+
+
 def test_data_task_name_routes_every_rl_row(tmp_path):
     from posttrain.data.datasets import load_rows
     from posttrain.schemas import DataConfig
