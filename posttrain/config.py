@@ -142,6 +142,13 @@ for _cls in (_Loader, _Dumper):
         re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
         list("-+0123456789."),
     )
+# YAML 1.1 reads `2024-01-01` (a run name, a description) as a date, which no config key takes
+# and OmegaConf cannot hold: it failed as "Value 'date' is not a supported primitive type",
+# without the line. It is the text as written.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -601,6 +601,17 @@ def test_exponent_floats_without_dot_are_floats(tmp_path):
     assert isinstance(load_config("grpo", path).policy.optimizer.kwargs["lr"], float)
 
 
+def test_date_like_values_are_text(tmp_path):
+    # YAML 1.1 reads them as dates, which OmegaConf refused ("Value 'date' is not a supported
+    # primitive type", without the file's line): a run named by its date is its name.
+    path = _write(tmp_path / "c.yaml", "logger:\n  wandb: {name: 2024-01-01}\ndescription: 2024-01-01 12:00:00\n")
+    cfg = load_config("grpo", path, ["logger.mlflow.run_name=2024-12-31"])
+    assert (cfg.logger.wandb.name, cfg.description, cfg.logger.mlflow.run_name) == (
+        "2024-01-01", "2024-01-01 12:00:00", "2024-12-31")
+    again = _write(tmp_path / "again.yaml", to_yaml(cfg))
+    assert load_config("grpo", again) == cfg
+
+
 def test_every_config_key_has_its_own_description():
     # Each key's meaning in docs/config.md is its own comment in posttrain/schemas.py (a comment
     # never documents the fields after it), so a field added without one must fail here.
