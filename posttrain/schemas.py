@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from posttrain.config import format_errors
 
@@ -28,6 +28,27 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true/false for a number as 1/0, so `grpo.max_num_steps=true` or
+        # `logger.num_val_samples_to_print: yes` (YAML 1.1 reads yes/no, on/off as booleans)
+        # ran with 1 or 0 without a word.
+        if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"got {value!r}, expected a number (YAML reads true/false, yes/no, on/off as booleans)")
+        return value
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field of this type takes a number (int, float) and no bool (nor Any)."""
+    types: set[Any] = set()
+    pending = [annotation]
+    while pending:
+        t = pending.pop()
+        types.add(t)
+        pending += [a for a in getattr(t, "__args__", ()) if not isinstance(a, str)]  # Literal values are no types
+    return bool(types & {int, float}) and not types & {bool, Any}
 
 
 # --------------------------------------------------------------------------- cluster

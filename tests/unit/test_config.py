@@ -288,6 +288,22 @@ def test_wrong_type_names_key_value_and_expected():
     assert "command line (policy.train_micro_batch_size=abc)" in msg
 
 
+def test_a_boolean_is_no_number(tmp_path):
+    # pydantic took true/false for a number as 1/0: these ran with 1 step and 1 printed sample.
+    path = _write(tmp_path / "c.yaml", "logger:\n  num_val_samples_to_print: yes\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path, ["grpo.max_num_steps=true", "policy.max_grad_norm=off"])
+    msg = str(e.value)
+    assert "grpo.max_num_steps: got True, expected a number" in msg
+    assert "policy.max_grad_norm: got False, expected a number" in msg
+    assert "logger.num_val_samples_to_print: got True, expected a number" in msg and "c.yaml:2" in msg
+    # Booleans stay valid where a key takes one (also beside a number, or in a free-form dict).
+    cfg = load_config("grpo", None, ["grpo.val_at_start=yes", "policy.optimizer.kwargs={lr: 1e-5, foreach: true}",
+                                     "grpo.max_num_steps=3", "policy.max_grad_norm=0.5"])
+    assert (cfg.grpo.val_at_start, cfg.policy.optimizer.kwargs["foreach"]) == (True, True)
+    assert (cfg.grpo.max_num_steps, cfg.policy.max_grad_norm) == (3, 0.5)
+
+
 def test_bounds_of_values_that_would_silently_misbehave():
     # A negative max_grad_norm flips the gradients (clip scales them by max_norm / norm), a
     # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run, a
