@@ -903,11 +903,14 @@ class GpuMonitoringConfig(Section):
 
 
 def output_folder(value: str | None) -> str | None:
-    """A folder a run writes into: refused at config load when a file holds its name (it failed at
-    the first write, after the model had loaded and Ray had started)."""
-    if value is not None and os.path.isfile(os.path.expanduser(value)):
+    """A folder a run writes into, with `~` expanded as in model and data paths (the run wrote into
+    a folder named `~` in the working directory); refused at config load when a file holds its
+    name (it failed at the first write, after the model had loaded and Ray had started)."""
+    if value is None:
+        return None
+    if os.path.isfile(path := os.path.expanduser(value)):
         raise ValueError(f"{value!r} is a file; name a folder (it is created if missing)")
-    return value
+    return path
 
 
 class LoggerConfig(Section):
@@ -957,6 +960,7 @@ class CheckpointingConfig(Section):
     enabled: bool = True
     # Directory of the step_N checkpoints; a run started again with it resumes.
     checkpoint_dir: str = "results/run"
+    _checkpoint_dir_is_a_folder = field_validator("checkpoint_dir")(output_folder)
     # Metric that ranks checkpoints for keep_top_k, "train:<name>" or "val:<name>" of a step's
     # metrics (e.g. "val:accuracy"; a step that did not validate ranks below those that did:
     # make save_period a multiple of val_period); null: newest win.

@@ -146,8 +146,21 @@ def test_an_output_folder_named_by_a_file_is_a_config_error(tmp_path):
         load_config("eval", None, [f"eval.save_path={taken}", f"logger.log_dir={taken}"])
     for key in ("eval.save_path", "logger.log_dir"):
         assert f"{key}: '{taken}' is a file; name a folder" in str(e.value)
+    with pytest.raises(ConfigError, match="checkpointing.checkpoint_dir: '.*' is a file; name a folder"):
+        load_config("grpo", None, [f"checkpointing.checkpoint_dir={taken}"])
     cfg = load_config("eval", None, [f"eval.save_path={tmp_path / 'new'}", f"logger.log_dir={tmp_path}"])
     assert cfg.eval.save_path == str(tmp_path / "new")
+
+
+def test_output_folders_expand_the_home_folder(tmp_path, monkeypatch):
+    # As model and data paths do; the run wrote into ./~/runs/a (a folder named ~) instead.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config("grpo", None, ["logger.log_dir=~/runs/a", "checkpointing.checkpoint_dir=~/ckpt/a"])
+    assert (cfg.logger.log_dir, cfg.checkpointing.checkpoint_dir) == (f"{tmp_path}/runs/a", f"{tmp_path}/ckpt/a")
+    assert load_config("eval", None, ["eval.save_path=~/eval"]).eval.save_path == f"{tmp_path}/eval"
+    _write(tmp_path / "taken", "")
+    with pytest.raises(ConfigError, match="logger.log_dir: '~/taken' is a file"):
+        load_config("grpo", None, ["logger.log_dir=~/taken"])
 
 
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
