@@ -641,6 +641,19 @@ def test_date_like_values_are_text(tmp_path):
     assert load_config("grpo", again) == cfg
 
 
+def test_base_60_numbers_are_text(tmp_path):
+    # YAML 1.1 reads them as base-60 numbers: a one-day limit, 1:00:00:00, failed as "got 216000,
+    # expected a valid string", and a run named 12:30 as "got 750".
+    path = _write(tmp_path / "c.yaml", "checkpointing: {checkpoint_must_save_by: 1:00:00:00}\n")
+    cfg = load_config("grpo", path, ["logger.wandb.name=12:30", "description=-1:30.5"])
+    assert (cfg.checkpointing.checkpoint_must_save_by, cfg.logger.wandb.name, cfg.description) == (
+        "1:00:00:00", "12:30", "-1:30.5")
+    assert load_config("grpo", _write(tmp_path / "again.yaml", to_yaml(cfg))) == cfg
+    # Numbers stay numbers.
+    cfg = load_config("grpo", None, ["grpo.seed=-5", "policy.max_grad_norm=1_0.5", "grpo.max_num_steps=+7"])
+    assert (cfg.grpo.seed, cfg.policy.max_grad_norm, cfg.grpo.max_num_steps) == (-5, 10.5, 7)
+
+
 def test_every_config_key_has_its_own_description():
     # Each key's meaning in docs/config.md is its own comment in posttrain/schemas.py (a comment
     # never documents the fields after it), so a field added without one must fail here.
