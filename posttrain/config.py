@@ -146,10 +146,12 @@ for _cls in (_Loader, _Dumper):
 # and OmegaConf cannot hold: it failed as "Value 'date' is not a supported primitive type",
 # without the line. And it reads `1:00:00:00` (checkpointing.checkpoint_must_save_by's
 # DD:HH:MM:SS) or `12:30` as base-60 numbers (216000, 750: "got 216000, expected a valid
-# string"), which YAML 1.2 dropped. Both are the text as written; the first matching resolver wins.
-_BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+# string"), which YAML 1.2 dropped. And a zero-padded number (`0123`, a seed; `007`, a run
+# name) as octal: 83, where 09 was 9, and a name "got 7". All are the text as written (the first
+# matching resolver wins); a number key reads the padded one as decimal, as YAML 1.2 does.
+_AS_TEXT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?|0[0-9_]+)$")
 _Loader.yaml_implicit_resolvers = {
-    first: [("tag:yaml.org,2002:str", _BASE_60)] * (first is not None and first in "-+0123456789")
+    first: [("tag:yaml.org,2002:str", _AS_TEXT)] * (first is not None and first in "-+0123456789")
     + [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in _Loader.yaml_implicit_resolvers.items()
 }

@@ -654,6 +654,16 @@ def test_base_60_numbers_are_text(tmp_path):
     assert (cfg.grpo.seed, cfg.policy.max_grad_norm, cfg.grpo.max_num_steps) == (-5, 10.5, 7)
 
 
+def test_zero_padded_numbers_are_decimal_or_text(tmp_path):
+    # YAML 1.1 reads them as octal: seed 0123 was 83 (and 09 was 9), a run named 007 "got 7".
+    path = _write(tmp_path / "c.yaml", "grpo: {seed: 0123}\nlogger:\n  wandb: {name: 007}\n")
+    cfg = load_config("grpo", path, ["grpo.max_num_steps=010", "policy.max_grad_norm=02", "description=-01"])
+    assert (cfg.grpo.seed, cfg.logger.wandb.name, cfg.grpo.max_num_steps) == (123, "007", 10)
+    assert (cfg.policy.max_grad_norm, cfg.description) == (2.0, "-01")
+    assert load_config("grpo", _write(tmp_path / "again.yaml", to_yaml(cfg))) == cfg
+    assert load_config("grpo", None, ["grpo.seed=0x10"]).grpo.seed == 16  # a prefixed base stays
+
+
 def test_every_config_key_has_its_own_description():
     # Each key's meaning in docs/config.md is its own comment in posttrain/schemas.py (a comment
     # never documents the fields after it), so a field added without one must fail here.
