@@ -243,7 +243,7 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictCo
         raise ConfigError(f"{where}: `defaults` must be a file path or a list of file paths")
     merged = OmegaConf.create({})
     for parent in parents:
-        parent_path = (path.parent / parent).resolve()
+        parent_path = (path.parent / os.path.expanduser(parent)).resolve()
         if not parent_path.exists():
             raise ConfigError(
                 f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not "
@@ -264,11 +264,12 @@ def load_yaml_with_defaults(
 ) -> DictConfig:
     """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
 
-    `defaults` is a path or a list of paths, relative to the file that names them; later
-    entries and the file itself override earlier ones. When `origins` is given it is filled
+    `defaults` is a path or a list of paths, relative to the file that names them (`~` is the
+    home folder); later entries and the file itself override earlier ones. When `origins` is given it is filled
     with `dotted key -> "file:line"` of the file that set each key last.
     """
-    return _load(Path(path), (), origins if origins is not None else {})
+    # `~` expanded: the shell leaves it in `--config=~/x.yaml`.
+    return _load(Path(os.path.expanduser(path)), (), origins if origins is not None else {})
 
 
 # --------------------------------------------------------------------------- overrides

@@ -664,6 +664,16 @@ def test_zero_padded_numbers_are_decimal_or_text(tmp_path):
     assert load_config("grpo", None, ["grpo.seed=0x10"]).grpo.seed == 16  # a prefixed base stays
 
 
+def test_config_paths_expand_the_home_folder(tmp_path, monkeypatch):
+    # --config=~/c.yaml (the shell leaves that ~ alone) and a `defaults:` path under ~ were read
+    # relative to the working directory / the naming file: 'config file not found: <cwd>/~/c.yaml'.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    _write(tmp_path / "home" / "base.yaml", "grpo: {seed: 7}\n")
+    _write(tmp_path / "home" / "c.yaml", "defaults: ~/base.yaml\npolicy: {max_grad_norm: 0.5}\n")
+    cfg = load_config("grpo", "~/c.yaml")
+    assert (cfg.grpo.seed, cfg.policy.max_grad_norm) == (7, 0.5)
+
+
 def test_every_config_key_has_its_own_description():
     # Each key's meaning in docs/config.md is its own comment in posttrain/schemas.py (a comment
     # never documents the fields after it), so a field added without one must fail here.
