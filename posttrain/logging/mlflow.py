@@ -15,10 +15,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+from posttrain.config import InputError
 from posttrain.schemas import MlflowConfig
 
 # MLflow limits: names of [A-Za-z0-9_-. /:] and at most 250 characters; parameter values of
@@ -26,6 +29,8 @@ from posttrain.schemas import MlflowConfig
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
 _MAX_KEY_LEN = 250
 _MAX_PARAM_LEN = 6000
+# Seconds to wait for an MLflow server's TCP connection at the run's start.
+_CONNECT_TIMEOUT_S = 10
 
 _log = logging.getLogger("posttrain")
 
@@ -38,8 +43,14 @@ class MlflowBackend:
         store = run_dir / "mlflow"
         store.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = cfg.tracking_uri or f"sqlite:///{store.resolve()}/mlflow.db"
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
-        exp = self._client.get_experiment_by_name(cfg.experiment_name)
+        if cfg.tracking_uri:
+            _check_server(cfg.tracking_uri)
+        try:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            exp = self._client.get_experiment_by_name(cfg.experiment_name)
+        except MlflowException as e:  # e.g. a file store (./mlruns), which MLflow 3 refuses by default
+            raise InputError(f"logger.mlflow.tracking_uri={cfg.tracking_uri}: MLflow cannot use it: {e.message}") \
+                from None
         if exp is None:
             artifacts = None if cfg.tracking_uri else (store / "artifacts").resolve().as_uri()
             exp_id = self._client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
@@ -81,6 +92,22 @@ class MlflowBackend:
 
     def close(self, failed: bool = False) -> None:
         self._client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _check_server(uri: str) -> None:
+    """Fail at once when the MLflow server of an http(s) `uri` does not answer: MLflow's client
+    retries a request with backoff for minutes (a typo in the port, a server not started stalled
+    the run's start without a word) and then fails with a traceback."""
+    url = urlparse(uri)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise InputError(f"logger.mlflow.tracking_uri={uri}: no MLflow server answers at {url.hostname}:{port} "
+                         f"({e.strerror or e}); start it (`mlflow server`) or set tracking_uri=null for a local "
+                         "store in the run directory") from None
 
 
 def _key(name: str) -> str:

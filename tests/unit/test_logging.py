@@ -110,6 +110,26 @@ def test_mlflow_client_reads_back(tmp_path):
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
 
 
+def test_an_mlflow_tracking_uri_it_cannot_use_is_an_input_error_at_once(tmp_path, monkeypatch):
+    import socket
+
+    from posttrain.config import InputError
+
+    # A server that does not answer: MLflow's client retried for minutes, silent, then a traceback.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(InputError, match=rf"logger.mlflow.tracking_uri=http://127.0.0.1:{port}: no MLflow server "
+                                         rf"answers at 127.0.0.1:{port}"):
+        Logger(_cfg(mlflow_enabled=True, mlflow={"tracking_uri": f"http://127.0.0.1:{port}"}), tmp_path / "a")
+    assert time.monotonic() - start < 5
+    # A plain-file store, which MLflow 3 refuses unless told otherwise: MLflow's reason, naming the key.
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(InputError, match=r"logger.mlflow.tracking_uri=.*mlruns: MLflow cannot use it: .*file"):
+        Logger(_cfg(mlflow_enabled=True, mlflow={"tracking_uri": str(tmp_path / "mlruns")}), tmp_path / "b")
+
+
 def test_mlflow_takes_long_and_odd_names_and_values(tmp_path):
     from mlflow.tracking import MlflowClient
 
