@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
+from posttrain.config import to_yaml
 
 
 class TensorboardBackend:
@@ -36,8 +36,9 @@ class TensorboardBackend:
         writer.flush()
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:
-        # Markdown code block keeps the YAML indentation in TensorBoard's text tab.
-        text = "```\n" + yaml.safe_dump(hparams, sort_keys=False) + "```"
+        # Markdown code block keeps the YAML indentation in TensorBoard's text tab; the YAML is
+        # config.yaml's (safe_dump wrote non-ASCII text as escapes, "L\xF6sung").
+        text = "```\n" + to_yaml(hparams) + "```"
         self._writer.add_text("config", text, global_step=0)
         self._writer.flush()
 

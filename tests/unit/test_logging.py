@@ -83,7 +83,8 @@ def test_log_samples_capped(tmp_path):
 def test_tensorboard_event_reader(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = Logger(_cfg(tensorboard_enabled=True), tmp_path, hparams={"a": 1})
+    hparams = {"a": 1, "description": "Lösung 数学"}
+    logger = Logger(_cfg(tensorboard_enabled=True), tmp_path, hparams=hparams)
     for step in range(1, 4):
         logger.log_metrics({"loss": 1.0 / step}, step)
     logger.close()
@@ -92,6 +93,9 @@ def test_tensorboard_event_reader(tmp_path):
     events = acc.Scalars("train/loss")
     assert [e.step for e in events] == [1, 2, 3]
     assert [e.value for e in events] == pytest.approx([1.0, 0.5, 1 / 3])
+    # The config in the text tab as config.yaml has it (non-ASCII text as written, not escaped).
+    (text,) = acc.Tensors("config/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == "```\n" + (tmp_path / "config.yaml").read_text() + "```"
 
 
 def test_mlflow_client_reads_back(tmp_path):
