@@ -6,7 +6,8 @@ Override forms (the Hydra ones NeMo RL users type):
     +a.b=1       add a key that must not be set yet
     ++a.b=1      add or set, whatever is there
     ~a.b         remove a key (it falls back to the schema default), or a list item (`~a.0`)
-A list item is named `a.0.b` or `a[0].b`.
+A list item is named `a.0.b` or `a[0].b`. A mapping (`a={x: 1}`) is merged into the mapping at
+`a`, as in Hydra (`~a a={x: 1}` replaces it whole); any other value replaces what is there.
 Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`. Interpolations such
 as `${policy.model_name}` and `${mul:${policy.max_total_sequence_length},${grpo.seed}}`
 (also unquoted inside a list or mapping, `[${grpo.seed}, 2]`) resolve after all merging,
@@ -346,11 +347,11 @@ def _key_parts(key: str) -> list[str]:
     return re.sub(r"\[(-?\d+)\]", r".\1", key).split(".")
 
 
-def _find(cfg: DictConfig, parts: list[str]) -> tuple[str, bool]:
+def _find(cfg: DictConfig, parts: list[str]) -> tuple[str, bool, Any]:
     """The key of `parts` as origins and validation errors name it, list items as `a[0].b` (so
     that a value set by `a.0.b=...` is blamed on the command line, not on the file that set it),
-    and whether `cfg` holds it. Not resolved: a value may interpolate a schema default that
-    `cfg` does not hold."""
+    whether `cfg` holds it, and its value there (None if not). Not resolved: a value may
+    interpolate a schema default that `cfg` does not hold."""
     key, node, found = "", OmegaConf.to_container(cfg, resolve=False), True
     for part in parts:
         if isinstance(node, list):
@@ -362,11 +363,11 @@ def _find(cfg: DictConfig, parts: list[str]) -> tuple[str, bool]:
             key = f"{key}.{part}" if key else part
             found = found and isinstance(node, dict) and part in node
             node = node.get(part) if isinstance(node, dict) else None
-    return key, found
+    return key, found, node
 
 
-def _apply_one(cfg: DictConfig, ov: str) -> str | None:
-    """Apply one override; return the dotted key it set (None for a removal)."""
+def _apply_one(cfg: DictConfig, ov: str) -> list[str]:
+    """Apply one override; return the dotted keys it set (none for a removal)."""
     if ov.startswith("~"):
         key = ov[1:].split("=", 1)[0]
         parts = _key_parts(key)
@@ -378,7 +379,7 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
             raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
         parent = OmegaConf.select(cfg, ".".join(parts[:-1])) if parts[:-1] else cfg
         del parent[int(parts[-1]) if isinstance(parent, ListConfig) else parts[-1]]
-        return None
+        return []
     if "=" not in ov:
         raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
     key, value_text = ov.split("=", 1)
@@ -393,16 +394,27 @@ def _apply_one(cfg: DictConfig, ov: str) -> str | None:
     value = _parse_value(value_text, ov)
     try:
         # Setting a value changes no list's length: the name found now is the one it ends up at.
-        name, exists = _find(cfg, parts)
+        name, exists, current = _find(cfg, parts)
     except ConfigError as e:
         raise ConfigError(f"override {ov!r}: {e}") from None
     if mode == "add" and exists:
         raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
+    # A mapping is merged into the mapping there, as Hydra (and so NeMo RL) does:
+    # `policy.generation={temperature: 0.5}` changes that key and keeps the file's others (they
+    # fell back to the schema defaults). `~key` first replaces it whole.
+    merge = isinstance(value, dict) and isinstance(current, dict)
     try:
-        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        OmegaConf.update(cfg, key, value, merge=merge, force_add=True)
     except OmegaConfBaseException as e:  # e.g. a path through a value (`a.b.c` where a.b is a number)
         raise ConfigError(f"override {ov!r}: {str(e).splitlines()[0]}") from None
-    return name
+    return _leaf_keys(name, value) if merge else [name]
+
+
+def _leaf_keys(key: str, value: Any) -> list[str]:
+    """The dotted keys below `key` that merging the mapping `value` there sets."""
+    if not isinstance(value, dict):
+        return [key]
+    return [leaf for k, v in value.items() for leaf in _leaf_keys(f"{key}.{k}", v)]
 
 
 def apply_overrides(
@@ -415,11 +427,11 @@ def apply_overrides(
         if not ov:
             continue
         try:
-            key = _apply_one(cfg, ov)
+            keys = _apply_one(cfg, ov)
         except ConfigError as e:
             problems.append(str(e))
             continue
-        if origins is not None and key is not None:
+        for key in keys if origins is not None else ():
             for k in [k for k in origins if k == key or k.startswith(key + ".") or k.startswith(key + "[")]:
                 del origins[k]
             origins[key] = f"{_CMDLINE} ({ov})"

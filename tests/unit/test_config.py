@@ -163,6 +163,32 @@ def test_output_folders_expand_the_home_folder(tmp_path, monkeypatch):
         load_config("grpo", None, ["logger.log_dir=~/taken"])
 
 
+def test_a_mapping_override_merges_into_the_files_mapping(tmp_path):
+    # As Hydra (NeMo RL) does; the file's other generation keys and kwargs fell back to the schema
+    # defaults without a word (max_new_tokens 64, weight_decay 0.01, no betas).
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          generation: {max_new_tokens: 17, temperature: 0.9}
+          optimizer:
+            kwargs: {lr: 1.0e-5, weight_decay: 0.1, betas: [0.9, 0.95]}
+        """)
+    cfg = load_config("grpo", path, ["policy.generation={temperature: 0.5}", "policy.optimizer.kwargs={lr: 2e-5}"])
+    assert (cfg.policy.generation.max_new_tokens, cfg.policy.generation.temperature) == (17, 0.5)
+    assert cfg.policy.optimizer.kwargs == {"lr": 2e-5, "weight_decay": 0.1, "betas": [0.9, 0.95]}
+    # Removed first, it is replaced whole; a value that is not a mapping replaces it too.
+    cfg = load_config("grpo", path, ["~policy.optimizer.kwargs", "+policy.optimizer.kwargs={lr: 2e-5}"])
+    assert cfg.policy.optimizer.kwargs == {"lr": 2e-5}
+    # Each key is blamed where it was set: the file's kept keys on the file, the mapping's on it.
+    bad = _write(tmp_path / "bad.yaml", "policy:\n  generation: {max_new_tokens: -1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", bad, ["policy.generation={temperatur: 0.5}", "policy.scheduler={a: 1}"])
+    msg = str(e.value)
+    assert f"policy.generation.max_new_tokens: got -1, expected greater than or equal to 1  [set at {bad}:2]" in msg
+    assert ("unknown key 'policy.generation.temperatur' (did you mean policy.generation.temperature?)  "
+            "[set at command line (policy.generation={temperatur: 0.5})]") in msg
+    assert "policy.scheduler: got {'a': 1}, expected a valid list" in msg
+
+
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
     path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
     with pytest.raises(ConfigError) as e:
