@@ -12,6 +12,7 @@ second, before torch, transformers or Ray are imported.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Annotated, Any, Literal
 
@@ -951,6 +952,16 @@ class LoggerConfig(Section):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     # NeMo RL's GPU monitoring settings (used when monitor_gpus).
     gpu_monitoring: GpuMonitoringConfig = Field(default_factory=GpuMonitoringConfig)
+
+    @field_validator("wandb_enabled", "mlflow_enabled")
+    @classmethod
+    def _tracker_installed(cls, enabled: bool, info: ValidationInfo) -> bool:
+        # Optional dependencies (posttrain's extras): without one the run got as far as its
+        # logger's setup and failed there with ModuleNotFoundError's traceback.
+        package = info.field_name.removesuffix("_enabled")
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{package} is not installed: pip install {package} (or posttrain[{package}])")
+        return enabled
 
 
 class CheckpointingConfig(Section):

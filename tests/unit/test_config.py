@@ -189,6 +189,18 @@ def test_a_mapping_override_merges_into_the_files_mapping(tmp_path):
     assert "policy.scheduler: got {'a': 1}, expected a valid list" in msg
 
 
+def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch):
+    # W&B and MLflow are extras: without one the run failed at its logger's setup, with
+    # ModuleNotFoundError's traceback.
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["logger.mlflow_enabled=true", "logger.wandb_enabled=true"])
+    assert str(e.value).splitlines()[1:] == [
+        "  - logger.mlflow_enabled: mlflow is not installed: pip install mlflow (or posttrain[mlflow])  "
+        "[set at command line (logger.mlflow_enabled=true)]"]
+    assert load_config("grpo", None, ["logger.wandb_enabled=true"]).logger.wandb_enabled
+
+
 def test_add_existing_and_remove_missing_are_errors(tmp_path):
     path = _write(tmp_path / "c.yaml", "policy: {max_grad_norm: 0.5}\n")
     with pytest.raises(ConfigError) as e:
