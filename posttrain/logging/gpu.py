@@ -19,6 +19,8 @@ from posttrain.schemas import GpuMonitoringConfig
 log = logging.getLogger("posttrain")
 
 QUERY = ["--query-gpu=index,utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits"]
+# The metric and its divisor of each value the query asks for after the index (MiB -> GiB).
+_FIELDS = (("utilization", 1), ("memory_used_gb", 1024), ("memory_total_gb", 1024))
 
 
 class GpuMonitor:
@@ -42,12 +44,12 @@ class GpuMonitor:
             return {}
         metrics: dict[str, float] = {}
         for line in out.strip().splitlines():
-            fields = [f.strip() for f in line.split(",")]
-            try:
-                index, util, used, total = fields[0], float(fields[1]), float(fields[2]), float(fields[3])
-            except (IndexError, ValueError):
-                continue  # "[N/A]" on GPUs that do not report a field
-            metrics[f"gpu/{index}/utilization"] = util
-            metrics[f"gpu/{index}/memory_used_gb"] = used / 1024
-            metrics[f"gpu/{index}/memory_total_gb"] = total / 1024
+            index, *fields = [f.strip() for f in line.split(",")]
+            # Each field on its own: a GPU that reports one as "[N/A]" (utilisation on a MIG
+            # instance) still has the others (its memory was dropped with it).
+            for (name, scale), field in zip(_FIELDS, fields):
+                try:
+                    metrics[f"gpu/{index}/{name}"] = float(field) / scale
+                except ValueError:
+                    continue
         return metrics

@@ -398,7 +398,9 @@ def test_gpu_monitor_reads_nvidia_smi(tmp_path, monkeypatch):
     second = logger.log_metrics({"loss": 1.0}, step=2)  # within the interval: no new reading
     val = logger.log_metrics({"accuracy": 1.0}, step=2, prefix="val")
     logger.close()
-    assert first == {"loss": 1.0, "gpu/0/utilization": 87.0, "gpu/0/memory_used_gb": 40.0, "gpu/0/memory_total_gb": 80.0}
+    # A field a GPU reports as [N/A] is left out, not its other readings.
+    assert first == {"loss": 1.0, "gpu/0/utilization": 87.0, "gpu/0/memory_used_gb": 40.0, "gpu/0/memory_total_gb": 80.0,
+                     "gpu/1/memory_used_gb": 1.0, "gpu/1/memory_total_gb": 80.0}
     assert second == {"loss": 1.0} and val == {"accuracy": 1.0}
 
 
