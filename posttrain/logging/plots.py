@@ -66,15 +66,9 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
     from matplotlib.figure import Figure
 
     series = series_from_records(records)
-    own_axis = {k for k in series if k.split("/", 1)[0] in own_step_axes}
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    figures = [(group, sorted(k for k in series if "timing/" not in k and k not in own_axis
-                              and any(word_match(k, w) for w in words)), "step")
-               for group, words in _GROUPS.items()]
-    figures += [(prefix, sorted(k for k in own_axis if k.startswith(f"{prefix}/")), f"{prefix} step")
-                for prefix in own_step_axes]
-    for name, keys, xlabel in figures:
+    for name, keys, xlabel in figure_series(series, own_step_axes):
         if not keys:
             continue
         fig = Figure(figsize=(7, 4), dpi=100)
@@ -89,7 +83,8 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
             # over them their running mean.
             (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=0.5)
             ax.plot(steps, running_mean(values, len(steps) // 50), color=raw.get_color(), label=f"{key} (mean)")
-        _finish(ax, name, "value", xlabel=xlabel)
+        more = len(keys) - _MAX_SERIES
+        _finish(ax, name + (f" ({more} more series in metrics.jsonl)" if more > 0 else ""), "value", xlabel=xlabel)
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{name}.png"))
 
     timing = sorted(k for k in series if k.split("/").count("timing") == 1 and k.split("timing/", 1)[1].count("/") == 0)
@@ -103,6 +98,24 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
         _finish(ax, "step time breakdown", "seconds")
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / "timing.png"))
     return written
+
+
+def figure_series(series: dict[str, Any], own_step_axes: tuple[str, ...] = ()) -> list[tuple[str, list[str], str]]:
+    """(figure name, its series, x label) of each figure but timing.png; the first `_MAX_SERIES`
+    series of a figure are drawn. The run's own curves (`train/reward`, `val/accuracy`) come
+    before the breakdowns under them (`train/reward/<function>`, `train/env/<name>`): by name
+    alone, 7 reward functions' curves left no room for val/accuracy, without a word."""
+    own_axis = {k for k in series if k.split("/", 1)[0] in own_step_axes}
+
+    def order(keys: Any) -> list[str]:
+        return sorted(keys, key=lambda k: (k.count("/"), k))
+
+    figures = [(group, order(k for k in series if "timing/" not in k and k not in own_axis
+                             and any(word_match(k, w) for w in words)), "step")
+               for group, words in _GROUPS.items()]
+    figures += [(prefix, order(k for k in own_axis if k.startswith(f"{prefix}/")), f"{prefix} step")
+                for prefix in own_step_axes]
+    return figures
 
 
 def running_mean(values: list[float], window: int) -> list[float]:

@@ -523,6 +523,22 @@ def test_long_curves_are_drawn_with_their_running_mean(tmp_path):
     assert [p.name for p in plot_history(records, tmp_path)] == ["reward.png"]
 
 
+def test_the_runs_own_curves_are_drawn_before_their_breakdowns(tmp_path):
+    from posttrain.logging.plots import figure_series, plot_history, series_from_records
+
+    # Seven reward functions (TRL's accuracy_reward, format_reward, ...): sorted by name alone,
+    # their curves filled the figure's 8 and val/accuracy and val/reward were left out.
+    functions = ["accuracy_reward", "format_reward", "len_reward", "reasoning_steps_reward", "tag_count_reward",
+                 "cosine_reward", "repetition_penalty_reward"]
+    records = [{"step": 1, "prefix": "train", "reward": 0.5, "accuracy": 0.5, **{f"reward/{f}": 0.1 for f in functions}},
+               {"step": 1, "prefix": "val", "reward": 0.4, "accuracy": 0.4}]
+    figures = {name: keys for name, keys, _ in figure_series(series_from_records(records))}
+    assert figures["reward"][:5] == ["train/accuracy", "train/reward", "val/accuracy", "val/reward",
+                                     "train/reward/accuracy_reward"]
+    assert len(figures["reward"]) == 11
+    assert [p.name for p in plot_history(records, tmp_path)] == ["reward.png"]
+
+
 def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
     # The final export (hf/) of the earlier run in the same folder was overwritten at the end.
     from posttrain.algorithms.offline import EXPORT_DIR, training_logger
