@@ -52,10 +52,13 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
     posttrain grpo --config examples/configs/grpo_math_1B.yaml policy.max_grad_norm=0.5
     posttrain grpo --print-config            # the resolved config, every default filled in
 
-- `defaults: parent.yaml` (or a list) inherits other files, relative to the file naming them;
-  the file's own keys override its parents', later parents override earlier ones.
+- `defaults: parent.yaml` (or a list) inherits other files, relative to the file naming them
+  (`~` is the home folder); the file's own keys override its parents', later parents override
+  earlier ones.
 - Overrides: `a.b=1` sets, `+a.b=1` adds a key not set yet, `++a.b=1` adds or sets, `~a.b`
-  removes (back to the default). Values are YAML: `[1,2]`, `null`, `true`, `1e-3`.
+  removes (back to the default). Values are YAML: `[1,2]`, `null`, `true`, `1e-3`; a mapping
+  (`a={x: 1}`) is merged into the one there, as in Hydra (`~a a={x: 1}` replaces it whole).
+  Dates, times and zero-padded numbers (`2024-01-01`, `1:00:00:00`, `007`) are text.
 - Interpolation: `${policy.model_name}`, `${mul:${policy.max_total_sequence_length},4}`
   (also `add`, `sub`, `div`, `floordiv`, `min`, `max`, `int`), resolved after all merging,
   against the config with the defaults filled in.
