@@ -532,6 +532,9 @@ def suggest_key(bad: str, valid: list[str]) -> str | None:
 # --------------------------------------------------------------------------- validation
 
 
+# Why a value the user wrote as a word (`yes`, `off`) reached a key as True/False.
+YAML_BOOLEANS = "YAML reads true/false, yes/no, on/off as booleans"
+
 # Tags pydantic puts in an error location for the member of a union that failed.
 _TYPE_TAGS = {"int", "float", "str", "bool", "none", "dict", "list", "literal", "is-instance"}
 
@@ -626,6 +629,8 @@ def format_errors(
             # A union reports one error per member: say all that would have been accepted.
             expected = " or ".join(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in errs))
             msg = f"{key or '<root>'}: got {first.get('input')!r}, expected {expected}"
+            if isinstance(first.get("input"), bool):  # `name: yes`, `mode: off`: the user wrote no True
+                msg += f" ({YAML_BOOLEANS}: quote the text)"
         where = _origin_of(key, origins)
         lines.append(msg + (f"  [set at {where}]" if where else ""))
     return lines

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from posttrain.config import format_errors
+from posttrain.config import YAML_BOOLEANS, format_errors
 
 
 # The compute dtypes a model (policy, generation engine) can run in.
@@ -37,7 +37,7 @@ class Section(BaseModel):
         # `logger.num_val_samples_to_print: yes` (YAML 1.1 reads yes/no, on/off as booleans)
         # ran with 1 or 0 without a word.
         if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"got {value!r}, expected a number (YAML reads true/false, yes/no, on/off as booleans)")
+            raise ValueError(f"got {value!r}, expected a number ({YAML_BOOLEANS})")
         return value
 
 

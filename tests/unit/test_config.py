@@ -348,6 +348,11 @@ def test_a_boolean_is_no_number(tmp_path):
     assert "grpo.max_num_steps: got True, expected a number" in msg
     assert "policy.max_grad_norm: got False, expected a number" in msg
     assert "logger.num_val_samples_to_print: got True, expected a number" in msg and "c.yaml:2" in msg
+    # Text that YAML reads as a boolean: the error says why a True the user never wrote is there.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["logger.wandb.name=yes"])
+    assert ("logger.wandb.name: got True, expected a valid string (YAML reads true/false, yes/no, on/off as "
+            "booleans: quote the text)") in str(e.value)
     # Booleans stay valid where a key takes one (also beside a number, or in a free-form dict).
     cfg = load_config("grpo", None, ["grpo.val_at_start=yes", "policy.optimizer.kwargs={lr: 1e-5, foreach: true}",
                                      "grpo.max_num_steps=3", "policy.max_grad_norm=0.5"])
