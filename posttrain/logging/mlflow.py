@@ -24,9 +24,9 @@ from urllib.parse import urlparse
 from posttrain.config import InputError
 from posttrain.schemas import MlflowConfig
 
-# MLflow limits: names of [A-Za-z0-9_-. /:] and at most 250 characters; parameter values of
-# at most 6000 characters.
-_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+# MLflow limits: names of letters (of any script), digits and `_-. /:`, read as a normalised
+# path, and at most 250 characters; parameter values of at most 6000 characters.
+_BAD_CHARS = re.compile(r"[^\w\-. /:]")
 _MAX_KEY_LEN = 250
 _MAX_PARAM_LEN = 6000
 # Seconds to wait for an MLflow server's TCP connection at the run's start.
@@ -111,11 +111,13 @@ def _check_server(uri: str) -> None:
 
 
 def _key(name: str) -> str:
-    """`name` as MLflow accepts it: other characters as `_`, and past 250 characters cut, with a
-    hash of the whole name appended so that two long names sharing a beginning stay two keys.
-    (A user's `env/<name>` metric or a key in a free-form config dict can be that long; MLflow
-    refuses the whole batch, which failed the run's setup.)"""
-    key = _BAD_CHARS.sub("_", name)
+    """`name` as MLflow accepts it: other characters as `_`; its `/` parts as a normalised path
+    (none empty, `.` or `..`: `env/` of an environment metric named "", or `a//b`); and past 250
+    characters cut, with a hash of the whole name appended so that two long names sharing a
+    beginning stay two keys. (A user's `env/<name>` metric or a key in a free-form config dict
+    can be any of these; MLflow refuses the whole batch, which failed the run's setup or step.)"""
+    parts = _BAD_CHARS.sub("_", name).split("/")
+    key = "/".join(part if part not in (".", "..") else "_" * len(part) for part in parts if part) or "_"
     if len(key) <= _MAX_KEY_LEN:
         return key
     return f"{key[: _MAX_KEY_LEN - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"

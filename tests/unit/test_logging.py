@@ -151,6 +151,21 @@ def test_mlflow_takes_long_and_odd_names_and_values(tmp_path):
     assert sorted(metrics.values()) == [0.25, 0.5] and all(len(k) <= 250 for k in metrics)
 
 
+def test_mlflow_takes_metric_names_that_are_no_normalised_path_and_any_script(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    # MLflow refused the step's whole batch (the run stopped there) for a name that is not a
+    # normalised path; letters of other scripts, which it takes, were all "_": 准确率 and 正确率
+    # were one metric.
+    logger = Logger(_cfg(mlflow_enabled=True), tmp_path)
+    logger.log_metrics({"准确率": 0.5, "正确率": 0.25, "": 1.0, "a//b/": 2.0, "../x": 3.0, "é+1": 4.0}, step=1,
+                       prefix="env")
+    backend = logger._backends[0]
+    logger.close()
+    metrics = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).data.metrics
+    assert metrics == {"env/准确率": 0.5, "env/正确率": 0.25, "env": 1.0, "env/a/b": 2.0, "env/__/x": 3.0, "env/é_1": 4.0}
+
+
 def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
     import os
 
