@@ -266,8 +266,8 @@ def load_yaml_with_defaults(
     """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
 
     `defaults` is a path or a list of paths, relative to the file that names them (`~` is the
-    home folder); later entries and the file itself override earlier ones. When `origins` is given it is filled
-    with `dotted key -> "file:line"` of the file that set each key last.
+    home folder); later entries and the file itself override earlier ones. When `origins` is
+    given it is filled with `dotted key -> "file:line"` of the file that set each key last.
     """
     # `~` expanded: the shell leaves it in `--config=~/x.yaml`.
     return _load(Path(os.path.expanduser(path)), (), origins if origins is not None else {})

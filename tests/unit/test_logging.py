@@ -163,7 +163,8 @@ def test_mlflow_takes_metric_names_that_are_no_normalised_path_and_any_script(tm
     backend = logger._backends[0]
     logger.close()
     metrics = MlflowClient(tracking_uri=backend.tracking_uri).get_run(backend.run_id).data.metrics
-    assert metrics == {"env/准确率": 0.5, "env/正确率": 0.25, "env": 1.0, "env/a/b": 2.0, "env/__/x": 3.0, "env/é_1": 4.0}
+    assert metrics == {"env/准确率": 0.5, "env/正确率": 0.25, "env": 1.0, "env/a/b": 2.0, "env/__/x": 3.0,
+                       "env/é_1": 4.0}
 
 
 def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
@@ -414,8 +415,8 @@ def test_gpu_monitor_reads_nvidia_smi(tmp_path, monkeypatch):
     val = logger.log_metrics({"accuracy": 1.0}, step=2, prefix="val")
     logger.close()
     # A field a GPU reports as [N/A] is left out, not its other readings.
-    assert first == {"loss": 1.0, "gpu/0/utilization": 87.0, "gpu/0/memory_used_gb": 40.0, "gpu/0/memory_total_gb": 80.0,
-                     "gpu/1/memory_used_gb": 1.0, "gpu/1/memory_total_gb": 80.0}
+    assert first == {"loss": 1.0, "gpu/0/utilization": 87.0, "gpu/0/memory_used_gb": 40.0,
+                     "gpu/0/memory_total_gb": 80.0, "gpu/1/memory_used_gb": 1.0, "gpu/1/memory_total_gb": 80.0}
     assert second == {"loss": 1.0} and val == {"accuracy": 1.0}
 
 
@@ -545,7 +546,8 @@ def test_the_runs_own_curves_are_drawn_before_their_breakdowns(tmp_path):
     # their curves filled the figure's 8 and val/accuracy and val/reward were left out.
     functions = ["accuracy_reward", "format_reward", "len_reward", "reasoning_steps_reward", "tag_count_reward",
                  "cosine_reward", "repetition_penalty_reward"]
-    records = [{"step": 1, "prefix": "train", "reward": 0.5, "accuracy": 0.5, **{f"reward/{f}": 0.1 for f in functions}},
+    records = [{"step": 1, "prefix": "train", "reward": 0.5, "accuracy": 0.5,
+                **{f"reward/{f}": 0.1 for f in functions}},
                {"step": 1, "prefix": "val", "reward": 0.4, "accuracy": 0.4}]
     figures = {name: keys for name, keys, _ in figure_series(series_from_records(records))}
     assert figures["reward"][:5] == ["train/accuracy", "train/reward", "val/accuracy", "val/reward",
