@@ -15,8 +15,10 @@ passes (`env.code.cfg.reward: all`) or the fraction that pass (`fraction`).
 - A program that fails, hangs or breaks a limit is a wrong program: it scores 0 (the
   observation says why) but is no environment error. With `max_attempts` > 1 (and
   `grpo.max_rollout_turns` as many) the failure goes back to the model, which answers again;
-  the attempt that passes, or the last one (by `max_attempts` or by the rollout's turns),
-  scores. Only a row without tests or a harness that returns nothing counts in `env_errors`.
+  the conversation's reward is its last attempt's score, wherever it ends (the attempt that
+  passes, `max_attempts`, the rollout's turns, or the context filled up): each turn's reward is
+  its attempt's score less the previous attempt's, and a conversation's turns add up. Only a
+  row without tests or a harness that returns nothing counts in `env_errors`.
 - Not a security sandbox: the program runs as the user running posttrain, with that user's
   network and files. Train on untrusted tasks inside a container.
 """
@@ -34,7 +36,6 @@ import tempfile
 from typing import Any
 
 from posttrain.environments.interfaces import (
-    ROLLOUT_KEY,
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
@@ -145,13 +146,15 @@ class CodeEnvironment(PerSampleEnvironment):
         passed, error = run_tests(program, tests, setup=setup, timeout_s=self.timeout_s, memory_mb=self.cfg.memory_mb)
         total = len(tests)
         attempt = int(metadata.get("attempt", 0)) + 1
-        # The rollout's last turn ends the conversation whatever this says: score the attempt then too.
-        last_turn = bool((metadata.get(ROLLOUT_KEY) or {}).get("last_turn"))
-        done = passed == total or attempt >= self.cfg.max_attempts or last_turn
+        done = passed == total or attempt >= self.cfg.max_attempts
         observation = f"Environment: {passed}/{total} tests passed" + (f"; {error}" if error else "")
         if not done:
             observation += ". Fix the program and answer with all of it again."
-        # Rewards add up over a conversation's turns: only its last attempt scores.
-        reward = (passed / total if self.cfg.reward == "fraction" else float(passed == total)) if done else 0.0
-        return StepResult(observation=observation, reward=reward, terminated=done,
-                          metadata={**metadata, "tests_passed": passed, "attempt": attempt}, answer=program)
+        # Rewards add up over a conversation's turns, which may end after any of them (turns or
+        # context used up): the score's change since the last attempt keeps the sum at the latest
+        # attempt's score. (Scoring only a final attempt lost a half-right one's fraction when
+        # the context, not max_attempts, ended the conversation.)
+        score = passed / total if self.cfg.reward == "fraction" else float(passed == total)
+        return StepResult(observation=observation, reward=score - float(metadata.get("score", 0.0)), terminated=done,
+                          metadata={**metadata, "tests_passed": passed, "attempt": attempt, "score": score},
+                          answer=program)

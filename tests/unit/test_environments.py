@@ -713,16 +713,23 @@ def test_code_failing_attempt_comes_back_until_max_attempts():
     assert [m["attempt"] for m in second.metadata] == [2, 2]
 
 
-def test_code_attempt_on_the_rollouts_last_turn_scores_even_before_max_attempts():
-    from posttrain.environments.interfaces import ROLLOUT_KEY
-
-    # reward=fraction, 3 attempts allowed but the rollout's turns end now: the half-right program
-    # scores its fraction (before: 0, since the conversation ended "unfinished").
+def test_code_turn_rewards_add_up_to_the_last_attempts_score_wherever_the_conversation_ends():
+    # reward=fraction, 3 attempts allowed: a conversation may end after any turn (the rollout's
+    # turns, or an observation that no longer fits the context), so each turn scores the change:
+    # a half-right first attempt's fraction was lost when the context ended the conversation.
     env = _code_env(max_attempts=3, reward="fraction")
     half = "def add(a, b):\n    return a + b if a < 2 else 0"  # add(2, 2) fails
-    ret = env.step([_answer(half)] * 2, [{"tests": ADD_TESTS, ROLLOUT_KEY: {"last_turn": last}} for last in (False, True)])
-    assert ret.terminateds.tolist() == [False, True]
-    assert ret.rewards.tolist() == [0.0, pytest.approx(2 / 3)]
+    worse, right = "def add(a, b):\n    return None", "def add(a, b):\n    return a + b"
+    first = env.step([_answer(half)], [{"tests": ADD_TESTS}])
+    assert first.terminateds.tolist() == [False] and first.rewards.tolist() == [pytest.approx(2 / 3)]
+    totals = []
+    for program in (worse, right):
+        convo = _answer(half) + [{"role": "user", "content": first.observations[0]["content"]},
+                                 {"role": "assistant", "content": program}]
+        second = env.step([convo], [first.metadata[0]])
+        totals.append(first.rewards[0].item() + second.rewards[0].item())
+        assert second.metadata[0]["attempt"] == 2
+    assert totals == [pytest.approx(0.0, abs=1e-6), pytest.approx(1.0)]  # the last attempt's score: 0/3, 3/3
 
 
 def test_code_format_rows_are_solved_by_their_references_and_not_by_a_wrong_program():
