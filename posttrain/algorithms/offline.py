@@ -151,9 +151,12 @@ def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loade
 
 
 def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
-    """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`)."""
+    """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`); the plots
+    are redrawn with it, as GRPO's, so a run killed outright has its curves up to its last checkpoint."""
     info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict()}
-    return run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
+    path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
+    run.logger.plot()
+    return path
 
 
 def evaluate(

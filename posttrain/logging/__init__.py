@@ -257,6 +257,13 @@ class Logger:
             return
         self._closed = True
         failed = sys.exc_info()[1] is not None
+        if failed and self._records:
+            # A crashed run gets its curves up to its last logged step too (a finished one drew
+            # them at its end); best effort: the crash is the error to show.
+            try:
+                self.plot()
+            except Exception as e:  # noqa: BLE001
+                _log.warning("the plots of the failed run could not be drawn: %s", e)
         error: Exception | None = None
         for backend in self._backends:
             try:

@@ -389,6 +389,18 @@ def test_plots_are_pngs_and_survive_resume(tmp_path):
     assert not list((tmp_path / "plots").glob("*.tmp.png"))
 
 
+def test_a_run_that_fails_gets_its_plots_when_its_logger_closes(tmp_path):
+    # The loops draw the plots at their end (and GRPO at each checkpoint): a crash mid-run left
+    # a run with metrics.jsonl and no picture.
+    logger = Logger(_cfg(jsonl_enabled=True, plots_enabled=True), tmp_path)
+    with pytest.raises(RuntimeError, match="worker died"):
+        with logger:
+            for step in range(1, 4):
+                logger.log_metrics({"loss": 1.0 / step}, step)
+            raise RuntimeError("worker died")
+    assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_pass_at_k_plot(tmp_path):
     results = {"num_tests_per_prompt": 4, "greedy": False, "model": "m", "dataset": "d", "num_prompts": 20,
                **{f"pass@{k}": 0.5 + k / 10 for k in range(1, 5)}, **{f"cons@{k}": 0.5 for k in range(1, 5)}}
