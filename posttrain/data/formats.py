@@ -40,7 +40,9 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
                         (chosen/rejected are full conversations sharing a prefix, which may
                         end with a given `prompt`, as in UltraFeedback binarized). Each
-                        response may be a string, one message, or a list of messages.
+                        response may be a string, one message, or a list of messages; a
+                        string that is an Anthropic HH-RLHF transcript ("\n\nHuman: ...
+                        \n\nAssistant: ...") is read as the conversation it writes.
 
 A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
 not to give) is malformed for SFT, which would train the model to imitate it. SFT on RL/eval
@@ -53,6 +55,7 @@ Every error names the source (file) and the 1-based row number.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from posttrain.config import InputError
@@ -341,8 +344,19 @@ def _require_assistant(messages: list[dict[str, str]], loc: str, what: str, hint
         raise DataFormatError(f"{loc}: `{what}` has no assistant message, so nothing to train on{hint}")
 
 
+# A turn of an Anthropic HH-RLHF transcript: the speaker after a blank line.
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
+
+
 def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
-    """A response: a string (one assistant message), one message, or a list of messages."""
+    """A response: a string (one assistant message, or an HH-RLHF transcript, the conversation
+    it writes), one message, or a list of messages."""
+    if isinstance(value, str) and value.startswith("\n\nHuman:"):
+        # The chosen and rejected transcripts share their turns up to the last answer: the
+        # conversations split into the prompt and the two answers as any implicit-prompt pair.
+        turns = _HH_TURN.split(value)[1:]  # speaker, text, speaker, text, ...
+        return _messages([{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+                          for who, text in zip(turns[::2], turns[1::2])], loc, what)
     if isinstance(value, str):
         return [{"role": "assistant", "content": _text(value, loc, what)}]
     if isinstance(value, dict):

@@ -259,6 +259,24 @@ def test_prompt_completion_and_implicit_prompt_pairs(tmp_path):
     assert row["rejected"] == [{"role": "assistant", "content": "go away"}]
 
 
+def test_anthropic_hh_transcripts_are_read_as_conversations(tmp_path):
+    # Anthropic/hh-rlhf rows are two transcript strings; they failed with "no shared context".
+    hh = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello! How can I help?\n\nHuman: A joke\n\nAssistant: Knock knock.",
+          "rejected": "\n\nHuman: Hi\n\nAssistant: Hello! How can I help?\n\nHuman: A joke\n\nAssistant: No."}
+    row = normalize_row(hh, detect_format(hh), "x row 1")
+    assert row["prompt_messages"] == [{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hello! How can I help?"},
+                                      {"role": "user", "content": "A joke"}]
+    assert row["chosen"] == [{"role": "assistant", "content": "Knock knock."}]
+    assert row["rejected"] == [{"role": "assistant", "content": "No."}]
+    # An answer left empty (some HH rows end with "Assistant:") is a malformed row, named.
+    with pytest.raises(DataFormatError, match="x row 2"):
+        normalize_row({**hh, "rejected": "\n\nHuman: Hi\n\nAssistant:"}, "preference", "x row 2")
+    # Text that merely mentions a speaker stays one answer.
+    plain = normalize_row({"prompt": "q", "chosen": "Human: yes", "rejected": "no"}, "preference", "x row 3")
+    assert plain["chosen"] == [{"role": "assistant", "content": "Human: yes"}]
+
+
 def test_capped_held_out_validation_is_a_sample_of_the_file(tmp_path):
     # The held-out rows came back in file order, so a cap (data.max_val_samples, GRPO's default
     # grpo.max_val_samples=256) kept those nearest the top of the file: of a file sorted by
