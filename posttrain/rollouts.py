@@ -395,14 +395,14 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     components: dict[str, list[float]] = defaultdict(list)
     env_metrics: dict[str, list[float]] = defaultdict(list)
     for c in convs:
-        for name, value in (c.metadata or {}).get(REWARD_COMPONENTS_KEY, {}).items():
-            if value is not None:  # a TRL function's "not applicable" to this sample
-                components[name].append(value)
-        for name, value in (c.metadata or {}).get(ENV_METRICS_KEY, {}).items():
-            # Numbers only (a NumPy or torch scalar too): a sample's None ("not measured here") or
-            # text stopped the driver in the sum below, after the step's generation.
-            if isinstance(value, numbers.Real) or getattr(value, "shape", None) == ():
-                env_metrics[name].append(float(value))
+        # Numbers only (a NumPy or torch scalar too), here and for the tool calls below: these keys
+        # are the environment's to write, and a sample's None (a TRL function's "not applicable",
+        # "not measured here"), text or list stopped the driver in the sums, after the step's generation.
+        for key, out in ((REWARD_COMPONENTS_KEY, components), (ENV_METRICS_KEY, env_metrics)):
+            for name, value in _mapping((c.metadata or {}).get(key)).items():
+                if _is_number(value):
+                    out[name].append(float(value))
+    tool_calls = [float(v) if _is_number(v := (c.metadata or {}).get(TOOL_CALLS_KEY, 0)) else 0.0 for c in convs]
     return {
         "reward": sum(c.reward for c in convs) / n,
         "accuracy": sum(c.reward > 0 for c in convs) / n,
@@ -417,6 +417,13 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
         "generated_tokens": float(sum(lengths)),
         **{f"reward/{name}": sum(v) / len(v) for name, v in components.items()},
         **{f"env/{name}": sum(v) / len(v) for name, v in env_metrics.items()},
-        **({"tool_calls_mean": sum((c.metadata or {}).get(TOOL_CALLS_KEY, 0) for c in convs) / n}
-           if any(c.tools for c in convs) else {}),
+        **({"tool_calls_mean": sum(tool_calls) / n} if any(c.tools for c in convs) else {}),
     }
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) or getattr(value, "shape", None) == ()  # a bool too: a rate
+
+
+def _mapping(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}

@@ -554,6 +554,16 @@ def test_env_metrics_average_the_samples_that_report_a_number():
                           prompt_length=0, reward=0.0) for v in values]
     metrics = summarize_rollouts(convs)
     assert metrics["env/moves"] == 4.0 and type(metrics["env/moves"]) is float
+    # The same for reward components and tool-call counts a custom environment class writes
+    # (text there, or a list of its calls, stopped the driver too); a mapping key holding no
+    # mapping counts nothing.
+    meta = [{"reward_components": {"fmt": 1.0}, "tool_calls": 2}, {"reward_components": {"fmt": "ok"}},
+            {"reward_components": ["fmt"], "tool_calls": [{"name": "add"}]}, {"env_metrics": 3}]
+    convs = [Conversation(messages=[], metadata=m, task_name="t", tokens=[], prompt_length=0, reward=0.0,
+                          tools=[{"name": "add"}]) for m in meta]
+    metrics = summarize_rollouts(convs)
+    assert metrics["reward/fmt"] == 1.0 and metrics["tool_calls_mean"] == 0.5
+    assert not any(k.startswith("env/") for k in metrics)
 
 
 @pytest.mark.parametrize("mask", [True, False])
