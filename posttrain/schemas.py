@@ -1101,9 +1101,9 @@ class GRPOConfig(Section):
     batch_multiplier: int = Field(1, ge=1)
     # Seed of the training-prompt order and of the driver's torch RNG (sampling: policy.generation.seed).
     seed: int = 42
-    # DAPO soft overlong punishment of the rewards.
+    # DAPO soft overlong punishment of the rewards (after reward_scaling: the penalty is in its units).
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    # Linear rescaling of the rewards (after shaping, before the advantages).
+    # Linear rescaling of the rewards (before the overlong shaping, whose penalty is in the scaled units).
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
     # SFT steps before RL on each row's `demonstration` (else its reference `answer`) as the
     # assistant turn, so that a model that has never seen the task starts with a reward above

@@ -312,16 +312,19 @@ def interleaved_order(group_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
-    """Shaping, scaling, overlong filtering and advantages, written into `batch` in place."""
+    """Scaling, shaping, overlong filtering and advantages, written into `batch` in place."""
     rewards = batch["rewards"]
+    # Scaling first (NeMo RL's order): it clamps to the environment's range, which would take the
+    # shaping's penalty back off a reward already at source_min (a wrong overlong answer scored
+    # the same as a wrong short one); the penalty is in the scaled rewards' units.
+    if g.reward_scaling.enabled:
+        rc = g.reward_scaling
+        rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
     if g.reward_shaping.enabled:
         rs = g.reward_shaping
         rewards = apply_overlong_reward_shaping(rewards, batch["response_lengths"], rs.max_response_length
                                                 or max_new_tokens, rs.overlong_buffer_length,
                                                 rs.overlong_buffer_penalty)
-    if g.reward_scaling.enabled:
-        rc = g.reward_scaling
-        rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
     if g.mask_env_error_samples:  # likewise in the baseline with their 0, out of the loss

@@ -157,3 +157,24 @@ def test_on_policy_distillation_advantages_are_teacher_minus_own_logprobs_on_gen
     assert adv.tolist() == [[0.0, 1.0, 0.0, -1.0], [0.0, approx(0.1), -2.0, 0.0]]
     with pytest.raises(ValueError, match=r"same \[B, S\] shape"):
         on_policy_distillation_advantages(teacher, own[:, :3], mask)
+
+
+def test_the_grpo_loop_scales_rewards_before_the_overlong_shaping():
+    # Shaped first, the scaling's clamp to [source_min, source_max] took the penalty back off a
+    # wrong overlong answer (0 - 1 -> 0): it scored as a wrong short one. Scaled first (NeMo RL's
+    # order), [0, 1] -> [-1, 1], then the full penalty of 1 past max_response_length.
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    g = GRPOConfig(adv_estimator="dr_grpo",
+                   reward_scaling={"enabled": True, "target_min": -1.0, "target_max": 1.0},
+                   reward_shaping={"enabled": True, "overlong_buffer_length": 2, "overlong_buffer_penalty": 1.0,
+                                   "max_response_length": 4})
+    batch = BatchedDataDict(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                            response_lengths=torch.tensor([2.0, 5.0, 2.0, 3.0]),
+                            truncated=torch.zeros(4, dtype=torch.bool), env_errors=torch.zeros(4, dtype=torch.bool),
+                            group_ids=torch.zeros(4, dtype=torch.long), token_mask=torch.ones(4, 1))
+    _rewards_to_advantages(g, batch, max_new_tokens=4)
+    # Rewards 1, -1 - 1 = -2, -1, 1 - 0.5 = 0.5 (half the buffer): mean -0.375.
+    assert batch["advantages"][:, 0].tolist() == pytest.approx([1.375, -1.625, -0.625, 0.875])
