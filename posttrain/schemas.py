@@ -1073,7 +1073,8 @@ class GRPOConfig(Section):
     val_period: int = Field(10, ge=0)
     # Validate before the first step (not when resuming).
     val_at_start: bool = True
-    # Validate after step max_num_steps.
+    # Validate after the run's last step: max_num_steps, or the one after which the training
+    # prompts ran out (max_num_epochs).
     val_at_end: bool = True
     # Validation prompts at most (the first ones, after data.max_val_samples).
     max_val_samples: int = Field(256, ge=1)

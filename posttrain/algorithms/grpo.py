@@ -414,6 +414,15 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
     return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
 
 
+def _validate_current(s: GRPOSetup, pipeline: _RolloutPipeline | None, step: int) -> dict[str, float]:
+    """`validate` the weights after `step` updates (async: not the queued rollouts' older ones)."""
+    if pipeline is not None:
+        pipeline.wait()
+        _refit_generation(s, step)
+        pipeline.queued_version = step
+    return validate(s, step)
+
+
 class DynamicSamplingExhausted(RuntimeError):
     """Dynamic sampling kept less than one optimizer step of groups with reward variance in
     grpo.dynamic_sampling_max_gen_batches rounds: the run cannot go on (NeMo RL raises too), and
@@ -556,8 +565,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                           f"rounds (grpo.dynamic_sampling_max_gen_batches), fewer than one optimizer step "
                           f"(policy.train_global_batch_size={gbs}): the other groups' rewards were all equal")
             logger.console(f"step {step}: {reason}; stopping")
-            # The run's last step, as step max_num_steps would have been: its checkpoint keeps the
-            # steps since the last periodic one.
+            # The run's last step, as step max_num_steps would have been: validated (grpo.val_at_end,
+            # unless it was already) and checkpointed, keeping the steps since the last periodic save.
+            # Only here is it known to be the last: the prompts ran out at the next step's draw.
+            if (prompts is None and g.val_at_end and not last.val and step > s.start_step
+                    and s.checkpointer.stop_signal is None):
+                val_metrics = last.val = _validate_current(s, pipeline, step)
+                logger.log_metrics(val_metrics, step=step, prefix="val")
             if step > last.saved_step and s.checkpointer.should_save(step, last=True):
                 _save(s, step, last.train, last.val,
                       loader_state=pipeline.loader_state if pipeline is not None else None)
@@ -623,11 +637,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         due = (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
         if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
-                if pipeline is not None:  # validate the current weights, not the queued ones
-                    pipeline.wait()
-                    _refit_generation(s, step)
-                    pipeline.queued_version = step
-                val_metrics = validate(s, step)
+                val_metrics = _validate_current(s, pipeline, step)
             logger.log_metrics(val_metrics, step=step, prefix="val")
             last.val = val_metrics
 

@@ -221,22 +221,32 @@ def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, tmp_path)
     assert info[0]["metric_value"] == pytest.approx(val["accuracy"]) and info[1]["metric_value"] is None
 
 
-def test_a_run_that_runs_out_of_prompts_saves_its_last_step(ray_session, tmp_path):
+@pytest.mark.parametrize("val_at_end", [False, True])
+def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_session, tmp_path, val_at_end):
     # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before
-    # the first periodic save (step 10); the run's last step is checkpointed as step max_num_steps is.
+    # the first periodic save (step 10); the run's last step is validated (grpo.val_at_end; it was
+    # not: the final model went unmeasured and its checkpoint unranked by val:accuracy) and
+    # checkpointed as step max_num_steps is.
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="}],
                                            "task_name": "arithmetic", "answer": str(i + 1)}) for i in range(8)))
     cfg = load_config("grpo", QUICKSTART, _tiny(
         tmp_path, "grpo.max_num_steps=5", f"data.train_data_path={train}", f"data.val_data_path={train}",
         "data.dataset_name=local", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
-        "grpo.val_at_end=false", "checkpointing.save_period=10",
+        f"grpo.val_at_end={str(val_at_end).lower()}", "checkpointing.save_period=10",
+        "checkpointing.metric_name=val:accuracy",
     ))
-    run(cfg)
+    result = run(cfg)
     assert [r["step"] for r in _records(tmp_path / "logs", "train")] == [1, 2]
+    val = _records(tmp_path / "logs", "val")
+    assert [r["step"] for r in val] == ([2] if val_at_end else [])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
     info = json.loads((tmp_path / "ckpt" / "step_2" / "training_info.json").read_text())
     assert info["step"] == 2 and info["consumed_samples"] == 2 * 16
+    if val_at_end:
+        assert info["metric_value"] == pytest.approx(val[0]["accuracy"]) == pytest.approx(result["val/accuracy"])
+    else:
+        assert info["metric_value"] is None and "val/accuracy" not in result
 
 
 def test_multi_turn_sliding_puzzle(ray_session, tmp_path):
