@@ -491,14 +491,7 @@ class FSDPPolicyWorker:
         self._compute_model().train()
         steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
                  for s in range(0, shard.size, local_batch_size)]
-        out = {}
-        for k in (k for k in dict.fromkeys(k for s in steps for k in s) if k not in ("lr", "skipped")):
-            # Means over the steps that measured k; a step without one valid token (every sample masked:
-            # an environment that failed them all) has no per-token means (the loss leaves them out)
-            # and no min or max (masked_min's +inf): the others' are the measurement, or none is.
-            values = [s[k] for s in steps if k in s and (not k.endswith(("_min", "_max")) or math.isfinite(s[k]))]
-            if values:
-                out[k] = sum(values) / len(values)
+        out = _over_steps([{k: v for k, v in s.items() if k not in ("lr", "skipped")} for s in steps])
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = len(steps)
         out["skipped_steps"] = sum(s["skipped"] for s in steps)
@@ -818,6 +811,22 @@ class FSDPPolicyWorker:
         if self.gen_engine is None:
             return {}
         return {**self.gen_engine.last_metrics, "generation/refit_s": self.last_refit_s}
+
+
+def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One value per metric for several optimizer steps: keys ending in `_min` / `_max` the
+    extreme over the steps (a mean of per-step minima hid the smallest ratio of a batch trained in
+    several steps: its first step's are 1 by construction), the others the mean. Each over the
+    steps that measured it: one without a valid token (every sample masked: an environment that
+    failed them all) has no per-token means (the loss leaves them out) and no min or max
+    (masked_min's +inf)."""
+    out = {}
+    for k in dict.fromkeys(k for s in steps for k in s):
+        values = [s[k] for s in steps if k in s and (not k.endswith(("_min", "_max")) or math.isfinite(s[k]))]
+        if not values:
+            continue
+        out[k] = min(values) if k.endswith("_min") else max(values) if k.endswith("_max") else sum(values) / len(values)
+    return out
 
 
 def _accumulate(into: dict[str, float], metrics: dict[str, Any]) -> None:

@@ -87,7 +87,8 @@ class Policy:
 
     def train(self, batch: BatchedDataDict, loss_fn: Callable, lr: float | None = None) -> dict[str, float]:
         """One optimizer step per `policy.train_global_batch_size` rows of `batch`; returns loss,
-        grad_norm, lr (of the last step), and the loss function's metrics (means over the steps).
+        grad_norm, lr (of the last step), and the loss function's metrics (means over the steps;
+        `*_min` / `*_max` their extremes).
         `lr` overrides the learning rate for these steps without advancing the scheduler."""
         self._check_batch(batch, "train")
         gbs = self.cfg.train_global_batch_size

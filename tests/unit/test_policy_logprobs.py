@@ -1,9 +1,10 @@
 """Token-aligned logprobs from logits, how loss metrics combine over micro-batches, and the
 attention kernel the policy picks, and the dropout it turns off."""
 
+import pytest
 import torch
 
-from posttrain.policy.fsdp_worker import _accumulate, token_logprobs
+from posttrain.policy.fsdp_worker import _accumulate, _over_steps, token_logprobs
 
 
 def test_token_logprobs_alignment_and_chunking():
@@ -25,6 +26,18 @@ def test_metrics_sum_except_max_min():
     _accumulate(out, {"loss": torch.tensor(0.25), "ratio_max": 1.5, "ratio_min": 0.5})
     _accumulate(out, {"loss": 0.5, "ratio_max": 1.2, "ratio_min": 0.1})
     assert out == {"loss": 0.75, "ratio_max": 1.5, "ratio_min": 0.1}
+
+
+def test_optimizer_steps_combine_to_their_extremes_and_means():
+    # Two optimizer steps of one GRPO step: the first's ratio is 1 by construction, the second's
+    # ranges over [0.5, 1.6]. A mean of the extremes said [0.75, 1.3]; a step without a valid
+    # token (masked_min's +inf, no per-token mean) measured nothing.
+    steps = [{"loss": 0.2, "probs_ratio": 1.0, "probs_ratio_min": 1.0, "probs_ratio_max": 1.0},
+             {"loss": 0.4, "probs_ratio": 0.9, "probs_ratio_min": 0.5, "probs_ratio_max": 1.6},
+             {"loss": 0.0, "probs_ratio_min": float("inf"), "probs_ratio_max": float("-inf")}]
+    out = _over_steps(steps)
+    assert out == pytest.approx({"loss": 0.2, "probs_ratio": 0.95, "probs_ratio_min": 0.5, "probs_ratio_max": 1.6})
+    assert _over_steps(steps[2:]) == {"loss": 0.0}
 
 
 def test_token_logprobs_temperature_scales_the_logits():
