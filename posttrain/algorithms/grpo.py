@@ -327,10 +327,14 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
                                                 rs.overlong_buffer_penalty)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
+    if g.adv_estimator == "on_policy_distillation":
+        # Token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages).
+        # The reward is only logged, so a failed verification leaves the sample's training signal
+        # intact: mask_env_error_samples would drop good samples (those of a student whose
+        # nonsense times the verifier out the most).
+        return
     if g.mask_env_error_samples:  # likewise in the baseline with their 0, out of the loss
         batch["sample_mask"] = batch["sample_mask"] * (~batch["env_errors"]).float()
-    if g.adv_estimator == "on_policy_distillation":
-        return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
     adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],
                              leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]

@@ -178,3 +178,21 @@ def test_the_grpo_loop_scales_rewards_before_the_overlong_shaping():
     _rewards_to_advantages(g, batch, max_new_tokens=4)
     # Rewards 1, -1 - 1 = -2, -1, 1 - 0.5 = 0.5 (half the buffer): mean -0.375.
     assert batch["advantages"][:, 0].tolist() == pytest.approx([1.375, -1.625, -0.625, 0.875])
+
+
+def test_on_policy_distillation_trains_the_samples_whose_verification_failed():
+    # The reward is only logged under distillation: a verifier that raised or timed out says
+    # nothing about the sample's teacher logprobs, which were its training signal (it was masked).
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    def mask(estimator: str) -> list[float]:
+        batch = BatchedDataDict(rewards=torch.tensor([1.0, 0.0]), response_lengths=torch.tensor([2.0, 2.0]),
+                                truncated=torch.tensor([False, False]), env_errors=torch.tensor([False, True]),
+                                group_ids=torch.zeros(2, dtype=torch.long), token_mask=torch.ones(2, 1))
+        _rewards_to_advantages(GRPOConfig(adv_estimator=estimator), batch, max_new_tokens=4)
+        return batch["sample_mask"].tolist()
+
+    assert mask("on_policy_distillation") == [1.0, 1.0]
+    assert mask("grpo") == [1.0, 0.0]  # mask_env_error_samples: no evidence against the answer
