@@ -514,7 +514,8 @@ class ClippedPGLossConfig(Section):
     # Dual clip: for negative advantages the per-token loss is capped at -c * A (c > 1); null = off.
     # The clipped PPO ratio's only: not with force_on_policy_ratio, disable_ppo_ratio or use_cispo.
     ratio_clip_c: float | None = Field(None, gt=1)
-    # Weight the KL term by pi/pi_gen so it estimates KL under the current policy, not the sampler.
+    # Weight the KL term by pi/pi_gen so it estimates KL under the current policy, not the sampler;
+    # needs reference_policy_kl_penalty > 0.
     use_on_policy_kl_approximation: bool = False
     # Multiply the loss by pi_prev/pi_gen (trainer vs generation-backend mismatch correction).
     use_importance_sampling_correction: bool = False
@@ -550,6 +551,11 @@ class ClippedPGLossConfig(Section):
             raise ValueError(f"loss_fn.ratio_clip_c (dual clip) has no effect with loss_fn.{modes[0]}=true: it caps "
                              "the loss of a PPO ratio above c > 1, which that loss has not (no ratio, or one fixed "
                              "at 1); unset one of them")
+        if self.use_on_policy_kl_approximation and self.reference_policy_kl_penalty == 0:
+            # It weighs the penalty's terms; without a penalty the run trained as without it.
+            raise ValueError("loss_fn.use_on_policy_kl_approximation=true weighs the KL penalty, but "
+                             "loss_fn.reference_policy_kl_penalty=0 turns the penalty off; set a penalty > 0 or "
+                             "unset the approximation")
         if self.sequence_level_importance_ratios:
             if self.token_level_loss:
                 raise ValueError(

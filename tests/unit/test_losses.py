@@ -346,6 +346,9 @@ def test_config_defaults_validation_and_pickling():
     for mode in ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio"):  # accepted and ignored before
         with pytest.raises(ValidationError, match=rf"ratio_clip_c \(dual clip\) has no effect with loss_fn.{mode}"):
             ClippedPGLoss({mode: True, "ratio_clip_c": 3.0})
+    with pytest.raises(ValidationError, match="use_on_policy_kl_approximation=true weighs the KL penalty"):
+        ClippedPGLoss({"use_on_policy_kl_approximation": True})  # accepted and ignored before
+    assert ClippedPGLoss({"use_on_policy_kl_approximation": True, "reference_policy_kl_penalty": 0.1})
     assert ClippedPGLoss({"sequence_level_importance_ratios": True, "token_level_loss": False,
                           "ratio_clip_c": 3.0}).cfg.ratio_clip_c == 3.0
     with pytest.raises(ValidationError, match="ratio_clp_min"):
