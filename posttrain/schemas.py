@@ -522,7 +522,7 @@ class ClippedPGLossConfig(Section):
     # How truncated importance sampling treats the correction weights when
     # truncated_importance_sampling_ratio is set: "tis" clamps them at the ratio, "icepop" zeroes
     # tokens whose weight is outside [ratio_min, ratio], "seq-mask-tis" zeroes whole sequences
-    # whose geometric-mean weight is outside [ratio_min, ratio].
+    # whose geometric-mean weight is outside [ratio_min, ratio] (not with sequence_level_importance_ratios).
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
     # Upper bound ("ratio") of the importance-sampling correction weights; null: no truncation.
     # Needs use_importance_sampling_correction=true.
@@ -563,6 +563,17 @@ class ClippedPGLossConfig(Section):
                 )
             if modes:
                 raise ValueError(f"loss_fn.sequence_level_importance_ratios (GSPO) cannot be combined with {modes[0]}")
+            if (self.truncated_importance_sampling_ratio is not None
+                    and self.truncated_importance_sampling_type == "seq-mask-tis"):
+                # seq-mask-tis bounds a sequence's geometric-mean weight and keeps the weights it
+                # masks by untruncated; GSPO's weight is the product over the tokens, which a
+                # bounded geometric mean leaves unbounded (1.5 per token over 40 tokens: 1.1e7).
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_type=seq-mask-tis keeps token-level weights whose "
+                    "sequence's geometric mean is within bounds; with loss_fn.sequence_level_importance_ratios "
+                    "(GSPO) the weight is the product over the sequence's tokens, which those bounds do not "
+                    "bound. Use tis (clamps GSPO's weight) or token-level ratios"
+                )
         if self.truncated_importance_sampling_ratio is not None:
             if not self.use_importance_sampling_correction:
                 raise ValueError(

@@ -346,6 +346,12 @@ def test_config_defaults_validation_and_pickling():
     for mode in ("use_cispo", "disable_ppo_ratio", "force_on_policy_ratio"):  # accepted and ignored before
         with pytest.raises(ValidationError, match=rf"ratio_clip_c \(dual clip\) has no effect with loss_fn.{mode}"):
             ClippedPGLoss({mode: True, "ratio_clip_c": 3.0})
+    # GSPO's weight is the product over the sequence, unbounded by seq-mask-tis's geometric-mean
+    # bounds: 1.5 per token over 40 tokens passed [0.5, 2] and weighed the loss by 1.1e7.
+    with pytest.raises(ValidationError, match="seq-mask-tis keeps token-level weights"):
+        ClippedPGLoss({"sequence_level_importance_ratios": True, "token_level_loss": False,
+                       "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+                       "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5})
     with pytest.raises(ValidationError, match="use_on_policy_kl_approximation=true weighs the KL penalty"):
         ClippedPGLoss({"use_on_policy_kl_approximation": True})  # accepted and ignored before
     assert ClippedPGLoss({"use_on_policy_kl_approximation": True, "reference_policy_kl_penalty": 0.1})
