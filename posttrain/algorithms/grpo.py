@@ -351,6 +351,22 @@ def _step_batch(g, parts: list[BatchedDataDict], size: int, pad_id: int, max_new
     return batch.slice(0, size)
 
 
+def _no_sample_in_the_loss(g, batch: BatchedDataDict) -> str | None:
+    """Why none of the step's samples is in the loss (the step then trains nothing), or None.
+    Its metrics say so only as num_valid_samples 0: a run whose every response reaches
+    max_new_tokens under grpo.overlong_filtering trained nothing for its whole length, silently."""
+    if batch["sample_mask"].any():
+        return None
+    n = batch.size
+    causes = []
+    if g.overlong_filtering and batch["truncated"].any():
+        causes.append(f"{int(batch['truncated'].sum())} truncated (grpo.overlong_filtering; a longer "
+                      "policy.generation.max_new_tokens or policy.max_total_sequence_length keeps them)")
+    if g.mask_env_error_samples and g.adv_estimator != "on_policy_distillation" and batch["env_errors"].any():
+        causes.append(f"{int(batch['env_errors'].sum())} with an environment error (grpo.mask_env_error_samples)")
+    return f"none of the {n} samples is in the loss, so this step trains nothing: {'; '.join(causes)}"
+
+
 def _distillation_advantages(batch: BatchedDataDict) -> float:
     """On-policy distillation's per-token advantages, written into `batch`; returns the reverse KL
     to the teacher (mean over the trained tokens of log pi - log pi_teacher, at the sampled tokens)."""
@@ -590,6 +606,9 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         with timer.time("advantages"):
             batch = _step_batch(g, parts, min(usable, target), pad_id, cfg.policy.generation.max_new_tokens)
         groups = batch.pop("group_ids")
+        untrained = _no_sample_in_the_loss(g, batch)
+        if untrained:
+            logger.console(f"step {step + 1}: {untrained}")
 
         # ---- logprobs before the update (the PPO ratio's denominator) and under the reference
         with timer.time("logprobs"):

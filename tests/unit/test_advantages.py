@@ -196,3 +196,27 @@ def test_on_policy_distillation_trains_the_samples_whose_verification_failed():
 
     assert mask("on_policy_distillation") == [1.0, 1.0]
     assert mask("grpo") == [1.0, 0.0]  # mask_env_error_samples: no evidence against the answer
+
+
+def test_a_step_without_a_sample_in_the_loss_says_why():
+    # Every response truncated under overlong filtering: the step trains nothing, which its metrics
+    # said only as num_valid_samples 0, step after step.
+    from posttrain.algorithms.grpo import _no_sample_in_the_loss, _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    def reason(truncated: list[bool], errors: list[bool]) -> str | None:
+        g = GRPOConfig(overlong_filtering=True)
+        batch = BatchedDataDict(rewards=torch.tensor([1.0, 0.0, 0.0]), response_lengths=torch.full((3,), 4.0),
+                                truncated=torch.tensor(truncated), env_errors=torch.tensor(errors),
+                                group_ids=torch.zeros(3, dtype=torch.long), token_mask=torch.ones(3, 1))
+        _rewards_to_advantages(g, batch, max_new_tokens=4)
+        return _no_sample_in_the_loss(g, batch)
+
+    assert reason([True, False, True], [False, False, False]) is None
+    assert reason([True, True, True], [False, False, False]) == (
+        "none of the 3 samples is in the loss, so this step trains nothing: 3 truncated (grpo.overlong_filtering; "
+        "a longer policy.generation.max_new_tokens or policy.max_total_sequence_length keeps them)")
+    assert reason([True, False, True], [False, True, False]).endswith(
+        "2 truncated (grpo.overlong_filtering; a longer policy.generation.max_new_tokens or "
+        "policy.max_total_sequence_length keeps them); 1 with an environment error (grpo.mask_env_error_samples)")
