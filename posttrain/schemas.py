@@ -524,10 +524,10 @@ class ClippedPGLossConfig(Section):
     # tokens whose weight is outside [ratio_min, ratio], "seq-mask-tis" zeroes whole sequences
     # whose geometric-mean weight is outside [ratio_min, ratio] (not with sequence_level_importance_ratios).
     truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
-    # Upper bound ("ratio") of the importance-sampling correction weights; null: no truncation.
-    # Needs use_importance_sampling_correction=true.
+    # Upper bound ("ratio") of the importance-sampling correction weights; null: no truncation
+    # (then the type and ratio_min are refused). Needs use_importance_sampling_correction=true.
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
-    # Lower bound ("ratio_min") of the weights for "icepop" and "seq-mask-tis", which need it; "tis" ignores it.
+    # Lower bound ("ratio_min") of the weights for "icepop" and "seq-mask-tis", which need it (refused with "tis").
     truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
     # true: mean over all valid tokens of the global batch (DAPO, Dr.GRPO); false: mean per
     # sequence, then over sequences (the original GRPO).
@@ -574,6 +574,22 @@ class ClippedPGLossConfig(Section):
                     "(GSPO) the weight is the product over the sequence's tokens, which those bounds do not "
                     "bound. Use tis (clamps GSPO's weight) or token-level ratios"
                 )
+        if self.truncated_importance_sampling_ratio is None:
+            # The ratio turns truncation on; the other two keys alone changed nothing (an icepop
+            # configured without its upper bound ran as plain, untruncated IS).
+            unused = [f"loss_fn.{k}" for k, on in (
+                ("truncated_importance_sampling_type", self.truncated_importance_sampling_type != "tis"),
+                ("truncated_importance_sampling_ratio_min", self.truncated_importance_sampling_ratio_min is not None),
+            ) if on]
+            if unused:
+                raise ValueError(f"{' and '.join(unused)} set, but loss_fn.truncated_importance_sampling_ratio is "
+                                 "null, which leaves the weights untruncated; set the ratio (the upper bound) or "
+                                 "unset them")
+        elif (self.truncated_importance_sampling_type == "tis"
+              and self.truncated_importance_sampling_ratio_min is not None):
+            raise ValueError("loss_fn.truncated_importance_sampling_ratio_min has no effect with "
+                             "loss_fn.truncated_importance_sampling_type=tis, which only clamps from above; use icepop "
+                             "or seq-mask-tis for a lower bound, or unset it")
         if self.truncated_importance_sampling_ratio is not None:
             if not self.use_importance_sampling_correction:
                 raise ValueError(

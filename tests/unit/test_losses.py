@@ -352,6 +352,16 @@ def test_config_defaults_validation_and_pickling():
         ClippedPGLoss({"sequence_level_importance_ratios": True, "token_level_loss": False,
                        "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
                        "truncated_importance_sampling_ratio": 2.0, "truncated_importance_sampling_ratio_min": 0.5})
+    # Accepted and ignored before: truncation keys without the ratio that turns it on, a lower
+    # bound tis never uses.
+    with pytest.raises(ValidationError, match="truncated_importance_sampling_type and loss_fn.truncated_"
+                                              "importance_sampling_ratio_min set, but loss_fn.truncated_"):
+        ClippedPGLoss({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
+                       "truncated_importance_sampling_ratio_min": 0.5})
+    with pytest.raises(ValidationError, match="ratio_min has no effect with loss_fn.truncated_importance_"
+                                              "sampling_type=tis"):
+        ClippedPGLoss({"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0,
+                       "truncated_importance_sampling_ratio_min": 0.5})
     with pytest.raises(ValidationError, match="use_on_policy_kl_approximation=true weighs the KL penalty"):
         ClippedPGLoss({"use_on_policy_kl_approximation": True})  # accepted and ignored before
     assert ClippedPGLoss({"use_on_policy_kl_approximation": True, "reference_policy_kl_penalty": 0.1})
