@@ -523,7 +523,8 @@ class ClippedPGLossConfig(Section):
     # truncated_importance_sampling_ratio is set: "tis" clamps them at the ratio, "icepop" zeroes
     # tokens whose weight is outside [ratio_min, ratio], "seq-mask-tis" zeroes whole sequences
     # whose geometric-mean weight is outside [ratio_min, ratio] (not with sequence_level_importance_ratios).
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] = "tis"
+    # null (NeMo RL's default): no truncation, so the ratio must be null too.
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = "tis"
     # Upper bound ("ratio") of the importance-sampling correction weights; null: no truncation
     # (then the type and ratio_min are refused). Needs use_importance_sampling_correction=true.
     truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
@@ -578,13 +579,17 @@ class ClippedPGLossConfig(Section):
             # The ratio turns truncation on; the other two keys alone changed nothing (an icepop
             # configured without its upper bound ran as plain, untruncated IS).
             unused = [f"loss_fn.{k}" for k, on in (
-                ("truncated_importance_sampling_type", self.truncated_importance_sampling_type != "tis"),
+                ("truncated_importance_sampling_type", self.truncated_importance_sampling_type not in ("tis", None)),
                 ("truncated_importance_sampling_ratio_min", self.truncated_importance_sampling_ratio_min is not None),
             ) if on]
             if unused:
                 raise ValueError(f"{' and '.join(unused)} set, but loss_fn.truncated_importance_sampling_ratio is "
                                  "null, which leaves the weights untruncated; set the ratio (the upper bound) or "
                                  "unset them")
+        elif self.truncated_importance_sampling_type is None:
+            raise ValueError("loss_fn.truncated_importance_sampling_ratio is set, but "
+                             "loss_fn.truncated_importance_sampling_type is null: name how the weights are truncated "
+                             "(tis, icepop or seq-mask-tis)")
         elif (self.truncated_importance_sampling_type == "tis"
               and self.truncated_importance_sampling_ratio_min is not None):
             raise ValueError("loss_fn.truncated_importance_sampling_ratio_min has no effect with "

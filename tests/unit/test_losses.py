@@ -362,6 +362,11 @@ def test_config_defaults_validation_and_pickling():
                                               "sampling_type=tis"):
         ClippedPGLoss({"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0,
                        "truncated_importance_sampling_ratio_min": 0.5})
+    # NeMo RL's default type, null (no truncation), loads as it does there: a NeMo loss_fn section carries over.
+    assert ClippedPGLoss({"truncated_importance_sampling_type": None}).cfg.truncated_importance_sampling_ratio is None
+    with pytest.raises(ValidationError, match="truncated_importance_sampling_type is null: name how"):
+        ClippedPGLoss({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": None,
+                       "truncated_importance_sampling_ratio": 2.0})
     with pytest.raises(ValidationError, match="use_on_policy_kl_approximation=true weighs the KL penalty"):
         ClippedPGLoss({"use_on_policy_kl_approximation": True})  # accepted and ignored before
     assert ClippedPGLoss({"use_on_policy_kl_approximation": True, "reference_policy_kl_penalty": 0.1})
