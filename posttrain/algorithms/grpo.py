@@ -648,8 +648,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
         # async ones before each queued batch, in the pipeline's thread)
         if s.generation is not policy and pipeline is None:
-            with timer.time("refit"):
-                _refit_generation(s, step + 1)
+            with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async log them
+                rollout_metrics.update(_refit_generation(s, step + 1))
         step += 1
         # The data position before the next step's prompts (async: before the oldest queued ones).
         last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}

@@ -536,6 +536,8 @@ def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_sessio
     (first,) = _records(tmp_path / "logs", "train")
     assert first["token_mult_prob_error"] < 1.01
     assert first["gen_kl_error"] < 1e-4
+    # The refit after the step is logged as docs/metrics.md says (it went to timing/refit only).
+    assert 0 < first["refit_load_s"] <= first["refit_s"] <= first["timing/refit"]
 
 
 def test_colocated_generation_with_the_hf_backend_runs_a_model_the_torch_engine_cannot(ray_session, tmp_path):
