@@ -311,6 +311,14 @@ def interleaved_order(group_ids: torch.Tensor) -> torch.Tensor:
     return torch.tensor(sorted(range(len(rank)), key=lambda i: (rank[i], i)), dtype=torch.long)
 
 
+def _masks_env_errors(g) -> bool:
+    """Whether samples whose environment failed leave the loss (grpo.mask_env_error_samples). Not
+    under on-policy distillation: its reward is only logged, so a failed verification leaves the
+    sample's training signal intact, and masking would drop good samples (those of a student whose
+    nonsense times the verifier out the most)."""
+    return g.mask_env_error_samples and g.adv_estimator != "on_policy_distillation"
+
+
 def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
     """Scaling, shaping, overlong filtering and advantages, written into `batch` in place."""
     rewards = batch["rewards"]
@@ -327,14 +335,10 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
                                                 rs.overlong_buffer_penalty)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
-    if g.adv_estimator == "on_policy_distillation":
-        # Token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages).
-        # The reward is only logged, so a failed verification leaves the sample's training signal
-        # intact: mask_env_error_samples would drop good samples (those of a student whose
-        # nonsense times the verifier out the most).
-        return
-    if g.mask_env_error_samples:  # likewise in the baseline with their 0, out of the loss
+    if _masks_env_errors(g):  # likewise in the baseline with their 0, out of the loss
         batch["sample_mask"] = batch["sample_mask"] * (~batch["env_errors"]).float()
+    if g.adv_estimator == "on_policy_distillation":
+        return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
     adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],
                              leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
@@ -362,7 +366,7 @@ def _no_sample_in_the_loss(g, batch: BatchedDataDict) -> str | None:
     if g.overlong_filtering and batch["truncated"].any():
         causes.append(f"{int(batch['truncated'].sum())} truncated (grpo.overlong_filtering; a longer "
                       "policy.generation.max_new_tokens or policy.max_total_sequence_length keeps them)")
-    if g.mask_env_error_samples and g.adv_estimator != "on_policy_distillation" and batch["env_errors"].any():
+    if _masks_env_errors(g) and batch["env_errors"].any():
         causes.append(f"{int(batch['env_errors'].sum())} with an environment error (grpo.mask_env_error_samples)")
     return f"none of the {n} samples is in the loss, so this step trains nothing: {'; '.join(causes)}"
 
@@ -648,7 +652,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
         # async ones before each queued batch, in the pipeline's thread)
         if s.generation is not policy and pipeline is None:
-            with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async log them
+            with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async runs log
                 rollout_metrics.update(_refit_generation(s, step + 1))
         step += 1
         # The data position before the next step's prompts (async: before the oldest queued ones).
