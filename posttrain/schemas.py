@@ -357,6 +357,7 @@ class PolicyConfig(Section):
     # The frozen reference model (of loss_fn.reference_policy_kl_penalty, DPO), or the teacher of
     # on-policy distillation (grpo.adv_estimator=on_policy_distillation): a folder, hub id or
     # "embedded:<name>" with the policy's vocabulary; null: the policy's own starting weights.
+    # GRPO refuses it when neither a KL penalty nor distillation uses it (it would not be loaded).
     reference_model_name: str | None = None
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
@@ -1452,6 +1453,19 @@ class GRPOMasterConfig(_MasterBase):
     def needs_reference(self) -> bool:
         """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""
         return self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.adv_estimator == "on_policy_distillation"
+
+    @model_validator(mode="after")
+    def _reference_model_used(self) -> "GRPOMasterConfig":
+        # Nothing else reads it: a teacher named while grpo.adv_estimator stayed grpo (or a KL
+        # reference with the penalty at 0) was never loaded, and the run trained without it.
+        if self.policy.reference_model_name is not None and not self.needs_reference():
+            raise ValueError(
+                f"policy.reference_model_name={self.policy.reference_model_name!r} is set, but nothing in this GRPO "
+                f"run uses a reference model: loss_fn.reference_policy_kl_penalty=0 and grpo.adv_estimator="
+                f"{self.grpo.adv_estimator}; set grpo.adv_estimator=on_policy_distillation (a teacher) or a KL "
+                "penalty > 0, or unset it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "GRPOMasterConfig":

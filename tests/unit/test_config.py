@@ -802,6 +802,9 @@ def test_on_policy_distillation_settings():
     with pytest.raises(ConfigError, match="name the reference in policy.reference_model_name"):
         load_config("grpo", None, kl)
     assert load_config("grpo", None, [*kl, "policy.reference_model_name=t"]).needs_reference()
+    # A teacher named while the estimator stayed grpo was never loaded, and the run trained without it.
+    with pytest.raises(ConfigError, match="policy.reference_model_name='t' is set, but nothing in this GRPO run uses"):
+        load_config("grpo", None, ["policy.reference_model_name=t"])
 
 
 def test_add_generation_prompt_defaults_true():
