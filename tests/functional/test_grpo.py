@@ -596,6 +596,8 @@ def test_async_grpo_trains_on_rollouts_up_to_max_age_and_resumes_without_skippin
     assert ["refit_s" in r for r in train] == refits
     for r in train:
         assert math.isfinite(r["loss"]) and r["rollout_s"] > 0 and r["sampling_importance_ratio"] > 0
+    if age == 1:
+        return  # the resume below, with two steps' prompts queued at the save, covers one too (~15 s saved)
     # The step-2 checkpoint was saved while step 3's prompts were queued: resuming from it
     # generates those prompts again (the loader position before them was saved, not after).
     resumed = tmp_path / "b"

@@ -105,8 +105,8 @@ def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, 
     assert not (tmp_path / "logs" / "hf").exists()  # a stopped run skips the export at the end
     assert json.loads(out.strip().splitlines()[-1])["result"]["stopped_by_signal"] == sig.name
 
-    if sig == signal.SIGTERM and not to_group:
-        return  # the same checkpoint as the group's SIGTERM, whose run resumes below (~20 s saved)
+    if sig != signal.SIGTERM or not to_group:
+        return  # the same checkpoint as the group's SIGTERM, whose run resumes below (~20 s saved each)
     resumed = subprocess.run(_grpo(tmp_path, last + 1), cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
