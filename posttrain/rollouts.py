@@ -336,7 +336,7 @@ def run_rollouts(
             ret = envs[task].step([c.messages for c in group],
                                   [{**{key: v for key, v in c.metadata.items() if key != ENV_ERROR_KEY},
                                     # A truncated answer ends the conversation too (below): an environment
-                                    # holding the score for a later turn (code's retries) must score it now.
+                                    # holding the score for a later turn must score it now.
                                     ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
                                                   "last_turn": last_turn or c.truncated}}
                                    for c in group])

@@ -449,6 +449,22 @@ def test_an_answer_cut_at_the_token_limit_is_the_environments_last_turn(tok):
     (conv,) = result.conversations
     assert (conv.turns, conv.truncated, conv.metadata["attempt"]) == (1, True, 1)
     assert conv.reward == 0.5 and result.batch["rewards"].tolist() == [0.5]
+    # The code environment now scores every attempt (its turns add up to the last one's score),
+    # so it passes without last_turn too: an environment that scores only on its last turn, as
+    # docs/environments.md has it, is what still needs last_turn for a truncated answer.
+    from posttrain.environments import PerSampleEnvironment, StepResult
+    from posttrain.environments.interfaces import ROLLOUT_KEY
+
+    class ScoresOnItsLastTurn(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            last = metadata[ROLLOUT_KEY]["last_turn"]
+            return StepResult(observation="again", reward=0.5 if last else 0.0, terminated=last, metadata=metadata)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "held"}]
+    result = run_rollouts(_EchoGeneration(tok, replies=["x"], truncated=True), rows,
+                          {"held": ScoresOnItsLastTurn()}, tok, max_turns=2, max_seq_len=200)
+    (conv,) = result.conversations
+    assert (conv.turns, conv.truncated, conv.reward) == (1, True, 0.5)
 
 
 def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_others(tok):
