@@ -1088,6 +1088,16 @@ class AsyncGRPOConfig(Section):
     max_trajectory_age_steps: int = Field(1, ge=1)
 
 
+# What each estimator but "grpo" does in place of grpo.use_leave_one_out_baseline and
+# grpo.normalize_rewards (posttrain.advantages), for the error that refuses them.
+_FIXED_BY_ESTIMATOR = {
+    "rloo": "always takes the mean of the group's other samples as the baseline and divides by no std",
+    "dr_grpo": "always takes the group mean as the baseline and divides by no std",
+    "reinforce_pp": "always takes the group mean as the baseline, then whitens over the whole batch",
+    "on_policy_distillation": "trains on the teacher's logprobs, not on rewards",
+}
+
+
 class GRPOConfig(Section):
     # Prompts drawn per step.
     num_prompts_per_step: int = Field(16, ge=1)
@@ -1104,10 +1114,13 @@ class GRPOConfig(Section):
     # on_policy_distillation: per-token advantages log teacher - log policy on the policy's own
     # samples (the teacher is policy.reference_model_name; rewards are logged, not trained on).
     adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp", "on_policy_distillation"] = "grpo"
-    # Divide the advantages by the group's reward std (where it is > 0); "grpo" estimator only.
-    normalize_rewards: bool = True
-    # Baseline = mean reward of the group's other samples (false: of the whole group); "grpo" only.
-    use_leave_one_out_baseline: bool = True
+    # Divide the advantages by the group's reward std (where it is > 0). An option of the "grpo"
+    # estimator only (null: true); the others fix their baseline and scaling by definition and
+    # refuse it set, which they would ignore.
+    normalize_rewards: bool | None = None
+    # Baseline = mean reward of the group's other samples (false: of the whole group). An option
+    # of the "grpo" estimator only (null: true), refused with the others as normalize_rewards is.
+    use_leave_one_out_baseline: bool | None = None
     # Validate every this many steps; 0: only at the start / end (val_at_start, val_at_end).
     val_period: int = Field(10, ge=0)
     # Validate before the first step (not when resuming).
@@ -1179,6 +1192,26 @@ class GRPOConfig(Section):
     shuffle_minibatches: bool = False
     # Overlap the next steps' generation with this step's training (see the section).
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+
+    @model_validator(mode="after")
+    def _grpo_estimator_options(self) -> "GRPOConfig":
+        # Only compute_advantages' "grpo" reads them: with another estimator a value set in a
+        # config (a std normalization asked of rloo) was ignored without a word. Null stands for
+        # "not set", so that a run's config.yaml, which holds every key, loads back.
+        options = ("normalize_rewards", "use_leave_one_out_baseline")
+        if self.adv_estimator == "grpo":
+            for key in options:
+                if getattr(self, key) is None:
+                    setattr(self, key, True)
+            return self
+        given = [f"grpo.{key}={str(getattr(self, key)).lower()}" for key in options if getattr(self, key) is not None]
+        if given:
+            it = "them" if len(given) > 1 else "it"
+            raise ValueError(
+                f"{' and '.join(given)} set, but grpo.adv_estimator={self.adv_estimator} does not read {it} (options "
+                f"of the grpo estimator only): {self.adv_estimator} {_FIXED_BY_ESTIMATOR[self.adv_estimator]}; "
+                f"unset {it}, or use grpo.adv_estimator=grpo")
+        return self
 
     @model_validator(mode="after")
     def _sampled_validation_for_pass_at_k(self) -> "GRPOConfig":

@@ -807,6 +807,40 @@ def test_on_policy_distillation_settings():
         load_config("grpo", None, ["policy.reference_model_name=t"])
 
 
+def test_grpo_estimator_options_are_refused_with_the_estimators_that_ignore_them(tmp_path):
+    # Only the grpo estimator reads them: rloo with normalize_rewards=true ran unnormalized without a word.
+    cfg = load_config("grpo", None, [])
+    assert (cfg.grpo.normalize_rewards, cfg.grpo.use_leave_one_out_baseline) == (True, True)  # null: true for grpo
+    assert load_config("grpo", None, ["grpo.normalize_rewards=false"]).grpo.normalize_rewards is False
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["grpo.adv_estimator=rloo", "grpo.normalize_rewards=true"])
+    assert ("grpo.normalize_rewards=true set, but grpo.adv_estimator=rloo does not read it (options of the grpo "
+            "estimator only): rloo always takes the mean of the group's other samples as the baseline and divides "
+            "by no std") in str(e.value)
+    assert ("[grpo.normalize_rewards set at command line (grpo.normalize_rewards=true); grpo.adv_estimator set at "
+            "command line (grpo.adv_estimator=rloo)]") in str(e.value)
+    # A value that agrees with what the estimator does is refused too: it is no setting of it.
+    path = _write(tmp_path / "dr.yaml", """
+        grpo:
+          adv_estimator: dr_grpo
+          use_leave_one_out_baseline: false
+    """)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"does not read it (options of the grpo estimator only): dr_grpo always takes the group mean as the "
+            f"baseline and divides by no std; unset it, or use grpo.adv_estimator=grpo  "
+            f"[grpo.use_leave_one_out_baseline set at {path}:4; grpo.adv_estimator set at {path}:3]")):
+        load_config("grpo", path)
+    for estimator in ("reinforce_pp", "on_policy_distillation"):
+        with pytest.raises(ConfigError, match=f"use_leave_one_out_baseline=true set, but grpo.adv_estimator="
+                                              f"{estimator} does not read them"):
+            load_config("grpo", None, [f"grpo.adv_estimator={estimator}", "policy.reference_model_name=t",
+                                       "grpo.normalize_rewards=false", "grpo.use_leave_one_out_baseline=true"])
+    # Unset they stay null, so the run's config.yaml (every key written out) loads back.
+    cfg = load_config("grpo", None, ["grpo.adv_estimator=reinforce_pp"])
+    assert cfg.grpo.normalize_rewards is None and cfg.grpo.use_leave_one_out_baseline is None
+    assert load_config("grpo", _write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
+
+
 def test_add_generation_prompt_defaults_true():
     for algo in ("grpo", "sft", "dpo", "rm", "eval"):
         assert load_config(algo).data.add_generation_prompt is True
