@@ -656,7 +656,10 @@ class DataConfig(Section):
     # A `messages` row is then a prompt (no assistant turn needed), with its answer and metadata;
     # a conversation of another format (alpaca, sharegpt, ...) a prompt, its last assistant turn the answer.
     task_name: str | None = Field(None, min_length=1)
-    # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed).
+    # Shuffle the training rows every epoch (seeded by the algorithm's seed, e.g. grpo.seed); an
+    # epoch's last incomplete batch is dropped, other rows each epoch. false: the rows in their
+    # order, a batch that reaches the last row continuing with the first ones, so no row is left
+    # out epoch after epoch.
     shuffle: bool = True
     # Seed of the held-out validation split and of the generated datasets (arithmetic,
     # sliding_puzzle, stories); the training-row order uses the algorithm's seed.

@@ -1,8 +1,8 @@
 """A resumable loader over in-memory rows: the one data iterator of every algorithm.
 
-Each epoch is a permutation of the rows drawn from `seed + epoch`, so the order is the same
-on every run and after a resume; `state_dict()` is all a checkpoint needs to continue at the
-exact next row.
+Each epoch is a permutation of the rows drawn from `seed + epoch` (or, unshuffled, the rows in
+their order), so the order is the same on every run and after a resume; `state_dict()` is all a
+checkpoint needs to continue at the exact next row.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from posttrain.config import InputError
 class RowLoader:
     """Yields lists of `batch_size` rows, epoch after epoch, shuffled per epoch when asked.
 
-    The last incomplete batch of an epoch is dropped (every step sees a full batch, as with
-    `drop_last=True`); `max_epochs` bounds the iteration (None = endless).
+    Every step sees a full batch. Shuffled, the last incomplete batch of an epoch is dropped (as
+    with `drop_last=True`; another few rows each epoch). Unshuffled, dropping it would leave out
+    the same last rows of the data every epoch, so the rows run as one stream instead: a batch
+    that reaches the end of the rows continues with the first ones, in the next epoch.
+    `max_epochs` bounds the iteration (None = endless): at most that many passes over the rows.
     """
 
     def __init__(
@@ -66,8 +69,15 @@ class RowLoader:
             return None
         if self.epoch >= self.max_epochs:
             return 0
+        if not self.shuffle:
+            return (self.max_epochs * len(self.rows) - self._position) // self.batch_size
         this_epoch = (len(self.rows) - self.index) // self.batch_size
         return this_epoch + (self.max_epochs - self.epoch - 1) * self.batches_per_epoch
+
+    @property
+    def _position(self) -> int:
+        """Rows of the unshuffled stream before the next one (over epochs)."""
+        return self.epoch * len(self.rows) + self.index
 
     def _make_order(self) -> list[int]:
         order = list(range(len(self.rows)))
@@ -79,15 +89,25 @@ class RowLoader:
         return self
 
     def __next__(self) -> list[dict[str, Any]]:
-        if self.index + self.batch_size > len(self.rows):
-            self.epoch += 1
-            self.index = 0
-            self._order = self._make_order()
-        if self.max_epochs is not None and self.epoch >= self.max_epochs:
-            raise StopIteration
-        idx = self._order[self.index : self.index + self.batch_size]
-        self.index += self.batch_size
-        self.served += self.batch_size
+        n, size = len(self.rows), self.batch_size
+        if not self.shuffle:
+            start = self._position
+            # Past the last pass the position stays, so that a run resumed with a higher
+            # max_epochs continues with the rows the limit left out.
+            if self.max_epochs is not None and start + size > self.max_epochs * n:
+                raise StopIteration
+            idx = [i % n for i in range(start, start + size)]
+            self.epoch, self.index = divmod(start + size, n)
+        else:
+            if self.index + size > n:
+                self.epoch += 1
+                self.index = 0
+                self._order = self._make_order()
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                raise StopIteration
+            idx = self._order[self.index : self.index + size]
+            self.index += size
+        self.served += size
         return [self.rows[i] for i in idx]
 
     def state_dict(self) -> dict[str, int]:

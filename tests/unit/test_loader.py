@@ -103,3 +103,47 @@ def test_resume_refuses_a_position_past_a_lowered_max_epochs_but_not_a_used_up_l
     again = RowLoader(ROWS, 2, max_epochs=3)
     again.load_state_dict(resumed.state_dict())
     assert again.batches_left == 0
+
+
+def test_unshuffled_rows_run_as_one_stream_so_every_row_is_used():
+    # Dropping each epoch's incomplete last batch left out the same last row (9) every epoch.
+    loader = RowLoader(ROWS, 3, shuffle=False, max_epochs=3)
+    assert loader.batches_left == 10  # 30 rows of 3 passes, in whole batches
+    batches = [ids(b) for b in loader]
+    assert batches[:4] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]  # the 4th continues into epoch 1
+    assert len(batches) == 10 and batches[-1] == [7, 8, 9]
+    counts = [sum(b.count(i) for b in batches) for i in range(10)]
+    assert counts == [3] * 10
+    assert loader.served == 30 and (loader.epoch, loader.index) == (3, 0) and loader.batches_left == 0
+    # One pass of whole batches leaves out row 9; `epoch` says which pass the next row is in.
+    one = RowLoader(ROWS, 3, shuffle=False, max_epochs=1)
+    assert [ids(b) for b in one] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    partway = RowLoader(ROWS, 3, shuffle=False)
+    for _ in range(4):
+        next(partway)
+    assert (partway.epoch, partway.index, partway.served) == (1, 2, 12)
+
+
+def test_unshuffled_stream_resumes_at_the_next_row_also_with_another_batch_size_or_max_epochs():
+    full = RowLoader(ROWS, 3, shuffle=False)
+    expected = [ids(next(full)) for _ in range(7)]
+    first = RowLoader(ROWS, 3, shuffle=False)
+    got = [ids(next(first)) for _ in range(4)]
+    resumed = RowLoader(ROWS, 3, shuffle=False)
+    resumed.load_state_dict(first.state_dict())
+    got += [ids(next(resumed)) for _ in range(3)]
+    assert got == expected
+    other_size = RowLoader(ROWS, 4, shuffle=False, max_epochs=2)
+    other_size.load_state_dict(first.state_dict())  # at row 2 of epoch 1
+    assert other_size.batches_left == 2
+    assert [ids(b) for b in other_size] == [[2, 3, 4, 5], [6, 7, 8, 9]]
+    assert other_size.served == 12 + 8
+    # A finished run keeps its position: raising max_epochs continues with the row the limit left out.
+    done = RowLoader(ROWS, 3, shuffle=False, max_epochs=1)
+    assert len(list(done)) == 3 and next(done, None) is None
+    again = RowLoader(ROWS, 3, shuffle=False, max_epochs=1)
+    again.load_state_dict(done.state_dict())
+    assert again.batches_left == 0 and next(again, None) is None
+    more = RowLoader(ROWS, 3, shuffle=False, max_epochs=2)
+    more.load_state_dict(done.state_dict())
+    assert more.batches_left == 3 and ids(next(more)) == [9, 0, 1]
