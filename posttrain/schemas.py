@@ -284,7 +284,8 @@ class GenerationConfig(Section):
     # Tokens generated per turn at most (also capped by max_total_sequence_length).
     max_new_tokens: int = Field(64, ge=1)
     # Sampling temperature; 0 = greedy. The policy's logprobs use the same temperature (SFT, DPO
-    # and RM sample nothing: their logprobs are at temperature 1).
+    # and RM sample nothing: their logprobs are at temperature 1). GRPO refuses 0 (and top_k=1)
+    # with several samples per prompt, which would all be the same, unless it distils.
     temperature: float = Field(1.0, ge=0)
     # Nucleus sampling: smallest set of tokens with this much probability.
     top_p: float = Field(1.0, gt=0, le=1)
@@ -307,6 +308,15 @@ class GenerationConfig(Section):
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
     # Settings of the torch backend (posttrain's engine).
     torch_cfg: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
+
+    def deterministic_by(self) -> str | None:
+        """The setting that makes every sample pick the most likely token (several samples of a
+        prompt are then one response repeated), or None when sampling."""
+        if self.temperature == 0:
+            return "policy.generation.temperature=0 (greedy)"
+        if self.top_k == 1:
+            return "policy.generation.top_k=1 (the most likely token only)"
+        return None
 
     @model_validator(mode="after")
     def _vllm_python_needs_separate_workers(self) -> "GenerationConfig":
@@ -1550,6 +1560,23 @@ class GRPOMasterConfig(_MasterBase):
                 "grpo.num_generations_per_prompt=1 is every group; set it to 2 or more, or turn dynamic sampling off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _samples_of_a_prompt_differ(self) -> "GRPOMasterConfig":
+        # Decoded deterministically, a prompt's samples are one response with one reward: each
+        # group baseline (REINFORCE++'s group mean too) makes every advantage 0 and dynamic
+        # sampling drops every group. The run trained nothing, its only sign a
+        # train/zero_gradient_fraction of 1. Distillation's advantages are the teacher's, not the group's.
+        g, deterministic = self.grpo, self.policy.generation.deterministic_by()
+        if deterministic is None or g.num_generations_per_prompt == 1 or g.adv_estimator == "on_policy_distillation":
+            return self
+        raise ValueError(
+            f"{deterministic} makes the grpo.num_generations_per_prompt={g.num_generations_per_prompt} samples of "
+            f"each prompt one response repeated, with one reward: grpo.adv_estimator={g.adv_estimator} compares them "
+            "with each other, so every advantage would be 0 and nothing learned; sample (a temperature > 0, "
+            "top_k null or above 1), or for greedy rollouts set grpo.num_generations_per_prompt=1 with "
+            "grpo.adv_estimator=reinforce_pp"
+        )
 
     @model_validator(mode="after")
     def _oversampling_for_dynamic_sampling(self) -> "GRPOMasterConfig":

@@ -841,6 +841,25 @@ def test_grpo_estimator_options_are_refused_with_the_estimators_that_ignore_them
     assert load_config("grpo", _write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
 
 
+def test_grpo_refuses_deterministic_decoding_of_the_samples_it_compares():
+    # Greedy samples of a prompt are one response with one reward: every advantage was 0 and the run
+    # trained nothing, accepted without a word.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.generation.temperature=0"])
+    assert ("policy.generation.temperature=0 (greedy) makes the grpo.num_generations_per_prompt=8 samples of each "
+            "prompt one response repeated, with one reward: grpo.adv_estimator=grpo compares them") in str(e.value)
+    assert "[policy.generation.temperature set at command line (policy.generation.temperature=0)]" in str(e.value)
+    with pytest.raises(ConfigError, match=r"top_k=1 \(the most likely token only\) makes .* "
+                                          "grpo.adv_estimator=reinforce_pp compares them"):
+        load_config("grpo", None, ["policy.generation.top_k=1", "grpo.adv_estimator=reinforce_pp"])
+    # A group of one keeps its reward under REINFORCE++, and distillation learns from the teacher.
+    load_config("grpo", None, ["policy.generation.temperature=0", "grpo.num_generations_per_prompt=1",
+                               "grpo.adv_estimator=reinforce_pp", "policy.train_global_batch_size=16"])
+    load_config("grpo", None, ["policy.generation.temperature=0", "grpo.adv_estimator=on_policy_distillation",
+                               "policy.reference_model_name=t"])
+    load_config("grpo", None, ["policy.generation.temperature=0.1", "policy.generation.top_k=2"])
+
+
 def test_add_generation_prompt_defaults_true():
     for algo in ("grpo", "sft", "dpo", "rm", "eval"):
         assert load_config(algo).data.add_generation_prompt is True
