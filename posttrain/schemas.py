@@ -367,7 +367,8 @@ class PolicyConfig(Section):
     # The frozen reference model (of loss_fn.reference_policy_kl_penalty, DPO), or the teacher of
     # on-policy distillation (grpo.adv_estimator=on_policy_distillation): a folder, hub id or
     # "embedded:<name>" with the policy's vocabulary; null: the policy's own starting weights.
-    # GRPO refuses it when neither a KL penalty nor distillation uses it (it would not be loaded).
+    # Refused where nothing uses it (it would not be loaded): GRPO without a KL penalty or
+    # distillation, SimPO, SFT, RM and eval.
     reference_model_name: str | None = None
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
@@ -1387,6 +1388,27 @@ class _MasterBase(Section):
                 "workers_per_node without GPUs, / policy.dtensor_cfg.tensor_parallel_size)")
         return self
 
+    def needs_reference(self) -> bool:
+        """Whether the policy workers load the reference model (policy.reference_model_name, else
+        the policy's starting weights); the commands that use one say when."""
+        return False
+
+    def _without_reference(self) -> str:
+        """Why this run uses no reference model, and what would, for the error below."""
+        return f"`posttrain {self._command()}` has none; unset it"
+
+    @model_validator(mode="after")
+    def _reference_model_used(self) -> "_MasterBase":
+        # Nothing else reads it: a teacher named while grpo.adv_estimator stayed grpo, a KL
+        # reference with the penalty at 0, a reference for SimPO or SFT was never loaded (nor its
+        # path checked), and the run went on without it.
+        if self.policy.reference_model_name is not None and not self.needs_reference():
+            raise ValueError(
+                f"policy.reference_model_name={self.policy.reference_model_name!r} is set, but nothing in this "
+                f"`posttrain {self._command()}` run uses a reference model: {self._without_reference()}"
+            )
+        return self
+
     @model_validator(mode="after")
     def _task_name_needs_environments(self) -> "_MasterBase":
         # data.task_name makes every `messages` row a prompt for an environment to score: the
@@ -1500,18 +1522,9 @@ class GRPOMasterConfig(_MasterBase):
         """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""
         return self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.adv_estimator == "on_policy_distillation"
 
-    @model_validator(mode="after")
-    def _reference_model_used(self) -> "GRPOMasterConfig":
-        # Nothing else reads it: a teacher named while grpo.adv_estimator stayed grpo (or a KL
-        # reference with the penalty at 0) was never loaded, and the run trained without it.
-        if self.policy.reference_model_name is not None and not self.needs_reference():
-            raise ValueError(
-                f"policy.reference_model_name={self.policy.reference_model_name!r} is set, but nothing in this GRPO "
-                f"run uses a reference model: loss_fn.reference_policy_kl_penalty=0 and grpo.adv_estimator="
-                f"{self.grpo.adv_estimator}; set grpo.adv_estimator=on_policy_distillation (a teacher) or a KL "
-                "penalty > 0, or unset it"
-            )
-        return self
+    def _without_reference(self) -> str:
+        return (f"loss_fn.reference_policy_kl_penalty=0 and grpo.adv_estimator={self.grpo.adv_estimator}; set "
+                "grpo.adv_estimator=on_policy_distillation (a teacher) or a KL penalty > 0, or unset it")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "GRPOMasterConfig":
@@ -1641,6 +1654,14 @@ class SFTMasterConfig(_MasterBase):
 class DPOMasterConfig(_MasterBase):
     # The DPO loop: the keys of sft plus the preference loss.
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+
+    def needs_reference(self) -> bool:
+        """Whether the preference loss compares with a reference (SimPO is reference-free); as
+        posttrain.losses.PreferenceLoss.needs_reference."""
+        return self.dpo.loss.name != "simpo"
+
+    def _without_reference(self) -> str:
+        return "dpo.loss.name=simpo is reference-free; use sigmoid or ipo with it, or unset it"
 
 
 class RMMasterConfig(_MasterBase):

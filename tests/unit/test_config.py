@@ -803,8 +803,26 @@ def test_on_policy_distillation_settings():
         load_config("grpo", None, kl)
     assert load_config("grpo", None, [*kl, "policy.reference_model_name=t"]).needs_reference()
     # A teacher named while the estimator stayed grpo was never loaded, and the run trained without it.
-    with pytest.raises(ConfigError, match="policy.reference_model_name='t' is set, but nothing in this GRPO run uses"):
+    with pytest.raises(ConfigError, match="policy.reference_model_name='t' is set, but nothing in this `posttrain "
+                                          "grpo` run uses a reference model: loss_fn.reference_policy_kl_penalty=0"):
         load_config("grpo", None, ["policy.reference_model_name=t"])
+
+
+def test_a_reference_model_nothing_uses_is_refused():
+    # SimPO and the commands without a reference never loaded it, nor checked its path: the run
+    # went on as if it were not there.
+    with pytest.raises(ConfigError) as e:
+        load_config("dpo", None, ["policy.reference_model_name=ref", "dpo.loss.name=simpo"])
+    assert ("policy.reference_model_name='ref' is set, but nothing in this `posttrain dpo` run uses a reference "
+            "model: dpo.loss.name=simpo is reference-free; use sigmoid or ipo with it, or unset it  "
+            "[policy.reference_model_name set at command line (policy.reference_model_name=ref); dpo.loss.name set "
+            "at command line (dpo.loss.name=simpo)]") in str(e.value)
+    assert load_config("dpo", None, ["policy.reference_model_name=ref"]).needs_reference()
+    assert not load_config("dpo", None, ["dpo.loss.name=simpo"]).needs_reference()
+    for command in ("sft", "rm", "eval"):
+        with pytest.raises(ConfigError, match=f"nothing in this `posttrain {command}` run uses a reference model: "
+                                              f"`posttrain {command}` has none; unset it"):
+            load_config(command, None, ["policy.reference_model_name=ref"])
 
 
 def test_grpo_estimator_options_are_refused_with_the_estimators_that_ignore_them(tmp_path):
