@@ -656,7 +656,8 @@ class DataConfig(Section):
     # {"query": "question", "solution": "answer"} (a TRL-style GRPO set) or {"output": "completion"}.
     column_map: dict[str, str] = Field(default_factory=dict)
     # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
-    # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it.
+    # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it, and
+    # refuse it below the context, where it would look like a prompt limit.
     max_input_seq_length: int | None = Field(None, ge=1)
     # Text file holding a template with one `{}` that wraps each row's first user message; null: none.
     prompt_file: str | None = None
@@ -1407,6 +1408,20 @@ class _MasterBase(Section):
                 f"policy.reference_model_name={self.policy.reference_model_name!r} is set, but nothing in this "
                 f"`posttrain {self._command()}` run uses a reference model: {self._without_reference()}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _input_cap_is_read(self) -> "_MasterBase":
+        # GRPO and eval bound prompts by policy.max_total_sequence_length alone: a lower cap (NeMo
+        # RL's prompt limit) was ignored, and prompts up to the context were generated from. At or
+        # above the context it caps nothing (NeMo RL's configs set it to the context) and is kept.
+        cap, context = self.data.max_input_seq_length, self.policy.max_total_sequence_length
+        if self._command() in ("grpo", "eval") and cap is not None and cap < context:
+            raise ValueError(
+                f"data.max_input_seq_length={cap} is below policy.max_total_sequence_length={context}, but "
+                f"`posttrain {self._command()}` does not read it (SFT, DPO and RM rows only): its prompts are "
+                "bounded by policy.max_total_sequence_length (data.truncation says what happens to longer ones); "
+                "unset it")
         return self
 
     @model_validator(mode="after")

@@ -878,6 +878,19 @@ def test_grpo_refuses_deterministic_decoding_of_the_samples_it_compares():
     load_config("grpo", None, ["policy.generation.temperature=0.1", "policy.generation.top_k=2"])
 
 
+def test_grpo_and_eval_refuse_an_input_cap_they_do_not_read():
+    # GRPO generated from prompts up to the context whatever data.max_input_seq_length said.
+    for command in ("grpo", "eval"):
+        with pytest.raises(ConfigError) as e:
+            load_config(command, None, ["data.max_input_seq_length=128"])
+        assert (f"data.max_input_seq_length=128 is below policy.max_total_sequence_length=512, but `posttrain "
+                f"{command}` does not read it (SFT, DPO and RM rows only)") in str(e.value)
+        assert "[data.max_input_seq_length set at command line (data.max_input_seq_length=128)]" in str(e.value)
+        # At the context it caps nothing, as NeMo RL's configs set it.
+        load_config(command, None, ["data.max_input_seq_length=${policy.max_total_sequence_length}"])
+    assert load_config("sft", None, ["data.max_input_seq_length=128"]).data.max_input_seq_length == 128
+
+
 def test_add_generation_prompt_defaults_true():
     for algo in ("grpo", "sft", "dpo", "rm", "eval"):
         assert load_config(algo).data.add_generation_prompt is True
