@@ -655,9 +655,9 @@ class DataConfig(Section):
     # Rename the data's columns before the format is told, {its name: posttrain's}, e.g.
     # {"query": "question", "solution": "answer"} (a TRL-style GRPO set) or {"output": "completion"}.
     column_map: dict[str, str] = Field(default_factory=dict)
-    # SFT/DPO/RM: tokens per row at most when below policy.max_total_sequence_length (longer
-    # rows follow data.truncation); null: no cap of its own. GRPO and eval do not read it, and
-    # refuse it below the context, where it would look like a prompt limit.
+    # Tokens at most when below policy.max_total_sequence_length: SFT/DPO/RM per row, GRPO per prompt
+    # (longer ones follow data.truncation: dropped and counted, or an error); null: no cap of its own.
+    # Eval scores every row and refuses it below the context.
     max_input_seq_length: int | None = Field(None, ge=1)
     # Text file holding a template with one `{}` that wraps each row's first user message; null: none.
     prompt_file: str | None = None
@@ -1412,16 +1412,16 @@ class _MasterBase(Section):
 
     @model_validator(mode="after")
     def _input_cap_is_read(self) -> "_MasterBase":
-        # GRPO and eval bound prompts by policy.max_total_sequence_length alone: a lower cap (NeMo
-        # RL's prompt limit) was ignored, and prompts up to the context were generated from. At or
-        # above the context it caps nothing (NeMo RL's configs set it to the context) and is kept.
+        # Eval scores every row of its benchmark, so a prompt cap below the context (which GRPO
+        # applies, dropping longer prompts) would change the benchmark: refused rather than ignored.
+        # At or above the context it caps nothing (NeMo RL's configs set it to the context).
         cap, context = self.data.max_input_seq_length, self.policy.max_total_sequence_length
-        if self._command() in ("grpo", "eval") and cap is not None and cap < context:
+        if self._command() == "eval" and cap is not None and cap < context:
             raise ValueError(
                 f"data.max_input_seq_length={cap} is below policy.max_total_sequence_length={context}, but "
-                f"`posttrain {self._command()}` does not read it (SFT, DPO and RM rows only): its prompts are "
-                "bounded by policy.max_total_sequence_length (data.truncation says what happens to longer ones); "
-                "unset it")
+                "`posttrain eval` scores every row and does not cap prompts: they are bounded by "
+                "policy.max_total_sequence_length (policy.generation.overlong_prompt says what happens to "
+                "longer ones); unset it")
         return self
 
     @model_validator(mode="after")

@@ -84,9 +84,14 @@ class GRPOSetup:
 
 
 def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str) -> tuple[list[dict], int]:
-    """Drop (and count) or reject rows whose prompt leaves no room to answer, per `data.truncation`.
-    The kept rows carry their rendered prompt (`PROMPT_IDS_KEY`), so no step renders it again."""
+    """Drop (and count) or reject rows whose prompt leaves no room to answer, or is longer than
+    `data.max_input_seq_length` (NeMo RL's prompt limit), per `data.truncation`. The kept rows carry
+    their rendered prompt (`PROMPT_IDS_KEY`), so no step renders it again."""
     limit = cfg.policy.max_total_sequence_length - 1
+    bound = f"policy.max_total_sequence_length - 1 ({limit}) leaves room for"
+    if cfg.data.max_input_seq_length is not None and cfg.data.max_input_seq_length < limit:
+        limit = cfg.data.max_input_seq_length
+        bound = f"data.max_input_seq_length={limit} allows"
     kept, dropped = [], 0
     for i, row in enumerate(rows, start=1):
         name = row_name(row, f"{split} row {i}")
@@ -100,13 +105,12 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
             dropped += 1
         else:
             raise InputError(
-                f"{name}: the prompt is {n} tokens, more than policy.max_total_sequence_length - 1 "
-                f"({limit}) leaves room for; set data.truncation=drop to drop such rows (they are counted)"
+                f"{name}: the prompt is {n} tokens, more than {bound}; set data.truncation=drop to drop "
+                "such rows (they are counted)"
             )
     if not kept:
         raise InputError(
-            f"no {split} rows left: all {len(rows)} prompts exceed policy.max_total_sequence_length="
-            f"{cfg.policy.max_total_sequence_length}"
+            f"no {split} rows left: all {len(rows)} prompts are longer than {bound}"
         )
     return kept, dropped
 
@@ -175,7 +179,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
         undo.callback(logger.close)
         if dropped or val_dropped:  # validation accuracy over fewer prompts than the data holds says so
             logger.console(f"dropped {dropped} training and {val_dropped} validation prompts longer than the "
-                           "context (data.truncation=drop)")
+                           "context or data.max_input_seq_length (data.truncation=drop)")
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
         clusters = [RayVirtualCluster(cfg.cluster)]

@@ -878,17 +878,17 @@ def test_grpo_refuses_deterministic_decoding_of_the_samples_it_compares():
     load_config("grpo", None, ["policy.generation.temperature=0.1", "policy.generation.top_k=2"])
 
 
-def test_grpo_and_eval_refuse_an_input_cap_they_do_not_read():
-    # GRPO generated from prompts up to the context whatever data.max_input_seq_length said.
-    for command in ("grpo", "eval"):
-        with pytest.raises(ConfigError) as e:
-            load_config(command, None, ["data.max_input_seq_length=128"])
-        assert (f"data.max_input_seq_length=128 is below policy.max_total_sequence_length=512, but `posttrain "
-                f"{command}` does not read it (SFT, DPO and RM rows only)") in str(e.value)
-        assert "[data.max_input_seq_length set at command line (data.max_input_seq_length=128)]" in str(e.value)
-        # At the context it caps nothing, as NeMo RL's configs set it.
-        load_config(command, None, ["data.max_input_seq_length=${policy.max_total_sequence_length}"])
-    assert load_config("sft", None, ["data.max_input_seq_length=128"]).data.max_input_seq_length == 128
+def test_eval_refuses_an_input_cap_it_does_not_read():
+    # Eval scores every row of its benchmark; a prompt cap below the context did nothing there.
+    with pytest.raises(ConfigError) as e:
+        load_config("eval", None, ["data.max_input_seq_length=128"])
+    assert ("data.max_input_seq_length=128 is below policy.max_total_sequence_length=512, but `posttrain "
+            "eval` scores every row and does not cap prompts") in str(e.value)
+    assert "[data.max_input_seq_length set at command line (data.max_input_seq_length=128)]" in str(e.value)
+    # At the context it caps nothing, as NeMo RL's configs set it.
+    load_config("eval", None, ["data.max_input_seq_length=${policy.max_total_sequence_length}"])
+    for command in ("sft", "grpo"):  # which read it
+        assert load_config(command, None, ["data.max_input_seq_length=128"]).data.max_input_seq_length == 128
 
 
 def test_add_generation_prompt_defaults_true():

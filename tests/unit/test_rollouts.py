@@ -517,6 +517,33 @@ def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(t
     assert conv.metadata[ENV_ERROR_KEY] == "verifier crashed"
 
 
+def test_grpo_prompts_longer_than_the_input_cap_follow_data_truncation(tok):
+    # data.max_input_seq_length (NeMo RL's prompt limit) was ignored by GRPO: prompts up to the
+    # context were generated from. Below the context it bounds the prompts, as truncation says.
+    from posttrain.algorithms.grpo import _fit_prompts
+    from posttrain.config import InputError, load_config
+    from posttrain.rollouts import PROMPT_IDS_KEY
+
+    rows = [{"messages": [{"role": "user", "content": "1" * k + "="}], "task_name": "t"} for k in (2, 8, 20)]
+    lengths = [len(render_prompt(tok, r["messages"], True, add_generation_prompt=True)) for r in rows]
+    cap = lengths[1]  # the second prompt fits exactly, the third does not
+    assert lengths[0] < cap < lengths[2] < 63
+    cfg = load_config("grpo", None, ["policy.max_total_sequence_length=64", "data.truncation=drop",
+                                     f"data.max_input_seq_length={cap}"])
+    kept, dropped = _fit_prompts(rows, tok, cfg, "train")
+    assert dropped == 1 and [len(r[PROMPT_IDS_KEY]) for r in kept] == lengths[:2]
+    with pytest.raises(InputError, match=rf"^train row 3: the prompt is {lengths[2]} tokens, more than "
+                                         rf"data.max_input_seq_length={cap} allows; set data.truncation=drop"):
+        _fit_prompts(rows, tok, cfg.model_copy(update={"data": cfg.data.model_copy(update={"truncation": "error"})}),
+                     "train")
+    with pytest.raises(InputError, match=rf"no train rows left: all 1 prompts are longer than "
+                                         rf"data.max_input_seq_length={cap} allows"):
+        _fit_prompts(rows[2:], tok, cfg, "train")
+    # At or above the context the context bounds the prompts, as without the cap.
+    wide = load_config("grpo", None, ["policy.max_total_sequence_length=64", "data.max_input_seq_length=64"])
+    assert _fit_prompts(rows, tok, wide, "train")[1] == 0
+
+
 def test_prompts_rendered_at_setup_are_reused_by_every_step(tok):
     from posttrain.algorithms.grpo import _fit_prompts
     from posttrain.config import InputError, load_config
