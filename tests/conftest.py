@@ -41,6 +41,33 @@ def ray_session():
     ray.shutdown()
 
 
+class KilledAfterSave(BaseException):
+    """What `kill_after_save` raises: the run gone right after a checkpoint, as SIGKILL or the OOM
+    killer leave it (a BaseException: no `except Exception` of the loop handles it)."""
+
+
+@pytest.fixture
+def kill_after_save(monkeypatch):
+    """`kill_after_save(step)`: the driver's checkpoint of `step` is saved whole, then the run raises
+    KilledAfterSave (`kill_after_save.error`: the test files cannot import this conftest), before the
+    loop does anything more."""
+    from posttrain.checkpoint import CheckpointManager
+
+    def arm(step: int) -> None:
+        save = CheckpointManager.save
+
+        def save_then_die(self, at, *args, **kwargs):
+            path = save(self, at, *args, **kwargs)
+            if at == step:
+                raise KilledAfterSave(path)
+            return path
+
+        monkeypatch.setattr(CheckpointManager, "save", save_then_die)
+
+    arm.error = KilledAfterSave
+    return arm
+
+
 @pytest.fixture(scope="session")
 def stories260k(shared_data, tmp_path_factory):
     """stories260K from the shared data, converted once per session by posttrain's llama2.c

@@ -672,16 +672,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             logger.log_metrics(val_metrics, step=step, prefix="val")
             last.val = val_metrics
 
-        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
-        stop = s.checkpointer.stop_reason()
-        if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
-            with timer.time("checkpoint"):
-                # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
-                # documented (policy.train's metrics alone lack them).
-                _save(s, step, last.train, last.val, loader_state=last.loader_state)
-            last.saved_step = step
-
-        # ---- metrics
+        # ---- metrics (before the checkpoint: a run killed once it is saved resumes after this step,
+        # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
         step_time = time.monotonic() - step_start
         timing = timer.metrics(prefix="")
         metrics = {
@@ -700,6 +692,14 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
              **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
         ], step=step)
+
+        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
+        stop = s.checkpointer.stop_reason()
+        if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
+            # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
+            # documented (policy.train's metrics alone lack them).
+            _save(s, step, last.train, last.val, loader_state=last.loader_state)
+            last.saved_step = step
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],
                                       **({"val_acc": val_metrics["accuracy"]} if "accuracy" in val_metrics else {})})
         train_metrics = metrics
@@ -747,7 +747,8 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
         "consumed_samples": loader_state["served"] * s.cfg.grpo.num_generations_per_prompt,
         "dataloader": loader_state,
     }
-    s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
+    with s.logger.timed_save(step):
+        s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
     s.logger.plot()
 
 

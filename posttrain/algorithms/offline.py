@@ -154,7 +154,8 @@ def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[
     """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`); the plots
     are redrawn with it, as GRPO's, so a run killed outright has its curves up to its last checkpoint."""
     info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict()}
-    path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
+    with run.logger.timed_save(step):
+        path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
     run.logger.plot()
     return path
 
@@ -352,17 +353,17 @@ def offline_train(
             with timer.time("validation"):
                 val_metrics = measured = validate()
             logger.log_metrics(val_metrics, step=step, prefix="val")
-        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
+        # ---- logging (before the checkpoint: a run killed once it is saved resumes after this step,
+        # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
         last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
                 "epoch": s.loader.epoch}
-        stop = s.run.checkpointer.stop_reason()
-        if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
-            with timer.time("checkpoint"):
-                save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                     **{f"val:{k}": v for k, v in measured.items()}})
-        # ---- logging
         logger.log_metrics({**last, "step_time_s": time.monotonic() - step_start, **timer.metrics()}, step=step,
                            prefix="train")
+        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
+        stop = s.run.checkpointer.stop_reason()
+        if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
+            save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
+                                                 **{f"val:{k}": v for k, v in measured.items()}})
         logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
                                                            if show in val_metrics else {})})
         if stop:

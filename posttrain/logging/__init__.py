@@ -19,12 +19,14 @@ config is written once to `<run_dir>/config.yaml` and logged once to each backen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging as _stdlib_logging
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from posttrain.checkpoint import move_aside
 from posttrain.config import to_yaml
@@ -44,6 +46,9 @@ _RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorbo
 # Prefixes whose steps count something else than the run's steps: the warm-up SFT's, which only
 # a fresh run logs. A resume keeps them whole, whatever step its checkpoint is at.
 _OWN_STEP_AXES = ("warmup_sft",)
+# The record of a checkpoint's save time (`timed_save`): the backends name it `train/timing/checkpoint`,
+# beside the step's other phases, while metrics.jsonl keeps one `train` record per step.
+_SAVE_TIMING_PREFIX = "train/timing"
 
 
 class _Backend(Protocol):
@@ -218,6 +223,20 @@ class Logger:
                 backend.log_metrics(scalars, step, prefix)
         self._records.append({"step": step, "prefix": prefix, **scalars})
         return scalars
+
+    @contextlib.contextmanager
+    def timed_save(self, step: int) -> Iterator[None]:
+        """Time the block, the checkpoint of `step`, and log its seconds as `train/timing/checkpoint`
+        at `step` (metrics.jsonl: a record of prefix `train/timing`, key `checkpoint`).
+
+        The loops log a step's metrics and samples before its checkpoint: a process killed after
+        the save (SIGKILL, the OOM killer) resumes after that step and never logs it again, so
+        logged after, its metrics were lost from every backend. The save's time is measured only
+        once it is done, hence a record of its own; a kill before it is logged loses that alone."""
+        start = time.perf_counter()
+        yield
+        self.log_metrics({"checkpoint": time.perf_counter() - start}, step, prefix=_SAVE_TIMING_PREFIX,
+                         console=False)
 
     def log_samples(self, rows: list[dict[str, Any]], step: int, name: str = "samples") -> None:
         """Append up to `logger.num_samples_to_dump` rows, each with its step, to `<run_dir>/<name>.jsonl`."""

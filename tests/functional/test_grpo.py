@@ -171,7 +171,7 @@ def test_checkpoints_and_plots_are_written(arithmetic_run):
     assert (tmp / "logs" / "plots" / "reward.png").stat().st_size > 1000
 
 
-def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arithmetic_run):
+def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arithmetic_run, kill_after_save):
     tmp, _ = arithmetic_run
     again = tmp / "again"
     shutil.copytree(tmp / "ckpt" / "step_2", again / "ckpt" / "step_2")  # before step_4 displaces it
@@ -180,7 +180,13 @@ def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arith
     assert steps == [1, 2, 3, 4]  # step 4 only: nothing was redone
     # Resumed from step 2 (as if the run had died after it), step 3 is the uninterrupted run's:
     # the same prompts, samples (the generation seed follows the weights version), rewards, loss.
-    run(load_config("grpo", QUICKSTART, _arithmetic(tmp, again, "grpo.max_num_steps=3")))
+    # Killed right after its checkpoint of step 3 (SIGKILL, the OOM killer), the run has logged
+    # that step's metrics and samples: a resume starts after it and would never log them.
+    kill_after_save(3)
+    with pytest.raises(kill_after_save.error):
+        run(load_config("grpo", QUICKSTART, _arithmetic(tmp, again, "grpo.max_num_steps=3")))
+    assert (again / "ckpt" / "step_3" / "COMPLETE").is_file()
+    assert {json.loads(line)["step"] for line in (again / "logs" / "samples.jsonl").read_text().splitlines()} == {3}
     (resumed,) = _records(again / "logs", "train")
     (uninterrupted,) = [r for r in _records(tmp / "logs", "train") if r["step"] == 3]
     for key in ("reward", "response_length_mean", "generated_tokens", "env_errors", "loss", "grad_norm"):

@@ -78,16 +78,23 @@ def test_step0_loss_matches_transformers_cross_entropy_with_packing(ray_session,
     assert result["train/num_microbatches"] <= cfg.policy.train_global_batch_size / 2
 
 
-def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch):  # on the shared alpaca demo rows
+def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch, kill_after_save):
+    # On the shared alpaca demo rows. The first run is killed right after its checkpoint of step 2.
     overrides = ["checkpointing.enabled=true", "checkpointing.save_period=2", "sft.val_period=0",
                  "sft.val_at_start=false", "sft.val_at_end=false", "policy.max_total_sequence_length=256"]
-    first = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
-    assert first["step"] == 2 and (tmp_path / "ckpt" / "step_2" / "COMPLETE").is_file()
+    kill_after_save(2)
+    with pytest.raises(kill_after_save.error):
+        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", *overrides))
+    assert (tmp_path / "ckpt" / "step_2" / "COMPLETE").is_file()
+    monkeypatch.undo()
     second = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=3", *overrides))
     assert second["step"] == 3
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "logs" / "metrics.jsonl")
-             if json.loads(line)["prefix"] == "train"]
-    assert steps == [1, 2, 3]  # the second run started at step 3, not 1
+    records = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    # The second run started at step 3, not 1; step 2, which it does not log again, was logged
+    # before its save (after it, the kill lost it). The save's time is a record of its own after
+    # the save: the kill lost step 2's, the resumed run's save of step 3 has one.
+    assert [r["step"] for r in records if r["prefix"] == "train"] == [1, 2, 3]
+    assert [r["step"] for r in records if r["prefix"] == "train/timing" and r["checkpoint"] > 0] == [3]
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["index"] == 3 * 8
     # Other training rows (a larger validation split) cannot continue at the saved position: the

@@ -1,5 +1,6 @@
 """CheckpointManager: layout, top-k, resume, signature guard, start_fresh, atomicity under crashes."""
 
+import contextlib
 import errno
 import json
 import os
@@ -661,7 +662,8 @@ def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_fir
             return {"loss": 1.0, "num_tokens": 8.0}
 
     logger = SimpleNamespace(start_progress=lambda *a: None, update_progress=lambda *a: None, plot=lambda: None,
-                             console=lambda m: None, log_metrics=lambda m, step, prefix: None)
+                             console=lambda m: None, log_metrics=lambda m, step, prefix: None,
+                             timed_save=lambda step: contextlib.nullcontext())
     cfg = load_config("sft", None, ["sft.val_period=1", "sft.val_at_start=false"])
     s = SimpleNamespace(run=SimpleNamespace(policy=Policy(), logger=logger, checkpointer=mgr), cfg=cfg,
                         loader=RowLoader([{"i": i} for i in range(10)], 2), loss_fn=None, start_step=0, total_steps=5)

@@ -4,6 +4,7 @@ import json
 import math
 import struct
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,6 +97,38 @@ def test_tensorboard_event_reader(tmp_path):
     # The config in the text tab as config.yaml has it (non-ASCII text as written, not escaped).
     (text,) = acc.Tensors("config/text_summary")
     assert text.tensor_proto.string_val[0].decode() == "```\n" + (tmp_path / "config.yaml").read_text() + "```"
+
+
+def test_a_saves_time_is_train_timing_checkpoint_in_every_backend_and_a_record_of_its_own(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from posttrain.logging.jsonl import read_metrics
+    from posttrain.logging.plots import series_from_records
+
+    clock = iter([10.0, 12.5, 20.0])
+    monkeypatch.setattr("posttrain.logging.time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    cfg = _cfg(jsonl_enabled=True, tensorboard_enabled=True, mlflow_enabled=True)
+    with Logger(cfg, tmp_path) as logger:
+        logger.log_metrics({"loss": 0.5, "timing/training": 1.0}, step=2)
+        with logger.timed_save(2):
+            pass
+        with pytest.raises(OSError), logger.timed_save(3):  # a save that failed took no time to show
+            raise OSError("disk full")
+        series = series_from_records(logger._records)
+        mlflow_backend = logger._backends[-1]
+    # metrics.jsonl: still one `train` record per step, the save's seconds beside it.
+    assert [(r["prefix"], r["step"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        ("train", 2), ("train/timing", 2)]
+    assert read_metrics(tmp_path / "metrics.jsonl")[1]["checkpoint"] == 2.5
+    # Everywhere else the same name as the step's other phases; timing.png stacks it with them.
+    assert series["train/timing/checkpoint"] == {2: 2.5} and series["train/timing/training"] == {2: 1.0}
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/timing/checkpoint")] == [(2, 2.5)]
+    history = MlflowClient(tracking_uri=mlflow_backend.tracking_uri).get_metric_history(
+        mlflow_backend.run_id, "train/timing/checkpoint")
+    assert [(m.step, m.value) for m in history] == [(2, 2.5)]
 
 
 def test_mlflow_client_reads_back(tmp_path):
