@@ -15,6 +15,7 @@ Prompts follow the rules of training rows (`posttrain.data.processors`): BOS by
 from __future__ import annotations
 
 import numbers
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -86,6 +87,9 @@ class RolloutResult:
     batch: BatchedDataDict  # input_ids/token_mask/generation_logprobs [B, S]; input_lengths, rewards, truncated [B]
     conversations: list[Conversation]
     metrics: dict[str, float]
+    # Seconds in the engine's generate calls alone, over every turn: not the environments' scoring,
+    # the tokenizing between turns, nor a refit before (generation_tokens_per_s divides by it).
+    generate_s: float = 0.0
 
 
 def render_prompt(
@@ -296,6 +300,7 @@ def run_rollouts(
     convs = start_conversations(tokenizer, rows, add_bos, add_generation_prompt=add_generation_prompt)
     progress = {"global_step": global_step, "max_steps": max_steps}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generate_s = 0.0
     for turn in range(max_turns):
         last_turn = turn == max_turns - 1  # every conversation ends after it, whatever its environment says
         active = [c for c in convs if not c.done]
@@ -306,7 +311,9 @@ def run_rollouts(
             input_lengths=torch.tensor([len(c.tokens) for c in active], dtype=torch.long),
             stop_strings=[c.stop_strings for c in active],
         )
+        start = time.perf_counter()
         out = generation.generate(gen_in, greedy=greedy)
+        generate_s += time.perf_counter() - start
         # Whole tensors to lists and one batch_decode: per-row tensor slicing and decoding cost
         # more than the generation itself for hundreds of short completions.
         ids, lps = out["output_ids"].tolist(), out["logprobs"].tolist()
@@ -380,7 +387,7 @@ def run_rollouts(
         env_errors=torch.tensor([c.env_errors > 0 for c in convs], dtype=torch.bool),
         response_lengths=torch.tensor([c.response_tokens for c in convs], dtype=torch.float32),
     )
-    return RolloutResult(batch=batch, conversations=convs, metrics=summarize_rollouts(convs))
+    return RolloutResult(batch=batch, conversations=convs, metrics=summarize_rollouts(convs), generate_s=generate_s)
 
 
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:

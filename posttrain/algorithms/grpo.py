@@ -569,6 +569,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                     rollout = rollouts_of(prompts, step)
                     policy.finish_generation()
             step_convs += rollout.conversations
+            rollout_metrics["generate_s"] = rollout_metrics.get("generate_s", 0.0) + rollout.generate_s
             for k, v in refit.items():  # seconds and counts add up over the rounds
                 rollout_metrics[k] = rollout_metrics.get(k, 0.0) + v
             batch = rollout.batch
@@ -675,13 +676,12 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # ---- metrics (before the checkpoint: a run killed once it is saved resumes after this step,
         # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
         step_time = time.monotonic() - step_start
-        timing = timer.metrics(prefix="")
         metrics = {
             **rollout_metrics,
             **train_metrics,
-            # async: the rollouts' own time (most of it overlapped training; timing/generation is the wait)
-            "generation_tokens_per_s": rollout_metrics["generated_tokens"]
-            / rollout_metrics.get("rollout_s", timing["generation"]),
+            # Over the engine's generate calls alone: timing/generation also holds the environments'
+            # scoring and (colocated) the refit, and async's is the wait for rollouts made meanwhile.
+            "generation_tokens_per_s": rollout_metrics["generated_tokens"] / max(rollout_metrics["generate_s"], 1e-9),
             "total_tokens_per_s": float(batch["input_lengths"].sum()) / step_time,
             "step_time_s": step_time,
         }

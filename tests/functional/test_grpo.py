@@ -143,6 +143,10 @@ def test_three_steps_have_sane_metrics(arithmetic_run):
         assert math.isfinite(r["grad_norm"]) and r["grad_norm"] >= 0
         for phase in ("generation", "logprobs", "training"):
             assert r[f"timing/{phase}"] > 0
+        # The engine's speed over its generate calls alone: the generation phase holds the refit and
+        # the environments' scoring too.
+        assert 0 < r["generate_s"] < r["timing/generation"]
+        assert r["generation_tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["generate_s"])
     val = _records(tmp / "logs", "val")
     assert [r["step"] for r in val] == [0, 2, 3]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in val)

@@ -163,6 +163,31 @@ def test_run_rollouts_renders_every_prompt_by_add_generation_prompt(tok, add_gen
     assert second == f"{first}1<|end|><|user|>again<|end|>{header}"
 
 
+def test_generate_s_counts_the_engines_calls_and_not_the_environments_scoring(tok, monkeypatch):
+    # GRPO's generation_tokens_per_s divides by generate_s: it divided by the whole generation
+    # phase, which holds the environments' scoring (and, colocated, the refit), and understated
+    # the engine's speed by as much as the scoring took.
+    from types import SimpleNamespace
+
+    now = [0.0]
+    monkeypatch.setattr("posttrain.rollouts.time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Slow(_EchoGeneration):
+        def generate(self, batch, greedy=False):
+            now[0] += 2.0
+            return super().generate(batch, greedy)
+
+    class SlowScoring(_OneMoreTurnEnv):
+        def step(self, message_logs, metadata):
+            now[0] += 5.0
+            return super().step(message_logs, metadata)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(Slow(tok), rows, {"t": SlowScoring(turns=3)}, tok, max_turns=3, max_seq_len=200)
+    assert result.conversations[0].turns == 3 and now[0] == 3 * (2.0 + 5.0)
+    assert result.generate_s == 3 * 2.0
+
+
 @pytest.mark.parametrize("eos", [True, False])
 def test_multi_turn_tokens_are_the_chat_template_of_the_conversation(tok, eos):
     # Whether a turn ended with the model's EOS or at a stop string, the next turn sees the
