@@ -972,11 +972,13 @@ class LoggerConfig(Section):
     """Where and how a run reports: the run directory and the logging backends."""
 
     # The run directory: metrics.jsonl, config.yaml, samples, plots/ and the backends' files. A
-    # resumed run continues them (metrics.jsonl, TensorBoard and the plots drop what the stopped
-    # run logged after the checkpoint it resumes from) and logs into the stopped run's W&B and
-    # MLflow runs (ids in tracker_runs.json); a run that starts over (no checkpoint to resume)
-    # first moves an earlier run's metrics.jsonl, samples.jsonl, config.yaml, plots/,
-    # tensorboard/, tracker_runs.json and final export hf/ into log_dir/previous-<time>/.
+    # resumed run continues them (metrics.jsonl, samples.jsonl, TensorBoard and the plots drop
+    # what the stopped run logged after the checkpoint it resumes from; W&B and MLflow, which
+    # cannot delete a logged value, keep it beside the steps logged again) and logs into the
+    # stopped run's W&B and MLflow runs (ids in tracker_runs.json); a run that starts over (no
+    # checkpoint to resume) first moves an earlier run's metrics.jsonl, samples.jsonl,
+    # config.yaml, plots/, tensorboard/, tracker_runs.json and final export hf/ into
+    # log_dir/previous-<time>/.
     log_dir: str = "logs"
     _log_dir_is_a_folder = field_validator("log_dir")(output_folder)
     # Validation samples (prompt, response, reward) printed to the console at each validation.

@@ -112,7 +112,8 @@ class Logger:
         those lines, TensorBoard hides those events and the plots leave them out; what this run
         logs again at a step the stopped run's records keep (the data counts every start logs at
         step 0) is not written twice. The W&B and MLflow runs of the stopped run are continued
-        rather than new ones started."""
+        rather than new ones started; their stores cannot delete a logged value, so the steps the
+        stopped run logged after the checkpoint stay there beside the ones logged again."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)

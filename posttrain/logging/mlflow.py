@@ -8,6 +8,8 @@ with artifacts in `<run_dir>/mlflow/artifacts`. Browse with
 continues the stopped run's MLflow run (by its id) when the store still has it. MLflow
 parameters cannot change within a run, so a resumed run whose config differs logs only the
 parameters that are new and names the changed ones in a warning (config.yaml has them all).
+The steps the stopped run logged after the checkpoint, logged again, keep both values: MLflow's
+API cannot delete a logged metric value (metrics.jsonl, TensorBoard and the plots show one).
 """
 
 from __future__ import annotations

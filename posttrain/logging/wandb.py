@@ -7,6 +7,11 @@ step that wandb has already seen (a resumed run, validation after training at on
 is kept rather than dropped. A resumed run continues the stopped run's W&B run (its id,
 `resume="allow"`); offline, each process writes its own `offline-run-*` folder with that
 id, and `wandb sync` uploads them in order into the one run.
+
+The steps the stopped run logged after the checkpoint a run resumes from, logged again, show
+twice on the `global_step` axis: W&B's history is append-only. Its rewind
+(`wandb.init(resume_from="<id>?_step=<n>")`) is not used: beta, online only, and on W&B's own
+internal `_step`. metrics.jsonl, TensorBoard and the plots show each step once.
 """
 
 from __future__ import annotations
