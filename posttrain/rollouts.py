@@ -25,18 +25,23 @@ import torch
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import encode_continuation, render_chat, with_bos
 from posttrain.environments.interfaces import (
+    CORRECT_KEY,
     ENV_ERROR_KEY,
     ENV_METRICS_KEY,
     REWARD_COMPONENTS_KEY,
     ROLLOUT_KEY,
     TOOL_CALLS_KEY,
+    verdict,
 )
+from posttrain.evals import accuracy
 
 
 # A row's prompt tokens as `render_prompt` gives them, under the run's data.add_bos and
 # data.add_generation_prompt (GRPO's setup renders every prompt once to check its length and
 # keeps the result here): a step then copies them instead of rendering the chat template again.
 PROMPT_IDS_KEY = "_prompt_ids"
+# Metadata keys of a step's result that the next step of the conversation is not given.
+_NOT_PASSED_ON = (ENV_ERROR_KEY, CORRECT_KEY)
 
 
 class _EnvGroup(Protocol):
@@ -59,6 +64,8 @@ class Conversation:
     row_stop_strings: list[str] | None = None  # the row's own: every turn's unless the environment sets others
     tools: list[dict] | None = None  # JSON schemas the chat template renders (the row's "tools")
     reward: float = 0.0
+    # The environment's verdict of its last step (CORRECT_KEY): True, False, None (not judged).
+    correct: bool | None = None
     done: bool = False
     truncated: bool = False
     prompt_truncated: bool = False  # the engine cut its prompt from the left (overlong_prompt=truncate)
@@ -339,9 +346,10 @@ def run_rollouts(
             by_task[c.task_name].append(c)
         for task, group in by_task.items():
             # An earlier turn's error stays out of what the environment sees, so that one echoing its
-            # metadata back (or returning None for it) does not count that error again.
+            # metadata back (or returning None for it) does not count that error again; so does a
+            # verdict (a row's own key too): the conversation's is its last step's.
             ret = envs[task].step([c.messages for c in group],
-                                  [{**{key: v for key, v in c.metadata.items() if key != ENV_ERROR_KEY},
+                                  [{**{key: v for key, v in c.metadata.items() if key not in _NOT_PASSED_ON},
                                     # A truncated answer ends the conversation too (below): an environment
                                     # holding the score for a later turn must score it now.
                                     ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
@@ -350,8 +358,9 @@ def run_rollouts(
             for k, c in enumerate(group):
                 c.reward += float(ret.rewards[k])
                 earlier_error, returned = c.metadata.get(ENV_ERROR_KEY), ret.metadata[k]
+                c.correct = verdict(returned)
                 if returned is not None:
-                    c.metadata = {key: v for key, v in returned.items() if key != ROLLOUT_KEY}
+                    c.metadata = {key: v for key, v in returned.items() if key not in (ROLLOUT_KEY, CORRECT_KEY)}
                 if returned is not None and returned.get(ENV_ERROR_KEY):
                     c.env_errors += 1
                 elif earlier_error:
@@ -391,8 +400,9 @@ def run_rollouts(
 
 
 def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
-    """Means over conversations (a step's rollouts, over all its generation rounds): the reward and
-    the share with a reward > 0 (accuracy), lengths and turns, plus each reward component's mean
+    """Means over conversations (a step's rollouts, over all its generation rounds): the reward, the
+    share of the judged ones their environment judged correct (accuracy; left out when none was
+    judged, see `posttrain.environments.interfaces`), lengths and turns, plus each reward component's mean
     as reward/<name> (over the samples a list of reward functions scored, less those a TRL
     function returned None for), each environment metric's
     mean as env/<name> (over the samples that have it as a number) and, when the model had tools, the turns
@@ -410,9 +420,10 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
                 if _is_number(value):
                     out[name].append(float(value))
     tool_calls = [float(v) if _is_number(v := (c.metadata or {}).get(TOOL_CALLS_KEY, 0)) else 0.0 for c in convs]
+    share_correct = accuracy([c.correct for c in convs])
     return {
         "reward": sum(c.reward for c in convs) / n,
-        "accuracy": sum(c.reward > 0 for c in convs) / n,
+        **({"accuracy": share_correct} if share_correct is not None else {}),
         "response_length_mean": sum(lengths) / n,
         "response_length_max": float(max(lengths)),
         "truncation_rate": sum(c.truncated for c in convs) / n,

@@ -767,6 +767,13 @@ class EnvWorkerConfig(Section):
     target: str | list[str] | None = None
     # Weights of a list of reward functions in `target` (null: 1 each).
     reward_weights: list[float] | None = None
+    # When the reward functions in `target` judge a sample correct, for accuracy and pass@k:
+    # {function: minimum value}, every one named at least its minimum (a function by its name,
+    # as in train/reward/<function>; e.g. {exact: 1.0} leaves a format bonus out of correctness).
+    # A function that returned None (TRL's "not applicable") leaves the sample unjudged. null:
+    # the functions judge nothing, and their samples stay out of accuracy and pass@k (a positive
+    # reward, partial credit included, is no verdict).
+    correct_at_least: dict[str, float] | None = None
     # Python functions ("file.py:fn" or "module:fn", with type hints and a docstring) the model may
     # call before the reward functions in `target` score its final answer: the chat template is
     # given their JSON schemas, a call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>
@@ -783,6 +790,10 @@ class EnvWorkerConfig(Section):
 
     @model_validator(mode="after")
     def _tools_and_weights_need_reward_functions(self) -> "EnvWorkerConfig":
+        if self.correct_at_least is not None and (self.target is None or not self.correct_at_least):
+            raise ValueError("correct_at_least: a non-empty {function: minimum} of the reward functions in target "
+                             "(a built-in environment judges its samples itself; an environment class sets "
+                             "posttrain.environments.CORRECT_KEY in its metadata)")
         if self.tools is not None and (self.target is None or not self.tools):
             raise ValueError("tools: a non-empty list of tool functions, for the reward functions in target "
                              "(a built-in environment runs none; an environment class lists its own in its `tools` "

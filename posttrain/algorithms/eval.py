@@ -7,7 +7,8 @@
    generation backend `policy.generation.backend` loaded from `policy.model_name`, in batches
    of `policy.generation_batch_size` samples, through the same rollout code as GRPO;
 3. each sample scored by the environment its row names (`task_name`: "math", "arithmetic",
-   ...), which also extracts the final answer that cons@k votes over;
+   ...), which also extracts the final answer that cons@k votes over and judges it correct
+   or not (`CORRECT_KEY`; samples it does not judge are left out of the metrics);
 4. `results.json` (pass@k and cons@k for every k <= n, counts, timing, the config),
    `samples.jsonl` (one line per sample) and `pass_at_k.png` (the curves, when
    `logger.plots_enabled`) in `eval.save_path`, else `logger.log_dir`; the files of an earlier
@@ -31,7 +32,7 @@ import torch
 from posttrain.config import InputError
 from posttrain.data.formats import row_name
 from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
-from posttrain.evals import aggregate
+from posttrain.evals import accuracy, aggregate
 from posttrain.schemas import EvalMasterConfig
 
 # Metadata key under which each sample's extracted answer travels through the rollout.
@@ -174,7 +175,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "extracted_answer": conv.metadata.get(ANSWER_KEY),
         "reference_answer": row.get("answer"),  # None for rows scored by tests (code)
         "reward": conv.reward,
-        "correct": conv.reward > 0,
+        "correct": conv.correct,  # the environment's verdict; None: not judged (left out of the metrics)
         "truncated": conv.truncated,
         "prompt_truncated": conv.prompt_truncated,  # cut from the left (overlong_prompt=truncate)
         "response_tokens": conv.response_tokens,
@@ -218,8 +219,8 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
             records += batch
             samples_file.writelines(json.dumps(r, default=str) + "\n" for r in batch)
             samples_file.flush()
-            s.logger.log_metrics(
-                {"accuracy_so_far": sum(r["correct"] for r in records) / len(records), "samples": len(records)},
+            s.logger.log_metrics(  # an accuracy of None (nothing judged yet) is not logged
+                {"accuracy_so_far": accuracy([r["correct"] for r in records]), "samples": len(records)},
                 step=b + 1, prefix="eval",
             )
     s.generation.finish_generation()
@@ -235,7 +236,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         **metrics,
         "num_tests_per_prompt": n,
         "greedy": s.greedy,
-        "num_correct": sum(r["correct"] for r in records),
+        "num_correct": sum(r["correct"] is True for r in records),
         "num_truncated": sum(r["truncated"] for r in records),
         "num_prompt_truncated": sum(r["prompt_truncated"] for r in records),
         "num_no_answer": sum(r["extracted_answer"] is None for r in records),
@@ -251,6 +252,10 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "model": cfg.policy.model_name,
         "config": cfg.model_dump(mode="json"),
     }
+    if metrics["num_judged"] < len(records):
+        s.logger.console(f"{len(records) - metrics['num_judged']} of {len(records)} samples have no verdict from their "
+                         "environment (one without a notion of correct, or a failed verification): they are left out "
+                         "of accuracy, pass@k and cons@k (null when no prompt has enough judged samples)")
     (s.save_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     if cfg.logger.plots_enabled:
         from posttrain.logging.plots import plot_pass_at_k

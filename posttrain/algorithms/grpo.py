@@ -44,7 +44,7 @@ from posttrain.data.processors import collate, load_policy_tokenizer, naming_row
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
-from posttrain.evals import pass_at_k
+from posttrain.evals import mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -253,7 +253,8 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
 
 
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
-    """Accuracy (share of samples with positive reward) on the held-out rows; pass@k with several samples."""
+    """Accuracy (share of the judged held-out samples their environment judged correct) and the
+    mean reward; pass@k with several samples (over the prompts with k judged samples)."""
     g = s.cfg.grpo
     n = g.num_val_generations_per_prompt
     rows = [r for r in s.val_rows for _ in range(n)]
@@ -271,16 +272,16 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         convs += out.conversations
     if colocated:
         s.policy.finish_generation()
-    r = torch.cat(rewards)
-    correct = (r > 0).view(-1, n)
-    # In float64: a float32 mean of 180 of 200 is 0.8999999762, which misses a 0.9 threshold.
-    metrics = {"accuracy": float(correct.double().mean()), "reward": float(r.double().mean()),
+    # In float64, as accuracy (a ratio of counts): a float32 mean of 180 of 200 is 0.8999999762,
+    # which misses a 0.9 threshold.
+    metrics = {"reward": float(torch.cat(rewards).double().mean()),
                **{k: v for k, v in summarize_rollouts(convs).items()
-                  if k.startswith(("reward/", "env/")) or k == "tool_calls_mean"}}
+                  if k.startswith(("reward/", "env/")) or k in ("accuracy", "tool_calls_mean")}}
     if n > 1:
-        counts = correct.sum(dim=1).tolist()
+        per_prompt = [[c.correct for c in convs[p : p + n]] for p in range(0, len(convs), n)]
         for k in sorted({1, n}):
-            metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+            if (value := mean_pass_at_k(per_prompt, k)) is not None:
+                metrics[f"pass@{k}"] = value
     s.logger.print_samples([
         {"prompt": c.question, "response": c.response, "reward": c.reward}
         for c in convs[: s.cfg.logger.num_val_samples_to_print]

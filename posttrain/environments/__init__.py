@@ -30,6 +30,7 @@ _EXPORTS = {
     "EnvironmentReturn": "interfaces",
     "PerSampleEnvironment": "interfaces",
     "StepResult": "interfaces",
+    "CORRECT_KEY": "interfaces",
     "ArithmeticEnvironment": "arithmetic",
     "CodeEnvironment": "code",
     "MathEnvironment": "math",

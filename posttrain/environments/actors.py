@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentInterface, EnvironmentReturn
+from posttrain.environments.interfaces import (
+    CORRECT_KEY,
+    ENV_ERROR_KEY,
+    EnvironmentInterface,
+    EnvironmentReturn,
+    is_verdict,
+)
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
@@ -74,6 +80,9 @@ def _contract_violation(ret: Any, n: int) -> str | None:
     for i, m in enumerate(ret.metadata):
         if m is not None and not isinstance(m, dict):
             return f"metadata[{i}] = {m!r:.80}, not a dict"
+        # A reward in the verdict's place would count partial credit as correct again.
+        if m is not None and not is_verdict(m.get(CORRECT_KEY)):
+            return f"metadata[{i}][{CORRECT_KEY!r}] = {m[CORRECT_KEY]!r:.80}, not True, False or None"
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
         if not bool(ret.terminateds[i]) and not (_is_message(obs) or (
                 isinstance(obs, list) and obs and all(map(_is_message, obs)))):

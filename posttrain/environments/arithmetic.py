@@ -1,5 +1,6 @@
 """`arithmetic`: the embedded synthetic task (`posttrain.data.arithmetic`): reward 1 when the
-model's last message is exactly the row's answer ("12+34=" -> "46"), else 0.
+model's last message is exactly the row's answer ("12+34=" -> "46"), else 0; the verdict
+(`CORRECT_KEY`) says the same.
 
 With `env.arithmetic.cfg.strip_response` (default) whitespace around the response is
 ignored; the answer must otherwise match character for character ("46." or "046" score 0),
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
+from posttrain.environments.interfaces import CORRECT_KEY, PerSampleEnvironment, StepResult, last_assistant_text
 from posttrain.schemas import ArithmeticEnvConfig, EnvWorkerConfig
 
 
@@ -33,6 +34,6 @@ class ArithmeticEnvironment(PerSampleEnvironment):
             observation="Environment: correct" if correct else "Environment: incorrect",
             reward=1.0 if correct else 0.0,
             terminated=True,
-            metadata=metadata,
+            metadata={**metadata, CORRECT_KEY: correct},
             answer=response,
         )

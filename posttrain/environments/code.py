@@ -19,6 +19,10 @@ passes (`env.code.cfg.reward: all`) or the fraction that pass (`fraction`).
   passes, `max_attempts`, the rollout's turns, or the context filled up): each turn's reward is
   its attempt's score less the previous attempt's, and a conversation's turns add up. Only a
   row without tests or a harness that returns nothing counts in `env_errors`.
+- Verdict (`CORRECT_KEY`), in both reward modes: correct when every test of the attempt
+  passes. With `fraction` a program that passes some tests earns their share of the reward
+  but counts as wrong in accuracy and pass@k; over several attempts the last one's verdict is
+  the conversation's.
 - Not a security sandbox: the program runs as the user running posttrain, with that user's
   network and files. Train on untrusted tasks inside a container.
 """
@@ -36,6 +40,7 @@ import tempfile
 from typing import Any
 
 from posttrain.environments.interfaces import (
+    CORRECT_KEY,
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
@@ -156,5 +161,6 @@ class CodeEnvironment(PerSampleEnvironment):
         # the context, not max_attempts, ended the conversation.)
         score = passed / total if self.cfg.reward == "fraction" else float(passed == total)
         return StepResult(observation=observation, reward=score - float(metadata.get("score", 0.0)), terminated=done,
-                          metadata={**metadata, "tests_passed": passed, "attempt": attempt, "score": score},
+                          metadata={**metadata, "tests_passed": passed, "attempt": attempt, "score": score,
+                                    CORRECT_KEY: passed == total},
                           answer=program)

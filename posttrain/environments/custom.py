@@ -48,6 +48,7 @@ from typing import Any
 
 from posttrain.config import ConfigError, MissingInputError
 from posttrain.environments.interfaces import (
+    CORRECT_KEY,
     ENV_METRICS_KEY,
     LOG_EXTRA_KEY,
     REWARD_COMPONENTS_KEY,
@@ -133,7 +134,12 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
     sum_i weight_i * fn_i(response, metadata). With more than one function each value is kept in
     the sample's metadata (`REWARD_COMPONENTS_KEY`). A function that raises or returns no number
     scores the sample 0 and records the error (PerSampleEnvironment). Without tools every sample
-    ends after one answer; with tools, turns that call them come first (module docstring)."""
+    ends after one answer; with tools, turns that call them come first (module docstring).
+
+    The verdict (`CORRECT_KEY`) comes from `env.<name>.correct_at_least` ({function: minimum}):
+    correct when every function named there scored at least its minimum, so a format bonus or
+    partial credit alone is not correct; a turn that calls tools is not an answer (wrong, should
+    the conversation end there). Without it the functions judge nothing (no verdict)."""
 
     def __init__(self, cfg: EnvWorkerConfig, fns: dict[str, Callable[..., float]], weights: list[float],
                  name: str, tools: dict[str, Callable[..., Any]] | None = None):
@@ -142,6 +148,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         self.trl = {label for label, fn in fns.items() if is_trl_reward_function(fn)}
         self.tools, self.max_tool_calls = tools or {}, cfg.max_tool_calls
         self.tool_timeout_s = cfg.tool_timeout_s
+        self.correct_at_least = cfg.correct_at_least
         # With a time limit each call runs in a child process, which gets the tool pickled by
         # value: its file is not importable there by the name it was loaded under.
         self._runner = SubprocessRunner(warmup=import_cloudpickle) if self.tools and self.tool_timeout_s else None
@@ -206,7 +213,8 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
             results = [{"role": "tool", "content": self._call_tool(c), "name": c.name, "tool_call_id": i}
                        for c, i in zip(calls, ids)]
             return StepResult(observation=results, reward=0.0, terminated=False,
-                              metadata={**metadata, TOOL_CALLS_KEY: used + 1},
+                              metadata={**metadata, TOOL_CALLS_KEY: used + 1,
+                                        **({CORRECT_KEY: False} if self.correct_at_least else {})},
                               tool_calls=[c.message(i) for c, i in zip(calls, ids)])
         context = {"prompt": _prompt_text(messages), "messages": messages}
         values = {}
@@ -235,6 +243,9 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         reward = sum(w * v for w, v in zip(self.weights, values.values()) if v is not None)
         if len(values) > 1:
             metadata = {**metadata, REWARD_COMPONENTS_KEY: values}
+        if self.correct_at_least:
+            needed = [(values[label], least) for label, least in self.correct_at_least.items()]
+            metadata[CORRECT_KEY] = None if any(v is None for v, _ in needed) else all(v >= m for v, m in needed)
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
 
 
@@ -416,12 +427,20 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         if cfg.tools:
             raise ConfigError(f"env.{name}.tools: tools go with reward functions; the environment class "
                               f"{objs[0].__name__} runs its own (its `tools` attribute)")
+        if cfg.correct_at_least:
+            raise ConfigError(f"env.{name}.correct_at_least goes with reward functions; the environment class "
+                              f"{objs[0].__name__} judges its samples itself (posttrain.environments.CORRECT_KEY "
+                              "in the metadata it returns)")
         return objs[0]
     fns: dict[str, Callable[..., float]] = {}
     for spec, obj in zip(specs, objs):
         label = spec.rpartition(":")[2]
         label = label if label not in fns else f"{label}_{len(fns)}"  # the same function twice
         fns[label] = _reward_function(obj, spec, key)
+    unknown = sorted(set(cfg.correct_at_least or {}) - set(fns))
+    if unknown:
+        raise ConfigError(f"env.{name}.correct_at_least names {unknown}, which are not reward functions of "
+                          f"{key}; they are: {', '.join(fns)}")
     tools, _ = load_tools(name, cfg)
     return functools.partial(RewardFunctionEnvironment, fns=fns, weights=weights or [1.0] * len(fns), name=name,
                              tools=tools)

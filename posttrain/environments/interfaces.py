@@ -6,6 +6,18 @@ is the model's) and the sample's metadata (for RL rows: the row's `metadata` plu
 `answer`), and returns an `EnvironmentReturn`. The metadata returned for a sample is what
 the next `step` of a multi-turn conversation receives. A sample whose verification failed
 carries `metadata["env_error"]` (the error text); the rollout counts these as `env_errors`.
+
+Correctness is the environment's verdict, not the reward's sign: a sample is correct when
+its returned metadata has `metadata["env_correct"] = True` (`CORRECT_KEY`), wrong when False,
+and unjudged when the key is missing or None. The reward is what training optimises and may
+give partial credit (a fraction of tests, a format bonus, a reward model's score); the
+verdict is what `accuracy`, pass@k and cons@k count (`posttrain.evals`). Samples without a
+verdict are left out of those metrics, never counted by their reward: an environment with no
+notion of a right answer (the reward model), a user's environment that sets no verdict, a
+sample whose verification failed (`env_error`: the sample was not judged), and reward
+functions without `env.<name>.correct_at_least`. Of a multi-turn conversation the verdict is
+its last step's: the rollout never passes a verdict on to the next step, so a step that sets
+none leaves the conversation unjudged.
 """
 
 from __future__ import annotations
@@ -40,6 +52,12 @@ ROLLOUT_KEY = "_rollout"
 # TRL reward functions write them with `log_metric` and `log_extra`.
 ENV_METRICS_KEY = "env_metrics"
 LOG_EXTRA_KEY = "log_extra"
+# Metadata key of a sample's verdict (module docstring): True correct, False wrong, None or
+# missing not judged. A metadata key like the ones above, not a field of StepResult and
+# EnvironmentReturn: metadata already carries every per-sample fact an environment reports,
+# through the actors, `concat` and `failed`, and an environment class of the user's sets it
+# without a new constructor argument.
+CORRECT_KEY = "env_correct"
 # What the user's code (a verifier, a reward function, a tool; often running the model's own
 # code) may raise and fail only its sample: SystemExit too (`exit()`, `sys.exit()`), which would
 # end the environment's Ray actor, lose its whole slice and, repeated, stop the run.
@@ -176,6 +194,20 @@ class PerSampleEnvironment(EnvironmentInterface):
             answers=[r.answer for r in results],
             tool_calls=[r.tool_calls for r in results] if any(r.tool_calls for r in results) else None,
         )
+
+
+def is_verdict(value: Any) -> bool:
+    """Whether `value` is a verdict `CORRECT_KEY` may hold: None, a bool, or a NumPy or torch
+    bool scalar (what `np.all(...)` gives). A number is not one: 1.0 or 0.5 is a reward."""
+    if value is None or isinstance(value, bool):
+        return True
+    return getattr(value, "shape", None) == () and "bool" in str(getattr(value, "dtype", ""))
+
+
+def verdict(metadata: dict[str, Any] | None) -> bool | None:
+    """The sample's verdict in `metadata` (`CORRECT_KEY`): True, False, or None (not judged)."""
+    value = (metadata or {}).get(CORRECT_KEY)
+    return None if value is None else bool(value)
 
 
 def _message(observation: str | dict[str, Any], role: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """`math`: reward 1 when the final answer of the model's last message equals the gold answer
-under math-verify (https://github.com/huggingface/Math-Verify), else 0.
+under math-verify (https://github.com/huggingface/Math-Verify), else 0; the verdict
+(`CORRECT_KEY`) says the same.
 
 - Final answer: the content of the last `\\boxed{...}` (or `\\fbox{...}`; `\\boxed 5`: the word
   after it), else the last number in the message (thousands separators removed; a fraction "3/4"
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
+from posttrain.environments.interfaces import CORRECT_KEY, PerSampleEnvironment, StepResult, last_assistant_text
 from posttrain.environments.math_answers import (
     extract_final_answer,
     gold_answer,
@@ -49,7 +50,7 @@ class MathEnvironment(PerSampleEnvironment):
             observation="Environment: correct" if correct else "Environment: incorrect",
             reward=1.0 if correct else 0.0,
             terminated=True,
-            metadata=metadata,
+            metadata={**metadata, CORRECT_KEY: bool(correct)},
             answer=pred,
         )
 

@@ -8,6 +8,10 @@ Conversations are scored in batches of `batch_size`; a conversation that cannot 
 (no assistant message, longer than `max_length` or the RM's positions) scores 0 and records
 the error.
 
+A score has no notion of a right answer, so the environment gives no verdict
+(`CORRECT_KEY`): its samples stay out of accuracy, pass@k and cons@k, whose share of
+positive scores meant nothing (a shift of the RM's logits changes it).
+
 Config (`env.reward_model.cfg`): `model_name` (an exported RM folder, e.g.
 `<log_dir>/hf` from `checkpointing.export_hf_at_end`), `chat_template` (the one the RM was
 trained with, when it is not saved with its tokenizer), `batch_size`, `max_length`,

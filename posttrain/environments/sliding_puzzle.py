@@ -10,7 +10,8 @@ Each turn the model answers with one move of the BLANK, written `<action>up</act
 and a final `<action>up` whose closing tag the backend dropped with the stop string counts).
 "up" swaps the blank with the tile above it. The environment answers with the new board,
 and generation stops at "</action>" (the next turn's stop string), so a small model only
-has to learn a short, fixed format. Reward 1 on the move that solves the board, else 0.
+has to learn a short, fixed format. Reward 1 on the move that solves the board, else 0; the
+verdict (`CORRECT_KEY`) of every turn is whether the board is solved.
 
 A game ends when it is solved, after `max_moves` moves, or on an invalid move (no action
 tag, an unknown word, a move off the board) when `terminate_on_invalid` (otherwise the
@@ -38,7 +39,7 @@ import random
 import re
 from typing import Any
 
-from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
+from posttrain.environments.interfaces import CORRECT_KEY, PerSampleEnvironment, StepResult, last_assistant_text
 from posttrain.schemas import EnvWorkerConfig, SlidingPuzzleEnvConfig
 
 TASK_NAME = "sliding_puzzle"
@@ -154,16 +155,16 @@ def teacher_game(board: Board, cfg: SlidingPuzzleEnvConfig, error_rate: float, r
 def play(board: Board, moves: int, action: str | None, cfg: SlidingPuzzleEnvConfig,
          metadata: dict[str, Any]) -> StepResult:
     """One turn: `action` (None: unreadable) on `board` after `moves` moves; the new state is
-    `metadata` updated with board, moves and solved."""
+    `metadata` updated with board, moves, solved and the verdict (solved)."""
     new_board = apply_move(board, action) if action is not None else None
     moves += 1
     if new_board is None:
         ended = cfg.terminate_on_invalid or moves >= cfg.max_moves
         text = f"Invalid move. Board:\n{render_board(board)}"
-        state = {**metadata, "board": board, "moves": moves, "solved": False}
+        state = {**metadata, "board": board, "moves": moves, "solved": False, CORRECT_KEY: False}
         return StepResult(text, 0.0, ended, state, action, None if ended else STOP_STRINGS)
     solved = new_board == solved_board(len(new_board))
-    state = {**metadata, "board": new_board, "moves": moves, "solved": solved}
+    state = {**metadata, "board": new_board, "moves": moves, "solved": solved, CORRECT_KEY: solved}
     if solved:
         return StepResult("Solved!", 1.0, True, state, action)
     if moves >= cfg.max_moves:

@@ -9,7 +9,9 @@ frog."); the reward is how often the continuation keeps that animal in the story
 where `mentions` counts whole-word, case-insensitive occurrences of the animal (or its
 plural) in the model's continuation. Base stories260K mentions the animal about once in
 40 tokens on average (mean reward ~0.3 with min_mentions=3), so every group has reward
-variance and GRPO gets a dense signal; a model that stays on topic scores 1.
+variance and GRPO gets a dense signal; a model that stays on topic scores 1. That is also
+the verdict (`CORRECT_KEY`): a story is correct when it reaches `min_mentions`; fewer
+mentions earn partial reward but count as wrong in accuracy and pass@k.
 
 Rows come from `make_story_rows(data_cfg, split)`: every (opening, animal) pair of the
 fixed lists below, a seeded `data.num_val`-sized subset for validation (capped at a quarter)
@@ -22,7 +24,7 @@ import random
 import re
 from typing import Any
 
-from posttrain.environments.interfaces import PerSampleEnvironment, StepResult, last_assistant_text
+from posttrain.environments.interfaces import CORRECT_KEY, PerSampleEnvironment, StepResult, last_assistant_text
 from posttrain.schemas import DataConfig, EnvWorkerConfig, StoryEnvConfig
 
 TASK_NAME = "story"
@@ -62,7 +64,7 @@ class StoryEnvironment(PerSampleEnvironment):
             observation=f"Environment: {mentions} mention(s) of {word}",
             reward=reward,
             terminated=True,
-            metadata=metadata,
+            metadata={**metadata, CORRECT_KEY: mentions >= self.cfg.min_mentions},
             answer=str(mentions),
         )
 

@@ -142,7 +142,9 @@ def plot_pass_at_k(results: dict[str, Any], path: Path) -> Path:
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.add_subplot()
     for name in ("pass", "cons"):
-        ax.plot(ks, [results[f"{name}@{k}"] for k in ks], marker="o", label=f"{name}@k")
+        # None: no prompt had k judged samples (posttrain.evals), a gap in the curve.
+        ax.plot(ks, [math.nan if results[f"{name}@{k}"] is None else results[f"{name}@{k}"] for k in ks],
+                marker="o", label=f"{name}@k")
     ax.set_ylim(0, 1.02)
     ax.set_xticks(ks)
     sampled = "greedy" if results.get("greedy") else f"{len(ks)} samples per prompt"

@@ -36,7 +36,10 @@ def _check_consistent(results, samples, num_prompts, n):
     assert results["num_correct"] == sum(s["correct"] for s in samples)
     assert results["accuracy"] == pytest.approx(results["num_correct"] / len(samples))
     assert results["num_truncated"] == sum(s["truncated"] for s in samples)
-    assert all(s["correct"] == (s["reward"] > 0) for s in samples)
+    # The environment's verdict, not reward > 0: these environments give full credit (1) exactly
+    # to a correct sample, and partial credit (a story's one mention of three) to a wrong one.
+    assert all(s["correct"] is (s["reward"] == 1.0) for s in samples)
+    assert results["num_judged"] == len(samples)
     assert results["num_env_errors"] == 0
     assert results["generated_tokens"] == sum(s["response_tokens"] for s in samples) > 0
 

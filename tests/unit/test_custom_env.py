@@ -329,6 +329,7 @@ def test_a_weighted_list_of_reward_functions(rewards_file):
              for m, r in zip(ret.metadata, ret.rewards.tolist())]
     metrics = summarize_rollouts(convs)
     assert metrics["reward"] == 1.75 and metrics["reward/exact"] == 0.5 and metrics["reward/long_enough"] == 0.5
+    assert "accuracy" not in metrics  # without correct_at_least the functions judge nothing
     with pytest.raises(ValueError, match="reward_weights has 1 weights for 2 reward functions"):
         _cfg([f"{rewards_file}:exact", f"{rewards_file}:exact"], reward_weights=[1.0])
     with pytest.raises(ValueError, match="reward_weights has 1 weights for no list of reward functions"):
@@ -641,3 +642,23 @@ def test_a_non_finite_value_scores_its_sample_0_without_reaching_the_logged_comp
              for m, r in zip(ret.metadata, ret.rewards.tolist())]
     metrics = summarize_rollouts(convs)
     assert metrics["reward/trl_nan_for_short"] == 1.0 and metrics["reward/exact"] == 1.0 and metrics["reward"] == 1.0
+
+
+def test_correct_at_least_judges_by_the_named_functions(rewards_file):
+    # A weighted list: the format bonus (long_enough) alone is no correct answer; an exact
+    # answer is, with or without the bonus.
+    from posttrain.environments.interfaces import verdict
+
+    cfg = _cfg([f"{rewards_file}:exact", f"{rewards_file}:long_enough"], reward_weights=[1.0, 0.5],
+               correct_at_least={"exact": 1.0})
+    env = resolve_env("mix", cfg)(cfg)
+    ret = env.step([convo("41"), convo("7"), convo("42")], [{"answer": "42"}, {"answer": "7"}, {"answer": "42"}])
+    assert ret.rewards.tolist() == [0.5, 1.0, 1.5]
+    assert [verdict(m) for m in ret.metadata] == [False, True, True]
+    with pytest.raises(ConfigError, match=r"correct_at_least names \['format'\], which are not reward functions.*"
+                                          r"they are: exact, long_enough"):
+        resolve_env("mix", _cfg(cfg.target, reward_weights=[1.0, 0.5], correct_at_least={"format": 1.0}))
+    with pytest.raises(ConfigError, match="correct_at_least goes with reward functions"):
+        resolve_env("echo", _cfg(f"{rewards_file}:Echo", correct_at_least={"exact": 1.0}))
+    with pytest.raises(ValueError, match="correct_at_least: a non-empty"):
+        EnvWorkerConfig(correct_at_least={"exact": 1.0})

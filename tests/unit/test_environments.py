@@ -817,3 +817,53 @@ def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_pa
                                          r"LlamaForSequenceClassification \(a reward model's folder holds no LM head, "
                                          r"a causal LM's no trained score head\)"):
         RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tiny_model_path)}))
+
+
+@pytest.mark.parametrize("mode", ["all", "fraction"])
+def test_code_verdict_is_whether_every_test_of_the_last_attempt_passes(mode):
+    # Over a multi-turn conversation: a half-right attempt is wrong in both reward modes (with
+    # `fraction` it earns 2/3), and the verdict follows the last attempt, right or worse.
+    from posttrain.environments.interfaces import verdict
+
+    env = _code_env(max_attempts=3, reward=mode)
+    half = "def add(a, b):\n    return a + b if a < 2 else 0"
+    first = env.step([_answer(half)], [{"tests": ADD_TESTS}])
+    assert first.rewards.item() == pytest.approx(2 / 3 if mode == "fraction" else 0.0)
+    assert verdict(first.metadata[0]) is False
+    verdicts = []
+    for program in ("def add(a, b):\n    return a + b", "def add(a, b):\n    return None"):
+        convo = _answer(half) + [{"role": "user", "content": first.observations[0]["content"]},
+                                 {"role": "assistant", "content": program}]
+        verdicts.append(verdict(env.step([convo], [first.metadata[0]]).metadata[0]))
+    assert verdicts == [True, False]
+
+
+def test_math_arithmetic_and_puzzle_verdicts():
+    from posttrain.environments.interfaces import verdict
+    from posttrain.environments.sliding_puzzle import play
+
+    math_env = MathEnvironment(EnvWorkerConfig())
+    ret = math_env.step([_answer("\\boxed{4}"), _answer("5")], [{"answer": "4"}, {"answer": "4"}])
+    assert [verdict(m) for m in ret.metadata] == [True, False]
+    math_env.close()
+    ret = ArithmeticEnvironment(EnvWorkerConfig()).step([_answer("46"), _answer("47")], [{"answer": "46"}] * 2)
+    assert [verdict(m) for m in ret.metadata] == [True, False]
+    cfg = SlidingPuzzleEnvConfig(size=2)
+    one_move = [[1, 2], [0, 3]]  # "right" solves it
+    assert verdict(play(one_move, 0, "right", cfg, {}).metadata) is True
+    assert verdict(play(one_move, 0, "up", cfg, {}).metadata) is False  # a valid move that does not solve
+    assert verdict(play(one_move, 0, None, cfg, {}).metadata) is False  # unreadable
+
+
+def test_a_verdict_that_is_not_a_bool_fails_the_slice_naming_it():
+    from posttrain.environments.actors import _contract_violation
+    from posttrain.environments.interfaces import CORRECT_KEY
+
+    def ret(value):
+        return EnvironmentReturn(observations=[{"role": "environment", "content": ""}], metadata=[{CORRECT_KEY: value}],
+                                 next_stop_strings=[None], rewards=torch.ones(1), terminateds=torch.ones(1, dtype=torch.bool),
+                                 answers=[None])
+
+    assert "['env_correct'] = 0.5, not True, False or None" in _contract_violation(ret(0.5), 1)
+    for ok in (True, False, None, torch.tensor(True)):
+        assert _contract_violation(ret(ok), 1) is None

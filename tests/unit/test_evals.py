@@ -94,3 +94,24 @@ def test_aggregate_rejects_ragged_samples():
         aggregate([["1"], ["1", "2"]], [[1.0], [1.0, 0.0]])
     with pytest.raises(ValueError, match="no prompts"):
         aggregate([], [])
+
+
+def test_samples_without_a_verdict_are_left_out():
+    # Prompt 1: judged True, unjudged, judged False; prompt 2: nothing judged (a reward model's).
+    answers = [["1", "1", "2"], ["3", "3", "3"]]
+    m = aggregate(answers, [[True, None, False], [None, None, None]])
+    assert m["accuracy"] == 0.5 and m["num_judged"] == 2 and m["num_samples"] == 6
+    assert m["pass@1"] == 0.5 and m["pass@2"] == 1.0 and m["pass@3"] is None  # prompt 1 has 2 judged samples
+    assert m["cons@1"] == 1.0 and m["cons@2"] == 1.0 and m["cons@3"] is None  # "1" vs "2": tie, "1" first
+    nothing = aggregate([["3"]], [[None]])
+    assert nothing["accuracy"] is None and nothing["pass@1"] is None and nothing["num_judged"] == 0
+
+
+def test_a_partial_reward_is_refused_as_a_verdict():
+    # Rewards passed as correctness flags counted partial credit as correct; 1 and 0 are verdicts.
+    for bad in (0.5, 0.2, -1.0, "yes"):
+        with pytest.raises(TypeError, match="a reward is no verdict"):
+            aggregate([["1"]], [[bad]])
+        with pytest.raises(TypeError, match="a reward is no verdict"):
+            cons_at_k(["1"], [bad], 1)
+    assert aggregate([["1"], ["2"]], [[1.0], [0]])["accuracy"] == 0.5

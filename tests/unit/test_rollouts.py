@@ -604,10 +604,11 @@ def test_step_accuracy_is_over_the_same_conversations_as_the_reward():
     from posttrain.rollouts import Conversation, summarize_rollouts
 
     rewards = [1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0, -1.0]  # a first round's all-correct group, then a mixed one
-    convs = [Conversation(messages=[], metadata={}, task_name="t", tokens=[], prompt_length=0, reward=r)
-             for r in rewards]
+    verdicts = [True, True, True, True, False, False, False, False]  # 0.5: partial credit, not correct
+    convs = [Conversation(messages=[], metadata={}, task_name="t", tokens=[], prompt_length=0, reward=r, correct=v)
+             for r, v in zip(rewards, verdicts)]
     metrics = summarize_rollouts(convs)
-    assert metrics["accuracy"] == 5 / 8 and metrics["reward"] == 3.5 / 8
+    assert metrics["accuracy"] == 4 / 8 and metrics["reward"] == 3.5 / 8
 
 
 def test_env_metrics_average_the_samples_that_report_a_number():
@@ -664,3 +665,129 @@ def test_a_sample_whose_environment_failed_stays_in_the_baseline_and_leaves_the_
     assert batch["sample_mask"].tolist() == ([1.0, 0.0, 1.0, 1.0] if mask else [1.0] * 4)
     # Baseline 0.5 over all four, the failed sample's 0 included.
     assert batch["advantages"].max(dim=1).values.tolist()[::3] == [0.5, 0.5]
+
+
+# Correctness is the environment's verdict, not reward > 0: each case's first row earns partial
+# credit (a positive reward), its second full credit; only the second is correct.
+_PROGRAM = "```python\ndef f(x):\n    return x\n```"
+
+
+def _code_case(tmp_path):
+    from posttrain.environments.code import CodeEnvironment
+    from posttrain.schemas import EnvWorkerConfig
+
+    env = CodeEnvironment(EnvWorkerConfig(cfg={"reward": "fraction"}))
+    half = {"tests": ["assert f(1) == 1", "assert f(2) == 3"]}  # 1 of 2 tests pass: reward 0.5
+    return env, _PROGRAM, [half, {"tests": ["assert f(1) == 1", "assert f(2) == 2"]}], [0.5, 1.0]
+
+
+def _story_case(tmp_path):
+    from posttrain.environments.story import StoryEnvironment
+    from posttrain.schemas import EnvWorkerConfig
+
+    env = StoryEnvironment(EnvWorkerConfig(cfg={"min_mentions": 3}))
+    # One mention of the cat (reward 1/3), three of the dog (1).
+    return env, "The dog saw a dog, a dog and a cat.", [{"answer": "cat"}, {"answer": "dog"}], [1 / 3, 1.0]
+
+
+def _weighted_functions_case(tmp_path):
+    from posttrain.environments import resolve_env
+    from posttrain.schemas import EnvWorkerConfig
+
+    path = tmp_path / "weighted_rewards.py"
+    path.write_text("def exact(response, metadata):\n    return float(response.strip() == metadata['answer'])\n\n"
+                    "def digits_only(response, metadata):\n    return float(response.strip().isdigit())\n")
+    cfg = EnvWorkerConfig(target=[f"{path}:exact", f"{path}:digits_only"], reward_weights=[1.0, 0.2],
+                          correct_at_least={"exact": 1.0})
+    # "42" for 41: the format bonus alone (0.2); for 42: both (1.2).
+    return resolve_env("weighted", cfg)(cfg), "42", [{"answer": "41"}, {"answer": "42"}], [0.2, 1.2]
+
+
+@pytest.mark.parametrize("case", [_code_case, _story_case, _weighted_functions_case])
+def test_partial_credit_is_not_correct_in_accuracy_and_pass_at_k(tok, tmp_path, case):
+    from posttrain.algorithms.eval import _AnswerRecorder, _sample_record
+    from posttrain.evals import aggregate, mean_pass_at_k
+    from posttrain.rollouts import summarize_rollouts
+
+    env, reply, metadata, rewards = case(tmp_path)
+    rows = [{"messages": [{"role": "user", "content": "q"}], "task_name": "t", "metadata": m} for m in metadata]
+    # As eval runs it: the recorder keeps each answer for cons@k's vote.
+    out = run_rollouts(_EchoGeneration(tok, replies=(reply,)), rows, {"t": _AnswerRecorder(env)}, tok, max_turns=1,
+                       max_seq_len=512)
+    assert out.batch["rewards"].tolist() == pytest.approx(rewards)  # the partial one has a positive reward
+    assert [c.correct for c in out.conversations] == [False, True]
+    assert out.metrics["accuracy"] == 0.5  # was 1.0: every reward is > 0
+    assert summarize_rollouts(out.conversations)["accuracy"] == 0.5
+    records = [_sample_record(p, 0, row, c) for p, (row, c) in enumerate(zip(rows, out.conversations))]
+    assert [r["correct"] for r in records] == [False, True]
+    m = aggregate([[r["extracted_answer"]] for r in records], [[r["correct"]] for r in records])
+    assert m["accuracy"] == m["pass@1"] == m["cons@1"] == 0.5 and m["num_judged"] == 2
+    # GRPO's validation: 2 samples of one prompt, one partial: pass@1 0.5, pass@2 1.
+    both = [[c.correct for c in out.conversations]]
+    assert mean_pass_at_k(both, 1) == 0.5 and mean_pass_at_k(both, 2) == 1.0
+    assert mean_pass_at_k([[out.conversations[0].correct] * 2], 2) == 0.0  # two partial samples pass nothing
+
+
+def test_a_reward_models_score_is_no_verdict(tok, tiny_model_path, tmp_path):
+    # A positive RM score counted as correct; now RM samples have no verdict and stay out of
+    # accuracy and pass@k, which count the judged samples of other environments only.
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.environments.arithmetic import ArithmeticEnvironment
+    from posttrain.environments.reward_model import RewardModelEnvironment
+    from posttrain.evals import aggregate
+    from posttrain.schemas import EnvWorkerConfig
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    rm = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path)}))
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "7"}]
+    if float(rm.step([conversation], [{}]).rewards[0]) <= 0:
+        with torch.no_grad():
+            rm.model.score.weight.neg_()  # a positive score: the case the old rule counted correct
+    envs = {"rm": rm, "arithmetic": ArithmeticEnvironment(EnvWorkerConfig())}
+    rows = [{"messages": [{"role": "user", "content": "q"}], "task_name": "rm"},
+            {"messages": [{"role": "user", "content": "3+4="}], "task_name": "arithmetic", "answer": "8"}]
+    out = run_rollouts(_EchoGeneration(tok, replies=("7",)), rows, envs, tok, max_turns=1, max_seq_len=512)
+    rm_conv, wrong = out.conversations
+    assert rm_conv.reward > 0 and rm_conv.correct is None and wrong.correct is False
+    assert out.metrics["accuracy"] == 0.0  # the arithmetic sample alone; was 0.5
+    only_rm = run_rollouts(_EchoGeneration(tok, replies=("7",)), rows[:1], envs, tok, max_turns=1, max_seq_len=512)
+    assert "accuracy" not in only_rm.metrics  # nothing judged: no accuracy rather than 1.0
+    m = aggregate([["7"]], [[rm_conv.correct]])
+    assert m["accuracy"] is None and m["pass@1"] is None and m["cons@1"] is None and m["num_judged"] == 0
+
+
+def test_the_verdict_of_a_conversation_is_its_last_steps(tok):
+    # An environment that judged the first turn correct and gives no verdict on the second
+    # leaves the conversation unjudged; one that echoes the metadata it got does not resurrect
+    # the first turn's verdict (the rollout never passes it on).
+    import torch
+
+    from posttrain.environments.interfaces import CORRECT_KEY, EnvironmentReturn
+
+    seen = []
+
+    class JudgesOnlyTheFirstTurn:
+        def step(self, message_logs, metadata):
+            seen.extend(metadata)
+            first = [sum(m["role"] == "assistant" for m in log) == 1 for log in message_logs]
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "again"} for _ in message_logs],
+                metadata=[{**m, CORRECT_KEY: True} if f else dict(m) for m, f in zip(metadata, first)],
+                next_stop_strings=[None] * len(message_logs), rewards=torch.ones(len(message_logs)),
+                terminateds=torch.tensor([not f for f in first]), answers=[None] * len(message_logs))
+
+    rows = [{"messages": [{"role": "user", "content": "q"}], "task_name": "t"}]
+    out = run_rollouts(_EchoGeneration(tok), rows, {"t": JudgesOnlyTheFirstTurn()}, tok, max_turns=2, max_seq_len=512)
+    (c,) = out.conversations
+    assert c.turns == 2 and c.correct is None and CORRECT_KEY not in seen[1] and "accuracy" not in out.metrics
+    # A row's own key of that name is no verdict either: the environment never sees it to echo it.
+    seen.clear()
+    row = {**rows[0], "metadata": {CORRECT_KEY: True}}
+    out = run_rollouts(_EchoGeneration(tok), [row], {"t": JudgesOnlyTheFirstTurn()}, tok, max_turns=2, max_seq_len=512)
+    assert out.conversations[0].correct is None and CORRECT_KEY not in seen[0]
+    out = run_rollouts(_EchoGeneration(tok), rows, {"t": JudgesOnlyTheFirstTurn()}, tok, max_turns=1, max_seq_len=512)
+    assert out.conversations[0].correct is True and out.metrics["accuracy"] == 1.0
