@@ -84,7 +84,12 @@ class ClusterConfig(Section):
 
 class TokenizerConfig(Section):
     name: str | None = None  # defaults to policy.model_name
-    chat_template: str | None = None  # a Jinja template overriding the tokenizer's own
+    # A Jinja template overriding the tokenizer's own. SFT/DPO/RM train an assistant turn's <think>
+    # reasoning only where the template writes it: DeepSeek-R1's drops it from every turn, Qwen3's
+    # and QwQ's from the turns before the last user message, and such a row then fails naming the
+    # turn; a template that writes each turn's content as it is keeps it (GRPO trains the
+    # generated tokens, reasoning included, whatever the template shows).
+    chat_template: str | None = None
 
 
 class DTensorConfig(Section):

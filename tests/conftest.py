@@ -109,5 +109,33 @@ def tiny_model_path():
     return resolve_model_path("embedded:tiny")
 
 
+# Qwen3's rule for reasoning, over the embedded tokenizer's role markers: an assistant turn keeps its
+# <think> block only after the last user message, and the last turn always has one (empty without
+# reasoning); earlier turns are written as their text after </think>.
+QWEN3_LIKE_TEMPLATE = (
+    "{% set ns = namespace(last_query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set content = m['content'] %}{% set reasoning = '' %}{% if '</think>' in content %}"
+    "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{ '<|assistant|><think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|end|>' }}"
+    "{% else %}{{ '<|assistant|>' + content + '<|end|>' }}{% endif %}"
+    "{% else %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+@pytest.fixture
+def qwen3_like_tok():
+    """The embedded tokenizer with `QWEN3_LIKE_TEMPLATE`."""
+    from posttrain.embedded import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    return tok
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_TMP, ignore_errors=True)

@@ -6,7 +6,10 @@ tokenized on its own (as a continuation: `encode_continuation`), so the token bo
 the loss mask are exact. The loss mask is 1 on assistant tokens only (content and the
 template's end-of-turn marker, not the `<|assistant|>`-style header the generation prompt
 adds, so training matches generation; with `data.add_generation_prompt=false` prompts end
-without that header, so it is trained).
+without that header, so it is trained). A template that drops the `<think>` reasoning of a
+trained assistant turn (DeepSeek-R1's from every turn; Qwen3's and QwQ's from those before the
+last user message) is an error naming the row and turn, not a model silently trained on the
+answers alone (`check_reasoning_rendered`).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
 them at the right; rows left without a single loss token are removed too. The counts come
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any, Iterator
 
 import torch
@@ -113,6 +117,7 @@ def tokenize_messages(
     loss_start: int = 0,
     tools: Any = None,
     add_generation_prompt: bool = True,
+    check_reasoning: bool = True,
 ) -> Example:
     """Token ids and loss mask of one conversation.
 
@@ -124,6 +129,9 @@ def tokenize_messages(
     `add_generation_prompt` (`data.add_generation_prompt`): the template's generation prompt
     (assistant header) before a trained turn ends the prompt and gets no loss, as in the
     generation prompts of rollouts; false: it is trained as part of the assistant turn.
+    `check_reasoning`: fail when the template drops the `<think>` reasoning of an assistant turn
+    that gets loss (`check_reasoning_rendered`); False where the tokens are only read, as a reward
+    model reads a conversation the way its template shows it.
     """
     require_chat_template(tokenizer)
     ids: list[int] = []
@@ -140,14 +148,12 @@ def tokenize_messages(
                 _extend(ids, mask, tokenizer, with_header[len(rendered):], 0)
                 rendered = with_header
         if not full.startswith(rendered):
-            raise InputError(
-                "the chat template renders earlier messages differently once later ones are added "
-                f"(message {i}, role {msg['role']!r}), so per-message loss masks cannot be built; "
-                "set policy.tokenizer.chat_template to a template whose renders extend each other"
-            )
+            raise InputError(_rerendered(messages, i, rendered, full, starts))
         _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
         rendered = full
     check_tool_turns_rendered(messages, rendered, starts)
+    if check_reasoning:
+        check_reasoning_rendered(messages, rendered, starts, loss_start)
     eos = tokenizer.eos_token_id
     if add_bos:
         prefixed = with_bos(ids, tokenizer)
@@ -188,6 +194,59 @@ def check_tool_turns_rendered(messages: list[dict], rendered: str, starts: list[
                 "training would see the conversation without it; set policy.tokenizer.chat_template to a template "
                 "that renders tool calls and tool results (the model's own, if it was trained on tool use)"
             )
+
+
+def _reasoning_of(message: dict) -> str:
+    """The reasoning an assistant message's content holds: its text before `</think>` (and after
+    `<think>`, which a model whose generation prompt opens the block does not write), the part
+    reasoning models' chat templates strip (Qwen3, QwQ, DeepSeek-R1); "" when there is none."""
+    content = message.get("content")
+    if message.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content:
+        return ""
+    return content.split("</think>")[0].split("<think>")[-1].strip()
+
+
+def _shows(text: str, part: str) -> bool:
+    # Blind to whitespace: a template may re-space the block (Qwen3's writes "<think>\n...\n</think>\n\n").
+    return "".join(part.split()) in "".join(text.split())
+
+
+_KEEP_REASONING = ("set policy.tokenizer.chat_template to a template that writes each assistant turn's content as it "
+                   "is, <think> block included")
+
+
+def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[int], loss_start: int = 0) -> None:
+    """Fail when the chat template left out the reasoning (`_reasoning_of`) of an assistant message
+    at index >= `loss_start` (one that gets loss), whose text `rendered` holds from `starts[i]` on.
+
+    DeepSeek-R1's template writes every assistant turn as its text after `</think>`: SFT on
+    reasoning traces trained the answers alone, and DPO pairs that differ in their reasoning became
+    the same tokens, without a word. The rollouts of GRPO keep the generated tokens, reasoning
+    included, whatever the template shows (posttrain/rollouts.py).
+    """
+    for i in range(loss_start, len(messages)):
+        end = starts[i + 1] if i + 1 < len(starts) else len(rendered)
+        if (reasoning := _reasoning_of(messages[i])) and not _shows(rendered[starts[i]:end], reasoning):
+            raise InputError(
+                f"the chat template drops the <think> reasoning of assistant message {i}, which gets loss, so "
+                f"training would teach its answer without the reasoning; {_KEEP_REASONING}, or remove the "
+                "reasoning from the data to train the answers alone"
+            )
+
+
+def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: list[int]) -> str:
+    """The error of a template that renders the text before message i differently once message i
+    follows: which earlier message changed, and why when it lost its reasoning."""
+    at = len(os.path.commonprefix([rendered, full]))
+    k = max(j for j in range(i) if starts[j] <= at)  # the message whose text changed first
+    changed, role = f"message {k} (role {messages[k]['role']!r})", messages[i]["role"]
+    if (reasoning := _reasoning_of(messages[k])) and _shows(rendered, reasoning) and not _shows(full, reasoning):
+        return (f"the chat template drops the <think> reasoning of {changed} once message {i} (role {role!r}) follows "
+                "(Qwen3's and QwQ's keep it after the last user message only), so the row cannot be tokenized turn "
+                f"by turn; {_KEEP_REASONING}")
+    return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows (Qwen3's "
+            "writes an empty <think></think> block into the last assistant turn alone), so per-message loss masks "
+            "cannot be built; set policy.tokenizer.chat_template to a template whose renders extend each other")
 
 
 def with_bos(ids: list[int], tokenizer) -> list[int]:

@@ -58,7 +58,10 @@ class RewardModelEnvironment(EnvironmentInterface):
         from posttrain.data.processors import tokenize_messages
 
         last_assistant_text(messages)  # raises when there is nothing to score
-        ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos)["input_ids"]
+        # No loss here: the RM reads the conversation as its template shows it, and one that drops
+        # <think> reasoning (DeepSeek-R1's) scores the policy's answer alone.
+        ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos,
+                                check_reasoning=False)["input_ids"]
         if len(ids) > self.max_length:
             raise ValueError(f"the conversation has {len(ids)} tokens, more than {self.length_key}={self.max_length}")
         return ids

@@ -807,6 +807,25 @@ def test_reward_model_scores_0_for_a_conversation_past_its_positions(tiny_model_
                                              r"max_position_embeddings=16", out.metadata[1]["env_error"])
 
 
+def test_reward_model_scores_the_answer_its_template_shows_without_the_reasoning(tiny_model_path, tmp_path):
+    # A reward model whose template drops <think> reasoning (DeepSeek-R1's) scores a policy's
+    # answer as that template shows it: training rows refuse such a template, the RM's reading must not.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.environments.reward_model import RewardModelEnvironment
+
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    strip = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'].split('</think>')[-1] + '<|end|>' }}"
+             "{% endfor %}")
+    env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path), "chat_template": strip}))
+    convs = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": answer}]
+             for answer in ("<think>one and one</think>2", "2")]
+    out = env.step(convs, [{}, {}])
+    assert out.metadata == [{}, {}]
+    assert out.rewards[0] == out.rewards[1]
+
+
 def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_path):
     # A causal LM folder loads as a sequence classifier with a random score head (transformers
     # only logs it): rewards would be noise, different on every load.

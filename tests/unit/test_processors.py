@@ -344,3 +344,61 @@ def test_pair_whose_sides_are_the_same_tokens_is_left_out_and_counted(tok):
     assert stats["kept"] == 1 and stats["identical"] == 0
     with pytest.raises(ValueError, match=r"no preference pairs left .*'identical': 1"):
         process_preference_rows([pair], tok, DataConfig(truncation="truncate"), max_len=30)
+
+
+# DeepSeek-R1's rule: every assistant turn is written as its text after </think>; the generation
+# prompt opens the block the model then writes.
+R1_LIKE_TEMPLATE = (
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}{{ '<|' + m['role'] + '|>' + content + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|><think>\\n' }}{% endif %}"
+)
+THOUGHT = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "<think>\nadd one\n</think>\n\n2"}]
+
+
+def test_a_template_that_drops_the_reasoning_of_a_trained_turn_is_an_error():
+    # R1's template wrote the turn as "\n\n2": SFT trained the answer without its reasoning, and a
+    # DPO pair differing in its reasoning became one sequence twice (counted as `identical`), silently.
+    from posttrain.embedded import build_tokenizer
+
+    r1 = build_tokenizer()
+    r1.chat_template = R1_LIKE_TEMPLATE
+    with pytest.raises(InputError, match=r"^row 1 \(roles user, assistant\): the chat template drops the <think> "
+                                         r"reasoning of assistant message 1, which gets loss.*policy\.tokenizer\."
+                                         r"chat_template"):
+        process_sft_rows([{"messages": THOUGHT}], r1, DataConfig(), max_len=1000)
+    pair = {"prompt_messages": THOUGHT[:1], "chosen": [{"role": "assistant", "content": "<think>\nadd one\n</think>2"}],
+            "rejected": [{"role": "assistant", "content": "<think>\nguess\n</think>2"}]}
+    with pytest.raises(InputError, match=r"^row 1 .*drops the <think> reasoning of assistant message 1"):
+        process_preference_rows([pair], r1, DataConfig(), max_len=1000)
+    # Answers without reasoning are trained as before; read without loss (a reward model), the
+    # conversation is what the template shows.
+    plain = [THOUGHT[0], {"role": "assistant", "content": "2"}]
+    assert r1.decode(tokenize_messages(plain, r1)["input_ids"]) == "<s><|user|>1+1?<|end|><|assistant|>2<|end|>"
+    assert r1.decode(tokenize_messages(THOUGHT, r1, check_reasoning=False)["input_ids"]).endswith("\n\n2<|end|>")
+    # The way out the error names: a template that writes the content as it is trains the reasoning,
+    # after the generation prompt that opens it.
+    r1.chat_template = R1_LIKE_TEMPLATE.replace("'</think>' in content", "false")
+    ex = tokenize_messages(THOUGHT, r1)
+    assert r1.decode(ex["input_ids"]) == "<s><|user|>1+1?<|end|><|assistant|><think>\nadd one\n</think>\n\n2<|end|>"
+    assert _loss_text(r1, ex) == "add one\n</think>\n\n2<|end|>"
+
+
+def test_a_template_that_drops_earlier_reasoning_names_the_turn(qwen3_like_tok):
+    # Qwen3's template keeps the reasoning of the turns after the last user message only: the last
+    # turn of a row trains with it, and a row whose trained turn is followed by a user turn is
+    # refused, naming that turn and why, not as "earlier messages render differently".
+    tok = qwen3_like_tok
+    ex = tokenize_messages(THOUGHT, tok)
+    assert _loss_text(tok, ex) == "<think>\nadd one\n</think>\n\n2<|end|>"
+    two = [*THOUGHT, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd two\n</think>4"}]
+    with pytest.raises(InputError, match=r"^row 1 \(roles user, assistant, user, assistant\): the chat template drops "
+                                         r"the <think> reasoning of message 1 \(role 'assistant'\) once message 2 "
+                                         r"\(role 'user'\) follows.*policy\.tokenizer\.chat_template"):
+        process_sft_rows([{"messages": two}], tok, DataConfig(), max_len=1000)
+    # Without reasoning, the empty block the last turn alone gets is named.
+    bare = [{**m, "content": m["content"].split("</think>")[-1].strip()} for m in two]
+    with pytest.raises(InputError, match=r"renders message 1 \(role 'assistant'\) differently once message 2 "
+                                         r"\(role 'user'\) follows \(Qwen3's writes an empty <think></think>"):
+        tokenize_messages(bare, tok)
