@@ -205,6 +205,33 @@ def test_multi_turn_tokens_are_the_chat_template_of_the_conversation(tok, eos):
     assert tokens == second + tok.encode("<action>left</action>", add_special_tokens=False) + closing
 
 
+@pytest.mark.parametrize("eos", [True, False])
+def test_multi_turn_rollouts_train_the_reasoning_a_template_drops_from_earlier_turns(qwen3_like_tok, eos):
+    # Qwen3's template writes an earlier turn without its <think> block once a user turn follows.
+    # The next turn's prompt continues the generated tokens, so the turn is trained on the tokens
+    # it was sampled as (its reasoning included) and the logprobs of generation and training are
+    # those of one sequence; only the observation and the generation prompt come from the template.
+    tok = qwen3_like_tok
+    replies = ["<think>\nup is free\n</think>\n\nU", "<think>\nthen left\n</think>\n\nL"]
+    gen = _EchoGeneration(tok, replies=replies, eos=eos)
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv()}, tok, max_turns=2, max_seq_len=400)
+    (conv,) = result.conversations
+    first = tok.encode(replies[0], add_special_tokens=False) + [tok.eos_token_id] * eos
+    second = tok.encode(replies[1], add_special_tokens=False) + [tok.eos_token_id] * eos
+    closing = [] if eos else [tok.eos_token_id]  # a turn cut by a stop string gets the template's <|end|>
+    observation = tok.encode("<|user|>again<|end|><|assistant|>", add_special_tokens=False)
+    assert gen.prompts[1] == gen.prompts[0] + first + closing + observation
+    tokens = result.batch["input_ids"][0, : int(result.batch["input_lengths"][0])].tolist()
+    assert tokens == gen.prompts[1] + second
+    mask = result.batch["token_mask"][0, : len(tokens)].tolist()
+    assert [t for t, m in zip(tokens, mask) if m] == first + second
+    # Re-rendered through the template, the first turn would have lost its reasoning.
+    shown = [*conv.messages[:2], {"role": "user", "content": "again"}]
+    assert tok.decode(render_prompt(tok, shown)) == "<s><|user|>go<|end|><|assistant|>U<|end|><|user|>again<|end|><|assistant|>"
+    assert "up is free" in tok.decode(tokens)
+
+
 def test_a_prompt_the_engine_truncated_keeps_its_answer_and_aligned_tokens(tok):
     # overlong_prompt=truncate: the engine's output holds the cut prompt and then the answer. The
     # answer was read at the uncut prompt's length: eval scored an empty response, and GRPO's loss
