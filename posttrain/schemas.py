@@ -88,7 +88,9 @@ class TokenizerConfig(Section):
     # reasoning only where the template writes it: DeepSeek-R1's drops it from every turn, Qwen3's
     # and QwQ's from the turns before the last user message, and such a row then fails naming the
     # turn; a template that writes each turn's content as it is keeps it (GRPO trains the
-    # generated tokens, reasoning included, whatever the template shows).
+    # generated tokens, reasoning included, whatever the template shows). Reasoning in a message
+    # field (`reasoning_content`, `reasoning`, `thinking`) is trained where the template renders
+    # that field (Qwen3's does after the last user message; Llama's and the embedded models' never).
     chat_template: str | None = None
 
 

@@ -109,14 +109,17 @@ def tiny_model_path():
     return resolve_model_path("embedded:tiny")
 
 
-# Qwen3's rule for reasoning, over the embedded tokenizer's role markers: an assistant turn keeps its
-# <think> block only after the last user message, and the last turn always has one (empty without
-# reasoning); earlier turns are written as their text after </think>.
+# Qwen3's rule for reasoning, over the embedded tokenizer's role markers: an assistant turn's reasoning
+# is its `reasoning_content` field when it has one, else its content's <think> block; the turn keeps it
+# only after the last user message, and the last turn always has a block (empty without reasoning);
+# earlier turns are written as their text after </think>.
 QWEN3_LIKE_TEMPLATE = (
     "{% set ns = namespace(last_query=-1) %}"
     "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
     "{% for m in messages %}{% if m['role'] == 'assistant' %}"
-    "{% set content = m['content'] %}{% set reasoning = '' %}{% if '</think>' in content %}"
+    "{% set content = m['content'] %}{% set reasoning = '' %}"
+    "{% if m.reasoning_content is string %}{% set reasoning = m.reasoning_content.strip('\\n') %}"
+    "{% elif '</think>' in content %}"
     "{% set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
     "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
     "{% if loop.index0 > ns.last_query and (loop.last or reasoning) %}"

@@ -11,8 +11,9 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
     messages            {"messages": [{"role", "content"}, ...]}                  (OpenAI); with a
                         `task_name` it is an RL/eval row kept as is (prompt messages, `answer`,
                         `demonstration`, `metadata`, `stop_strings`, `tools`); a final assistant
-                        message is the `answer` (NeMo RL's [user, assistant] math rows), refused
-                        beside an `answer`. Tool calling as
+                        message is the `answer` (NeMo RL's [user, assistant] math rows; one with
+                        a reasoning field is the `demonstration` too), refused beside an
+                        `answer`. Tool calling as
                         OpenAI writes it: an assistant message's `tool_calls` ([{"id"?, "type":
                         "function", "function": {"name", "arguments"}}], its `content` may then be
                         null; arguments as a JSON string are decoded) and a tool message's
@@ -20,7 +21,11 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         the calls (and trains on them) in the model's own format. Calls without
                         an id get one, and a result naming no call answers the next call of the
                         turn before it. A row's `tools` (a list of function schemas, or a JSON
-                        string of one, as LLaMA-Factory writes it) become OpenAI schemas
+                        string of one, as LLaMA-Factory writes it) become OpenAI schemas.
+                        An assistant message's reasoning written apart from its content, in
+                        `reasoning_content`, `reasoning` or `thinking` (any format's messages),
+                        is kept as `reasoning_content` for the chat template (refused on other
+                        roles, and beside a <think> block in the content)
     sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT; a
                         `function_call` turn's JSON call(s) become the assistant's `tool_calls`)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
@@ -78,6 +83,14 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
 }
 _ROLES = ("system", "user", "assistant", "tool")
+
+# An assistant turn's reasoning written apart from its content, under the names data and chat
+# templates give it: `reasoning_content` (Qwen3's template, DeepSeek's API, vLLM's older one),
+# `reasoning` (vLLM's newer API, OpenRouter), `thinking` (gpt-oss's template and the data made for
+# it, Ollama). Canonical rows carry it as REASONING_KEY, the name most templates read;
+# `render_chat` hands it to a template under the name that template reads.
+REASONING_KEY = "reasoning_content"
+REASONING_FIELDS = (REASONING_KEY, "reasoning", "thinking")
 
 
 class DataFormatError(InputError):
@@ -238,7 +251,8 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
             )
         role, content = _SHAREGPT_ROLES[speaker], m.get("value")
         if speaker == "function_call":  # LLaMA-Factory: the call(s) as JSON text; templates want them structured
-            return {"role": "assistant", "content": "", "tool_calls": _written_calls(content, loc, what)}
+            calls = _written_calls(content, loc, what)
+            return _with_reasoning({"role": "assistant", "content": "", "tool_calls": calls}, m, loc, what)
     else:
         raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
     if role not in _ROLES:
@@ -258,7 +272,31 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
         out["tool_calls"] = calls
     if role == "tool":  # which call the result answers and the tool's name, for templates that show them
         out.update({k: _text(m[k], loc, f"{what}.{k}") for k in ("tool_call_id", "name") if m.get(k) is not None})
-    return out
+    return _with_reasoning(out, m, loc, what)
+
+
+def _with_reasoning(out: dict[str, Any], m: dict[str, Any], loc: str, what: str) -> dict[str, Any]:
+    """`out` (message `m` read) with the reasoning `m` writes in a field of its own
+    (`REASONING_FIELDS`) as `out[REASONING_KEY]`. Empty or null is none: a file read through
+    `datasets` gives every message every key of the file."""
+    given = {}
+    for key in REASONING_FIELDS:
+        if m.get(key) is not None and _text(m[key], loc, f"{what}.{key}", allow_empty=True).strip():
+            given[key] = m[key]
+    if not given:
+        return out
+    names = " and ".join(f"`{k}`" for k in given)
+    if out["role"] != "assistant":
+        raise DataFormatError(f"{loc}: `{what}.{next(iter(given))}` is reasoning on a {out['role']} message; only "
+                              "assistant turns have reasoning for a chat template to render")
+    if len({text.strip() for text in given.values()}) > 1:
+        raise DataFormatError(f"{loc}: `{what}` gives different reasoning in {names}; keep one")
+    if "<think>" in out["content"] or "</think>" in out["content"]:
+        # Qwen3's template writes the field as the <think> block and the content as it is, a second
+        # block included; others write one of them. Which of the two is the turn's is not ours to guess.
+        raise DataFormatError(f"{loc}: `{what}` has its reasoning both in {names} and as a <think> block in "
+                              "`content`; keep one")
+    return {**out, REASONING_KEY: next(iter(given.values()))}
 
 
 def _named_function(item: Any, loc: str, what: str, shape: str) -> dict[str, Any]:
@@ -414,6 +452,8 @@ def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
                     "last message and no `answer`)"
                 )
             messages, keep["answer"] = messages[:-1], last["content"]
+            if REASONING_KEY in last and keep.get("demonstration") is None:
+                keep["demonstration"] = [last]  # SFT (warm-up) trains the answer with its reasoning
         return _with_tools({"messages": messages, "task_name": row["task_name"], **keep}, row, loc)
     _require_assistant(messages, loc, "messages", hint="; for GRPO or eval, a prompt row names the environment "
                        "that scores it: give it a `task_name`, or set data.task_name")

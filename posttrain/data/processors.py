@@ -6,10 +6,11 @@ tokenized on its own (as a continuation: `encode_continuation`), so the token bo
 the loss mask are exact. The loss mask is 1 on assistant tokens only (content and the
 template's end-of-turn marker, not the `<|assistant|>`-style header the generation prompt
 adds, so training matches generation; with `data.add_generation_prompt=false` prompts end
-without that header, so it is trained). A template that drops the `<think>` reasoning of a
-trained assistant turn (DeepSeek-R1's from every turn; Qwen3's and QwQ's from those before the
-last user message) is an error naming the row and turn, not a model silently trained on the
-answers alone (`check_reasoning_rendered`).
+without that header, so it is trained). A template that drops the reasoning of a trained
+assistant turn, a `<think>` block in its content (DeepSeek-R1's from every turn; Qwen3's and
+QwQ's from those before the last user message) or its `reasoning_content` field (one that reads
+no such field: Llama's), is an error naming the row and turn, not a model silently trained on
+the answers alone (`check_reasoning_rendered`).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
 them at the right; rows left without a single loss token are removed too. The counts come
@@ -26,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from typing import Any, Iterator
 
 import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.formats import demonstration_messages, row_name
+from posttrain.data.formats import REASONING_FIELDS, REASONING_KEY, demonstration_messages, row_name
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
@@ -85,11 +87,29 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
     The one place posttrain renders chat text: a prompt for the assistant's next turn (a
     generation prompt, a multi-turn observation, the prompt before a trained assistant turn)
     passes `data.add_generation_prompt`; a conversation rendered as it stands passes False.
+    An assistant message's reasoning field (`REASONING_KEY`) reaches the template under the name
+    it reads (`_template_reasoning_key`).
     """
+    key = _template_reasoning_key(tokenizer.chat_template)
+    if key != REASONING_KEY and any(REASONING_KEY in m for m in messages):
+        messages = [{**{k: v for k, v in m.items() if k != REASONING_KEY}, key: m[REASONING_KEY]}
+                    if REASONING_KEY in m else m for m in messages]
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
+
+
+def _template_reasoning_key(template: str | dict | None) -> str:
+    """The message field (of `REASONING_FIELDS`) that `template` reads an assistant turn's reasoning
+    from: `reasoning_content` (Qwen3's), `thinking` (gpt-oss's) or `reasoning`, as an
+    attribute (`message.thinking`) or an item (`message['thinking']`); `REASONING_KEY` when it
+    reads none of them (`check_reasoning_rendered` then names the turns it drops). Recent
+    transformers (5.24, here) add `thinking` beside `reasoning_content` themselves; older ones
+    (posttrain takes >= 4.50) pass a message as it is, and none adds `reasoning`."""
+    text = " ".join(template.values()) if isinstance(template, dict) else template or ""
+    return next((k for k in REASONING_FIELDS if re.search(rf"\.{k}\b|\[\s*['\"]{k}['\"]\s*\]", text)),
+                REASONING_KEY)
 
 
 @contextlib.contextmanager
@@ -197,11 +217,16 @@ def check_tool_turns_rendered(messages: list[dict], rendered: str, starts: list[
 
 
 def _reasoning_of(message: dict) -> str:
-    """The reasoning an assistant message's content holds: its text before `</think>` (and after
-    `<think>`, which a model whose generation prompt opens the block does not write), the part
-    reasoning models' chat templates strip (Qwen3, QwQ, DeepSeek-R1); "" when there is none."""
+    """The reasoning of an assistant message: its reasoning field (`REASONING_KEY`, as the loader
+    keeps it), else its content's text before `</think>` (and after `<think>`, which a model whose
+    generation prompt opens the block does not write), the part reasoning models' chat templates
+    strip (Qwen3, QwQ, DeepSeek-R1); "" when there is none."""
     content = message.get("content")
-    if message.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content:
+    if message.get("role") != "assistant":
+        return ""
+    if isinstance(message.get(REASONING_KEY), str):
+        return message[REASONING_KEY].strip()
+    if not isinstance(content, str) or "</think>" not in content:
         return ""
     return content.split("</think>")[0].split("<think>")[-1].strip()
 
@@ -211,26 +236,36 @@ def _shows(text: str, part: str) -> bool:
     return "".join(part.split()) in "".join(text.split())
 
 
-_KEEP_REASONING = ("set policy.tokenizer.chat_template to a template that writes each assistant turn's content as it "
-                   "is, <think> block included")
+def _reasoning_named(message: dict) -> tuple[str, str]:
+    """How an error names the reasoning of `message` (`_reasoning_of`), and the ways to train it (or not)."""
+    if isinstance(message.get(REASONING_KEY), str):
+        # A template that writes content alone (the embedded one, Llama's) never shows a field.
+        return "reasoning field", (
+            "set policy.tokenizer.chat_template to a template that renders it in each assistant turn that gets loss, "
+            "or move the reasoning into the content as <think>...</think> if the template keeps that, or drop the "
+            "field (`reasoning_content`, `reasoning` or `thinking`) to train the answers alone")
+    return "<think> reasoning", (
+        "set policy.tokenizer.chat_template to a template that writes each assistant turn's content as it is, "
+        "<think> block included, or remove the reasoning from the data to train the answers alone")
 
 
 def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[int], loss_start: int = 0) -> None:
     """Fail when the chat template left out the reasoning (`_reasoning_of`) of an assistant message
     at index >= `loss_start` (one that gets loss), whose text `rendered` holds from `starts[i]` on.
 
-    DeepSeek-R1's template writes every assistant turn as its text after `</think>`: SFT on
-    reasoning traces trained the answers alone, and DPO pairs that differ in their reasoning became
-    the same tokens, without a word. The rollouts of GRPO keep the generated tokens, reasoning
-    included, whatever the template shows (posttrain/rollouts.py).
+    DeepSeek-R1's template writes every assistant turn as its text after `</think>`, and a template
+    that reads no reasoning field (Llama's) writes the content alone: SFT on reasoning traces
+    trained the answers alone, and DPO pairs that differ in their reasoning became the same
+    tokens, without a word. The rollouts of GRPO keep the generated tokens, reasoning included,
+    whatever the template shows (posttrain/rollouts.py).
     """
     for i in range(loss_start, len(messages)):
         end = starts[i + 1] if i + 1 < len(starts) else len(rendered)
         if (reasoning := _reasoning_of(messages[i])) and not _shows(rendered[starts[i]:end], reasoning):
+            what, fix = _reasoning_named(messages[i])
             raise InputError(
-                f"the chat template drops the <think> reasoning of assistant message {i}, which gets loss, so "
-                f"training would teach its answer without the reasoning; {_KEEP_REASONING}, or remove the "
-                "reasoning from the data to train the answers alone"
+                f"the chat template drops the {what} of assistant message {i}, which gets loss, so training would "
+                f"teach its answer without the reasoning; {fix}"
             )
 
 
@@ -241,9 +276,10 @@ def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: 
     k = max(j for j in range(i) if starts[j] <= at)  # the message whose text changed first
     changed, role = f"message {k} (role {messages[k]['role']!r})", messages[i]["role"]
     if (reasoning := _reasoning_of(messages[k])) and _shows(rendered, reasoning) and not _shows(full, reasoning):
-        return (f"the chat template drops the <think> reasoning of {changed} once message {i} (role {role!r}) follows "
+        what, fix = _reasoning_named(messages[k])
+        return (f"the chat template drops the {what} of {changed} once message {i} (role {role!r}) follows "
                 "(Qwen3's and QwQ's keep it after the last user message only), so the row cannot be tokenized turn "
-                f"by turn; {_KEEP_REASONING}")
+                f"by turn; {fix}")
     return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows (Qwen3's "
             "writes an empty <think></think> block into the last assistant turn alone), so per-message loss masks "
             "cannot be built; set policy.tokenizer.chat_template to a template whose renders extend each other")

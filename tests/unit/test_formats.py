@@ -171,6 +171,74 @@ def test_openai_tool_calling_rows_keep_their_calls_and_train_on_them(tmp_path):
         assert message in str(e.value)
 
 
+def test_reasoning_fields_of_assistant_messages_are_kept(tmp_path):
+    # The loader kept role, content and tool fields alone: reasoning in a field of its own
+    # (`reasoning_content`: Qwen3's template, DeepSeek's API; `reasoning`: vLLM's and
+    # OpenRouter's; `thinking`: gpt-oss's template and its data) was gone before any template ran.
+    user = {"role": "user", "content": "1+1?", "reasoning_content": None, "thinking": ""}
+    rows = [{"messages": [user, {"role": "assistant", "content": "2", field: "add one"}]}
+            for field in ("reasoning_content", "reasoning", "thinking")]
+    sharegpt = [{"conversations": [{"from": "human", "value": "1+1?"},
+                                   {"from": "gpt", "value": "2", "reasoning_content": "add one"}]}]
+    got = []
+    for name, file_rows in (("r.jsonl", rows), ("s.jsonl", sharegpt)):
+        path = _write_jsonl(tmp_path / name, file_rows)
+        got += load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")
+    assert len(got) == 4
+    for row in got:
+        assert row["messages"] == [{"role": "user", "content": "1+1?"},
+                                   {"role": "assistant", "content": "2", "reasoning_content": "add one"}]
+    # Empty or null is no reasoning; the same text under two names is one.
+    for same in ({"reasoning": None, "thinking": "  "}, {"reasoning": "add one", "reasoning_content": "add one"}):
+        got = normalize_row({"messages": [user, {"role": "assistant", "content": "2", **same}]}, "messages", "x row 1")
+        assert got["messages"][1] == ({"role": "assistant", "content": "2", **({"reasoning_content": "add one"}
+                                      if "reasoning_content" in same else {})})
+    # A preference pair's responses keep theirs.
+    pair = normalize_row({"prompt": "1+1?", "chosen": {"role": "assistant", "content": "2", "thinking": "add one"},
+                          "rejected": {"role": "assistant", "content": "2", "thinking": "guess"}}, "preference", "p")
+    assert [pair["chosen"][0]["reasoning_content"], pair["rejected"][0]["reasoning_content"]] == ["add one", "guess"]
+    bad = [({"role": "user", "content": "1+1?", "reasoning_content": "hm"},
+            r"`messages\[0\]\.reasoning_content` is reasoning on a user message"),
+           ({"role": "assistant", "content": "2", "reasoning": ["add", "one"]},
+            r"`messages\[0\]\.reasoning` must be a string, got list"),
+           ({"role": "assistant", "content": "<think>add one</think>2", "reasoning_content": "add one"},
+            r"`messages\[0\]` has its reasoning both in `reasoning_content` and as a <think> block in `content`"),
+           ({"role": "assistant", "content": "2", "reasoning_content": "add one", "reasoning": "guess"},
+            r"`messages\[0\]` gives different reasoning in `reasoning_content` and `reasoning`")]
+    for message, error in bad:
+        with pytest.raises(DataFormatError, match=rf"^x row 7: {error}"):
+            normalize_row({"messages": [message]}, "messages", "x row 7")
+
+
+def test_reasoning_in_a_prompt_is_shown_as_the_template_shows_it(qwen3_like_tok):
+    # A GRPO/eval prompt whose assistant turns carry reasoning fields is rendered by the template's
+    # own rule, as at inference: Qwen3's shows the reasoning of turns after the last user message
+    # (a tool-calling turn the model continues), not of earlier ones (a few-shot example).
+    from posttrain.rollouts import render_prompt
+
+    tok = qwen3_like_tok
+    call = {"role": "assistant", "content": "", "reasoning_content": "use the tool",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
+    row = normalize_row({"messages": [{"role": "user", "content": "1+2="}, call, {"role": "tool", "content": "3"}],
+                         "task_name": "math", "answer": "3"}, "messages", "x row 1")
+    assert tok.decode(render_prompt(tok, row["messages"], add_bos=False)) == (
+        "<|user|>1+2=<|end|><|assistant|><think>\nuse the tool\n</think>\n\n<|end|><|tool|>3<|end|><|assistant|>")
+    shot = normalize_row({"messages": [{"role": "user", "content": "1+1="},
+                                       {"role": "assistant", "content": "2", "reasoning_content": "add one"},
+                                       {"role": "user", "content": "1+2="}], "task_name": "math", "answer": "3"},
+                         "messages", "x row 2")
+    assert shot["messages"][1]["reasoning_content"] == "add one"
+    assert tok.decode(render_prompt(tok, shot["messages"], add_bos=False)) == (
+        "<|user|>1+1=<|end|><|assistant|>2<|end|><|user|>1+2=<|end|><|assistant|>")
+    # A conversation's final assistant turn is the reference `answer` (its content) and, with its
+    # reasoning, the `demonstration` SFT warm-up trains.
+    ref = normalize_row({"messages": [{"role": "user", "content": "1+1="},
+                                      {"role": "assistant", "content": "2", "reasoning": "add one"}]},
+                        "messages", "x row 3", task_name="math")
+    assert ref["answer"] == "2"
+    assert ref["demonstration"] == [{"role": "assistant", "content": "2", "reasoning_content": "add one"}]
+
+
 def test_sharegpt_function_call_that_is_no_call_names_the_row(tmp_path):
     good = {"conversations": [{"from": "human", "value": "1+2="},
                               {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 1, "b": 2}}'},

@@ -402,3 +402,51 @@ def test_a_template_that_drops_earlier_reasoning_names_the_turn(qwen3_like_tok):
     with pytest.raises(InputError, match=r"renders message 1 \(role 'assistant'\) differently once message 2 "
                                          r"\(role 'user'\) follows \(Qwen3's writes an empty <think></think>"):
         tokenize_messages(bare, tok)
+
+
+def _fielded(field="reasoning_content", reasoning="add one"):
+    """THOUGHT loaded from a row that carries the reasoning in a message field, as the loader keeps it."""
+    from posttrain.data.formats import normalize_row
+
+    row = {"messages": [THOUGHT[0], {"role": "assistant", "content": "2", field: reasoning}]}
+    return normalize_row(row, "messages", "r.jsonl row 1")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
+def test_a_reasoning_field_is_trained_where_the_template_renders_it(qwen3_like_tok, field):
+    # The loader kept role and content alone: a row whose reasoning sat in `reasoning_content`
+    # (Qwen3's, DeepSeek's API) or `reasoning`/`thinking` trained the bare answer, after an empty block.
+    tok = qwen3_like_tok
+    ex = tokenize_messages(_fielded(field)["messages"], tok)
+    assert _loss_text(tok, ex) == "<think>\nadd one\n</think>\n\n2<|end|>"
+    # A template that reads the field under another name gets it under that name (`reasoning`:
+    # recent transformers add `thinking`, gpt-oss's name, themselves, but not this one).
+    tok.chat_template = tok.chat_template.replace("m.reasoning_content", "m.reasoning")
+    assert _loss_text(tok, tokenize_messages(_fielded(field)["messages"], tok)) == "<think>\nadd one\n</think>\n\n2<|end|>"
+
+
+def test_a_template_that_ignores_the_reasoning_field_is_an_error(tok, qwen3_like_tok):
+    # The embedded tokenizer's template (like Llama's) writes content alone: the row trained "2"
+    # without a word, and a DPO pair differing in its reasoning was one sequence twice.
+    fix = (r"a template that renders it.*<think>\.\.\.</think>.*drop the field \(`reasoning_content`, `reasoning` "
+           r"or `thinking`\)")
+    with pytest.raises(InputError, match=r"^row 1 \(roles user, assistant\): the chat template drops the reasoning "
+                                         rf"field of assistant message 1, which gets loss.*policy\.tokenizer\."
+                                         rf"chat_template.*{fix}"):
+        process_sft_rows([_fielded()], tok, DataConfig(), max_len=1000)
+    from posttrain.data.formats import normalize_row
+
+    pair = normalize_row({"prompt": "1+1?", "chosen": {"role": "assistant", "content": "2", "reasoning": "add one"},
+                          "rejected": {"role": "assistant", "content": "2", "reasoning": "guess"}}, "preference", "p row 1")
+    with pytest.raises(InputError, match=r"^row 1 .*drops the reasoning field of assistant message 1"):
+        process_preference_rows([pair], tok, DataConfig(), max_len=1000)
+    # Read without loss (a reward model), the conversation is what the template shows.
+    assert tok.decode(tokenize_messages(_fielded()["messages"], tok, check_reasoning=False)["input_ids"]).endswith(
+        "<|assistant|>2<|end|>")
+    # Qwen3's writes the field of the turns after the last user message only: a trained turn followed
+    # by a user turn is named, with the ways out for a field.
+    two = [*_fielded()["messages"], {"role": "user", "content": "2+2?"},
+           {"role": "assistant", "content": "4", "reasoning_content": "add two"}]
+    with pytest.raises(InputError, match=r"drops the reasoning field of message 1 \(role 'assistant'\) once "
+                                         rf"message 2 \(role 'user'\) follows.*{fix}"):
+        tokenize_messages(two, qwen3_like_tok)
