@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import string
+import sys
 import tempfile
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def resolve_model_path(name: str) -> str:
 
 # Files from which AutoTokenizer tells a folder's tokenizer class (or reads the tokenizer whole).
 _TOKENIZER_CLASS_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
-_HUB_OFFLINE_NOTE = "the Hugging Face hub is unreachable from here, so models load offline: HF_HUB_OFFLINE=1"
+_HUB_OFFLINE_NOTE = ("the Hugging Face hub is unreachable from here, so models and datasets load offline: "
+                     "HF_HUB_OFFLINE=1")
 
 
 @functools.cache
@@ -160,7 +162,7 @@ def offline_if_hub_unreachable() -> bool:
 
     Without it, every hub id on a machine without internet (most cluster compute nodes, and
     this project's CI) costs ~50 s of huggingface_hub's connection retries before transformers
-    falls back to the local cache or fails, and a mistyped relative folder such as
+    falls back to the local cache or fails (a hub dataset's name ~25 s of `datasets`' retries), and a mistyped relative folder such as
     `results/my-model` reads as a hub id. Offline, a cached model loads at once and a missing
     one fails at once. The environment variable reaches the Ray workers started afterwards.
     Behind a proxy the direct probe says nothing, so it is skipped."""
@@ -181,6 +183,9 @@ def offline_if_hub_unreachable() -> bool:
 
     os.environ["HF_HUB_OFFLINE"] = "1"
     huggingface_hub.constants.HF_HUB_OFFLINE = True  # read at import: set it for this process too
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:  # `datasets` keeps its own copy, also read at import
+        datasets_config.HF_HUB_OFFLINE = True
     logging.getLogger(__name__).info(_HUB_OFFLINE_NOTE)
     return True
 

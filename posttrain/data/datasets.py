@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from posttrain.config import InputError, MissingInputError
 from posttrain.data.formats import DataFormatError, SourcedRow, detect_format, normalize_row, where, with_fields
-from posttrain.embedded import cache_root
+from posttrain.embedded import cache_root, offline_if_hub_unreachable
 from posttrain.schemas import DataConfig
 
 log = logging.getLogger(__name__)
@@ -427,6 +427,8 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     import datasets
 
     folder = resolve_path(cfg.dataset_name)
+    if not folder.exists():  # a hub name: fails at once offline (or loads from the cache), not after retries
+        offline_if_hub_unreachable()
     try:
         if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
             # What `save_to_disk` writes (a DatasetDict, or one Dataset), which load_dataset refuses.

@@ -3,6 +3,7 @@ so a missing model fails at once and a cached one loads without ~50 s of connect
 
 import os
 import socket
+import time
 
 import huggingface_hub.constants
 import pytest
@@ -114,3 +115,22 @@ def test_a_lora_adapter_as_model_name_says_how_to_get_a_whole_model(tmp_path):
     with pytest.raises(MissingInputError, match=r"policy.model_name=.*: a LoRA adapter \(adapter_config.json\), not "
                                                  r"a whole model; export the run with policy.lora.export=merged"):
         load_hf_config(str(tmp_path))
+
+
+def test_a_hub_dataset_name_with_the_hub_unreachable_fails_at_once_offline(online_env):
+    # `datasets` keeps its own copy of the flag (tests/conftest.py set it at import): online here.
+    import datasets.config
+
+    from posttrain.config import InputError
+    from posttrain.data.datasets import load_rows
+    from posttrain.schemas import DataConfig
+
+    online_env.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    online_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    started = time.monotonic()
+    with pytest.raises(InputError, match=r"data.dataset_name='nobody/no-such-set' is not a registered dataset .* "
+                                         r"loading it from the hub failed"):
+        load_rows(DataConfig(dataset_name="nobody/no-such-set"), "train")
+    # Online, `datasets` retried its hub requests for ~25 s (5 retries) before failing.
+    assert time.monotonic() - started < 10
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and datasets.config.HF_HUB_OFFLINE is True
