@@ -474,7 +474,8 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         raise InputError(
             f"data.dataset_kwargs {sorted(cfg.dataset_kwargs)}: data.dataset_name={name!r} reads none; they go to "
             "`datasets.load_dataset` for a hub dataset or a folder (e.g. {\"name\": \"full\"}) and set "
-            f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format and renamed by data.column_map"
+            f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format and renamed by data.column_map. "
+            "Set by a config this one inherits (defaults:), for its hub set? Drop them: '~data.dataset_kwargs'"
         )
     if cfg.column_map and name in _GENERATED:
         raise InputError(f"data.column_map: data.dataset_name={name!r} is made from its settings, with no columns "
