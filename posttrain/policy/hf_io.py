@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import shutil
 import tempfile
@@ -109,14 +110,51 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
     classifier's head may be missing (`posttrain rm` starts it from a causal LM)."""
     from posttrain.policy.lora import merge_loaded_adapter
 
-    model, info = model_class(model_kind).from_pretrained(path, output_loading_info=True, **kwargs)
+    # transformers warns of a missing score head with a table ("LOAD REPORT ... MISSING ...
+    # Consider training on your downstream task") on every `posttrain rm` start, which is how
+    # the run begins; held back here, it is still shown when it reports anything else.
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    held = _HeldLoadReport()
+    if new_head:
+        hf_log.addFilter(held)
+    try:
+        model, info = model_class(model_kind).from_pretrained(path, output_loading_info=True, **kwargs)
+    except Exception:
+        held.release(hf_log)
+        raise
+    finally:
+        hf_log.removeFilter(held)
+    heads = ("score", "classifier")
+    if (any(k.split(".")[0] not in heads for k in info["missing_keys"])
+            or any(k.split(".")[0] != "lm_head" for k in info["unexpected_keys"]) or info["mismatched_keys"]):
+        held.release(hf_log)  # more than the new head (a causal LM's LM head is left out of a reward model)
     model = merge_loaded_adapter(model)  # a LoRA adapter's folder: its base + adapter, as plain weights
-    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in ("score", "classifier")))
+    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in heads))
     if missing:
         raise InputError(f"{key}={name!r}: {path} has no weights for {', '.join(missing[:3])}"
                          f"{', ...' if len(missing) > 3 else ''} of {type(model).__name__} (a reward model's folder "
                          "holds no LM head, a causal LM's no trained score head)")
     return model
+
+
+class _HeldLoadReport(logging.Filter):
+    """Holds back the records of transformers' state-dict load report, to be dropped or `release`d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self, logger: logging.Logger) -> None:
+        logger.removeFilter(self)
+        for record in self.records:
+            logger.handle(record)
+        self.records = []
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
