@@ -106,6 +106,9 @@ class RayVirtualCluster:
                 f"of {bundle} ({asked}); Ray offers {_fmt(offered)} available of {_fmt(total)} total "
                 + ("(the Ray node this run started: its resources are fixed)" if never else
                    f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)")
+                # A GPU exemplar (grpo_math_1B.yaml) run as it is on a laptop: say the way out.
+                + ("; Ray sees no GPU: to run on CPUs set the gpus_per_node named above to 0"
+                   if self.use_gpus and not total.get("GPU") else "")
             )
         log.info("placement group ready: %d bundles of %s", self.world_size, bundle)
 

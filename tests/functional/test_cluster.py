@@ -191,3 +191,13 @@ def test_rendezvous_ports_lie_outside_the_ephemeral_range():
     port = ports.pop()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # free, as promised
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tells a machine without GPUs what to set")
+def test_gpus_asked_of_a_ray_node_without_gpus_say_to_set_them_to_zero(ray_session):
+    # grpo_math_1B.yaml run as it is on a CPU machine: the error named the keys and what Ray
+    # offers, but not the way out.
+    with pytest.raises(PlacementError, match=r"asked for 4 bundles of \{'CPU': 1.0, 'GPU': 1\} \(cluster.num_nodes=1, "
+                                             r"gpus_per_node=4, .*; Ray sees no GPU: to run on CPUs set the "
+                                             r"gpus_per_node named above to 0$"):
+        RayVirtualCluster(ClusterConfig(gpus_per_node=4))
