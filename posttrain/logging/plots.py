@@ -146,10 +146,10 @@ def plot_pass_at_k(results: dict[str, Any], path: Path) -> Path:
         ax.plot(ks, [math.nan if results[f"{name}@{k}"] is None else results[f"{name}@{k}"] for k in ks],
                 marker="o", label=f"{name}@k")
     ax.set_ylim(0, 1.02)
-    ax.set_xticks(ks)
     sampled = "greedy" if results.get("greedy") else f"{len(ks)} samples per prompt"
     _finish(ax, f"{results.get('model')} on {results.get('dataset')} ({results.get('num_prompts')} prompts, "
                 f"{sampled})", "share of prompts", xlabel="k")
+    ax.set_xticks(ks)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(FigureCanvasAgg(fig), fig, path)
 
@@ -159,8 +159,12 @@ def _or_zero(value: float) -> float:
 
 
 def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step") -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_title(title, fontsize="medium")
     ax.set_xlabel(xlabel)
+    # Steps and k count: a short run's axis read 0, 0.25, ..., 2 (steps that do not exist).
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")

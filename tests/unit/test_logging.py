@@ -612,3 +612,19 @@ def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
     with training_logger(cfg, checkpointer=None, latest=None) as logger:
         assert (logger.moved_aside / EXPORT_DIR / "config.json").is_file()
     assert not (tmp_path / EXPORT_DIR).exists()
+
+
+def test_a_short_runs_plots_tick_whole_steps(tmp_path, monkeypatch):
+    from posttrain.logging import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda canvas, fig, path: (figures.append((canvas, fig)), path)[1])
+    records = [{"step": s, "prefix": "train", "reward": s / 10, "timing/generation": 1.0} for s in (1, 2)]
+    records.append({"step": 0, "prefix": "val", "accuracy": 0.1})
+    plots.plot_history(records, tmp_path)
+    assert len(figures) == 2  # reward.png, timing.png
+    for canvas, fig in figures:
+        canvas.draw()
+        ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
+        # Matplotlib's default put ticks at 0.25, 0.5, ...: steps a run does not have.
+        assert ticks and all(t == int(t) for t in ticks), ticks
