@@ -115,9 +115,13 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     logs there; started over, it first moves an earlier run's logs and its final export (hf/,
     which this run's would overwrite) aside."""
     check_export_is_not_an_input(cfg, fresh=latest is None)
-    return Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
-                  also_move=(EXPORT_DIR,),
-                  resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+    logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
+                    also_move=(EXPORT_DIR,),
+                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+    if checkpointer is not None and checkpointer.moved_aside is not None:  # said as the logs' move is
+        logger.console(f"the earlier run's checkpoints in {checkpointer.dir} were moved to {checkpointer.moved_aside} "
+                       "(checkpointing.start_fresh=true)")
+    return logger
 
 
 def check_export_is_not_an_input(cfg: Any, fresh: bool) -> None:

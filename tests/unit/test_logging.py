@@ -628,3 +628,24 @@ def test_a_short_runs_plots_tick_whole_steps(tmp_path, monkeypatch):
         ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
         # Matplotlib's default put ticks at 0.25, 0.5, ...: steps a run does not have.
         assert ticks and all(t == int(t) for t in ticks), ticks
+
+
+def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch):
+    # It said where the logs went and not the checkpoints, which left the checkpoint folder too.
+    from posttrain.algorithms.offline import training_logger
+    from posttrain.checkpoint import CheckpointManager
+    from posttrain.config import load_config
+
+    said = []
+    monkeypatch.setattr(Logger, "console", lambda self, text: said.append(text))
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_2").mkdir(parents=True)
+    (ckpt / "step_2" / "COMPLETE").write_text("")
+    cfg = load_config("sft", None, [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={ckpt}",
+                                    "checkpointing.start_fresh=true"])
+    checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "sft", "model_name": cfg.policy.model_name})
+    with training_logger(cfg, checkpointer, latest=None):
+        pass
+    assert said == [f"the earlier run's checkpoints in {ckpt} were moved to {checkpointer.moved_aside} "
+                    "(checkpointing.start_fresh=true)"]
+    assert (checkpointer.moved_aside / "step_2" / "COMPLETE").is_file()
