@@ -63,8 +63,9 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
 
 def load_policy_tokenizer(policy):
     """`load_tokenizer` for `policy` (a PolicyConfig): its errors name `policy.model_name` when the
-    tokenizer is the model's own (the default), the key the user wrote."""
-    own = policy.tokenizer.name is None
+    tokenizer is the model's own (the default, or NeMo RL's `name: ${policy.model_name}` that the
+    example configs write), the key the user wrote."""
+    own = policy.tokenizer.name in (None, policy.model_name)
     return load_tokenizer(policy.tokenizer.model_copy(update={"name": policy.tokenizer_name}),
                           key="policy.model_name" if own else "policy.tokenizer.name")
 

@@ -4,6 +4,7 @@ so a missing model fails at once and a cached one loads without ~50 s of connect
 import os
 import socket
 import time
+from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
@@ -134,3 +135,22 @@ def test_a_hub_dataset_name_with_the_hub_unreachable_fails_at_once_offline(onlin
     # Online, `datasets` retried its hub requests for ~25 s (5 retries) before failing.
     assert time.monotonic() - started < 10
     assert os.environ["HF_HUB_OFFLINE"] == "1" and datasets.config.HF_HUB_OFFLINE is True
+
+
+def test_a_missing_model_is_named_by_policy_model_name_also_when_the_tokenizer_interpolates_it(tmp_path):
+    # sft.yaml, dpo.yaml, rm.yaml, grpo_math_1B.yaml write NeMo RL's `tokenizer.name: ${policy.model_name}`:
+    # run before the conversion their comments show, the error named policy.tokenizer.name, a key
+    # the user never set.
+    from posttrain.config import load_config
+    from posttrain.data.processors import load_policy_tokenizer
+
+    missing = tmp_path / "stories260K-hf"
+    cfg = load_config("sft", Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft.yaml",
+                      [f"policy.model_name={missing}"])
+    assert cfg.policy.tokenizer.name == str(missing)
+    with pytest.raises(MissingInputError, match=rf"^policy.model_name='{missing}': cannot load a tokenizer .*no such folder"):
+        load_policy_tokenizer(cfg.policy)
+    # A tokenizer of its own is still named by its key.
+    other = load_config("sft", None, [f"policy.model_name={missing}", f"policy.tokenizer.name={missing}-tok"]).policy
+    with pytest.raises(MissingInputError, match=r"^policy.tokenizer.name="):
+        load_policy_tokenizer(other)
