@@ -846,7 +846,7 @@ class CodeEnvConfig(Section):
 
     # 1 when every test passes ("all"), or the fraction of tests that pass ("fraction").
     reward: Literal["all", "fraction"] = "all"
-    # Address-space limit of each program's interpreter, in MiB.
+    # Address-space limit of each program's interpreter (and of the one running its tests), in MiB.
     memory_mb: int = Field(1024, ge=64)
     # Programs run at once per environment actor; null: the machine's CPU count.
     parallel_runs: int | None = Field(None, ge=1)

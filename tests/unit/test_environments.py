@@ -658,6 +658,106 @@ def test_code_wrong_programs_score_0_without_stopping_or_counting_as_env_errors(
     assert "0/3 tests passed; the program raised SystemExit" in obs["fakes a result"]
 
 
+# Programs that made the old harness (program and tests in one interpreter) report passing tests
+# without computing add: there each scored 1 with reward `all`, but the count raiser (7.5 with
+# `fraction`) and the builtins patcher (0.25 with `fraction`, its `sorted` test, where 0 was due).
+REWARD_HACKS = {
+    "always-equal object": "class A:\n    __eq__ = lambda *a: True\ndef add(a, b): return A()",
+    "str subclass equal to anything": "class S(str):\n    __eq__ = lambda *a: True\n    __hash__ = str.__hash__\n"
+                                      "def add(a, b): return S()",
+    "raises the harness's count": "import __main__\n__main__.passed = 30\ndef add(a, b): return 7",
+    "empties the harness's tests": "import __main__\n__main__.passed = len(__main__.job['tests'])\n__main__.job['tests'].clear()",
+    "writes the report with the harness's nonce": (
+        "import __main__, os\nn = len(__main__.job['tests'])\n"
+        "__main__.out.write(__main__.nonce + '{\"passed\": %d, \"error\": null}\\n' % n)\n__main__.out.flush()\nos._exit(0)"),
+    "reads the expected value from the test's frame": (
+        "import sys\ndef add(a, b):\n    test = sys._getframe(1).f_code\n"
+        "    return [c for c in test.co_consts if type(c) is int][-1] if test.co_filename.startswith('<test') else None"),
+    "a child writes the report after the harness's": (
+        "import os, time, __main__\nn, k = __main__.nonce, len(__main__.job['tests'])\nif os.fork() == 0:\n"
+        "    time.sleep(0.3)\n    os.write(3, (n + '{\"passed\": %d, \"error\": null}\\n' % k).encode())\n    os._exit(0)\n"
+        "def add(a, b): return 7"),
+    "patches the builtins the tests use": (
+        "import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\nbuiltins.sorted = lambda *a: 0\n"
+        "def add(a, b): return 7"),
+}
+
+
+def test_code_programs_that_forge_passing_tests_score_0():
+    tests = ADD_TESTS + ["assert sorted([add(2, 3)]) == sorted([5])"]
+    for reward in ("all", "fraction"):
+        ret = _code_env(reward=reward).step([_answer(p) for p in REWARD_HACKS.values()],
+                                            [{"tests": tests} for _ in REWARD_HACKS])
+        got = dict(zip(REWARD_HACKS, ret.rewards.tolist()))
+        assert got == dict.fromkeys(REWARD_HACKS, 0.0) and ret.num_errors == 0, (
+            got, [o["content"] for o in ret.observations])
+    obs = dict(zip(REWARD_HACKS, (o["content"] for o in ret.observations)))
+    assert "TypeError: the program's A is not plain data" in obs["always-equal object"]
+
+
+def test_code_tests_see_the_programs_plain_results_and_handles_to_its_objects():
+    # What honest programs return besides plain values still works through the pipe: the
+    # program's classes and instances, generators, closures, exceptions, namedtuples and Counters
+    # (as tuple and dict), a HumanEval-style check(candidate), and a standard module it imported.
+    program = """
+import re
+from collections import Counter, namedtuple
+Point = namedtuple("Point", "x y")
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+    def __str__(self):
+        return f"({self.a}, {self.b})"
+def longest(pairs):
+    return max(p.b - p.a for p in pairs)
+def evens(n):
+    yield from range(0, n, 2)
+def adder(n):
+    return lambda x: x + n
+def div(a, b):
+    if b == 0:
+        raise ValueError("zero")
+    return a / b
+def stats(s):
+    return Counter(s), Point(1, 2), {"k": (1, [2, {3}], frozenset({4}), b"5", 6j, None, float("inf"))}
+def words(s):
+    return re.findall(r"[a-z]+", s)
+"""
+    tests = ["assert longest([Pair(5, 24), Pair(15, 25)]) == 19 and str(Pair(1, 2)) == '(1, 2)'",
+             "assert list(evens(5)) == [0, 2, 4] and sum(evens(7)) == 12",
+             "assert adder(2)(3) == 5",
+             "try:\n    div(1, 0)\n    assert False\nexcept ValueError as e:\n    assert 'zero' in str(e)",
+             "assert stats('aab') == ({'a': 2, 'b': 1}, (1, 2), {'k': (1, [2, {3}], frozenset({4}), b'5', 6j, None, "
+             "float('inf'))})",
+             "assert re.sub('a', 'b', ' '.join(words('a1a'))) == 'b b'",
+             "def check(candidate):\n    assert candidate(1.0, 4.0) == 0.25\ncheck(div)",
+             "assert Pair(1, 2)"]  # no truth value for the program's object: the one failing test
+    ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
+    assert ret.rewards.tolist() == [pytest.approx(7 / 8)], ret.observations[0]["content"]
+    assert ret.observations[0]["content"].endswith("test 7 (assert Pair(1, 2)) failed: TypeError: the program's Pair is "
+                                                   "not plain data: a test cannot compare it or take its truth")
+
+
+def test_code_parent_reads_a_bounded_report_in_time():
+    # The program can reach the parent's end of the report pipe through /proc (its user's, or
+    # root's): the old parent read all of it (1.5 GB sent cost the actor 4.5 GB and 12 s), and
+    # waited past timeout_s for the end of it. Now it stops at 64 KiB, or at the deadline.
+    import subprocess
+    import sys
+
+    from posttrain.environments.code import _exchange
+
+    flood = "import sys\nsys.stdin.read()\nsys.stdout.buffer.write(b'x' * (40 << 20))"
+    hold = "import sys, time\nsys.stdin.read()\ntime.sleep(30)"
+    for source, wanted in ((flood, "more than 65536 bytes came back instead of the tests' report"),
+                           (hold, "timed out after 1 s")):
+        with subprocess.Popen([sys.executable, "-c", source], stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
+            start = time.monotonic()
+            out, failure = _exchange(proc, b"job" * 100_000, 1.0)
+            proc.kill()
+        assert failure == wanted and len(out) <= (64 << 10) + (1 << 16) and time.monotonic() - start < 1.5
+
+
 def test_code_hang_is_killed_with_what_it_started(tmp_path):
     marker = tmp_path / "child_alive"
     child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
