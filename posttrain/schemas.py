@@ -84,13 +84,18 @@ class ClusterConfig(Section):
 
 class TokenizerConfig(Section):
     name: str | None = None  # defaults to policy.model_name
-    # A Jinja template overriding the tokenizer's own. SFT/DPO/RM train an assistant turn's <think>
-    # reasoning only where the template writes it: DeepSeek-R1's drops it from every turn, Qwen3's
-    # and QwQ's from the turns before the last user message, and such a row then fails naming the
-    # turn; a template that writes each turn's content as it is keeps it (GRPO trains the
+    # A Jinja template overriding the tokenizer's own. SFT/DPO/RM train each assistant turn as the
+    # model generates it after the prompt this template gives it. One that renders an earlier turn
+    # differently once later messages follow (Qwen3's: an empty <think></think> block in the last
+    # assistant turn alone, no reasoning in the turns before the last user message) makes a
+    # multi-turn SFT row one example per turn, each after the conversation as rendered then (more
+    # tokens; the data counts say how many examples); a preference pair's response must still be one
+    # sequence. One that drops a trained turn's <think> reasoning (DeepSeek-R1's, from every turn)
+    # fails naming the turn; one that writes each turn's content as it is keeps it (GRPO trains the
     # generated tokens, reasoning included, whatever the template shows). Reasoning in a message
     # field (`reasoning_content`, `reasoning`, `thinking`) is trained where the template renders
-    # that field (Qwen3's does after the last user message; Llama's and the embedded models' never).
+    # that field (Qwen3's in a last turn and after the last user message; Llama's and the embedded
+    # models' never).
     chat_template: str | None = None
 
 

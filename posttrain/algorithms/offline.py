@@ -194,6 +194,10 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
             f"data {split}: {counts['kept']} of {counts['rows']} rows kept ({counts['truncated']} truncated, "
             f"{counts['dropped']} dropped as too long, {counts['no_loss']} without a loss token"
             + (f", {counts['identical']} pairs whose sides are the same tokens" if "identical" in counts else "") + ")"
+            # The steps of an epoch count examples: a row whose chat template re-renders its earlier turns
+            # once later ones follow (Qwen3's) is one per turn (processors.tokenize_conversation).
+            + (f", as {counts['examples']} examples: one per turn where the chat template re-renders earlier "
+               "turns" if "examples" in counts else "")
         )
 
 
@@ -248,7 +252,8 @@ class OfflineData:
     tokenizer: Any
     loader: RowLoader
     val_batches: list[BatchedDataDict]  # the first `algo.val_batches`: what validation runs on
-    stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss (, identical: pairs)
+    stats: dict[str, dict[str, int]]  # per split: rows, kept, truncated, dropped, no_loss (, identical: pairs;
+    # examples: SFT rows split by turn)
 
 
 def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callable) -> OfflineData:

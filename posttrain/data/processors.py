@@ -6,14 +6,19 @@ tokenized on its own (as a continuation: `encode_continuation`), so the token bo
 the loss mask are exact. The loss mask is 1 on assistant tokens only (content and the
 template's end-of-turn marker, not the `<|assistant|>`-style header the generation prompt
 adds, so training matches generation; with `data.add_generation_prompt=false` prompts end
-without that header, so it is trained). A template that drops the reasoning of a trained
-assistant turn, a `<think>` block in its content (DeepSeek-R1's from every turn; Qwen3's and
-QwQ's from those before the last user message) or its `reasoning_content` field (one that reads
-no such field: Llama's), is an error naming the row and turn, not a model silently trained on
-the answers alone (`check_reasoning_rendered`).
+without that header, so it is trained). A template that renders an earlier turn differently
+once later messages follow (Qwen3's: an empty `<think></think>` block in the last assistant turn
+alone, no reasoning in the turns before the last user message) makes one example per stretch of
+turns, each turn trained as the model generates it after the prompt the template gives it then
+(`tokenize_conversation`); a preference pair's response must be one sequence. A template that
+drops the reasoning of a trained assistant turn, a `<think>` block in its content (DeepSeek-R1's
+from every turn) or its `reasoning_content` field (one that reads no such field: Llama's), is an
+error naming the row and turn, not a model silently trained on the answers alone
+(`check_reasoning_rendered`).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
-them at the right; rows left without a single loss token are removed too. The counts come
+them at the right (a row of several examples goes whole under "drop", and keeps the examples
+that fit under "truncate"); rows left without a single loss token are removed too. The counts come
 back in the stats dict (the algorithms log them), and a dataset with no row left is an
 error, not a silent zero-step run.
 
@@ -129,7 +134,7 @@ def naming_row(row: str, messages: list[dict]) -> Iterator[None]:
         raise InputError(f"{row} (roles {roles}): {what}") from None
 
 
-def tokenize_messages(
+def tokenize_conversation(
     messages: list[dict[str, str]],
     tokenizer,
     *,
@@ -139,8 +144,10 @@ def tokenize_messages(
     tools: Any = None,
     add_generation_prompt: bool = True,
     check_reasoning: bool = True,
-) -> Example:
-    """Token ids and loss mask of one conversation.
+) -> list[Example]:
+    """Token ids and loss masks of one conversation: one example, unless the chat template renders
+    an earlier turn differently once later messages follow; then one example per stretch of turns
+    whose renders extend each other.
 
     Assistant messages at index >= `loss_start` get loss (a preference pair passes the
     length of its shared prompt, so earlier assistant turns of the context are not trained).
@@ -153,25 +160,88 @@ def tokenize_messages(
     `check_reasoning`: fail when the template drops the `<think>` reasoning of an assistant turn
     that gets loss (`check_reasoning_rendered`); False where the tokens are only read, as a reward
     model reads a conversation the way its template shows it.
+
+    Each message's text is what it adds to the render of the messages before it. Qwen3's template
+    writes an empty `<think></think>` block into the last assistant turn alone and drops the
+    reasoning of the turns before the last user message, so a turn reads differently once a user
+    turn follows: one sequence of the whole conversation would train each earlier turn as it reads
+    in a later context (no block, no reasoning), which the model never generates (after Qwen3's
+    generation prompt it writes its `<think>` block), and drop its reasoning from training. Where
+    that happens, the example so far ends (its turns are trained as the model generated them), and
+    the next one starts from the conversation as the template now renders it, as the model's
+    prompt for the next turn, without loss. Rows of a template whose renders extend each other
+    (Llama's, the embedded one) are one example, as before. Examples without a loss token are left
+    out, unless none has one.
     """
+    return [ex for ex, _ in _tokenized(messages, tokenizer, add_bos=add_bos, add_eos=add_eos, loss_start=loss_start,
+                                       tools=tools, add_generation_prompt=add_generation_prompt,
+                                       check_reasoning=check_reasoning)]
+
+
+def tokenize_messages(messages: list[dict[str, str]], tokenizer, **kwargs: Any) -> Example:
+    """The one example of a conversation whose trained turns must be one sequence (a preference pair's
+    sides, a conversation a reward model reads): `tokenize_conversation`'s, with its arguments; an
+    error when its turns that get loss fall in more than one example."""
+    pieces = _tokenized(messages, tokenizer, **kwargs)
+    if len(pieces) > 1:
+        raise InputError(pieces[0][1])
+    return pieces[0][0]
+
+
+def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos: bool = True, loss_start: int = 0,
+               tools: Any = None, add_generation_prompt: bool = True,
+               check_reasoning: bool = True) -> list[tuple[Example, str]]:
+    """`tokenize_conversation`'s examples, each with the error `tokenize_messages` raises when a turn
+    that gets loss follows it in another example ("" for the last)."""
     require_chat_template(tokenizer)
+    pieces: list[tuple[Example, str]] = []
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
-    starts = []  # where the text of each message begins in `rendered`
+    starts: list[int] = []  # where the text of each message begins in `rendered` (at the latest)
+    first = 0  # the first message whose text this example adds itself (those before it: its prompt)
     for i, msg in enumerate(messages):
         starts.append(len(rendered))
         full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         trains = msg["role"] == "assistant" and i >= loss_start
-        if trains and add_generation_prompt:
-            with_header = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
-            if with_header.startswith(rendered) and full.startswith(with_header):
-                _extend(ids, mask, tokenizer, with_header[len(rendered):], 0)
-                rendered = with_header
+        prompt = None  # the conversation before a trained turn as the model is prompted for it
+        if trains and add_generation_prompt and i:
+            prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+            if not full.startswith(prompt):
+                prompt = None
+            elif prompt.startswith(rendered):
+                _extend(ids, mask, tokenizer, prompt[len(rendered):], 0)
+                rendered = prompt
         if not full.startswith(rendered):
-            raise InputError(_rerendered(messages, i, rendered, full, starts))
+            context = prompt if trains else full
+            if context is None:
+                raise InputError(_rerendered(messages, i, rendered, full, starts,
+                                             f"the assistant turn of message {i} cannot be told apart from its prompt"))
+            pieces.append((_finish(messages[:i], ids, mask, rendered, starts[:i], tokenizer, add_bos=add_bos,
+                                   add_eos=add_eos, loss_start=max(loss_start, first),
+                                   check_reasoning=check_reasoning),
+                           _rerendered(messages, i, rendered, context, starts,
+                                       f"the turns that get loss (from message {loss_start} on) are not one sequence "
+                                       "as the model generates them")))
+            at = len(os.path.commonprefix([rendered, context]))
+            starts = [min(s, at) for s in starts]  # the text before `at` reads as it did
+            ids, mask = [], []
+            _extend(ids, mask, tokenizer, context, 0)
+            rendered, first = context, i + (not trains)
+            if not trains:
+                continue
         _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
         rendered = full
+    pieces.append((_finish(messages, ids, mask, rendered, starts, tokenizer, add_bos=add_bos, add_eos=add_eos,
+                           loss_start=max(loss_start, first), check_reasoning=check_reasoning), ""))
+    return [p for p in pieces if any(p[0]["loss_mask"])] or pieces[-1:]
+
+
+def _finish(messages: list[dict], ids: list[int], mask: list[int], rendered: str, starts: list[int], tokenizer, *,
+            add_bos: bool, add_eos: bool, loss_start: int, check_reasoning: bool) -> Example:
+    """The example of `messages` tokenized as `ids`/`mask` (their text `rendered`, message i's from
+    `starts[i]` on), checked (`check_tool_turns_rendered`, `check_reasoning_rendered` of the turns
+    from `loss_start` on), with BOS and EOS by `add_bos`/`add_eos`."""
     check_tool_turns_rendered(messages, rendered, starts)
     if check_reasoning:
         check_reasoning_rendered(messages, rendered, starts, loss_start)
@@ -183,8 +253,8 @@ def tokenize_messages(
     # ChatML templates end each turn with "<|im_end|>\n", <|im_end|> being the EOS of Qwen's chat
     # models: an EOS after the newline trained them on "<|im_end|>\n<|im_end|>".
     if add_eos and eos is not None and not rendered.rstrip().endswith(tokenizer.eos_token):
-        ids.append(eos)
-        mask.append(mask[-1] if mask else 0)
+        ids = [*ids, eos]
+        mask = [*mask, mask[-1] if mask else 0]
     return {"input_ids": ids, "loss_mask": mask}
 
 
@@ -270,20 +340,19 @@ def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[i
             )
 
 
-def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: list[int]) -> str:
+def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: list[int], so: str) -> str:
     """The error of a template that renders the text before message i differently once message i
-    follows: which earlier message changed, and why when it lost its reasoning."""
+    follows: which earlier message changed (and why when it lost its reasoning), `so` what follows."""
     at = len(os.path.commonprefix([rendered, full]))
     k = max(j for j in range(i) if starts[j] <= at)  # the message whose text changed first
     changed, role = f"message {k} (role {messages[k]['role']!r})", messages[i]["role"]
     if (reasoning := _reasoning_of(messages[k])) and _shows(rendered, reasoning) and not _shows(full, reasoning):
         what, fix = _reasoning_named(messages[k])
         return (f"the chat template drops the {what} of {changed} once message {i} (role {role!r}) follows "
-                "(Qwen3's and QwQ's keep it after the last user message only), so the row cannot be tokenized turn "
-                f"by turn; {fix}")
+                f"(Qwen3's and QwQ's keep it after the last user message only), so {so}; {fix}")
     return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows (Qwen3's "
-            "writes an empty <think></think> block into the last assistant turn alone), so per-message loss masks "
-            "cannot be built; set policy.tokenizer.chat_template to a template whose renders extend each other")
+            f"writes an empty <think></think> block into the last assistant turn alone), so {so}; set "
+            "policy.tokenizer.chat_template to a template whose renders extend each other")
 
 
 def with_bos(ids: list[int], tokenizer) -> list[int]:
@@ -337,6 +406,21 @@ def _fit(example: Example, max_len: int, policy: str) -> tuple[Example | None, s
     return example, status
 
 
+def _fit_row(examples: list[Example], max_len: int, policy: str) -> tuple[list[Example], str]:
+    """The examples of one row (`tokenize_conversation`'s) that fit, each by `_fit`, and what happened
+    to the row: "dropped" when one of them is too long under "drop" (a row longer than the context
+    goes whole, as a row of one example does), "no_loss" when none keeps a loss token, "truncated"
+    when one was cut (or lost to the cut); else "ok"."""
+    fitted = [_fit(ex, max_len, policy) for ex in examples]
+    kept = [ex for ex, _ in fitted if ex is not None]
+    statuses = {status for _, status in fitted}
+    if "dropped" in statuses:
+        return [], "dropped"
+    if not kept:
+        return [], "no_loss"
+    return kept, "ok" if statuses == {"ok"} else "truncated"
+
+
 def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig, what: str) -> None:
     if kept == 0:
         # Under "truncate" the rows went for prompts that fill the context: cutting cannot help.
@@ -350,8 +434,10 @@ def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig,
 def process_sft_rows(
     rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
 ) -> tuple[list[Example], dict[str, int]]:
-    """Tokenize SFT rows `{"messages"}`; returns the examples and the counts
-    {rows, kept, truncated, dropped, no_loss} (see the module docstring)."""
+    """Tokenize SFT rows `{"messages"}`; returns the examples and the counts of rows
+    {rows, kept, truncated, dropped, no_loss} (see the module docstring), and `examples` when
+    there are more examples than rows kept (`tokenize_conversation`: one per stretch of turns where
+    the chat template re-renders earlier turns, as Qwen3's does)."""
     stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     out = []
     for n, row in enumerate(rows, start=1):
@@ -367,15 +453,16 @@ def process_sft_rows(
                                  "or `demonstration`, so SFT has no response to train on")
             messages = messages + demo
         with naming_row(name, messages):
-            ex = tokenize_messages(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                                   tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
-        ex, status = _fit(ex, max_len, cfg.truncation)
+            examples = tokenize_conversation(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                             tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
+        kept, status = _fit_row(examples, max_len, cfg.truncation)
         if status != "ok":
             stats[status] += 1
-        if ex is not None:
-            out.append(ex)
-    stats["kept"] = len(out)
-    _check_left(len(out), stats, max_len, cfg, "rows")
+        stats["kept"] += bool(kept)
+        out.extend(kept)
+    if len(out) != stats["kept"]:
+        stats["examples"] = len(out)
+    _check_left(stats["kept"], stats, max_len, cfg, "rows")
     return out, stats
 
 

@@ -402,6 +402,21 @@ def test_data_counts_are_one_sentence_on_the_console_and_metrics_elsewhere(tmp_p
     assert rec["prefix"] == "data/train" and (rec["rows"], rec["kept"], rec["no_loss"]) == (10, 9, 0)
 
 
+
+def test_data_counts_say_how_many_examples_rows_split_by_turn_became(tmp_path):
+    # SFT rows of Qwen3's template are one example per turn: an epoch's steps count examples, not rows.
+    from rich.console import Console
+
+    from posttrain.algorithms.offline import log_data_stats
+
+    logger = Logger(_cfg(console_enabled=True), tmp_path)
+    logger._console.console = Console(record=True, width=300, force_terminal=False)
+    log_data_stats(logger, {"train": {"rows": 4, "kept": 4, "truncated": 0, "dropped": 0, "no_loss": 0, "examples": 9}})
+    logger.close()
+    assert logger._console.console.export_text().strip() == (
+        "data train: 4 of 4 rows kept (0 truncated, 0 dropped as too long, 0 without a loss token), as 9 examples: "
+        "one per turn where the chat template re-renders earlier turns")
+
 def test_plots_are_pngs_and_survive_resume(tmp_path):
     cfg = _cfg(jsonl_enabled=True, plots_enabled=True)
     logger = Logger(cfg, tmp_path)

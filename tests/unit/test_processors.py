@@ -1,5 +1,7 @@
 """Tokenization: assistant-only loss masks, chat-template override, truncation, batches."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from posttrain.data.processors import (
     process_sft_rows,
     tokenize_messages,
 )
+from posttrain.rollouts import render_prompt
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 # NeMo RL's SQuAD SFT template (examples/configs/sft.yaml there): plain text, no header tokens.
@@ -35,8 +38,8 @@ def tok(tiny_model_path):
     return load_tokenizer(TokenizerConfig(name=tiny_model_path))
 
 
-@pytest.fixture(scope="module")
-def gpt2(shared_data):
+def _gpt2_bpe(shared_data, **tokens):
+    """GPT-2's byte-level BPE (vocab.json and merges.txt of the shared data) with `tokens` (bos_token=...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,9 +47,29 @@ def gpt2(shared_data):
     core = Tokenizer(models.BPE.from_file(f"{d}/vocab.json", f"{d}/merges.txt"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    t = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                pad_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=core, **tokens)
+
+
+@pytest.fixture(scope="module")
+def gpt2(shared_data):
+    t = _gpt2_bpe(shared_data, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     t.chat_template = SQUAD_TEMPLATE
+    return t
+
+
+# Qwen3's chat template (Qwen/Qwen3-*'s tokenizer_config.json, as huggingface/trl keeps it in
+# trl/chat_templates/qwen3.jinja; both Apache-2.0), kept as test data.
+QWEN3_TEMPLATE = (Path(__file__).parents[1] / "data" / "qwen3_chat_template.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(shared_data):
+    """A stand-in for Qwen3's tokenizer: byte-level BPE with its ChatML tokens (<|im_end|> its EOS, no
+    BOS) and <think>/</think> as single tokens, with Qwen3's own chat template."""
+    t = _gpt2_bpe(shared_data, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                  additional_special_tokens=["<|im_start|>"])
+    t.add_tokens(["<think>", "</think>"])
+    t.chat_template = QWEN3_TEMPLATE
     return t
 
 
@@ -385,18 +408,24 @@ def test_a_template_that_drops_the_reasoning_of_a_trained_turn_is_an_error():
     assert _loss_text(r1, ex) == "add one\n</think>\n\n2<|end|>"
 
 
-def test_a_template_that_drops_earlier_reasoning_names_the_turn(qwen3_like_tok):
+def test_a_template_that_drops_earlier_reasoning_names_the_turn_where_one_sequence_is_needed(qwen3_like_tok):
     # Qwen3's template keeps the reasoning of the turns after the last user message only: the last
-    # turn of a row trains with it, and a row whose trained turn is followed by a user turn is
-    # refused, naming that turn and why, not as "earlier messages render differently".
+    # turn of a row trains with it; where a trained turn followed by a user turn must be one sequence
+    # with the next one (a preference pair's response, `tokenize_messages`), the error names that
+    # turn and why, not "earlier messages render differently". SFT trains each turn in an example
+    # of its own (test_multi_turn_sft_with_qwen3s_template_trains_each_turn_as_generated).
     tok = qwen3_like_tok
     ex = tokenize_messages(THOUGHT, tok)
     assert _loss_text(tok, ex) == "<think>\nadd one\n</think>\n\n2<|end|>"
     two = [*THOUGHT, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd two\n</think>4"}]
-    with pytest.raises(InputError, match=r"^row 1 \(roles user, assistant, user, assistant\): the chat template drops "
-                                         r"the <think> reasoning of message 1 \(role 'assistant'\) once message 2 "
-                                         r"\(role 'user'\) follows.*policy\.tokenizer\.chat_template"):
-        process_sft_rows([{"messages": two}], tok, DataConfig(), max_len=1000)
+    with pytest.raises(InputError, match=r"^the chat template drops the <think> reasoning of message 1 \(role "
+                                         r"'assistant'\) once message 2 \(role 'user'\) follows.*so the turns that get "
+                                         r"loss \(from message 0 on\) are not one sequence.*policy\.tokenizer\."
+                                         r"chat_template"):
+        tokenize_messages(two, tok)
+    examples, _ = process_sft_rows([{"messages": two}], tok, DataConfig(), max_len=1000)
+    assert [_loss_text(tok, e) for e in examples] == ["<think>\nadd one\n</think>\n\n2<|end|>",
+                                                      "<think>\nadd two\n</think>\n\n4<|end|>"]
     # Without reasoning, the empty block the last turn alone gets is named.
     bare = [{**m, "content": m["content"].split("</think>")[-1].strip()} for m in two]
     with pytest.raises(InputError, match=r"renders message 1 \(role 'assistant'\) differently once message 2 "
@@ -450,3 +479,84 @@ def test_a_template_that_ignores_the_reasoning_field_is_an_error(tok, qwen3_like
     with pytest.raises(InputError, match=r"drops the reasoning field of message 1 \(role 'assistant'\) once "
                                          rf"message 2 \(role 'user'\) follows.*{fix}"):
         tokenize_messages(two, qwen3_like_tok)
+
+
+def _qwen3_convo(reasoning: bool) -> list[dict]:
+    """Two turns, with reasoning in the first turn's content and in the second's reasoning field."""
+    first = "<think>\nadd one\n</think>\n\n2" if reasoning else "2"
+    second = {"role": "assistant", "content": "4", **({"reasoning_content": "add two"} if reasoning else {})}
+    return [CONVO[0], CONVO[1], {"role": "assistant", "content": first}, CONVO[3], second]
+
+
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_multi_turn_sft_with_qwen3s_template_trains_each_turn_as_generated(qwen3_tok, reasoning):
+    # Qwen3's template writes an empty <think></think> block into the last assistant turn alone and
+    # drops the reasoning of the turns before the last user message, so every multi-turn row was
+    # refused. Each turn is now an example of its own: the conversation up to it as the model is
+    # prompted for it (earlier turns as the template shows them then), then the turn as the model
+    # generates it, its <think> block included.
+    tok, convo = qwen3_tok, _qwen3_convo(reasoning)
+    think1, think2 = ("add one", "add two") if reasoning else ("", "")
+    prompts = ["<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+               "2<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"]
+    turns = [f"<think>\n{think1}\n</think>\n\n2<|im_end|>\n", f"<think>\n{think2}\n</think>\n\n4<|im_end|>\n"]
+    examples, stats = process_sft_rows([{"messages": convo}], tok, DataConfig(), max_len=1000)
+    assert stats == {"rows": 1, "kept": 1, "truncated": 0, "dropped": 0, "no_loss": 0, "examples": 2}
+    for ex, prompt, turn, k in zip(examples, prompts, turns, (2, 4)):
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        # Token for token: the prompt rollouts give the model for turn k, then the turn, the loss on it alone.
+        assert prompt_ids == render_prompt(tok, convo[:k])
+        assert ex["input_ids"] == prompt_ids + tok.encode(turn, add_special_tokens=False)
+        assert ex["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(ex["input_ids"]) - len(prompt_ids))
+        assert tok.decode(ex["input_ids"]) == prompt + turn and _loss_text(tok, ex) == turn
+    # A row longer than the context goes whole under "drop"; "truncate" keeps the turns that fit.
+    fits_one = len(examples[0]["input_ids"]) + 1
+    assert process_sft_rows([{"messages": convo}, {"messages": CONVO[1:3]}], tok, DataConfig(), max_len=fits_one)[1][
+        "dropped"] == 1
+    kept, stats = process_sft_rows([{"messages": convo}], tok, DataConfig(truncation="truncate"), max_len=fits_one)
+    assert kept == examples[:1] and stats == {"rows": 1, "kept": 1, "truncated": 1, "dropped": 0, "no_loss": 0}
+
+
+
+def test_tool_calling_sft_with_qwen3s_template_trains_the_call_as_generated(qwen3_tok):
+    # A call without reasoning loses its empty block once its result follows: the call is trained
+    # with it, and the answer after the result as the template then shows the call.
+    examples, _ = process_sft_rows([{"messages": TOOL_CONVO}], qwen3_tok, DataConfig(), max_len=1000)
+    assert [qwen3_tok.decode(e["input_ids"]) for e in examples] == [
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", "
+        '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temp": "21 °C"}\n'
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nIt is 21 °C.<|im_end|>\n"]
+    assert [_loss_text(qwen3_tok, e) for e in examples] == [
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+        "<think>\n\n</think>\n\nIt is 21 °C.<|im_end|>\n"]
+
+def test_dpo_with_earlier_assistant_turns_in_the_context_under_qwen3s_template(qwen3_tok):
+    # The context's assistant turn lost its empty block (and reasoning) once the next user turn
+    # followed, so every DPO/RM pair with one was refused; the context is now the prompt as the model
+    # reads it before the response, without loss.
+    tok, convo = qwen3_tok, _qwen3_convo(reasoning=True)
+    pair = {"prompt_messages": convo[:4], "chosen": [{"role": "assistant", "content": "<think>\nadd two\n</think>4"}],
+            "rejected": [{"role": "assistant", "content": "<think>\nguess\n</think>5"}]}
+    ((chosen, rejected),), stats = process_preference_rows([pair], tok, DataConfig(), max_len=1000)
+    assert stats["kept"] == 1
+    prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+              "2<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    for ex, turn in ((chosen, "<think>\nadd two\n</think>\n\n4<|im_end|>\n"),
+                     (rejected, "<think>\nguess\n</think>\n\n5<|im_end|>\n")):
+        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        assert prompt_ids == render_prompt(tok, convo[:4])
+        assert ex["input_ids"] == prompt_ids + tok.encode(turn, add_special_tokens=False)
+        assert ex["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(ex["input_ids"]) - len(prompt_ids))
+    # A response whose first turn the template re-renders once its second follows (a tool call
+    # without reasoning loses its empty block) is not one sequence: named, not trained as another.
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]}
+    tools = {**pair, "chosen": [call, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]}
+    with pytest.raises(InputError, match=r"^row 1 \(roles system, user, assistant, user, assistant, tool, assistant\): "
+                                         r"the chat template renders message 4 \(role 'assistant'\) differently once "
+                                         r"message 5 \(role 'tool'\) follows .*so the turns that get loss \(from "
+                                         r"message 4 on\) are not one sequence"):
+        process_preference_rows([tools], tok, DataConfig(), max_len=1000)
