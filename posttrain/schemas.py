@@ -1558,6 +1558,19 @@ class GRPOMasterConfig(_MasterBase):
                              "train on (grpo.adv_estimator=on_policy_distillation); turn them off")
         return self
 
+    def generation_cluster(self) -> ClusterConfig | None:
+        """The separate generation workers' resources (policy.generation.colocated.enabled=false), as
+        a cluster of their own beside the policy workers': one worker per GPU of
+        `colocated.resources` (nulls: 1 node, cluster.gpus_per_node), or per node without GPUs;
+        None when generation runs inside the policy workers."""
+        colocated = self.policy.generation.colocated
+        if colocated.enabled:
+            return None
+        res = colocated.resources
+        gpus = self.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node
+        return self.cluster.model_copy(update={"num_nodes": res.num_nodes or 1, "gpus_per_node": gpus,
+                                               "workers_per_node": 1})
+
     def needs_reference(self) -> bool:
         """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""
         return self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.adv_estimator == "on_policy_distillation"

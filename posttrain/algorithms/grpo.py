@@ -41,7 +41,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
-from posttrain.distributed.cluster import RayVirtualCluster
+from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import mean_pass_at_k
@@ -115,37 +115,37 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     return kept, dropped
 
 
-def generation_cluster(cfg: GRPOMasterConfig) -> RayVirtualCluster:
-    """The bundles of the separate generation workers (policy.generation.colocated.enabled=false),
-    beside the policy workers' own: one worker per node of `colocated.resources`."""
+def worker_bundles(cfg: GRPOMasterConfig) -> list[Bundles]:
+    """The placement groups of a GRPO run: the policy workers' (`cluster`), then, with
+    policy.generation.colocated.enabled=false, the separate generation workers' beside them (one
+    worker per GPU of `colocated.resources`, or per node without GPUs)."""
+    policy = Bundles(cfg.cluster)
+    gen = cfg.generation_cluster()
+    if gen is None:
+        return [policy]
     res = cfg.policy.generation.colocated.resources
-    num_nodes = res.num_nodes or 1
-    gpus = cfg.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node
     nodes_set, gpus_set = ("null" if v is None else v for v in (res.num_nodes, res.gpus_per_node))
-    return RayVirtualCluster(
-        cfg.cluster.model_copy(update={"num_nodes": num_nodes, "gpus_per_node": gpus, "workers_per_node": 1}),
-        name="generation",
+    return [policy, Bundles(
+        gen, name="generation",
         asked=(f"the separate generation workers of policy.generation.colocated.enabled=false, beside the policy "
                f"workers' own: policy.generation.colocated.resources.num_nodes={nodes_set} (null: 1), "
                f"gpus_per_node={gpus_set} (null: cluster.gpus_per_node={cfg.cluster.gpus_per_node}), "
-               f"one worker per {'GPU' if gpus else 'node'} with cluster.cpus_per_worker="
+               f"one worker per {'GPU' if gen.gpus_per_node else 'node'} with cluster.cpus_per_worker="
                f"{cfg.cluster.cpus_per_worker:g} CPUs"),
-    )
+    )]
 
 
-def _generation_backend(cfg: GRPOMasterConfig, policy: Policy) -> tuple[Any, RayVirtualCluster | None]:
-    """The policy itself when colocated; else generation workers on their own bundles."""
-    if cfg.policy.generation.colocated.enabled:
-        return policy, None
+def _generation_backend(cfg: GRPOMasterConfig, policy: Policy, cluster: RayVirtualCluster | None) -> Any:
+    """The policy itself when colocated; else generation workers on `cluster`, their own bundles."""
+    if cluster is None:
+        return policy
     from posttrain.generation.workers import GenerationWorkerGroup
 
-    cluster = generation_cluster(cfg)
-    generation = GenerationWorkerGroup(
+    return GenerationWorkerGroup(
         cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
         cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,
         precision=cfg.policy.precision, tokenizer_path=cfg.policy.tokenizer_name, device=cfg.policy.device,
     )
-    return generation, cluster
 
 
 def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
@@ -182,8 +182,11 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                            "context or data.max_input_seq_length (data.truncation=drop)")
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
-        clusters = [RayVirtualCluster(cfg.cluster)]
-        undo.callback(clusters[0].shutdown)
+        # Every placement group before any worker starts: separate generation workers that do not fit
+        # failed only after the policy workers had loaded the model.
+        clusters = reserve(worker_bundles(cfg))
+        for cluster in clusters:
+            undo.callback(cluster.shutdown)
         envs = {}
         for name in task_names:
             # Started first and awaited after the policy: their imports run beside the policy
@@ -192,10 +195,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             undo.callback(envs[name].shutdown)
         policy = Policy(clusters[0], cfg.policy, init_reference=cfg.needs_reference())
         undo.callback(policy.shutdown)
-        generation, gen_cluster = _generation_backend(cfg, policy)
-        if gen_cluster is not None:
-            clusters.append(gen_cluster)
-            undo.callback(gen_cluster.shutdown)
+        generation = _generation_backend(cfg, policy, clusters[1] if len(clusters) > 1 else None)
         if generation is not policy:
             undo.callback(generation.shutdown)
         for env in envs.values():

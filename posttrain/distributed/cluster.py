@@ -6,6 +6,8 @@ CPU machines (`cluster.gpus_per_node == 0`) get `workers_per_node` bundles of
 or `RAY_ADDRESS`) or starts a local one. A request the cluster cannot hold (its resources, or
 more nodes than it has) fails at setup within `cluster.placement_timeout_s` (at once on a Ray
 node this process started, which never grows), naming what was asked and what Ray offers.
+`Bundles` says what one worker group asks; `reserve` checks all of a run's groups together and
+places them before any worker starts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -67,50 +71,99 @@ class PlacementError(InputError, RuntimeError):
     """Ray cannot place the workers a config asks for; the message names the keys and what Ray offers."""
 
 
+@dataclass(frozen=True)
+class Bundles:
+    """What one worker group asks of Ray: `world_size` bundles of `bundle`, one per worker, and
+    `asked`, the config keys and values they came from, for the errors (default: the `cluster`
+    section's; separate generation workers name their own keys: their `cfg` is derived, and its
+    values under the `cluster.*` names would not be the user's)."""
+
+    cfg: ClusterConfig
+    name: str = "posttrain"
+    asked: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.asked:
+            c = self.cfg
+            object.__setattr__(self, "asked", f"cluster.num_nodes={c.num_nodes}, gpus_per_node={c.gpus_per_node}, "
+                                              f"workers_per_node={c.workers_per_node}, "
+                                              f"cpus_per_worker={c.cpus_per_worker:g}")
+
+    @property
+    def use_gpus(self) -> bool:
+        return self.cfg.gpus_per_node > 0
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.num_workers
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cfg.cpus_per_worker} | ({"GPU": 1} if self.use_gpus else {})
+
+    def described(self) -> str:
+        return f"{self.world_size} bundles of {self.bundle} ({self.asked})"
+
+
+def check_fits(groups: Sequence[Bundles]) -> None:
+    """Start or join Ray and fail, naming every group's keys and numbers, when `groups` cannot all
+    be placed, before any of them is: a Ray node this process started (it never grows) fails at
+    once when their sum exceeds its resources; a joined cluster may still be growing, so only its
+    nodes are awaited here (`_wait_for_nodes`), and each placement group then waits up to
+    `cluster.placement_timeout_s` for the rest."""
+    init_ray(groups[0].cfg)
+    started_here = bool(_local_raylets())
+    widest = max(groups, key=lambda g: g.cfg.num_nodes)
+    _wait_for_nodes(widest.cfg.num_nodes, 0.0 if started_here else widest.cfg.placement_timeout_s, widest.asked)
+    if not started_here:
+        return
+    total = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for g in groups:
+        for key, n in g.bundle.items():
+            need[key] = need.get(key, 0) + n * g.world_size
+    if any(n > total.get(key, 0) for key, n in need.items()):
+        raise _shortfall(groups, "(the Ray node this run started: its resources are fixed)",
+                         together=need if len(groups) > 1 else None)
+
+
+def reserve(groups: Sequence[Bundles]) -> list["RayVirtualCluster"]:
+    """One placement group per group, in order, all placed before any worker starts: a run's
+    groups are checked together (`check_fits`), so the last one's shortfall is not found only
+    after the first one's workers have loaded the model."""
+    check_fits(groups)
+    clusters: list[RayVirtualCluster] = []
+    try:
+        for g in groups:  # each checked again alone: instant once they fit together
+            clusters.append(RayVirtualCluster(g.cfg, g.name, g.asked))
+    except BaseException:
+        for cluster in reversed(clusters):
+            cluster.shutdown()
+        raise
+    return clusters
+
+
 class RayVirtualCluster:
     """A placement group of one bundle per worker; `world_size` bundles in rank order."""
 
-    def __init__(self, cfg: ClusterConfig, name: str = "posttrain", asked: str | None = None):
-        """`asked`: the config keys and values `cfg` was made of, for the error when Ray cannot place
-        the workers (default: the `cluster` section's), e.g. separate generation workers' own keys:
-        their `cfg` is derived, and its values under the `cluster.*` names would not be the user's."""
-        init_ray(cfg)
+    def __init__(self, cfg: ClusterConfig, name: str = "posttrain", asked: str = ""):
+        """`asked`: as `Bundles.asked`. Several groups of one run: `reserve`."""
+        request = Bundles(cfg, name, asked)
+        check_fits([request])
         self.cfg = cfg
-        self.use_gpus = cfg.gpus_per_node > 0
-        per_node = cfg.gpus_per_node if self.use_gpus else cfg.workers_per_node
-        self.workers_per_node = per_node
-        self.world_size = cfg.num_workers
-        bundle: dict[str, float] = {"CPU": cfg.cpus_per_worker}
-        if self.use_gpus:
-            bundle["GPU"] = 1
-        self.bundles = [dict(bundle) for _ in range(self.world_size)]
-        # One node per `per_node` bundles when several nodes are asked for; PACK otherwise
+        self.use_gpus = request.use_gpus
+        self.workers_per_node = cfg.gpus_per_node if self.use_gpus else cfg.workers_per_node
+        self.world_size = request.world_size
+        self.bundles = [request.bundle for _ in range(self.world_size)]
+        # One node per `workers_per_node` bundles when several nodes are asked for; PACK otherwise
         # keeps a single-node job on one node (cheaper collectives).
         strategy = "PACK" if cfg.num_nodes == 1 else "SPREAD"
-        total = ray.cluster_resources()
-        # A Ray node this process started has no autoscaler: what exceeds its total never fits,
-        # so that fails at once instead of after the placement timeout.
-        started_here = bool(_local_raylets())
-        never = started_here and any(n * self.world_size > total.get(k, 0) for k, n in bundle.items())
-        asked = asked or (f"cluster.num_nodes={cfg.num_nodes}, gpus_per_node={cfg.gpus_per_node}, "
-                          f"workers_per_node={cfg.workers_per_node}, cpus_per_worker={cfg.cpus_per_worker:g}")
-        _wait_for_nodes(cfg.num_nodes, 0.0 if started_here else cfg.placement_timeout_s, asked)
         self.placement_group = placement_group(self.bundles, strategy=strategy, name=f"{name}-pg")
-        ready = not never and self.placement_group.wait(timeout_seconds=cfg.placement_timeout_s)
-        if not ready:
-            offered, total = ray.available_resources(), ray.cluster_resources()
+        if not self.placement_group.wait(timeout_seconds=cfg.placement_timeout_s):
             remove_placement_group(self.placement_group)
             self.placement_group = None
-            raise PlacementError(
-                f"the Ray cluster cannot hold the requested workers: asked for {self.world_size} bundles "
-                f"of {bundle} ({asked}); Ray offers {_fmt(offered)} available of {_fmt(total)} total "
-                + ("(the Ray node this run started: its resources are fixed)" if never else
-                   f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)")
-                # A GPU exemplar (grpo_math_1B.yaml) run as it is on a laptop: say the way out.
-                + ("; Ray sees no GPU: to run on CPUs set the gpus_per_node named above to 0"
-                   if self.use_gpus and not total.get("GPU") else "")
-            )
-        log.info("placement group ready: %d bundles of %s", self.world_size, bundle)
+            raise _shortfall([request], f"(waited {cfg.placement_timeout_s:g} s = cluster.placement_timeout_s)")
+        log.info("placement group ready: %d bundles of %s", self.world_size, request.bundle)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Remove the placement group (the worker groups on it must be shut down first).
@@ -144,6 +197,20 @@ def _wait_for_nodes(num_nodes: int, timeout_s: float, asked: str) -> None:
                    "the number of nodes to the cluster's" if timeout_s == 0 else
                    f"waited {timeout_s:g} s = cluster.placement_timeout_s for nodes to join"))
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def _shortfall(groups: Sequence[Bundles], why: str, together: dict[str, float] | None = None) -> PlacementError:
+    """The error for `groups` that Ray cannot hold: what each asked, and what Ray offers."""
+    offered, total = ray.available_resources(), ray.cluster_resources()
+    return PlacementError(
+        "the Ray cluster cannot hold the requested workers: asked for "
+        + " and ".join(g.described() for g in groups)
+        + (f", {_fmt(together)} together" if together else "")
+        + f"; Ray offers {_fmt(offered)} available of {_fmt(total)} total {why}"
+        # A GPU exemplar (grpo_math_1B.yaml) run as it is on a laptop: say the way out.
+        + ("; Ray sees no GPU: to run on CPUs set the gpus_per_node named above to 0"
+           if any(g.use_gpus for g in groups) and not total.get("GPU") else "")
+    )
 
 
 def _fmt(resources: dict[str, float]) -> str:

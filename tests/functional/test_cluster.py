@@ -98,20 +98,56 @@ def test_more_nodes_than_the_ray_cluster_has_fail_at_once(ray_session):
 def test_separate_generation_workers_that_do_not_fit_are_named_by_their_own_keys(ray_session):
     # The error listed the derived cluster's values under the `cluster.*` names: a user who set
     # cluster.workers_per_node=2 read "workers_per_node=1".
-    from posttrain.algorithms.grpo import generation_cluster
+    from posttrain.algorithms.grpo import worker_bundles
     from posttrain.config import load_config
+    from posttrain.distributed.cluster import reserve
 
     cfg = load_config("grpo", None, ["cluster.workers_per_node=2", "cluster.cpus_per_worker=64",
                                      "cluster.placement_timeout_s=1", "policy.generation.colocated.enabled=false",
                                      "policy.train_global_batch_size=16"])
     with pytest.raises(PlacementError) as e:
-        generation_cluster(cfg)
+        reserve(worker_bundles(cfg))
     msg = str(e.value)
-    assert ("asked for 1 bundles of {'CPU': 64.0} (the separate generation workers of "
+    assert ("and 1 bundles of {'CPU': 64.0} (the separate generation workers of "
             "policy.generation.colocated.enabled=false, beside the policy workers' own: "
             "policy.generation.colocated.resources.num_nodes=null (null: 1), gpus_per_node=null (null: "
-            "cluster.gpus_per_node=0), one worker per node with cluster.cpus_per_worker=64 CPUs); Ray offers") in msg
-    assert "workers_per_node" not in msg
+            "cluster.gpus_per_node=0), one worker per node with cluster.cpus_per_worker=64 CPUs), {CPU: 192} "
+            "together; Ray offers") in msg
+    assert "workers_per_node=1" not in msg
+
+
+def test_grpo_placement_shortfall_fails_before_any_policy_worker_starts(ray_session, tmp_path, monkeypatch):
+    # Policy workers that fit and separate generation workers that do not: the policy workers
+    # started and loaded the model (30 s on this machine) before the generation workers' placement
+    # failed. Now the run's placement groups are checked together right after Ray starts.
+    import ray
+
+    import posttrain.algorithms.grpo as grpo
+    from posttrain.config import load_config
+
+    def no_policy(*args, **kwargs):
+        raise AssertionError("the policy workers started before every placement group was checked")
+
+    monkeypatch.setattr(grpo, "Policy", no_policy)
+    cfg = load_config("grpo", None, [
+        "cluster.workers_per_node=2", "cluster.cpus_per_worker=2", "policy.generation.colocated.enabled=false",
+        "policy.train_global_batch_size=16", f"logger.log_dir={tmp_path / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"])
+    total = ray.cluster_resources()["CPU"]
+    assert total == 4  # this session's Ray node: the policy workers' 4 CPUs fit, with generation's 2 they do not
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as e:
+        grpo.setup(cfg)
+    assert str(e.value).startswith(
+        "the Ray cluster cannot hold the requested workers: asked for 2 bundles of {'CPU': 2.0} (cluster.num_nodes=1, "
+        "gpus_per_node=0, workers_per_node=2, cpus_per_worker=2) and 1 bundles of {'CPU': 2.0} (the separate "
+        "generation workers of policy.generation.colocated.enabled=false")
+    assert "{CPU: 6} together; Ray offers {CPU: " in str(e.value)
+    assert "(the Ray node this run started: its resources are fixed)" in str(e.value)
+    assert time.monotonic() - t0 < 30
+    # No placement group was made, or one was removed again.
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"
+                and pg["name"] in ("posttrain-pg", "generation-pg")]
 
 
 def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
