@@ -1019,7 +1019,8 @@ class LoggerConfig(Section):
     # PNGs of reward/accuracy, loss, KL, entropy, the step-time breakdown and the warm-up SFT loss
     # in <log_dir>/plots.
     plots_enabled: bool = True
-    # Log each GPU's utilisation and memory (nvidia-smi) with the training metrics.
+    # Log each GPU's utilisation and memory (nvidia-smi) with the training metrics; off in a run
+    # whose workers take no GPU (cluster.gpus_per_node=0 and, for GRPO, no separate generation GPUs).
     monitor_gpus: bool = False
     # Cap on rows of the prompts/completions/rewards dump (<log_dir>/samples.jsonl) per step.
     num_samples_to_dump: int = Field(8, ge=0)
@@ -1392,6 +1393,18 @@ class _MasterBase(Section):
             )
         return self
 
+    def uses_gpus(self) -> bool:
+        """Whether any worker of the run takes a GPU (the policy workers', cluster.gpus_per_node)."""
+        return self.cluster.gpus_per_node > 0
+
+    @model_validator(mode="after")
+    def _no_gpu_monitoring_without_gpus(self) -> "_MasterBase":
+        # A CPU run of a config that inherits monitor_gpus=true (grpo_math_1B.yaml) warned that
+        # nvidia-smi is not on PATH: it has no GPUs to monitor, so it is off (config.yaml says so).
+        if self.logger.monitor_gpus and not self.uses_gpus():
+            self.logger.monitor_gpus = False
+        return self
+
     @model_validator(mode="after")
     def _dropout_by_command(self) -> "_MasterBase":
         # One home for the default the field's comment gives: SFT is plain supervised training.
@@ -1570,6 +1583,11 @@ class GRPOMasterConfig(_MasterBase):
         gpus = self.cluster.gpus_per_node if res.gpus_per_node is None else res.gpus_per_node
         return self.cluster.model_copy(update={"num_nodes": res.num_nodes or 1, "gpus_per_node": gpus,
                                                "workers_per_node": 1})
+
+    def uses_gpus(self) -> bool:
+        """Whether any worker of the run takes a GPU: the policy workers', or separate generation workers'."""
+        gen = self.generation_cluster()
+        return super().uses_gpus() or (gen is not None and gen.gpus_per_node > 0)
 
     def needs_reference(self) -> bool:
         """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""

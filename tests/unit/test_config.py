@@ -360,6 +360,26 @@ def test_a_boolean_is_no_number(tmp_path):
     assert (cfg.grpo.max_num_steps, cfg.policy.max_grad_norm) == (3, 0.5)
 
 
+def test_gpu_monitoring_is_off_in_a_run_whose_workers_take_no_gpu():
+    # grpo_math_1B.yaml sets logger.monitor_gpus=true: every CPU run inheriting it warned that
+    # nvidia-smi is not on PATH. It monitors the GPUs of the policy or separate generation workers.
+    math = str(ROOT / "examples/configs/grpo_math_1B.yaml")
+    cpu = ["cluster.gpus_per_node=0"]
+    cases = {
+        ("grpo", math, "policy.generation.colocated.resources.gpus_per_node=0"): False,
+        ("grpo", math, "policy.generation.colocated.enabled=true", "policy.generation.backend=torch"): False,
+        ("grpo", math, "policy.generation.colocated.resources.gpus_per_node=2"): True,  # generation's GPUs
+        ("grpo", math, "cluster.gpus_per_node=1", "policy.generation.colocated.resources.gpus_per_node=0"): True,
+        ("sft", None, "logger.monitor_gpus=true"): False,
+        ("sft", None, "logger.monitor_gpus=true", "cluster.gpus_per_node=1"): True,
+        ("sft", None, "cluster.gpus_per_node=1"): False,  # not asked for
+    }
+    for (command, path, *overrides), monitored in cases.items():
+        cfg = load_config(command, path, ["policy.model_name=embedded:tiny", *cpu, *overrides])
+        assert cfg.logger.monitor_gpus is monitored, overrides
+        assert (f"monitor_gpus: {str(monitored).lower()}" in to_yaml(cfg)), overrides  # config.yaml says what ran
+
+
 def test_bounds_of_values_that_would_silently_misbehave():
     # A negative max_grad_norm flips the gradients (clip scales them by max_norm / norm), a
     # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run, a

@@ -488,6 +488,22 @@ def test_gpu_monitor_without_nvidia_smi_warns(tmp_path, monkeypatch, caplog):
     assert "nvidia-smi is not on PATH" in caplog.text
 
 
+def test_a_cpu_run_of_a_gpu_monitoring_config_does_not_warn_about_nvidia_smi(tmp_path, monkeypatch, caplog):
+    # grpo_math_1B.yaml (logger.monitor_gpus=true) run on CPUs warned "nvidia-smi is not on PATH".
+    from pathlib import Path
+
+    from posttrain.config import load_config
+
+    math = Path(__file__).resolve().parents[2] / "examples/configs/grpo_math_1B.yaml"
+    cfg = load_config("grpo", str(math), ["policy.model_name=embedded:tiny", "cluster.gpus_per_node=0",
+                                          "policy.generation.colocated.enabled=true", "policy.generation.backend=torch",
+                                          "logger.tensorboard_enabled=false"])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level("WARNING", logger="posttrain"):
+        Logger(cfg.logger.model_copy(update={"console_enabled": False, "plots_enabled": False}), tmp_path).close()
+    assert "nvidia-smi" not in caplog.text
+
+
 def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
