@@ -23,7 +23,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import encode_continuation, render_chat, with_bos
+from posttrain.data.processors import encode_continuation, first_user_message, render_chat, with_bos
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_ERROR_KEY,
@@ -134,9 +134,18 @@ def _observation_tokens(
     before, shown = _as_shown(before), _as_shown(observation)
     prev = render_chat(tokenizer, before, add_generation_prompt=False, tools=tools)
     full = render_chat(tokenizer, before + shown, add_generation_prompt=add_generation_prompt, tools=tools)
-    delta = full[len(prev):] if full.startswith(prev) else render_chat(
-        tokenizer, shown, add_generation_prompt=add_generation_prompt
-    )
+    if full.startswith(prev):
+        delta = full[len(prev):]
+    else:
+        # A template that re-renders the last turn once more follows (Qwen3's drops its empty
+        # <think></think> block): the observation as the template writes it on its own, or, when it
+        # holds no user message (tool results), after the conversation's opening up to its first
+        # user message, as a template may refuse a conversation without one (`first_user_message`).
+        k = first_user_message(before)
+        head = before[: k + 1] if first_user_message(shown) is None and k is not None else []
+        opening = render_chat(tokenizer, head, add_generation_prompt=False, tools=tools) if head else ""
+        delta = render_chat(tokenizer, head + shown, add_generation_prompt=add_generation_prompt,
+                            tools=tools if head else None)[len(opening):]
     return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
 
 

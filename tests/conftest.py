@@ -140,5 +140,26 @@ def qwen3_like_tok():
     return tok
 
 
+@pytest.fixture(scope="session")
+def qwen3_template() -> str:
+    """Qwen3's chat template (tests/data/qwen3_chat_template.jinja)."""
+    from pathlib import Path
+
+    return (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+
+
+@pytest.fixture(scope="session")
+def qwen3_2507_like_template(qwen3_template) -> str:
+    """Qwen3's chat template with the check the templates of its later releases (Qwen3-2507, Qwen3.5)
+    make once they have looked for the last user query, raising as they do: a conversation without a
+    user message (a system message alone, tool results alone) is refused. Wherever it renders, it
+    renders as Qwen3's."""
+    loop = "{%- for message in messages %}\n"  # the forward loop, after the search for the last query
+    assert qwen3_template.count(loop) == 1
+    guard = ("{%- if ns.multi_step_tool %}\n    {{- raise_exception('No user query found in messages.') }}\n"
+             "{%- endif %}\n")
+    return qwen3_template.replace(loop, guard + loop)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_TMP, ignore_errors=True)

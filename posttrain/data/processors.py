@@ -2,19 +2,20 @@
 
 A conversation is rendered with the tokenizer's chat template (`policy.tokenizer.chat_template`
 overrides it) one message at a time: the text each message adds to the rendered prefix is
-tokenized on its own (as a continuation: `encode_continuation`), so the token boundaries of
-the loss mask are exact. The loss mask is 1 on assistant tokens only (content and the
-template's end-of-turn marker, not the `<|assistant|>`-style header the generation prompt
-adds, so training matches generation; with `data.add_generation_prompt=false` prompts end
-without that header, so it is trained). A template that renders an earlier turn differently
-once later messages follow (Qwen3's: an empty `<think></think>` block in the last assistant turn
-alone, no reasoning in the turns before the last user message) makes one example per stretch of
-turns, each turn trained as the model generates it after the prompt the template gives it then
-(`tokenize_conversation`); a preference pair's response must be one sequence. A template that
-drops the reasoning of a trained assistant turn, a `<think>` block in its content (DeepSeek-R1's
-from every turn) or its `reasoning_content` field (one that reads no such field: Llama's), is an
-error naming the row and turn, not a model silently trained on the answers alone
-(`check_reasoning_rendered`).
+tokenized on its own (as a continuation: `encode_continuation`), so the token boundaries of the
+loss mask are exact; the messages before the first user message that get no loss (a system
+prompt) are rendered with it, as no render ends before it (`first_user_message`). The loss mask
+is 1 on assistant tokens only (content and the template's end-of-turn marker, not the
+`<|assistant|>`-style header the generation prompt adds, so training matches generation; with
+`data.add_generation_prompt=false` prompts end without that header, so it is trained). A
+template that renders an earlier turn differently once later messages follow (Qwen3's: an empty
+`<think></think>` block in the last assistant turn alone, no reasoning in the turns before the
+last user message) makes one example per stretch of turns, each turn trained as the model
+generates it after the prompt the template gives it then (`tokenize_conversation`); a preference
+pair's response must be one sequence. A template that drops the reasoning of a trained assistant
+turn, a `<think>` block in its content (DeepSeek-R1's from every turn) or its
+`reasoning_content` field (one that reads no such field: Llama's), is an error naming the row
+and turn, not a model silently trained on the answers alone (`check_reasoning_rendered`).
 
 Rows longer than the context follow `data.truncation`: "drop" removes them, "truncate" cuts
 them at the right (a row of several examples goes whole under "drop", and keeps the examples
@@ -104,6 +105,13 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
+
+
+def first_user_message(messages: list[dict]) -> int | None:
+    """Index of the first user message of `messages` (None without one): a conversation ending before it
+    is one a chat template may refuse (Qwen3.5's and Qwen3-2507's raise "No user query found in
+    messages."), so posttrain renders none."""
+    return next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
 
 
 def _template_reasoning_key(template: str | dict | None) -> str:
@@ -200,10 +208,15 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
     rendered = ""
     starts: list[int] = []  # where the text of each message begins in `rendered` (at the latest)
     first = 0  # the first message whose text this example adds itself (those before it: its prompt)
+    # A leading system message is not rendered alone (`first_user_message`): the messages before the
+    # first user message that get no loss are rendered with it, in one piece, as a generation prompt is.
+    first_user = first_user_message(messages) or 0
     for i, msg in enumerate(messages):
         starts.append(len(rendered))
-        full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         trains = msg["role"] == "assistant" and i >= loss_start
+        if i < first_user and not trains:
+            continue
+        full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         prompt = None  # the conversation before a trained turn as the model is prompted for it
         if trains and add_generation_prompt and i:
             prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)

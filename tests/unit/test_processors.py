@@ -73,6 +73,18 @@ def qwen3_tok(shared_data):
     return t
 
 
+
+@pytest.fixture(scope="module")
+def qwen3_2507_tok(shared_data, qwen3_2507_like_template):
+    """`qwen3_tok` with the template of Qwen3's later releases, which refuses a conversation without a
+    user message (`qwen3_2507_like_template`)."""
+    t = _gpt2_bpe(shared_data, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                  additional_special_tokens=["<|im_start|>"])
+    t.add_tokens(["<think>", "</think>"])
+    t.chat_template = qwen3_2507_like_template
+    return t
+
+
 def _loss_text(tok, ex):
     return tok.decode([i for i, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
 
@@ -560,3 +572,26 @@ def test_dpo_with_earlier_assistant_turns_in_the_context_under_qwen3s_template(q
                                          r"message 5 \(role 'tool'\) follows .*so the turns that get loss \(from "
                                          r"message 4 on\) are not one sequence"):
         process_preference_rows([tools], tok, DataConfig(), max_len=1000)
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rows_with_a_system_prompt_under_a_template_that_wants_a_user_message(qwen3_tok, qwen3_2507_tok,
+                                                                                add_generation_prompt):
+    # The templates of Qwen3-2507 and Qwen3.5 refuse a conversation without a user message ("No user
+    # query found in messages."). A row was tokenized by rendering each of its prefixes, the system
+    # message alone first: every SFT, DPO and RM row with a system prompt was refused. The messages
+    # before the first user message are now rendered with it: the same tokens as under Qwen3's template.
+    from jinja2 import TemplateError
+
+    from posttrain.data.processors import render_chat
+
+    with pytest.raises(TemplateError, match="No user query found in messages"):
+        render_chat(qwen3_2507_tok, CONVO[:1], add_generation_prompt=False)
+    cfg, convo = DataConfig(add_generation_prompt=add_generation_prompt), _qwen3_convo(reasoning=True)
+    sft = [process_sft_rows([{"messages": convo}], t, cfg, max_len=1000) for t in (qwen3_tok, qwen3_2507_tok)]
+    assert sft[1] == sft[0] and sft[1][1]["examples"] == 2
+    assert qwen3_tok.decode(sft[1][0][0]["input_ids"]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    pair = {"prompt_messages": convo[:4], "chosen": [{"role": "assistant", "content": "<think>\nadd two\n</think>4"}],
+            "rejected": [{"role": "assistant", "content": "<think>\nguess\n</think>5"}]}
+    pairs = [process_preference_rows([pair], t, cfg, max_len=1000) for t in (qwen3_tok, qwen3_2507_tok)]
+    assert pairs[1] == pairs[0] and pairs[1][1]["kept"] == 1

@@ -818,3 +818,27 @@ def test_the_verdict_of_a_conversation_is_its_last_steps(tok):
     assert out.conversations[0].correct is None and CORRECT_KEY not in seen[0]
     out = run_rollouts(_EchoGeneration(tok), rows, {"t": JudgesOnlyTheFirstTurn()}, tok, max_turns=1, max_seq_len=512)
     assert out.conversations[0].correct is True and out.metrics["accuracy"] == 1.0
+
+
+def test_tool_results_under_a_template_that_wants_a_user_message(qwen3_template, qwen3_2507_like_template):
+    # Qwen3's template re-renders the calling turn once its result follows, so the result was rendered
+    # on its own: a conversation without a user message, which the templates of Qwen3-2507 and
+    # Qwen3.5 refuse ("No user query found in messages."). Every tool-calling rollout with them
+    # failed at its first call, and setup's check named the template as one without a tool role.
+    # The result is now rendered after the conversation's opening: the tokens Qwen3's template gives.
+    from posttrain.rollouts import check_tool_turns
+
+    plain, guarded = build_tokenizer(), build_tokenizer()
+    plain.chat_template, guarded.chat_template = qwen3_template, qwen3_2507_like_template
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    check_tool_turns(guarded, [{"messages": prompt, "tools": tools, "task_name": "calc"}])
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]}
+    results = [{"role": "tool", "content": "4"}, {"role": "tool", "content": "four"}]
+    shown = [_observation_tokens(t, [*prompt, call], results, last_token=t.eos_token_id, tools=tools)
+             for t in (plain, guarded)]
+    assert shown[1] == shown[0]
+    assert guarded.decode(shown[1]) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n"
+                                        "<tool_response>\nfour\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
