@@ -876,6 +876,7 @@ class RewardModelEnvConfig(Section):
     max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
     add_bos: bool = True  # as data.add_bos of the RM's training run
     add_eos: bool = True  # as data.add_eos of the RM's training run
+    add_generation_prompt: bool = True  # as data.add_generation_prompt of the RM's training run
 
 
 # The settings schema of each built-in environment (the `cfg` of `env.<name>`).

@@ -1,8 +1,9 @@
 """`reward_model`: score GRPO rollouts with a trained reward model (`posttrain rm`).
 
 The reward of a conversation is the RM's score of the whole conversation (prompt and the
-model's last answer), tokenized exactly as the RM was trained
-(`posttrain.data.processors.tokenize_messages`, same chat template, BOS/EOS). Scores are
+model's last answer), tokenized exactly as `posttrain rm` tokenized a pair with that prompt and
+answer (`posttrain.data.processors.process_preference_rows`: same chat template, BOS/EOS and
+generation prompt). Scores are
 unbounded Bradley-Terry logits; GRPO's group normalisation makes their scale irrelevant.
 Conversations are scored in batches of `batch_size`; a conversation that cannot be scored
 (no assistant message, longer than `max_length` or the RM's positions) scores 0 and records
@@ -15,7 +16,7 @@ positive scores meant nothing (a shift of the RM's logits changes it).
 Config (`env.reward_model.cfg`): `model_name` (an exported RM folder, e.g.
 `<log_dir>/hf` from `checkpointing.export_hf_at_end`), `chat_template` (the one the RM was
 trained with, when it is not saved with its tokenizer), `batch_size`, `max_length`,
-`add_bos`, `add_eos`.
+`add_bos`, `add_eos`, `add_generation_prompt`.
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ class RewardModelEnvironment(EnvironmentInterface):
         from posttrain.data.processors import tokenize_messages
 
         last_assistant_text(messages)  # raises when there is nothing to score
-        # No loss here: the RM reads the conversation as its template shows it, and one that drops
+        answer = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+        # As `posttrain rm` tokenized its pairs: the answer after its prompt, which reads as the template
+        # renders it before that turn. Tokenized with every assistant turn as a response, a conversation
+        # whose earlier turns the template re-renders once later ones follow (Qwen3's) was an error.
+        # No reasoning check: the RM reads the conversation as its template shows it, and one that drops
         # <think> reasoning (DeepSeek-R1's) scores the policy's answer alone.
         ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos,
+                                loss_start=answer, add_generation_prompt=self.cfg.add_generation_prompt,
                                 check_reasoning=False)["input_ids"]
         if len(ids) > self.max_length:
             raise ValueError(f"the conversation has {len(ids)} tokens, more than {self.length_key}={self.max_length}")

@@ -926,6 +926,40 @@ def test_reward_model_scores_the_answer_its_template_shows_without_the_reasoning
     assert out.rewards[0] == out.rewards[1]
 
 
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_reward_model_scores_a_multi_turn_conversation_as_rm_training_tokenized_it(tiny_model_path, tmp_path,
+                                                                                   qwen3_template, add_generation_prompt):
+    # Qwen3's template renders an earlier assistant turn differently once a user turn follows. The
+    # conversation was tokenized with every assistant turn as a response, which such a template splits
+    # into examples: every multi-turn conversation scored 0 with an env error. It is now the tokens
+    # `posttrain rm` trained on for that prompt and answer, and scores as they do.
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.data.processors import process_preference_rows, render_chat
+    from posttrain.environments.reward_model import RewardModelEnvironment
+    from posttrain.schemas import DataConfig
+
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path), "chat_template": qwen3_template,
+                                                      "add_generation_prompt": add_generation_prompt}))
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
+             {"role": "assistant", "content": "<think>\nadd one\n</think>\n\n2"},
+             {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd two\n</think>4"}]
+    out = env.step([convo, convo[:3]], [{}, {}])
+    assert out.metadata == [{}, {}]
+    pair = {"prompt_messages": convo[:4], "chosen": convo[4:], "rejected": [{"role": "assistant", "content": "5"}]}
+    ((trained, _),), _ = process_preference_rows([pair], env.tokenizer, DataConfig(
+        add_generation_prompt=add_generation_prompt), max_len=4096)
+    tok = env.tokenizer  # the conversation as the template renders it in one piece, with BOS and EOS
+    whole = render_chat(tok, convo, add_generation_prompt=False)
+    assert tok.decode(trained["input_ids"]) == tok.bos_token + whole + tok.eos_token
+    assert out.rewards[0] == env.score([trained["input_ids"]])[0]
+    assert out.rewards[0] != out.rewards[1]
+
+
 def test_reward_model_refuses_a_model_without_a_trained_score_head(tiny_model_path):
     # A causal LM folder loads as a sequence classifier with a random score head (transformers
     # only logs it): rewards would be noise, different on every load.
