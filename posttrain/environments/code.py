@@ -30,7 +30,8 @@ program must not be able to make them pass without computing the answers. Two in
 - The tests' interpreter runs the tests, with its own builtins and modules, and calls the
   program's functions over a pipe: arguments go and results come back as plain data (None,
   bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, range, rebuilt
-  by the tests' side from the pipe's text). Anything else the program returns (an instance of
+  by the tests' side from the pipe's text; a NumPy scalar, such as the np.int64 of `np.sum`,
+  goes as its Python value). Anything else the program returns (an instance of
   its class, a generator) stays in the program's interpreter; the tests hold a handle they
   may call, iterate, index, take the len, str or an attribute of, or pass back to the
   program, but not compare or test for truth (that raises). So an object whose `==` is always
@@ -91,8 +92,10 @@ _MAX_REPORT = 64 << 10
 
 # Plain data over the pipe, in both interpreters: JSON scalars as themselves, containers as a
 # list led by a tag. `encode` takes a builtin type's subclass as its base type (a namedtuple
-# goes as a tuple, a Counter as a dict) and hands anything else to `other`; `decode` builds
-# only builtin types, whatever the text, and hands a handle ["h", id, type name] to `handle`.
+# goes as a tuple, a Counter as a dict) and a NumPy scalar as its Python value (a program's
+# `np.sum` gives an np.int64, no int, which a test compares with one), and hands anything else
+# to `other`; `decode` builds only builtin types, whatever the text, and hands a handle
+# ["h", id, type name] to `handle`.
 _CODEC = r"""
 import json, os, resource, site, sys
 sys.path.extend(site.getsitepackages())
@@ -119,6 +122,9 @@ def encode(v, other):
         return ["c", complex.__complex__(v).real, complex.__complex__(v).imag]
     if isinstance(v, range):
         return ["r", v.start, v.stop, v.step]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(v, numpy.generic):
+        return encode(v.item(), other)
     return other(v)
 def decode(x, handle):
     if type(x) is not list:

@@ -1020,3 +1020,20 @@ def test_a_verdict_that_is_not_a_bool_fails_the_slice_naming_it():
     assert "['env_correct'] = 0.5, not True, False or None" in _contract_violation(ret(0.5), 1)
     for ok in (True, False, None, torch.tensor(True)):
         assert _contract_violation(ret(ok), 1) is None
+
+
+def test_code_numpy_scalars_reach_the_tests_as_their_values():
+    # np.sum gives an np.int64, no int subclass (np.float64 is a float's): it came back as a
+    # handle, and `== 6` raised, so a right program that used NumPy scored 0 (np.bool_ too).
+    pytest.importorskip("numpy")
+    program = ("import numpy as np\ndef total(a):\n    return np.array(a).sum()\n"
+               "def doubled(a):\n    return np.array(a) * 2\ndef positive(x):\n    return np.float32(x) > 0\n")
+    tests = ["assert total([1, 2, 3]) == 6 and isinstance(total([1]), int)",
+             "assert list(doubled([1, 2])) == [2, 4]",
+             "assert positive(1.5) is True",
+             "assert doubled([1]) == [2]"]  # an array stays the program's: no truth value, as in NumPy itself
+    ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
+    assert ret.rewards.tolist() == [pytest.approx(3 / 4)], ret.observations[0]["content"]
+    assert ret.observations[0]["content"].endswith("test 3 (assert doubled([1]) == [2]) failed: TypeError: the "
+                                                   "program's ndarray is not plain data: a test cannot compare it or "
+                                                   "take its truth")
