@@ -208,7 +208,7 @@ def test_a_resume_onto_other_training_rows_fails_before_any_worker_starts(arithm
     (tmp_path / "train.jsonl").write_text("\n".join((tmp / "train.jsonl").read_text().splitlines()[:32]))
     cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp_path, "grpo.max_num_steps=4",
                                                       f"data.train_data_path={tmp_path / 'train.jsonl'}"))
-    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
+    monkeypatch.setattr(grpo, "reserve", lambda *a, **k: pytest.fail("Ray was started and the workers placed"))
     with pytest.raises(InputError, match=r"saw 64 rows but the dataset now has 32.*data.train_data_path: "):
         run(cfg)
     # As does a step count lowered below the checkpoint's: the resume would train nothing.
@@ -765,7 +765,7 @@ def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tm
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={other}",
         "grpo.warmup_sft_steps=0", "grpo.max_num_steps=1",
     ))
-    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
+    monkeypatch.setattr(grpo, "reserve", lambda *a, **k: pytest.fail("Ray was started and the workers placed"))
     with pytest.raises(InputError, match=r"policy.reference_model_name=.*vocabulary of 100 tokens"):
         run(cfg)
     # The same number of tokens, another tokenizer (as Llama 2 and Mistral 7B): two ids swapped.
