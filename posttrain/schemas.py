@@ -1252,7 +1252,8 @@ class GRPOConfig(Section):
             raise ValueError(
                 f"{' and '.join(given)} set, but grpo.adv_estimator={self.adv_estimator} does not read {it} (options "
                 f"of the grpo estimator only): {self.adv_estimator} {_FIXED_BY_ESTIMATOR[self.adv_estimator]}; "
-                f"unset {it}, or use grpo.adv_estimator=grpo")
+                f"unset {it} (over a file that sets {it}: {' '.join(g.split('=')[0] + '=null' for g in given)}), "
+                "or use grpo.adv_estimator=grpo")
         return self
 
     @model_validator(mode="after")

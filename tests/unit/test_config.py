@@ -865,9 +865,12 @@ def test_grpo_estimator_options_are_refused_with_the_estimators_that_ignore_them
     """)
     with pytest.raises(ConfigError, match=re.escape(
             f"does not read it (options of the grpo estimator only): dr_grpo always takes the group mean as the "
-            f"baseline and divides by no std; unset it, or use grpo.adv_estimator=grpo  "
+            f"baseline and divides by no std; unset it (over a file that sets it: "
+            f"grpo.use_leave_one_out_baseline=null), or use grpo.adv_estimator=grpo  "
             f"[grpo.use_leave_one_out_baseline set at {path}:4; grpo.adv_estimator set at {path}:3]")):
         load_config("grpo", path)
+    # The way out the message names works over a file that sets the option.
+    assert load_config("grpo", path, ["grpo.use_leave_one_out_baseline=null"]).grpo.adv_estimator == "dr_grpo"
     for estimator in ("reinforce_pp", "on_policy_distillation"):
         with pytest.raises(ConfigError, match=f"use_leave_one_out_baseline=true set, but grpo.adv_estimator="
                                               f"{estimator} does not read them"):
