@@ -177,7 +177,10 @@ def tokenize_conversation(
     generation prompt it writes its `<think>` block), and drop its reasoning from training. Where
     that happens, the example so far ends (its turns are trained as the model generated them), and
     the next one starts from the conversation as the template now renders it, as the model's
-    prompt for the next turn, without loss. Rows of a template whose renders extend each other
+    prompt for the next turn, without loss. Text re-rendered after the example's last trained turn
+    (Qwen3's writes a turn's tool results as one user turn, so the first one's end moves once a
+    second follows) is tokenized again in place: it gets no loss, so nothing splits there. Rows of a
+    template whose renders extend each other
     (Llama's, the embedded one) are one example, as before. Examples without a loss token are left
     out, unless none has one.
     """
@@ -207,16 +210,25 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
     mask: list[int] = []
     rendered = ""
     starts: list[int] = []  # where the text of each message begins in `rendered` (at the latest)
+    marks: list[int] = []  # where its tokens begin in `ids` (messages from `first` on)
     first = 0  # the first message whose text this example adds itself (those before it: its prompt)
     # A leading system message is not rendered alone (`first_user_message`): the messages before the
     # first user message that get no loss are rendered with it, in one piece, as a generation prompt is.
     first_user = first_user_message(messages) or 0
     for i, msg in enumerate(messages):
         starts.append(len(rendered))
+        marks.append(len(ids))
         trains = msg["role"] == "assistant" and i >= loss_start
         if i < first_user and not trains:
             continue
         full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
+        if ids and not full.startswith(rendered):
+            # Text re-rendered after the example's last trained turn (Qwen3's moves the end of a tool
+            # result's turn once a second result follows) is tokenized again; a split is for trained turns.
+            k = _changed_message(rendered, full, starts)
+            if k >= first and any(mask) and not any(mask[marks[k]:]):
+                rendered, ids, mask = rendered[: starts[k]], ids[: marks[k]], mask[: marks[k]]
+                starts, marks = [*starts[:k], *[len(rendered)] * (i + 1 - k)], [*marks[:k], *[len(ids)] * (i + 1 - k)]
         prompt = None  # the conversation before a trained turn as the model is prompted for it
         if trains and add_generation_prompt and i:
             prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
@@ -238,6 +250,7 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
                                        "as the model generates them")))
             at = len(os.path.commonprefix([rendered, context]))
             starts = [min(s, at) for s in starts]  # the text before `at` reads as it did
+            marks = [0] * len(marks)  # not cut at: the tokens of `context` are encoded whole
             ids, mask = [], []
             _extend(ids, mask, tokenizer, context, 0)
             rendered, first = context, i + (not trains)
@@ -356,8 +369,7 @@ def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[i
 def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: list[int], so: str) -> str:
     """The error of a template that renders the text before message i differently once message i
     follows: which earlier message changed (and why when it lost its reasoning), `so` what follows."""
-    at = len(os.path.commonprefix([rendered, full]))
-    k = max(j for j in range(i) if starts[j] <= at)  # the message whose text changed first
+    k = _changed_message(rendered, full, starts)
     changed, role = f"message {k} (role {messages[k]['role']!r})", messages[i]["role"]
     if (reasoning := _reasoning_of(messages[k])) and _shows(rendered, reasoning) and not _shows(full, reasoning):
         what, fix = _reasoning_named(messages[k])
@@ -366,6 +378,12 @@ def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: 
     return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows (Qwen3's "
             f"writes an empty <think></think> block into the last assistant turn alone), so {so}; set "
             "policy.tokenizer.chat_template to a template whose renders extend each other")
+
+
+def _changed_message(rendered: str, full: str, starts: list[int]) -> int:
+    """The message whose text (from `starts[k]` on in `rendered`) `full` changed first."""
+    at = len(os.path.commonprefix([rendered, full]))
+    return max(j for j in range(len(starts)) if starts[j] <= at)
 
 
 def with_bos(ids: list[int], tokenizer) -> list[int]:

@@ -595,3 +595,27 @@ def test_rows_with_a_system_prompt_under_a_template_that_wants_a_user_message(qw
             "rejected": [{"role": "assistant", "content": "<think>\nguess\n</think>5"}]}
     pairs = [process_preference_rows([pair], t, cfg, max_len=1000) for t in (qwen3_tok, qwen3_2507_tok)]
     assert pairs[1] == pairs[0] and pairs[1][1]["kept"] == 1
+
+
+def test_parallel_tool_results_under_qwen3s_template_are_one_sequence(qwen3_tok):
+    # Qwen3's template writes a turn's tool results as one user turn: the first result's <|im_end|>
+    # moves behind the second once it follows. Nothing trained is re-rendered, yet the row was split
+    # there (an extra example repeating the call) and a DPO/RM pair with such a response was refused,
+    # its error blaming Qwen3's empty <think></think> block.
+    call = {"role": "assistant", "content": "", "reasoning_content": "two calls", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}} for c in ("Paris", "Rome")]}
+    convo = [{"role": "user", "content": "Weather in Paris and Rome?"}, call, {"role": "tool", "content": "21"},
+             {"role": "tool", "content": "25"}, {"role": "assistant", "content": "21 and 25.", "reasoning_content": "both"}]
+    text = ("<|im_start|>user\nWeather in Paris and Rome?<|im_end|>\n<|im_start|>assistant\n<think>\ntwo calls\n</think>"
+            '\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>\n<|im_start|>user\n'
+            "<tool_response>\n21\n</tool_response>\n<tool_response>\n25\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n<think>\nboth\n</think>\n\n21 and 25.<|im_end|>\n")
+    (ex,), stats = process_sft_rows([{"messages": convo}], qwen3_tok, DataConfig(), max_len=1000)
+    assert "examples" not in stats
+    assert ex["input_ids"] == qwen3_tok.encode(text, add_special_tokens=False)
+    call_text = text.split("<|im_start|>assistant\n")[1].split("<|im_start|>user")[0]
+    assert _loss_text(qwen3_tok, ex) == call_text + "<think>\nboth\n</think>\n\n21 and 25.<|im_end|>\n"
+    pair = {"prompt_messages": convo[:1], "chosen": convo[1:], "rejected": [{"role": "assistant", "content": "No idea."}]}
+    ((chosen, _),), stats = process_preference_rows([pair], qwen3_tok, DataConfig(), max_len=1000)
+    assert chosen == ex and stats["kept"] == 1
