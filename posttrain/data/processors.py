@@ -31,6 +31,7 @@ Preference batches interleave pairs: row 2i is chosen, row 2i+1 rejected.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -121,7 +122,13 @@ def _template_reasoning_key(template: str | dict | None) -> str:
     reads none of them (`check_reasoning_rendered` then names the turns it drops). Recent
     transformers (5.24, here) add `thinking` beside `reasoning_content` themselves; older ones
     (posttrain takes >= 4.50) pass a message as it is, and none adds `reasoning`."""
-    text = " ".join(template.values()) if isinstance(template, dict) else template or ""
+    return _reasoning_key_read(" ".join(template.values()) if isinstance(template, dict) else template or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _reasoning_key_read(text: str) -> str:
+    # Cached: every render of a row with a reasoning field asks, and scanning a template that reads
+    # none of the names (Llama's, 4-8 KB) costs about as much as rendering it.
     return next((k for k in REASONING_FIELDS if re.search(rf"\.{k}\b|\[\s*['\"]{k}['\"]\s*\]", text)),
                 REASONING_KEY)
 
