@@ -110,7 +110,7 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
             )
     if not kept:
         raise InputError(
-            f"no {split} rows left: all {len(rows)} prompts are longer than {bound}"
+            f"no {split} rows left: all {len(rows)} prompts are more tokens than {bound}"
         )
     return kept, dropped
 

@@ -588,7 +588,7 @@ def test_grpo_prompts_longer_than_the_input_cap_follow_data_truncation(tok):
                                          rf"data.max_input_seq_length={cap} allows; set data.truncation=drop"):
         _fit_prompts(rows, tok, cfg.model_copy(update={"data": cfg.data.model_copy(update={"truncation": "error"})}),
                      "train")
-    with pytest.raises(InputError, match=rf"no train rows left: all 1 prompts are longer than "
+    with pytest.raises(InputError, match=rf"no train rows left: all 1 prompts are more tokens than "
                                          rf"data.max_input_seq_length={cap} allows"):
         _fit_prompts(rows[2:], tok, cfg, "train")
     # At or above the context the context bounds the prompts, as without the cap.
