@@ -35,7 +35,7 @@ import functools
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -202,17 +202,17 @@ def tokenize_messages(messages: list[dict[str, str]], tokenizer, **kwargs: Any) 
     error when its turns that get loss fall in more than one example."""
     pieces = _tokenized(messages, tokenizer, **kwargs)
     if len(pieces) > 1:
-        raise InputError(pieces[0][1])
+        raise InputError(pieces[0][1]())
     return pieces[0][0]
 
 
 def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos: bool = True, loss_start: int = 0,
                tools: Any = None, add_generation_prompt: bool = True,
-               check_reasoning: bool = True) -> list[tuple[Example, str]]:
-    """`tokenize_conversation`'s examples, each with the error `tokenize_messages` raises when a turn
-    that gets loss follows it in another example ("" for the last)."""
+               check_reasoning: bool = True) -> list[tuple[Example, Callable[[], str]]]:
+    """`tokenize_conversation`'s examples, each with what makes the error `tokenize_messages` raises
+    when a turn that gets loss follows it in another example ("" for the last)."""
     require_chat_template(tokenizer)
-    pieces: list[tuple[Example, str]] = []
+    pieces: list[tuple[Example, Callable[[], str]]] = []
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
@@ -252,9 +252,10 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
             pieces.append((_finish(messages[:i], ids, mask, rendered, starts[:i], tokenizer, add_bos=add_bos,
                                    add_eos=add_eos, loss_start=max(loss_start, first),
                                    check_reasoning=check_reasoning),
-                           _rerendered(messages, i, rendered, context, starts,
-                                       f"the turns that get loss (from message {loss_start} on) are not one sequence "
-                                       "as the model generates them")))
+                           # Built only if tokenize_messages raises it: SFT keeps the split.
+                           functools.partial(_rerendered, messages, i, rendered, context, list(starts),
+                                             f"the turns that get loss (from message {loss_start} on) are not one "
+                                             "sequence as the model generates them")))
             at = len(os.path.commonprefix([rendered, context]))
             starts = [min(s, at) for s in starts]  # the text before `at` reads as it did
             marks = [0] * len(marks)  # not cut at: the tokens of `context` are encoded whole
@@ -266,7 +267,7 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
         _extend(ids, mask, tokenizer, full[len(rendered):], int(trains))
         rendered = full
     pieces.append((_finish(messages, ids, mask, rendered, starts, tokenizer, add_bos=add_bos, add_eos=add_eos,
-                           loss_start=max(loss_start, first), check_reasoning=check_reasoning), ""))
+                           loss_start=max(loss_start, first), check_reasoning=check_reasoning), str))
     return [p for p in pieces if any(p[0]["loss_mask"])] or pieces[-1:]
 
 
