@@ -131,7 +131,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
     from posttrain.rollouts import check_tool_turns
-    from posttrain.runtime import resolve_device
+    from posttrain.runtime import keep_freed_memory, resolve_device
 
     save_dir = Path(cfg.eval.save_path or cfg.logger.log_dir)
     torch.manual_seed(cfg.eval.seed)
@@ -148,10 +148,13 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
         # not at the first tool call, after the generation of every batch before it
         check_tool_turns(tokenizer, rows, cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
+    device = resolve_device(cfg.policy.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # this process generates: each batch reuses the memory of the last
     generation = build_generation(
         gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,
         max_total_sequence_length=cfg.policy.max_total_sequence_length, precision=cfg.policy.precision,
-        device=resolve_device(cfg.policy.device),
+        device=device,
     )
     # Environments last: nothing after them can fail and leave their actors running.
     init_ray(cfg.cluster)

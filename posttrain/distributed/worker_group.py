@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
+from posttrain.runtime import keep_freed_memory
 
 
 # Where rendezvous ports are drawn from: above Ray's worker ports (10002-19999 by default) and
@@ -131,6 +132,8 @@ class _WorkerHost:
     def __init__(self, env: dict[str, str], log_path: str, threads: int, worker_cls, args, kwargs):
         self._log = _tee_output(log_path)
         os.environ.update(env)
+        if not ray.get_gpu_ids():
+            keep_freed_memory()  # a CPU worker: every step reuses the memory of the steps before
         import torch
 
         torch.set_num_threads(threads)
