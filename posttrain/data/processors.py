@@ -383,8 +383,11 @@ def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: 
         what, fix = _reasoning_named(messages[k])
         return (f"the chat template drops the {what} of {changed} once message {i} (role {role!r}) follows "
                 f"(Qwen3's and QwQ's keep it after the last user message only), so {so}; {fix}")
-    return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows (Qwen3's "
-            f"writes an empty <think></think> block into the last assistant turn alone), so {so}; set "
+    at = len(os.path.commonprefix([rendered, full]))
+    start = max(starts[k], at - 30)
+    return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows "
+            f"({rendered[start:at + 30]!r} became {full[start:at + 30]!r}; Qwen3's template, for one, writes an "
+            f"empty <think></think> block into the last assistant turn alone), so {so}; set "
             "policy.tokenizer.chat_template to a template whose renders extend each other")
 
 

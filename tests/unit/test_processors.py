@@ -441,7 +441,9 @@ def test_a_template_that_drops_earlier_reasoning_names_the_turn_where_one_sequen
     # Without reasoning, the empty block the last turn alone gets is named.
     bare = [{**m, "content": m["content"].split("</think>")[-1].strip()} for m in two]
     with pytest.raises(InputError, match=r"renders message 1 \(role 'assistant'\) differently once message 2 "
-                                         r"\(role 'user'\) follows \(Qwen3's writes an empty <think></think>"):
+                                         r"\(role 'user'\) follows \('<\|assistant\|><think>\\n\\n</think>\\n\\n2<\|end\|>' "
+                                         r"became '<\|assistant\|>2<\|end\|><\|user\|>2\+2\?<\|end\|>'; Qwen3's "
+                                         r"template, for one, writes an empty <think></think>"):
         tokenize_messages(bare, tok)
 
 
