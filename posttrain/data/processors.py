@@ -232,7 +232,7 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
         if ids and not full.startswith(rendered):
             # Text re-rendered after the example's last trained turn (Qwen3's moves the end of a tool
             # result's turn once a second result follows) is tokenized again; a split is for trained turns.
-            k = _changed_message(rendered, full, starts)
+            k, _ = _first_change(rendered, full, starts)
             if k >= first and any(mask) and not any(mask[marks[k]:]):
                 rendered, ids, mask = rendered[: starts[k]], ids[: marks[k]], mask[: marks[k]]
                 starts, marks = [*starts[:k], *[len(rendered)] * (i + 1 - k)], [*marks[:k], *[len(ids)] * (i + 1 - k)]
@@ -377,13 +377,12 @@ def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[i
 def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: list[int], so: str) -> str:
     """The error of a template that renders the text before message i differently once message i
     follows: which earlier message changed (and why when it lost its reasoning), `so` what follows."""
-    k = _changed_message(rendered, full, starts)
+    k, at = _first_change(rendered, full, starts)
     changed, role = f"message {k} (role {messages[k]['role']!r})", messages[i]["role"]
     if (reasoning := _reasoning_of(messages[k])) and _shows(rendered, reasoning) and not _shows(full, reasoning):
         what, fix = _reasoning_named(messages[k])
         return (f"the chat template drops the {what} of {changed} once message {i} (role {role!r}) follows "
                 f"(Qwen3's and QwQ's keep it after the last user message only), so {so}; {fix}")
-    at = len(os.path.commonprefix([rendered, full]))
     start = max(starts[k], at - 30)
     return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows "
             f"({rendered[start:at + 30]!r} became {full[start:at + 30]!r}; Qwen3's template, for one, writes an "
@@ -391,10 +390,11 @@ def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: 
             "policy.tokenizer.chat_template to a template whose renders extend each other")
 
 
-def _changed_message(rendered: str, full: str, starts: list[int]) -> int:
-    """The message whose text (from `starts[k]` on in `rendered`) `full` changed first."""
+def _first_change(rendered: str, full: str, starts: list[int]) -> tuple[int, int]:
+    """Where `full` first differs from `rendered`: the message whose text (from `starts[k]` on in
+    `rendered`) it changed, and the character offset."""
     at = len(os.path.commonprefix([rendered, full]))
-    return max(j for j in range(len(starts)) if starts[j] <= at)
+    return max(j for j in range(len(starts)) if starts[j] <= at), at
 
 
 def with_bos(ids: list[int], tokenizer) -> list[int]:
