@@ -15,6 +15,7 @@ Prompts follow the rules of training rows (`posttrain.data.processors`): BOS by
 from __future__ import annotations
 
 import numbers
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.processors import encode_continuation, first_user_message, render_chat, with_bos
 from posttrain.environments.interfaces import (
@@ -144,8 +146,18 @@ def _observation_tokens(
         k = first_user_message(before)
         head = before[: k + 1] if first_user_message(shown) is None and k is not None else []
         opening = render_chat(tokenizer, head, add_generation_prompt=False, tools=tools) if head else ""
-        delta = render_chat(tokenizer, head + shown, add_generation_prompt=add_generation_prompt,
-                            tools=tools if head else None)[len(opening):]
+        alone = render_chat(tokenizer, head + shown, add_generation_prompt=add_generation_prompt,
+                            tools=tools if head else None)
+        if not alone.startswith(opening):
+            # Cutting at len(opening) would hand the model text no render of this conversation holds.
+            at = len(os.path.commonprefix([opening, alone]))
+            start = max(0, at - 30)
+            raise InputError(
+                f"the chat template renders the conversation differently once the observation follows, both after "
+                f"the whole conversation and after its opening ({opening[start:at + 30]!r} became "
+                f"{alone[start:at + 30]!r}), so the observation's tokens cannot be cut from a render; set "
+                "policy.tokenizer.chat_template to a template whose renders extend each other")
+        delta = alone[len(opening):]
     return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
 
 
@@ -243,8 +255,6 @@ def check_tool_turns(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = 
     tools, as a rollout's next turn would be rendered: a chat template that cannot show a tool
     result (one that only takes alternating user/assistant turns) fails here, at setup, naming
     the task, instead of at the first tool call of a run."""
-    from posttrain.config import InputError
-
     seen: set[str] = set()
     for row in rows:
         task = row.get("task_name", "math")
@@ -259,6 +269,8 @@ def check_tool_turns(tokenizer, rows: Sequence[dict[str, Any]], add_bos: bool = 
         result = [{"role": "tool", "content": "0", "name": name, "tool_call_id": call["id"]}]
         try:
             _next_turn_tokens(tokenizer, c, result, add_generation_prompt)
+        except InputError as e:  # the template renders tool results, but not as one conversation
+            raise InputError(f"environment {task!r} has tools, and {e}") from None
         except Exception as e:  # a template raises what it likes: TemplateError, TypeError, KeyError
             raise InputError(
                 f"environment {task!r} has tools, but the tokenizer's chat template cannot render a tool "

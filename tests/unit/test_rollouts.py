@@ -842,3 +842,35 @@ def test_tool_results_under_a_template_that_wants_a_user_message(qwen3_template,
     assert shown[1] == shown[0]
     assert guarded.decode(shown[1]) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n"
                                         "<tool_response>\nfour\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_whose_opening_changes_with_what_follows_is_refused_naming_the_change():
+    # A tool result is cut from a render after the conversation's opening when the render after the
+    # whole conversation does not extend it (Qwen3's). A template whose opening itself changes
+    # (here it counts the messages) gave text at an offset into a different render: tokens no
+    # render of the conversation holds. Now an error that shows the change, at setup.
+    from posttrain.config import InputError
+    from posttrain.rollouts import check_tool_turns
+
+    counting = build_tokenizer()
+    counting.chat_template = (
+        "{{- 'n=' ~ (messages | length) ~ '\\n' -}}"
+        "{%- for m in messages -%}<|{{ m.role }}|>{{ m.content }}<|end|>{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    prompt = [{"role": "user", "content": "2+2?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add",
+                                                                                                   "arguments": {}}}]}
+    with pytest.raises(InputError, match=r"renders the conversation differently once the observation follows.*"
+                                         r"\('n=1\\n<\|user\|>2\+2\?.*' became 'n=2\\n<\|user\|>"):
+        _observation_tokens(counting, [*prompt, call], [{"role": "tool", "content": "4"}],
+                            last_token=counting.eos_token_id, tools=tools)
+    with pytest.raises(InputError, match=r"^environment 'calc' has tools, and the chat template renders the "
+                                         r"conversation differently"):
+        check_tool_turns(counting, [{"messages": prompt, "tools": tools, "task_name": "calc"}])
+    # The same template without the count renders the result as the conversation's continuation.
+    plain = build_tokenizer()
+    plain.chat_template = counting.chat_template.replace("{{- 'n=' ~ (messages | length) ~ '\\n' -}}", "")
+    shown = _observation_tokens(plain, [*prompt, call], [{"role": "tool", "content": "4"}],
+                                last_token=plain.eos_token_id, tools=tools)
+    assert plain.decode(shown) == "<|tool|>4<|end|><|assistant|>"  # the turn's <|end|> is its EOS, already generated
