@@ -145,6 +145,7 @@ def _generation_backend(cfg: GRPOMasterConfig, policy: Policy, cluster: RayVirtu
         cluster, backend=cfg.policy.generation.backend, model_path=cfg.policy.model_name,
         cfg=cfg.policy.generation, max_total_sequence_length=cfg.policy.max_total_sequence_length,
         precision=cfg.policy.precision, tokenizer_path=cfg.policy.tokenizer_name, device=cfg.policy.device,
+        attn_implementation=cfg.policy.attn_implementation,
     )
 
 

@@ -38,8 +38,10 @@ def _vllm(**kw):
 BACKENDS: dict[str, Callable[..., GenerationInterface]] = {"torch": _torch, "hf": _hf, "vllm": _vllm}
 
 
-def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokenizer=None):
-    """Load a causal LM (and its tokenizer unless given) from a folder, hub id or `embedded:<name>`."""
+def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokenizer=None,
+                             attn_implementation: str | None = None):
+    """Load a causal LM (and its tokenizer unless given) from a folder, hub id or `embedded:<name>`;
+    `attn_implementation`: transformers' attention kernel (None: its default)."""
     from transformers import AutoTokenizer
 
     from posttrain.embedded import resolve_model_path
@@ -47,7 +49,8 @@ def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokeni
     from posttrain.policy.hf_io import load_pretrained
 
     path = resolve_model_path(model_path)
-    model = load_pretrained("causal_lm", path, "policy.model_name", model_path, dtype=DTYPES[precision])
+    kernel = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = load_pretrained("causal_lm", path, "policy.model_name", model_path, dtype=DTYPES[precision], **kernel)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
@@ -72,7 +75,7 @@ def check_backend_installed(cfg) -> None:
 
 def build_generation(backend: str, *, model=None, model_path: str | None = None, tokenizer=None, cfg,
                      max_total_sequence_length: int, precision: str = "float32",
-                     device="cpu", rank: int = 0) -> GenerationInterface:
+                     device="cpu", rank: int = 0, attn_implementation: str | None = None) -> GenerationInterface:
     """Build generation backend `backend` ("torch", "hf", "vllm").
 
     `model`: an in-memory transformers causal LM (colocated: the policy worker's own copy,
@@ -80,7 +83,9 @@ def build_generation(backend: str, *, model=None, model_path: str | None = None,
     vllm backend always loads from a folder). `tokenizer` is loaded from `model_path` if None.
     `rank`: the engine's place among the workers that generate shards of one batch; it samples
     with seed `cfg.seed + rank`, so that the shards do not replay one random stream (the same
-    prompt in two shards would get the same samples).
+    prompt in two shards would get the same samples). `attn_implementation`: the attention kernel
+    of a model loaded from `model_path`, the policy's (`policy.hf_io.attention_kernel`), so that
+    the torch engine's prefill computes as the policy's forward does.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown generation backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -94,7 +99,7 @@ def build_generation(backend: str, *, model=None, model_path: str | None = None,
                                  max_total_sequence_length=max_total_sequence_length, precision=precision,
                                  device=device)
     if model is None:
-        model, tokenizer = load_model_and_tokenizer(model_path, precision, tokenizer)
+        model, tokenizer = load_model_and_tokenizer(model_path, precision, tokenizer, attn_implementation)
         if backend == "hf":
             # model.generate runs where the model is (loaded on the CPU); the torch engine copies
             # the weights it needs to `device` itself, so its source model stays where it is.

@@ -110,9 +110,8 @@ class _Weights:
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[c.hidden_act]
-        # Rotary embedding as one complex multiply: cos + i sin for every position, computed once
-        # by the model's own rotary module (so any rope scaling applies). transformers rotates
-        # dims (j, j + d/2) together; refresh() reorders q/k rows so those pairs are adjacent.
+        # Rotary embedding: cos and sin for every position, computed once by the model's own
+        # rotary module (so any rope scaling applies).
         # Dynamic (NTK) scaling depends on the sequence length and is off within the model's
         # original context: those positions come from a call over that span alone (exact for every
         # sequence that fits it), the positions past it from a call over all of them (scaled for
@@ -126,9 +125,16 @@ class _Weights:
         if short < max_positions:
             cos_long, sin_long = rot(zero, pos)
             cos, sin = torch.cat([cos, cos_long[:, short:]], dim=1), torch.cat([sin, sin_long[:, short:]], dim=1)
+        # In the engine's dtype, as transformers casts them to the activations' dtype. The sine's
+        # first half negated: q*cos + rotate_half(q)*sin = q*cos + swap_halves(q)*signed_sin, the
+        # same roundings (negation is exact) with one kernel fewer.
         half = self.head_dim // 2
-        self.cis = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float()).to(device)  # [P, d/2]
-        self.pair_order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=-1).flatten()
+        self.cos = cos[0].to(device=device, dtype=dtype)  # [P, d]
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype)
+        # Prefill attention computed as the policy's forward computes it: transformers' eager
+        # arithmetic for a model loaded with eager attention (posttrain's CPU default), else SDPA.
+        attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self.eager = attn.endswith("eager")  # "eager", or posttrain's blockwise wrapper of it
         self.refresh()
 
     def _t(self, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -146,13 +152,12 @@ class _Weights:
             a, mlp = layer.self_attn, layer.mlp
             qkv_bias = None
             if a.q_proj.bias is not None:
-                qkv_bias = self._t(torch.cat([self._pairs(a.q_proj.bias), self._pairs(a.k_proj.bias), a.v_proj.bias]))
+                qkv_bias = self._t(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
             self.layers.append(
                 dict(
                     ln1=self._t(layer.input_layernorm.weight),
                     ln2=self._t(layer.post_attention_layernorm.weight),
-                    qkv=self._t(torch.cat([self._pairs(a.q_proj.weight), self._pairs(a.k_proj.weight),
-                                           a.v_proj.weight])),
+                    qkv=self._t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                     qkv_bias=qkv_bias,
                     o=self._t(a.o_proj.weight),
                     o_bias=self._t(a.o_proj.bias),
@@ -162,24 +167,15 @@ class _Weights:
                     else self._t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
                     down=self._t(mlp.down_proj.weight),
                     down_bias=self._t(mlp.down_proj.bias),
-                    q_norm=self._t(a.q_norm.weight[self.pair_order]) if hasattr(a, "q_norm") else None,
-                    k_norm=self._t(a.k_norm.weight[self.pair_order]) if hasattr(a, "k_norm") else None,
+                    q_norm=self._t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
+                    k_norm=self._t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
                 )
             )
 
-    def _pairs(self, t: torch.Tensor) -> torch.Tensor:
-        """Reorder q/k projection rows (or bias) per head from (j | j + d/2) halves to adjacent pairs.
-
-        Attention scores only see q.k per head, which is invariant to one permutation applied to
-        both, so the model's outputs are unchanged.
-        """
-        heads = t.shape[0] // self.head_dim
-        return t.reshape(heads, self.head_dim, *t.shape[1:])[:, self.pair_order].reshape(t.shape)
-
     def rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers' Llama computes it (statistics in float32)."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        """RMSNorm as transformers' Llama computes it (statistics in float32), op for op: the
+        same roundings, so the engine's logprobs are the policy's own (in float32 too:
+        `F.rms_norm` rounds otherwise)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
@@ -256,17 +252,20 @@ def _spread_rows(flat: torch.Tensor, rows: int, old: int, new: int) -> None:
         b = a
 
 
-def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cis: torch.Tensor):
-    """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d], rotary applied; cis [B, S, 1, d/2] complex."""
+def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d], rotary applied; cos/sin [B, S, 1, d]."""
     b, s, _ = h.shape
     nh, nkv, d = w.n_heads, w.n_kv, w.head_dim
     qkv = F.linear(w.rms(h, p["ln1"]), p["qkv"], p["qkv_bias"])
     qk = qkv[..., : (nh + nkv) * d].view(b, s, nh + nkv, d)
     if p["q_norm"] is not None:
         qk = torch.cat([w.rms(qk[:, :, :nh], p["q_norm"]), w.rms(qk[:, :, nh:], p["k_norm"])], dim=2)
-    # q and k rotated together in one complex multiply (complex math needs float32).
-    qk = torch.view_as_real(torch.view_as_complex(qk.float().view(b, s, nh + nkv, d // 2, 2)) * cis)
-    qk = qk.view(b, s, nh + nkv, d).to(w.dtype)
+    # q and k rotated together, in the engine's dtype with transformers' roundings (each product,
+    # then the sum). Rotating in float32 and rounding once, as a complex multiply did, moved bf16
+    # logprobs off the policy's (quickstart, Xeon with AMX: mean exp|diff| 1.0098 against 1.0000
+    # now, with the prefill and score roundings below).
+    swapped = torch.cat([qk[..., d // 2 :], qk[..., : d // 2]], dim=-1)
+    qk = qk * cos + swapped * sin
     v = qkv[..., (nh + nkv) * d :].view(b, s, nkv, d).transpose(1, 2)
     return qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2), v
 
@@ -284,6 +283,31 @@ def _logits(w: _Weights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(w.rms(x, w.norm), w.lm_head)
 
 
+# Eager prefill attention holds at most this many scores at once (float32 for the softmax:
+# 64 MB); longer prompts run in blocks of query rows.
+_EAGER_SCORES = 1 << 24
+
+
+def _eager_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention `q [b, nh, s, d]`, `k/v [b, nkv, s, d]` with transformers' eager
+    arithmetic: scores rounded to the dtype, then scaled, masked, softmax in float32 rounded back,
+    times the values. SDPA's fused kernel rounds otherwise (the first token's bf16 logprob moved
+    by mean exp|diff| 1.0025 from the eager policy's). In blocks of query rows for long prompts."""
+    b, nh, s, d = q.shape
+    group = nh // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    rows = max(1, min(s, _EAGER_SCORES // max(1, b * nh * s)))
+    keys = torch.arange(s, device=q.device)
+    out = []
+    for start in range(0, s, rows):
+        scores = torch.matmul(q[:, :, start:start + rows], k.transpose(2, 3)) * d**-0.5
+        future = keys[None] > torch.arange(start, min(start + rows, s), device=q.device)[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        out.append(torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
 def prefill(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
     """Run right-padded prompts `tokens [b, S]` into cache `slots [b]`; returns next-token logits [b, V].
 
@@ -292,13 +316,16 @@ def prefill(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, lengths: torch
     """
     b, s = tokens.shape
     x = w.embed[tokens]
-    cis = w.cis[:s][None, :, None]
+    cos, sin = w.cos[:s][None, :, None], w.sin[:s][None, :, None]
     gqa = w.n_heads != w.n_kv
     for li, p in enumerate(w.layers):
-        q, k, v = _layer_qkv(w, p, x, cis)
+        q, k, v = _layer_qkv(w, p, x, cos, sin)
         cache.k[li][slots, :, :s] = k
         cache.v[li][slots, :, :s] = v
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if w.eager:
+            attn = _eager_causal_attention(q, k, v)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         x = _layer_out(w, p, x, attn)
     last = x[torch.arange(b, device=x.device), lengths - 1]
     return _logits(w, last)
@@ -311,7 +338,7 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     """
     n = tokens.shape[0]
     x = w.embed[tokens][:, None]  # [N, 1, H]
-    cis = w.cis[positions][:, None, None]
+    cos, sin = w.cos[positions][:, None, None], w.sin[positions][:, None, None]
     length = cache.length
     # Row of (slot, kv head) at its position in the cache viewed as [N * n_kv * length, d]:
     # one index_copy_ per tensor is several times cheaper than advanced-index assignment.
@@ -326,12 +353,15 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     bias = bias.repeat_interleave(nkv, dim=0)[:, None]  # [N * nkv, 1, length]
     scale = d**-0.5
     for li, p in enumerate(w.layers):
-        q, k, v = _layer_qkv(w, p, x, cis)
+        q, k, v = _layer_qkv(w, p, x, cos, sin)
         kc, vc = cache.k[li], cache.v[li]
         kc.view(-1, d).index_copy_(0, flat, k.reshape(-1, d))
         vc.view(-1, d).index_copy_(0, flat, v.reshape(-1, d))
-        scores = torch.baddbmm(bias, q.reshape(n * nkv, group, d), kc.view(n * nkv, -1, d).transpose(1, 2), alpha=scale)
-        # Softmax in float32, as transformers' eager attention (which the training forward runs).
+        # Rounded, scaled, then masked, as transformers' eager attention (which the training
+        # forward runs) computes them: one baddbmm rounds once, and the logprobs drift off the
+        # policy's wherever the scale is not a power of two.
+        scores = torch.bmm(q.reshape(n * nkv, group, d), kc.view(n * nkv, -1, d).transpose(1, 2)).mul_(scale).add_(bias)
+        # Softmax in float32, as transformers' eager attention.
         attn = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(cdt), vc.view(n * nkv, -1, d))
         x = _layer_out(w, p, x, attn.view(n, w.n_heads, 1, d))
     return _logits(w, x[:, 0])

@@ -39,16 +39,20 @@ class GenerationWorker:
     """One generation engine in its own process (hosted by `RayWorkerGroup`)."""
 
     def __init__(self, backend: str, model_path: str, tokenizer_path: str, cfg, max_total_sequence_length: int,
-                 precision: str, device: str):
+                 precision: str, device: str, attn_implementation: str):
         from transformers import AutoTokenizer
 
         from posttrain.generation import build_generation
+        from posttrain.policy.hf_io import attention_kernel
         from posttrain.runtime import resolve_device
 
+        device = resolve_device(device)
         self.engine = build_generation(backend, model_path=model_path,
                                        tokenizer=AutoTokenizer.from_pretrained(tokenizer_path), cfg=cfg,
                                        max_total_sequence_length=max_total_sequence_length, precision=precision,
-                                       device=resolve_device(device), rank=int(os.environ.get("RANK", "0")))
+                                       device=device, rank=int(os.environ.get("RANK", "0")),
+                                       attn_implementation=attention_kernel(attn_implementation,
+                                                                            max_total_sequence_length, device.type))
         self.version = 0
         freeze_setup_objects()
 
@@ -77,12 +81,13 @@ class GenerationWorkerGroup:
     """N generation actors on `cluster`'s bundles; implements `GenerationInterface`.
 
     `tokenizer_path`: the policy's tokenizer (`policy.tokenizer.name`), whose EOS ids, stop-string
-    decoding and pad id the workers use; None: the model folder's own.
+    decoding and pad id the workers use; None: the model folder's own. `attn_implementation`: the
+    policy's `policy.attn_implementation`, which the workers' model copies follow.
     """
 
     def __init__(self, cluster: RayVirtualCluster, *, backend: str, model_path: str, cfg,
                  max_total_sequence_length: int, precision: str = "float32", tokenizer_path: str | None = None,
-                 device: str = "auto", name_prefix: str = "generation"):
+                 device: str = "auto", name_prefix: str = "generation", attn_implementation: str = "auto"):
         from posttrain.embedded import resolve_model_path
 
         python = cfg.vllm_cfg.python if backend == "vllm" else None
@@ -93,7 +98,7 @@ class GenerationWorkerGroup:
         tokenizer_path = resolve_model_path(tokenizer_path or model_path)
         self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path),
                                       tokenizer_path, cfg, max_total_sequence_length, precision, device,
-                                      name_prefix=name_prefix, runtime_env=runtime_env)
+                                      attn_implementation, name_prefix=name_prefix, runtime_env=runtime_env)
         self.version = 0
         self.pad_id = self._pad_id(tokenizer_path)
         self.last_refit: dict[str, float] = {}

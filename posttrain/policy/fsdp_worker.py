@@ -39,26 +39,15 @@ from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
-from posttrain.policy.hf_io import (DTYPES, check_fits_in_memory, disable_dropout, load_generation_config,
-                                   load_model_configs, load_pretrained, model_class, resolve_tokenizer_path, save_hf,
-                                   writing_folder)
+from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, disable_dropout,
+                                   load_generation_config, load_model_configs, load_pretrained, model_class,
+                                   resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
 from posttrain.schemas import PolicyConfig
 
 log = logging.getLogger(__name__)
-# policy.attn_implementation=auto: eager attention on CPU up to this policy.max_total_sequence_length.
-_CPU_EAGER_MAX_TOKENS = 256
-
-
-def attention_kernel(cfg: PolicyConfig, device_type: str) -> str:
-    """The transformers attention implementation of `policy.attn_implementation` on `device_type`
-    ("auto": see the key's comment in schemas.py for the measurements)."""
-    if cfg.attn_implementation != "auto":
-        return cfg.attn_implementation
-    return "eager" if device_type == "cpu" and cfg.max_total_sequence_length <= _CPU_EAGER_MAX_TOKENS else "sdpa"
-
 
 def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast `module`'s parameters to `dtype` in place; buffers (rotary frequencies) stay float32,
@@ -265,7 +254,8 @@ class FSDPPolicyWorker:
 
         cfg = self.cfg
         kwargs = {"num_labels": 1} if self.model_kind == "sequence_classification" else {}
-        kwargs["attn_implementation"] = attention_kernel(cfg, self.device.type)
+        kwargs["attn_implementation"] = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length,
+                                                         self.device.type)
         # Weights that are not in the checkpoint (a reward model's score head, LoRA's A) are
         # initialised randomly: the same seed on every rank gives every rank the same model.
         torch.manual_seed(0)
@@ -789,7 +779,11 @@ class FSDPPolicyWorker:
             # built), then refit in place from the live weights. hf runs on this copy as the torch
             # engine does (it is the backend for architectures the torch engine cannot run). vLLM
             # loads its own model: colocated vLLM is not implemented, and GRPO's config refuses it.
-            copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32)
+            # With the policy's attention kernel: the torch engine's prefill computes as it does.
+            kernel = attention_kernel(self.cfg.attn_implementation, self.cfg.max_total_sequence_length,
+                                      self.device.type)
+            copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32,
+                                                            attn_implementation=kernel)
             self.gen_engine = build_generation(
                 self.cfg.generation.backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer,
                 cfg=self.cfg.generation,

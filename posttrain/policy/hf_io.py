@@ -93,6 +93,20 @@ def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
                          "policy's token ids, so both need the same tokenizer")
 
 
+# policy.attn_implementation=auto: eager attention on CPU up to this policy.max_total_sequence_length.
+_CPU_EAGER_MAX_TOKENS = 256
+
+
+def attention_kernel(setting: str, max_total_sequence_length: int, device_type: str) -> str:
+    """The transformers attention implementation of `policy.attn_implementation` = `setting` on
+    `device_type` ("auto": see the key's comment in schemas.py for the measurements). The policy
+    workers load their model with it, and the torch generation engine's model copy too (its
+    prefill then computes as the policy's forward does)."""
+    if setting != "auto":
+        return setting
+    return "eager" if device_type == "cpu" and max_total_sequence_length <= _CPU_EAGER_MAX_TOKENS else "sdpa"
+
+
 def model_class(model_kind: str):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

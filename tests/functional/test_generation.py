@@ -223,6 +223,29 @@ def test_sampled_logprobs_match_forward(tiny_model_path, dtype, bound):
     assert bool((out["logprobs"][generated_mask(batch, out)] < 0).all())
 
 
+def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path):
+    # Against a model with transformers' eager attention (the policy's on a CPU), the engine rounds
+    # as its forward does: rotary in the dtype (each product, then the sum), scores rounded before
+    # the scale, an eager prefill. Rotating in float32, SDPA's prefill and a fused baddbmm put these
+    # bf16 logprobs off the forward's (mean exp|diff| 1.045, 99% of the tokens differing; 1.0098 on
+    # the quickstart's warm start, where GRPO's prev_logprobs_from_generation check then recomputed
+    # them at every step). What differs now is the matmul kernels' float32 summation order at other
+    # shapes, which flips a bf16 rounding now and then in decoding.
+    model, tok = perturbed_tiny(tiny_model_path)
+    model.config._attn_implementation = "eager"
+    model = model.to(torch.bfloat16)
+    batch = make_batch(tok, repeat=4)
+    out = engine("torch", model, tok, max_new_tokens=32, temperature=1.0).generate(batch)
+    m = generated_mask(batch, out)
+    diff = (out["logprobs"] - forward_logprobs(model, out))[m]
+    assert int(m.sum()) > 100
+    first = out["unpadded_sequence_lengths"] - out["generation_lengths"]
+    assert torch.equal(out["logprobs"][torch.arange(batch.size), first],
+                       forward_logprobs(model, out)[torch.arange(batch.size), first])  # prefill: to the bit
+    assert float((diff == 0).float().mean()) > 0.98
+    assert float(torch.exp(diff.abs()).mean()) < 1.001
+
+
 def test_logprobs_are_of_the_sampling_distribution(model_tok):
     """temperature 0.7 + top_k 5: logprobs are log_softmax(logits / T) renormalised over the top 5."""
     model, tok = model_tok

@@ -51,11 +51,12 @@ def test_token_logprobs_temperature_scales_the_logits():
 
 
 def test_auto_attention_kernel_is_eager_for_short_cpu_sequences_only():
-    from posttrain.policy.fsdp_worker import attention_kernel
+    from posttrain.policy.hf_io import attention_kernel
     from posttrain.schemas import PolicyConfig
 
     def kernel(device, **kw):
-        return attention_kernel(PolicyConfig(model_name="embedded:tiny", **kw), device)
+        cfg = PolicyConfig(model_name="embedded:tiny", **kw)
+        return attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, device)
 
     assert kernel("cpu", max_total_sequence_length=256) == "eager"
     assert kernel("cpu", max_total_sequence_length=257) == "sdpa"  # eager's length^2 scores cost more
