@@ -173,7 +173,9 @@ def test_eval_rejects_k_above_n():
 
 def test_eval_story_task_scores_above_zero(ray_session, stories260k, tmp_path, monkeypatch):
     """A task stories260K can do: its stories mention the prompt's animal (`story` env), so the
-    scores are non-zero and pass@k grows with k."""
+    scores are non-zero and pass@k grows with k. Two mentions in 64 tokens (~1 in 5 stories
+    here): three in 32 was 1 story of the 32, and a change of the engine's float rounding drew
+    none."""
     from posttrain.algorithms.eval import run
     from posttrain.data import datasets
     from posttrain.environments import ENVIRONMENTS
@@ -184,9 +186,9 @@ def test_eval_story_task_scores_above_zero(ray_session, stories260k, tmp_path, m
     save = tmp_path / "story"
     cfg = load_config("eval", None, [
         f"policy.model_name={stories260k}", "policy.device=cpu", "policy.max_total_sequence_length=128",
-        "policy.generation.max_new_tokens=32", "policy.generation_batch_size=32", "data.dataset_name=stories",
+        "policy.generation.max_new_tokens=64", "policy.generation_batch_size=32", "data.dataset_name=stories",
         "data.num_val=8", "eval.num_tests_per_prompt=4", "eval.k_value=4", f"eval.save_path={save}",
-        f"logger.log_dir={save}", "cluster.gpus_per_node=0",
+        f"logger.log_dir={save}", "cluster.gpus_per_node=0", "env.story.cfg.min_mentions=2",
     ])
     run(cfg)
     results, samples = _read(save)
