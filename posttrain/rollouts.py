@@ -25,7 +25,8 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import encode_continuation, first_user_message, render_chat, with_bos
+from posttrain.data.processors import (change_excerpt, encode_continuation, first_user_message, render_chat,
+                                       with_bos)
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_ERROR_KEY,
@@ -151,12 +152,11 @@ def _observation_tokens(
         if not alone.startswith(opening):
             # Cutting at len(opening) would hand the model text no render of this conversation holds.
             at = len(os.path.commonprefix([opening, alone]))
-            start = max(0, at - 30)
             raise InputError(
                 f"the chat template renders the conversation differently once the observation follows, both after "
-                f"the whole conversation and after its opening ({opening[start:at + 30]!r} became "
-                f"{alone[start:at + 30]!r}), so the observation's tokens cannot be cut from a render; set "
-                "policy.tokenizer.chat_template to a template whose renders extend each other")
+                f"the whole conversation and after its opening ({change_excerpt(opening, alone, at)}), so the "
+                "observation's tokens cannot be cut from a render; set policy.tokenizer.chat_template to a "
+                "template whose renders extend each other")
         delta = alone[len(opening):]
     return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
 

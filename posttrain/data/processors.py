@@ -383,11 +383,17 @@ def _rerendered(messages: list[dict], i: int, rendered: str, full: str, starts: 
         what, fix = _reasoning_named(messages[k])
         return (f"the chat template drops the {what} of {changed} once message {i} (role {role!r}) follows "
                 f"(Qwen3's and QwQ's keep it after the last user message only), so {so}; {fix}")
-    start = max(starts[k], at - 30)
     return (f"the chat template renders {changed} differently once message {i} (role {role!r}) follows "
-            f"({rendered[start:at + 30]!r} became {full[start:at + 30]!r}; Qwen3's template, for one, writes an "
+            f"({change_excerpt(rendered, full, at, starts[k])}; Qwen3's template, for one, writes an "
             f"empty <think></think> block into the last assistant turn alone), so {so}; set "
             "policy.tokenizer.chat_template to a template whose renders extend each other")
+
+
+def change_excerpt(before: str, after: str, at: int, floor: int = 0) -> str:
+    """`'...' became '...'`: 30 characters either side of offset `at`, where `after` first differs
+    from `before`, from `floor` on, for the errors of templates whose renders change."""
+    start = max(floor, at - 30)
+    return f"{before[start:at + 30]!r} became {after[start:at + 30]!r}"
 
 
 def _first_change(rendered: str, full: str, starts: list[int]) -> tuple[int, int]:

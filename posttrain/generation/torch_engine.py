@@ -37,6 +37,7 @@ from posttrain.generation.interfaces import (
     prepare_prompts,
 )
 from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, version_seed
+from posttrain.policy.blockwise_attention import base_implementation
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -133,8 +134,7 @@ class _Weights:
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1).to(device=device, dtype=dtype)
         # Prefill attention computed as the policy's forward computes it: transformers' eager
         # arithmetic for a model loaded with eager attention (posttrain's CPU default), else SDPA.
-        attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        self.eager = attn.endswith("eager")  # "eager", or posttrain's blockwise wrapper of it
+        self.eager = base_implementation(model) == "eager"  # also under posttrain's blockwise wrapper
         self.refresh()
 
     def _t(self, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -202,6 +202,8 @@ class FSDPPolicyWorker:
     def setup(self) -> dict[str, Any]:
         cfg = self.cfg
         self.device = resolve_device(cfg.device)
+        # The policy's attention kernel: its models, and the generation engine's copy, load with it.
+        self.attn_kernel = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, self.device.type)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
@@ -254,8 +256,7 @@ class FSDPPolicyWorker:
 
         cfg = self.cfg
         kwargs = {"num_labels": 1} if self.model_kind == "sequence_classification" else {}
-        kwargs["attn_implementation"] = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length,
-                                                         self.device.type)
+        kwargs["attn_implementation"] = self.attn_kernel
         # Weights that are not in the checkpoint (a reward model's score head, LoRA's A) are
         # initialised randomly: the same seed on every rank gives every rank the same model.
         torch.manual_seed(0)
@@ -780,10 +781,8 @@ class FSDPPolicyWorker:
             # engine does (it is the backend for architectures the torch engine cannot run). vLLM
             # loads its own model: colocated vLLM is not implemented, and GRPO's config refuses it.
             # With the policy's attention kernel: the torch engine's prefill computes as it does.
-            kernel = attention_kernel(self.cfg.attn_implementation, self.cfg.max_total_sequence_length,
-                                      self.device.type)
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32,
-                                                            attn_implementation=kernel)
+                                                            attn_implementation=self.attn_kernel)
             self.gen_engine = build_generation(
                 self.cfg.generation.backend, model=copy.to(self.device).eval(), tokenizer=self.tokenizer,
                 cfg=self.cfg.generation,

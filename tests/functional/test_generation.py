@@ -237,11 +237,12 @@ def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path):
     batch = make_batch(tok, repeat=4)
     out = engine("torch", model, tok, max_new_tokens=32, temperature=1.0).generate(batch)
     m = generated_mask(batch, out)
-    diff = (out["logprobs"] - forward_logprobs(model, out))[m]
+    forward = forward_logprobs(model, out)
+    diff = (out["logprobs"] - forward)[m]
     assert int(m.sum()) > 100
     first = out["unpadded_sequence_lengths"] - out["generation_lengths"]
-    assert torch.equal(out["logprobs"][torch.arange(batch.size), first],
-                       forward_logprobs(model, out)[torch.arange(batch.size), first])  # prefill: to the bit
+    rows = torch.arange(batch.size)
+    assert torch.equal(out["logprobs"][rows, first], forward[rows, first])  # prefill: to the bit
     assert float((diff == 0).float().mean()) > 0.98
     assert float(torch.exp(diff.abs()).mean()) < 1.001
 
