@@ -88,6 +88,7 @@ def test_train_step_same_for_1_and_2_workers_and_microbatch_sizes(policies, tiny
 def test_reference_stays_frozen(policies, hf_model):
     batch = make_batch(seed=2)
     expected = reference_logprobs(hf_model, batch)
+    policies[1].train(batch, NLLLoss())  # the policy moves (whatever ran before); its reference must not
     ref = policies[1].get_reference_logprobs(batch)["reference_logprobs"]
     torch.testing.assert_close(ref, expected, atol=2e-5, rtol=0)
     assert (policies[1].get_logprobs(batch)["logprobs"] - expected).abs().max() > 1e-3  # trained
