@@ -19,6 +19,7 @@ KV-cache memory is bounded by `torch_cfg.max_tokens_in_flight`: the engine runs 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 
@@ -95,6 +96,8 @@ class _Weights:
 
     In float32 the unfused tensors are views of the live parameters; the fused QKV and
     gate/up matrices are copies, which `refresh()` rebuilds after the model's weights change.
+    In bf16 on a CPU whose oneDNN computes bf16 linears exactly as `F.linear` does, the matrices
+    of the linear layers are held in oneDNN's prepacked layout instead (see `_packing_ok`).
     """
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_positions: int):
@@ -108,6 +111,8 @@ class _Weights:
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
         self.n_layers = len(model.model.layers)
+        self.vocab_size = model.lm_head.weight.shape[0]
+        self.pack = dtype == torch.bfloat16 and device.type == "cpu" and _packing_ok()
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[c.hidden_act]
@@ -140,13 +145,18 @@ class _Weights:
     def _t(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().to(device=self.device, dtype=self.dtype)
 
+    def _matrix(self, t: torch.Tensor) -> torch.Tensor:
+        """A linear layer's weight for `linear`: prepacked by oneDNN when `self.pack`."""
+        t = self._t(t)
+        return torch.ops.mkldnn._reorder_linear_weight(t, _PACK_ROWS) if self.pack else t
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-read every weight from the model (after training or a state-dict load)."""
         m = self.model
         self.embed = self._t(m.model.embed_tokens.weight)
         self.norm = self._t(m.model.norm.weight)
-        self.lm_head = self._t(m.lm_head.weight)
+        self.lm_head = self._matrix(m.lm_head.weight)
         self.layers = []
         for layer in m.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -157,15 +167,15 @@ class _Weights:
                 dict(
                     ln1=self._t(layer.input_layernorm.weight),
                     ln2=self._t(layer.post_attention_layernorm.weight),
-                    qkv=self._t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                    qkv=self._matrix(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                     qkv_bias=qkv_bias,
-                    o=self._t(a.o_proj.weight),
+                    o=self._matrix(a.o_proj.weight),
                     o_bias=self._t(a.o_proj.bias),
-                    gate_up=self._t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    gate_up=self._matrix(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                     gate_up_bias=None
                     if mlp.gate_proj.bias is None
                     else self._t(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])),
-                    down=self._t(mlp.down_proj.weight),
+                    down=self._matrix(mlp.down_proj.weight),
                     down_bias=self._t(mlp.down_proj.bias),
                     q_norm=self._t(a.q_norm.weight) if hasattr(a, "q_norm") else None,
                     k_norm=self._t(a.k_norm.weight) if hasattr(a, "k_norm") else None,
@@ -252,11 +262,41 @@ def _spread_rows(flat: torch.Tensor, rows: int, old: int, new: int) -> None:
         b = a
 
 
+# The row count oneDNN lays a prepacked weight out for; any other count runs on it too.
+_PACK_ROWS = 128
+
+
+@functools.cache
+def _packing_ok() -> bool:
+    """Whether this CPU's oneDNN runs bf16 linears on prepacked weights with `F.linear`'s exact results.
+
+    Prepacked, the matrix is reordered once per refit instead of at every call: decode-shaped
+    linears (1-352 rows, 128-3072 features) ran 1.1-1.6x faster on a Xeon with AMX, 2 threads,
+    and equal from ~1,000 rows; the 30m model's 128 x 64-token rollout 12% faster (in-process
+    alternation). Checked here once on random data, with a bias, because the engine's logprobs
+    must stay the policy's, and off wherever oneDNN lacks the ops or differs."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x, b = (torch.randn(shape, generator=g).to(torch.bfloat16) for shape in ((96, 64), (5, 3, 64), (96,)))
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS), b,
+                                                 "none", [], "")
+        return torch.equal(got, F.linear(x, w, b))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` over a plain or a prepacked (`_Weights._matrix`) weight."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
 def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """h [B, S, H] -> q [B, nh, S, d], k/v [B, nkv, S, d], rotary applied; cos/sin [B, S, 1, d]."""
     b, s, _ = h.shape
     nh, nkv, d = w.n_heads, w.n_kv, w.head_dim
-    qkv = F.linear(w.rms(h, p["ln1"]), p["qkv"], p["qkv_bias"])
+    qkv = linear(w.rms(h, p["ln1"]), p["qkv"], p["qkv_bias"])
     qk = qkv[..., : (nh + nkv) * d].view(b, s, nh + nkv, d)
     if p["q_norm"] is not None:
         qk = torch.cat([w.rms(qk[:, :, :nh], p["q_norm"]), w.rms(qk[:, :, nh:], p["k_norm"])], dim=2)
@@ -273,14 +313,14 @@ def _layer_qkv(w: _Weights, p: dict, h: torch.Tensor, cos: torch.Tensor, sin: to
 def _layer_out(w: _Weights, p: dict, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual + output projection + MLP; attn [B, nh, S, d], x [B, S, H]."""
     b, _, s, _ = attn.shape
-    x = x + F.linear(attn.transpose(1, 2).reshape(b, s, -1), p["o"], p["o_bias"])
-    gu = F.linear(w.rms(x, p["ln2"]), p["gate_up"], p["gate_up_bias"])
+    x = x + linear(attn.transpose(1, 2).reshape(b, s, -1), p["o"], p["o_bias"])
+    gu = linear(w.rms(x, p["ln2"]), p["gate_up"], p["gate_up_bias"])
     g, u = gu.chunk(2, dim=-1)
-    return x + F.linear(w.act(g) * u, p["down"], p["down_bias"])
+    return x + linear(w.act(g) * u, p["down"], p["down_bias"])
 
 
 def _logits(w: _Weights, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(w.rms(x, w.norm), w.lm_head)
+    return linear(w.rms(x, w.norm), w.lm_head)
 
 
 # Eager prefill attention holds at most this many scores at once (float32 for the softmax:
@@ -352,6 +392,11 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     bias = torch.zeros(n, length, dtype=cdt, device=tokens.device).masked_fill_(~visible, float("-inf"))
     bias = bias.repeat_interleave(nkv, dim=0)[:, None]  # [N * nkv, 1, length]
     scale = d**-0.5
+    # One bf16 query per (slot, head): keys times the query (a matrix-vector product per pair) read
+    # the cache 1.2-1.9x faster than the query times the transposed keys, for the same values
+    # (Xeon with AMX, 2 threads, 320-2048 pairs of 32-160 positions, head_dim 32-128). In float32 it
+    # was 2x slower, and with grouped queries mixed.
+    keys_first = group == 1 and cdt == torch.bfloat16
     for li, p in enumerate(w.layers):
         q, k, v = _layer_qkv(w, p, x, cos, sin)
         kc, vc = cache.k[li], cache.v[li]
@@ -360,7 +405,11 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
         # Rounded, scaled, then masked, as transformers' eager attention (which the training
         # forward runs) computes them: one baddbmm rounds once, and the logprobs drift off the
         # policy's wherever the scale is not a power of two.
-        scores = torch.bmm(q.reshape(n * nkv, group, d), kc.view(n * nkv, -1, d).transpose(1, 2)).mul_(scale).add_(bias)
+        if keys_first:
+            scores = torch.bmm(kc.view(n * nkv, -1, d), q.reshape(n * nkv, d, 1)).view(n * nkv, 1, -1)
+        else:
+            scores = torch.bmm(q.reshape(n * nkv, group, d), kc.view(n * nkv, -1, d).transpose(1, 2))
+        scores = scores.mul_(scale).add_(bias)
         # Softmax in float32, as transformers' eager attention.
         attn = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(cdt), vc.view(n * nkv, -1, d))
         x = _layer_out(w, p, x, attn.view(n, w.n_heads, 1, d))
@@ -458,7 +507,7 @@ class TorchGeneration:
         cache = _SlotCache(w, num, round_up(int(plen.max()) + 16, _CACHE_ROUND), slot_len)
         stop_ids = self.stop.stop_id_tensor(dev)
         all_stops = {s for row in stops for s in row}
-        cand_table = self.stop.candidates(all_stops, w.lm_head.shape[0]).to(dev) if all_stops else None
+        cand_table = self.stop.candidates(all_stops, w.vocab_size).to(dev) if all_stops else None
 
         req = torch.full((num,), -1, dtype=torch.long)  # request in each slot, -1 = free
         active = torch.zeros(num, dtype=torch.bool, device=dev)

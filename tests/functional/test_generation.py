@@ -223,15 +223,19 @@ def test_sampled_logprobs_match_forward(tiny_model_path, dtype, bound):
     assert bool((out["logprobs"][generated_mask(batch, out)] < 0).all())
 
 
-def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path):
+@pytest.mark.parametrize("kv_heads", [None, 4], ids=["grouped", "one_kv_head_per_head"])
+def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path, kv_heads):
     # Against a model with transformers' eager attention (the policy's on a CPU), the engine rounds
     # as its forward does: rotary in the dtype (each product, then the sum), scores rounded before
     # the scale, an eager prefill. Rotating in float32, SDPA's prefill and a fused baddbmm put these
     # bf16 logprobs off the forward's (mean exp|diff| 1.045, 99% of the tokens differing; 1.0098 on
     # the quickstart's warm start, where GRPO's prev_logprobs_from_generation check then recomputed
     # them at every step). What differs now is the matmul kernels' float32 summation order at other
-    # shapes, which flips a bf16 rounding now and then in decoding.
+    # shapes, which flips a bf16 rounding now and then in decoding. With one kv head per query head
+    # (tiny has 2 of 4) the engine's decode scores take the keys-times-query product instead.
     model, tok = perturbed_tiny(tiny_model_path)
+    if kv_heads:
+        model = mha_twin(model, kv_heads)
     model.config._attn_implementation = "eager"
     model = model.to(torch.bfloat16)
     batch = make_batch(tok, repeat=4)
@@ -245,6 +249,19 @@ def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path):
     assert torch.equal(out["logprobs"][rows, first], forward[rows, first])  # prefill: to the bit
     assert float((diff == 0).float().mean()) > 0.98
     assert float(torch.exp(diff.abs()).mean()) < 1.001
+
+
+def mha_twin(model, heads: int):
+    """`model`'s architecture with `heads` kv heads (one per query head), its weights redrawn as
+    perturbed_tiny draws them."""
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.num_key_value_heads = heads
+    torch.manual_seed(0)
+    twin = LlamaForCausalLM(config)
+    perturb_(twin, std=0.3, seed=1)
+    return twin.eval()
 
 
 def test_logprobs_are_of_the_sampling_distribution(model_tok):
