@@ -274,7 +274,9 @@ def _packing_ok() -> bool:
     linears (1-352 rows, 128-3072 features) ran 1.1-1.6x faster on a Xeon with AMX, 2 threads,
     and equal from ~1,000 rows; the 30m model's 128 x 64-token rollout 12% faster (in-process
     alternation). Checked here once on random data, with a bias, because the engine's logprobs
-    must stay the policy's, and off wherever oneDNN lacks the ops or differs."""
+    must stay the policy's, and off wherever oneDNN lacks the ops or differs. (At some row counts
+    the packed and the plain kernel split their float32 sums differently, as the plain kernel does
+    between shapes: a bf16 rounding step here and there.)"""
     try:
         g = torch.Generator().manual_seed(0)
         w, x, b = (torch.randn(shape, generator=g).to(torch.bfloat16) for shape in ((96, 64), (5, 3, 64), (96,)))
