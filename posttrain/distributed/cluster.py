@@ -118,10 +118,7 @@ def check_fits(groups: Sequence[Bundles]) -> None:
     if not started_here:
         return
     total = ray.cluster_resources()
-    need: dict[str, float] = {}
-    for g in groups:
-        for key, n in g.bundle.items():
-            need[key] = need.get(key, 0) + n * g.world_size
+    need = _summed(groups)
     if any(n > total.get(key, 0) for key, n in need.items()):
         raise _shortfall(groups, "(the Ray node this run started: its resources are fixed)",
                          together=need if len(groups) > 1 else None)
@@ -136,6 +133,18 @@ def reserve(groups: Sequence[Bundles]) -> list["RayVirtualCluster"]:
     try:
         for g in groups:  # each checked again alone: instant once they fit together
             clusters.append(RayVirtualCluster(g.cfg, g.name, g.asked))
+    except PlacementError as e:
+        for cluster in reversed(clusters):
+            cluster.shutdown()
+        if not clusters:
+            raise
+        # A joined cluster (check_fits cannot sum a cluster that may grow): the groups placed first
+        # held part of what Ray no longer offered while this one waited; name them, or the numbers
+        # in the message do not add up to the run's request.
+        placed = groups[: len(clusters)]
+        raise PlacementError(
+            f"{e}; this run's {' and '.join(g.described() for g in placed)} had been placed first and "
+            f"held their share of that, {_fmt(_summed(groups))} for the whole run") from None
     except BaseException:
         for cluster in reversed(clusters):
             cluster.shutdown()
@@ -197,6 +206,15 @@ def _wait_for_nodes(num_nodes: int, timeout_s: float, asked: str) -> None:
                    "the number of nodes to the cluster's" if timeout_s == 0 else
                    f"waited {timeout_s:g} s = cluster.placement_timeout_s for nodes to join"))
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def _summed(groups: Sequence[Bundles]) -> dict[str, float]:
+    """The resources `groups` ask for together."""
+    need: dict[str, float] = {}
+    for g in groups:
+        for key, n in g.bundle.items():
+            need[key] = need.get(key, 0) + n * g.world_size
+    return need
 
 
 def _shortfall(groups: Sequence[Bundles], why: str, together: dict[str, float] | None = None) -> PlacementError:

@@ -191,7 +191,8 @@ def test_shutdown_leaves_no_processes_and_dead_worker_is_named(ray_session):
 
 
 def test_joins_a_running_ray_cluster_by_address():
-    """`RAY_ADDRESS` makes RayVirtualCluster join a running cluster instead of starting one."""
+    """`RAY_ADDRESS` makes RayVirtualCluster join a running cluster instead of starting one. There, a
+    group that does not fit after an earlier one was placed names that one too."""
     import shutil
     import subprocess
     import tempfile
@@ -216,17 +217,31 @@ def test_joins_a_running_ray_cluster_by_address():
         joined = subprocess.run(
             [sys.executable, "-c", textwrap.dedent("""
                 import ray
-                from posttrain.distributed.cluster import RayVirtualCluster
+                from posttrain.distributed.cluster import Bundles, PlacementError, RayVirtualCluster, reserve
                 from posttrain.schemas import ClusterConfig
                 cluster = RayVirtualCluster(ClusterConfig(cpus_per_worker=2))
                 print(ray.get_runtime_context().gcs_address, ray.cluster_resources()["CPU"])
                 cluster.shutdown()
+                try:  # 2 + 2 CPUs of 3: the second group waits, then fails
+                    reserve([Bundles(ClusterConfig(cpus_per_worker=2), "policy"),
+                             Bundles(ClusterConfig(cpus_per_worker=2, placement_timeout_s=1), "gen", "gen keys")])
+                except PlacementError as e:
+                    print(e)
+                print(len(ray.util.placement_group_table()), sum(
+                    p["state"] == "CREATED" for p in ray.util.placement_group_table().values()))
             """)],
             capture_output=True, text=True, timeout=120, env={**env, "RAY_ADDRESS": address},
         )
         assert joined.returncode == 0, joined.stderr[-2000:]
-        gcs, cpus = joined.stdout.split()[-2:]
+        first, error, placed = joined.stdout.strip().splitlines()[-3:]
+        gcs, cpus = first.split()
         assert gcs == address and float(cpus) == 3.0  # the head's cluster, not a new local one
+        # The waiting group's numbers (Ray offers 1 CPU: the policy group held 2), then that group.
+        assert "asked for 1 bundles of {'CPU': 2.0} (gen keys); Ray offers {CPU: 1" in error
+        assert ("; this run's 1 bundles of {'CPU': 2.0} (cluster.num_nodes=1, gpus_per_node=0, workers_per_node=1, "
+                "cpus_per_worker=2) had been placed first and held their share of that, {CPU: 4} for the whole run"
+                ) in error
+        assert placed.split()[1] == "0"  # the policy group's placement group was removed again
     finally:
         head.stdin.close()
         head.wait(timeout=60)
