@@ -271,9 +271,9 @@ def _packing_ok() -> bool:
     """Whether this CPU's oneDNN runs bf16 linears on prepacked weights with `F.linear`'s exact results.
 
     Prepacked, the matrix is reordered once per refit instead of at every call: decode-shaped
-    linears (1-352 rows, 128-3072 features) ran 1.1-1.6x faster on a Xeon with AMX, 2 threads,
-    and equal from ~1,000 rows; the 30m model's 128 x 64-token rollout 12% faster (in-process
-    alternation). Checked here once on random data, with a bias, because the engine's logprobs
+    linears (16-512 rows, 160-3072 features) ran 1.1-2.1x faster on a Xeon with AMX, 1 or 2
+    threads (one shape 0.75x), and about equal at 2,048 rows; the 30m model's 128 x 64-token
+    rollout 12% faster (in-process alternation). Checked here once on random data, with a bias, because the engine's logprobs
     must stay the policy's, and off wherever oneDNN lacks the ops or differs. (At some row counts
     the packed and the plain kernel split their float32 sums differently, as the plain kernel does
     between shapes: a bf16 rounding step here and there.)"""
@@ -394,10 +394,10 @@ def decode(w: _Weights, cache: _SlotCache, tokens: torch.Tensor, positions: torc
     bias = torch.zeros(n, length, dtype=cdt, device=tokens.device).masked_fill_(~visible, float("-inf"))
     bias = bias.repeat_interleave(nkv, dim=0)[:, None]  # [N * nkv, 1, length]
     scale = d**-0.5
-    # One bf16 query per (slot, head): keys times the query (a matrix-vector product per pair) read
-    # the cache 1.2-1.9x faster than the query times the transposed keys, for the same values
-    # (Xeon with AMX, 2 threads, 320-2048 pairs of 32-160 positions, head_dim 32-128). In float32 it
-    # was 2x slower, and with grouped queries mixed.
+    # One bf16 query per (slot, head): keys times the query (a matrix-vector product per pair) gives
+    # the same values as the query times the transposed keys and read the cache 1.1-2.3x faster on
+    # 2 threads (Xeon with AMX; 80-2048 pairs of 32-320 positions, head_dim 32-128), 0.9-2.1x on one.
+    # In float32 it was 2x slower, and with grouped queries mixed.
     keys_first = group == 1 and cdt == torch.bfloat16
     for li, p in enumerate(w.layers):
         q, k, v = _layer_qkv(w, p, x, cos, sin)
