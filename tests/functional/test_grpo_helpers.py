@@ -1,0 +1,36 @@
+"""What the GRPO functional test files share: the tiny run's overrides and its metric records."""
+
+from posttrain.logging.jsonl import read_metrics
+
+QUICKSTART = "examples/configs/grpo_quickstart.yaml"
+
+
+def records(log_dir, prefix):
+    """The metric records of `log_dir` under `prefix` (train, val, warmup_sft, ...)."""
+    return [r for r in read_metrics(log_dir / "metrics.jsonl") if r["prefix"] == prefix]
+
+
+def tiny_overrides(tmp_path, *extra):
+    """Overrides for a GRPO run of embedded:tiny in a few seconds, logs and checkpoints under `tmp_path`."""
+    return [
+        "policy.model_name=embedded:tiny",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.warmup_sft_steps=2",
+        "grpo.max_val_samples=8",
+        "grpo.val_batch_size=8",
+        "grpo.val_period=2",
+        "policy.train_global_batch_size=8",  # two optimizer steps per GRPO step: the 2nd sees ratio != 1
+        "policy.train_micro_batch_size=4",
+        "policy.logprob_batch_size=8",
+        "policy.optimizer.kwargs.lr=1e-3",
+        "logger.tensorboard_enabled=false",
+        "logger.num_val_samples_to_print=0",
+        # Every step's token_mult_prob_error measured against a policy forward (the quickstart reuses
+        # the generation logprobs after step 1; tested on its own below).
+        "grpo.prev_logprobs_from_generation=false",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        "checkpointing.save_period=2",
+        *extra,
+    ]
