@@ -96,8 +96,8 @@ class _Weights:
 
     In float32 the unfused tensors are views of the live parameters; the fused QKV and
     gate/up matrices are copies, which `refresh()` rebuilds after the model's weights change.
-    In bf16 on a CPU whose oneDNN computes bf16 linears exactly as `F.linear` does, the matrices
-    of the linear layers are held in oneDNN's prepacked layout instead (see `_packing_ok`).
+    In bf16 on a CPU where `_packing_ok()`, the matrices of the linear layers are held in oneDNN's
+    prepacked layout instead.
     """
 
     def __init__(self, model, dtype: torch.dtype, device: torch.device, max_positions: int):
@@ -268,15 +268,15 @@ _PACK_ROWS = 128
 
 @functools.cache
 def _packing_ok() -> bool:
-    """Whether this CPU's oneDNN runs bf16 linears on prepacked weights with `F.linear`'s exact results.
+    """Whether this CPU's oneDNN runs bf16 linears on prepacked weights with `F.linear`'s results.
 
     Prepacked, the matrix is reordered once per refit instead of at every call: decode-shaped
-    linears (16-512 rows, 160-3072 features) ran 1.1-2.1x faster on a Xeon with AMX, 1 or 2
+    linears (16-512 rows, 160-3072 features) ran 1.0-2.1x faster on a Xeon with AMX, 1 or 2
     threads (one shape 0.75x), and about equal at 2,048 rows; the 30m model's 128 x 64-token
-    rollout 12% faster (in-process alternation). Checked here once on random data, with a bias, because the engine's logprobs
-    must stay the policy's, and off wherever oneDNN lacks the ops or differs. (At some row counts
-    the packed and the plain kernel split their float32 sums differently, as the plain kernel does
-    between shapes: a bf16 rounding step here and there.)"""
+    rollout 12% faster (in-process alternation). Checked once on random data, with a bias,
+    because the engine's logprobs must stay the policy's; off wherever oneDNN lacks the ops or
+    differs. (At some row counts the packed and the plain kernel split their float32 sums
+    differently, as the plain kernel does between shapes: a bf16 rounding step here and there.)"""
     try:
         g = torch.Generator().manual_seed(0)
         w, x, b = (torch.randn(shape, generator=g).to(torch.bfloat16) for shape in ((96, 64), (5, 3, 64), (96,)))
