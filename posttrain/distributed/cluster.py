@@ -133,21 +133,17 @@ def reserve(groups: Sequence[Bundles]) -> list["RayVirtualCluster"]:
     try:
         for g in groups:  # each checked again alone: instant once they fit together
             clusters.append(RayVirtualCluster(g.cfg, g.name, g.asked))
-    except PlacementError as e:
+    except BaseException as e:
         for cluster in reversed(clusters):
             cluster.shutdown()
-        if not clusters:
-            raise
-        # A joined cluster (check_fits cannot sum a cluster that may grow): the groups placed first
-        # held part of what Ray no longer offered while this one waited; name them, or the numbers
-        # in the message do not add up to the run's request.
-        placed = groups[: len(clusters)]
-        raise PlacementError(
-            f"{e}; this run's {' and '.join(g.described() for g in placed)} had been placed first and "
-            f"held their share of that, {_fmt(_summed(groups))} for the whole run") from None
-    except BaseException:
-        for cluster in reversed(clusters):
-            cluster.shutdown()
+        if isinstance(e, PlacementError) and clusters:
+            # A joined cluster (check_fits cannot sum a cluster that may grow): the groups placed
+            # first held part of what Ray no longer offered while this one waited; name them, or the
+            # numbers in the message do not add up to the run's request.
+            placed = groups[: len(clusters)]
+            raise PlacementError(
+                f"{e}; this run's {' and '.join(g.described() for g in placed)} had been placed first and "
+                f"held their share of that, {_fmt(_summed(groups))} for the whole run") from None
         raise
     return clusters
 

@@ -27,7 +27,7 @@ def tiny_overrides(tmp_path, *extra):
         "logger.tensorboard_enabled=false",
         "logger.num_val_samples_to_print=0",
         # Every step's token_mult_prob_error measured against a policy forward (the quickstart reuses
-        # the generation logprobs after step 1; tested on its own below).
+        # the generation logprobs after step 1; tested on its own in test_grpo_variants.py).
         "grpo.prev_logprobs_from_generation=false",
         f"logger.log_dir={tmp_path / 'logs'}",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
