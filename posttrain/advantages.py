@@ -6,9 +6,9 @@ The GRPO loop broadcasts the `[N]` advantages over the response tokens.
 
 Estimators by name (`compute_advantages(name, ...)`, registry `ADVANTAGE_ESTIMATORS`):
 
-    grpo          A_i = (r_i - b_i) / std_g     GRPO, DeepSeekMath https://arxiv.org/abs/2402.03300
+    grpo          A_i = (r_i - b_i) / std       GRPO, DeepSeekMath https://arxiv.org/abs/2402.03300
                   b_i = mean of the group's other samples (leave_one_out) or of the whole group;
-                  std_g = the group's sample std (Bessel); each step optional
+                  std = the group's sample std (Bessel), or the whole batch's (Lite PPO), or none
     rloo          A_i = r_i - mean_{j != i} r_j  RLOO https://arxiv.org/abs/2402.14740
     dr_grpo       A_i = r_i - mean_g r           Dr.GRPO https://arxiv.org/abs/2503.20783: no std
                   division (it favours too-easy / too-hard groups); the paper's other fix, a
@@ -63,6 +63,13 @@ def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
 
 
+def _batch_mean_std(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and sample std (Bessel) of `x [N]` over the samples where `valid [N]` (float 0/1) is 1."""
+    n = valid.sum()
+    mean = (x * valid).sum() / n.clamp(min=1)
+    return mean, torch.sqrt((valid * (x - mean).square()).sum() / (n - 1).clamp(min=1))
+
+
 def baseline_and_std(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -106,17 +113,28 @@ def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     leave_one_out: bool = True,
-    normalize: bool = True,
+    normalize: bool | str = True,
     valid_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GRPO: A_i = (r_i - b_i) / std_g, the division only where std_g > 0 (see `baseline_and_std`).
+    """GRPO: A_i = (r_i - b_i) / sigma, the division only where sigma > 0 (b_i: `baseline_and_std`).
 
-    `[N]` rewards and group ids -> `[N]` advantages. DeepSeekMath https://arxiv.org/abs/2402.03300.
-    A group whose rewards are all equal has std 0 and advantage 0 with either baseline.
+    `normalize` picks sigma: "group" (or True) the std of i's group, DeepSeekMath
+    https://arxiv.org/abs/2402.03300; "batch" the std of the rewards over all valid samples of
+    the batch (Bessel), one scale for every group: Lite PPO's group mean with batch std, Liu et
+    al. https://arxiv.org/abs/2508.08221 (TRL's `scale_rewards="batch"`), under which a group with
+    one success in 16 (group std 0.25) is not pushed twice as hard as one split evenly (0.52);
+    "none" (or False) no division. `[N]` rewards and group ids -> `[N]` advantages. A group whose
+    rewards are all equal has advantage 0 with any baseline and scale.
     """
+    scale = {True: "group", False: "none"}.get(normalize, normalize)
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"normalize={normalize!r}: expected 'group' (or True), 'batch' or 'none' (or False)")
     baseline, std = baseline_and_std(rewards, group_ids, valid_mask, leave_one_out)
     adv = rewards.float() - baseline
-    if normalize:
+    if scale == "batch":
+        _, valid, _ = _groups(adv, group_ids, valid_mask)
+        std = _batch_mean_std(rewards.float(), valid)[1].expand_as(adv)
+    if scale != "none":
         adv = torch.where(std > 0, adv / torch.where(std > 0, std, torch.ones_like(std)), adv)
     return adv
 
@@ -149,10 +167,7 @@ def reinforce_pp_advantages(
     baseline, _ = baseline_and_std(r, group_ids, valid, leave_one_out=False)
     n = _group_sum(valid, inverse, n_groups)[inverse]
     centred = torch.where(n >= 2, r - baseline, r)
-    n_valid = valid.sum()
-    mean = (centred * valid).sum() / n_valid.clamp(min=1)
-    var = (valid * (centred - mean).square()).sum() / (n_valid - 1).clamp(min=1)
-    std = var.sqrt()
+    mean, std = _batch_mean_std(centred, valid)
     return (centred - mean) / std if std > 0 else centred - mean
 
 
@@ -171,7 +186,7 @@ def compute_advantages(
     valid_mask: torch.Tensor | None = None,
     *,
     leave_one_out: bool = True,
-    normalize: bool = True,
+    normalize: bool | str = True,
 ) -> torch.Tensor:
     """`[N]` advantages from the estimator registered as `name` (unknown names list the valid ones).
 

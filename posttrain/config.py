@@ -627,7 +627,9 @@ def format_errors(
             msg = text if text.startswith(f"{key}=") else f"{key}: {text}"
         else:
             # A union reports one error per member: say all that would have been accepted.
-            expected = " or ".join(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in errs))
+            expected = " or ".join(dict.fromkeys(
+                "true, false" if e["type"] in ("bool_parsing", "bool_type") else e["msg"].removeprefix("Input should be ")
+                for e in errs))
             msg = f"{key or '<root>'}: got {first.get('input')!r}, expected {expected}"
             if isinstance(first.get("input"), bool):  # `name: yes`, `mode: off`: the user wrote no True
                 msg += f" ({YAML_BOOLEANS}: quote the text)"

@@ -1156,10 +1156,12 @@ class GRPOConfig(Section):
     # on_policy_distillation: per-token advantages log teacher - log policy on the policy's own
     # samples (the teacher is policy.reference_model_name; rewards are logged, not trained on).
     adv_estimator: Literal["grpo", "rloo", "dr_grpo", "reinforce_pp", "on_policy_distillation"] = "grpo"
-    # Divide the advantages by the group's reward std (where it is > 0). An option of the "grpo"
-    # estimator only (null: true); the others fix their baseline and scaling by definition and
-    # refuse it set, which they would ignore.
-    normalize_rewards: bool | None = None
+    # Divide the advantages by a reward std (where it is > 0): true or "group", the group's
+    # (GRPO); "batch", the whole batch's, one scale for all groups (Lite PPO; TRL's
+    # scale_rewards="batch"); false or "none", no division. An option of the "grpo" estimator only
+    # (null: true); the others fix their baseline and scaling by definition and refuse it set,
+    # which they would ignore.
+    normalize_rewards: bool | Literal["group", "batch", "none"] | None = None
     # Baseline = mean reward of the group's other samples (false: of the whole group). An option
     # of the "grpo" estimator only (null: true), refused with the others as normalize_rewards is.
     use_leave_one_out_baseline: bool | None = None

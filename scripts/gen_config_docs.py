@@ -132,6 +132,16 @@ def _annotation_text(annotation: Any) -> str:
     text = re.sub(r"Annotated\[([^,\[\]]+), FieldInfo\((?:[^()]|\([^()]*\))*\)\]", r"\1", text)
     for name in dir(schemas):
         text = text.replace(f"posttrain.schemas.{name}", name)
+    # `bool | Literal[...] | None` reprs as `Union[bool, Literal[...], None]` (Literal is no type):
+    # written as the other unions are.
+    if text.startswith("Union[") and text.endswith("]"):
+        members, depth, start = [], 0, len("Union[")
+        for i, ch in enumerate(text[start:-1], start):
+            depth += (ch == "[") - (ch == "]")
+            if ch == "," and depth == 0:
+                members.append(text[start:i].strip())
+                start = i + 1
+        text = " | ".join(members + [text[start:-1].strip()])
     return text
 
 

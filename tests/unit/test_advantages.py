@@ -56,6 +56,34 @@ def test_grpo_variants():
     )
 
 
+def test_batch_std_scales_every_group_by_the_std_of_all_rewards():
+    # All ten rewards: mean 7 / 10, squared deviations 5 x 0.09 (the ones) + 3 x 0.49 (the zeros)
+    # + 0.04 + 0.64 = 2.6, sample variance 2.6 / 9.
+    sigma = math.sqrt(2.6 / 9)
+    adv = grpo_advantages(REWARDS, GROUPS, leave_one_out=False, normalize="batch")
+    assert adv.tolist() == approx([x / sigma for x in [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0.5]])
+    # One scale for all: A's 1-of-4 success and C's split keep their ratio of centred rewards,
+    # where each group's own std put them at 3 and 1.41 (0.75 / 0.5 and 0.5 / S2).
+    assert adv[0] / adv[9] == pytest.approx(1.5)
+    # Left-out samples leave the std as they leave the baseline: A's 2nd sample invalid ->
+    # rewards 1, 0, 0, 1, 1, 1, 1, 0.5, 1.5, mean 7 / 9.
+    valid = torch.ones(10)
+    valid[1] = 0
+    r = [x for i, x in enumerate(REWARDS.tolist()) if i != 1]
+    m = sum(r) / 9
+    sigma = math.sqrt(sum((x - m) ** 2 for x in r) / 8)
+    got = grpo_advantages(REWARDS, GROUPS, leave_one_out=False, normalize="batch", valid_mask=valid)
+    assert got[0].item() == approx((1 - 1 / 3) / sigma)
+    # The spellings: True / "group" and False / "none" are the same; anything else is refused.
+    assert grpo_advantages(REWARDS, GROUPS, normalize="group").tolist() == approx(grpo_advantages(REWARDS, GROUPS).tolist())
+    assert (grpo_advantages(REWARDS, GROUPS, normalize="none").tolist()
+            == approx(grpo_advantages(REWARDS, GROUPS, normalize=False).tolist()))
+    with pytest.raises(ValueError, match="normalize='batc': expected 'group'"):
+        grpo_advantages(REWARDS, GROUPS, normalize="batc")
+    # No spread anywhere: nothing to divide by, advantages 0.
+    assert grpo_advantages(torch.ones(4), torch.tensor([0, 0, 1, 1]), normalize="batch").tolist() == [0.0] * 4
+
+
 def test_valid_mask_excludes_samples_from_the_statistics():
     # group A with its 2nd sample invalid: valid rewards 1, 0, 0 -> mean 1/3, std sqrt((6/9) / 2)
     valid = torch.tensor([1.0, 0.0, 1.0, 1.0] + [1.0] * 6)
@@ -178,6 +206,28 @@ def test_the_grpo_loop_scales_rewards_before_the_overlong_shaping():
     _rewards_to_advantages(g, batch, max_new_tokens=4)
     # Rewards 1, -1 - 1 = -2, -1, 1 - 0.5 = 0.5 (half the buffer): mean -0.375.
     assert batch["advantages"][:, 0].tolist() == pytest.approx([1.375, -1.625, -0.625, 0.875])
+
+
+def test_the_grpo_loop_divides_by_the_std_its_config_names():
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    def advantages(normalize) -> list[float]:
+        batch = BatchedDataDict(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0]),
+                                response_lengths=torch.full((6,), 2.0), truncated=torch.zeros(6, dtype=torch.bool),
+                                env_errors=torch.zeros(6, dtype=torch.bool),
+                                group_ids=torch.tensor([0, 0, 0, 0, 1, 1]), token_mask=torch.ones(6, 1))
+        g = GRPOConfig(normalize_rewards=normalize, use_leave_one_out_baseline=False)
+        _rewards_to_advantages(g, batch, max_new_tokens=4)
+        return batch["advantages"][:, 0].tolist()
+
+    # Centred: 0.75, -0.25 x 3 | 0.5, -0.5. Group stds 0.5 and sqrt(0.5); the batch's: 2 ones and
+    # 4 zeros, mean 1/3, sample variance (2 x 4/9 + 4 x 1/9) / 5 = 4/15.
+    assert advantages(True) == approx([1.5, -0.5, -0.5, -0.5, 0.5 / S2, -0.5 / S2])
+    sigma = math.sqrt(4 / 15)
+    assert advantages("batch") == approx([x / sigma for x in [0.75, -0.25, -0.25, -0.25, 0.5, -0.5]])
+    assert advantages("none") == approx([0.75, -0.25, -0.25, -0.25, 0.5, -0.5])
 
 
 def test_on_policy_distillation_trains_the_samples_whose_verification_failed():

@@ -882,6 +882,24 @@ def test_grpo_estimator_options_are_refused_with_the_estimators_that_ignore_them
     assert load_config("grpo", _write(tmp_path / "saved.yaml", to_yaml(cfg))) == cfg
 
 
+def test_normalize_rewards_takes_a_scale_by_name_as_trl_s_scale_rewards_does(tmp_path):
+    # NeMo RL's booleans stay as written (true: the group's std); "batch" is Lite PPO's batch std.
+    for text, value in (("true", True), ("false", False), ("group", "group"), ("batch", "batch"), ("none", "none")):
+        cfg = load_config("grpo", None, [f"grpo.normalize_rewards={text}"])
+        assert cfg.grpo.normalize_rewards == value
+        assert load_config("grpo", _write(tmp_path / f"{text}.yaml", to_yaml(cfg))) == cfg  # a run's config.yaml
+    path = _write(tmp_path / "typo.yaml", """
+        grpo:
+          normalize_rewards: batc
+    """)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"grpo.normalize_rewards: got 'batc', expected true, false or 'group', 'batch' or 'none'  "
+            f"[set at {path}:3]")):
+        load_config("grpo", path)
+    with pytest.raises(ConfigError, match="grpo.normalize_rewards=batch set, but grpo.adv_estimator=rloo does not read it"):
+        load_config("grpo", None, ["grpo.adv_estimator=rloo", "grpo.normalize_rewards=batch"])
+
+
 def test_grpo_refuses_deterministic_decoding_of_the_samples_it_compares():
     # Greedy samples of a prompt are one response with one reward: every advantage was 0 and the run
     # trained nothing, accepted without a word.
