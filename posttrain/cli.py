@@ -1,6 +1,6 @@
 """The `posttrain` command.
 
-    posttrain <grpo|sft|dpo|rm|eval> [--config FILE] [--print-config] [overrides...]
+    posttrain <grpo|sft|dpo|rm|kto|eval> [--config FILE] [--print-config] [overrides...]
     posttrain convert dcp-to-hf --checkpoint DIR --output DIR [--config FILE]
     posttrain convert llama2c-to-hf --model X.bin --tokenizer tok512.model --output DIR
 
@@ -31,6 +31,7 @@ _ALGO_HELP = {
     "sft": "supervised fine-tuning",
     "dpo": "direct preference optimisation (DPO, IPO, SimPO)",
     "rm": "reward-model training (Bradley-Terry)",
+    "kto": "Kahneman-Tversky optimisation on responses labelled desirable or not",
     "eval": "evaluation (pass@k, cons@k)",
 }
 
@@ -100,9 +101,10 @@ def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
         description=_ALGO_HELP[algorithm],
         epilog=f"{_sections_help(algorithm)}\n\n{_OVERRIDE_HELP}",
     )
-    # DPO and RM need preference pairs, which the embedded task has not.
+    # DPO and RM need preference pairs, KTO labelled responses, which the embedded task has not.
+    data = "labelled responses" if algorithm == "kto" else "preference pairs"
     without = ("without it the schema defaults run the embedded task" if algorithm in ("grpo", "sft", "eval")
-               else f"needed: the embedded task has no preference pairs (see examples/configs/{algorithm}.yaml)")
+               else f"needed: the embedded task has no {data} (see examples/configs/{algorithm}.yaml)")
     p.add_argument("--config", metavar="FILE", action=_Once,
                    help=f"YAML config (may inherit others with `defaults:`); {without}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")

@@ -1272,7 +1272,7 @@ class GRPOConfig(Section):
 
 
 class SFTConfig(Section):
-    """The loop of SFT, and the keys DPO and RM share with it (posttrain.algorithms.offline)."""
+    """The loop of SFT, and the keys DPO, RM and KTO share with it (posttrain.algorithms.offline)."""
 
     # Passes over the training rows at most.
     max_num_epochs: int = Field(1, ge=1)
@@ -1316,6 +1316,21 @@ class DPOConfig(SFTConfig):
 
 class RMConfig(SFTConfig):
     pass
+
+
+class KTOConfig(SFTConfig):
+    """`posttrain kto`: Kahneman-Tversky optimisation on unpaired examples labelled desirable or not
+    (posttrain.losses.KTOLoss); the loop's keys are SFT's."""
+
+    # beta of KTO: how sharply the loss saturates in the reward log pi/pi_ref - z (TRL's default).
+    # Must be positive: at 0 the loss is a constant and the run trains nothing.
+    reference_policy_kl_penalty: float = Field(0.1, gt=0)
+    # lambda_D, the weight of desirable examples. The paper advises lambda_D * n_D / (lambda_U * n_U)
+    # in [1, 4/3] for n_D desirable and n_U undesirable examples: the run says so at its start when
+    # the training split is outside it.
+    desirable_weight: float = Field(1.0, gt=0)
+    # lambda_U, the weight of undesirable examples (see desirable_weight).
+    undesirable_weight: float = Field(1.0, gt=0)
 
 
 class EvalConfig(Section):
@@ -1754,6 +1769,14 @@ class RMMasterConfig(_MasterBase):
         return self
 
 
+class KTOMasterConfig(_MasterBase):
+    # The KTO loop: the keys of sft plus the loss's beta and weights.
+    kto: KTOConfig = Field(default_factory=KTOConfig)
+
+    def needs_reference(self) -> bool:
+        return True  # the reward is a log-ratio to it
+
+
 class EvalMasterConfig(_MasterBase):
     # `posttrain eval`: samples per prompt, the headline metric, where results go (docs/evaluation.md).
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -1772,5 +1795,6 @@ MASTER_CONFIGS: dict[str, type[_MasterBase]] = {
     "sft": SFTMasterConfig,
     "dpo": DPOMasterConfig,
     "rm": RMMasterConfig,
+    "kto": KTOMasterConfig,
     "eval": EvalMasterConfig,
 }

@@ -50,7 +50,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         \n\nAssistant: ...") is read as the conversation it writes.
 
 A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
-not to give) is malformed for SFT, which would train the model to imitate it. SFT on RL/eval
+not to give) is malformed for SFT, which would train the model to imitate it. Read for KTO
+(`labelled_rows`), a conversation row keeps its `label`, whatever it is (`posttrain kto` checks it). SFT on RL/eval
 rows (the math and code formats, the embedded tasks) trains each prompt's `demonstration`, else
 its `answer`, as the assistant turn (`demonstration_messages`), as GRPO's warm-up does.
 
@@ -59,9 +60,11 @@ Every error names the source (file) and the 1-based row number.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from posttrain.config import InputError
 
@@ -159,6 +162,21 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
     )
 
 
+# Set while `posttrain kto` reads its data (`labelled_rows`); a context variable rather than an
+# argument through every loader (files, folders, hub sets, the registry) to the one line that reads it.
+_LABELLED = contextvars.ContextVar("posttrain_labelled_rows", default=False)
+
+
+@contextmanager
+def labelled_rows() -> Iterator[None]:
+    """Rows read inside keep their `label` (KTO's desirable / undesirable) instead of refusing a false one."""
+    token = _LABELLED.set(True)
+    try:
+        yield
+    finally:
+        _LABELLED.reset(token)
+
+
 def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None = None) -> dict[str, Any]:
     """Normalise one row of format `fmt` into its canonical row; `loc` is `where(file, n)`.
     `task_name` (`data.task_name`): a `messages` row is then an RL/eval row scored by that
@@ -175,6 +193,8 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         # Left an SFT row, GRPO would prompt with the whole conversation, answer included, and
         # score it in `math` (the environment of rows without a task_name).
         out = _from_messages({**out, "task_name": task_name}, loc)
+    if _LABELLED.get():
+        return {**out, "label": row["label"]} if "label" in row and "task_name" not in out else out
     if row.get("label") is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
             f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "

@@ -576,3 +576,69 @@ def collate(examples: list[Example], pad_id: int) -> BatchedDataDict:
 def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> BatchedDataDict:
     """A preference batch: rows 2i (chosen) and 2i+1 (rejected) of pair i."""
     return collate([ex for pair in pairs for ex in pair], pad_id)
+
+
+def process_kto_rows(
+    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
+) -> tuple[list[Example], dict[str, int]]:
+    """Tokenize KTO rows into examples labelled desirable or not (`label`: 1 / 0, a one-item list
+    so that `_fit` cuts it as the rest). A conversation row `{"messages", "label"}` is the prompt
+    (every message before the last) and the response (the last, an assistant message), loss on
+    the response only; a preference pair gives two examples, its chosen side desirable and its
+    rejected side not (TRL's KTOTrainer unpairs such data the same way). Counts as
+    `process_sft_rows`'s, per example."""
+    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    out = []
+    for n, row in enumerate(rows, start=1):
+        name = row_name(row, f"row {n}")
+        if "prompt_messages" in row:  # a preference pair
+            prompt, sides = row["prompt_messages"], [(row["chosen"], True), (row["rejected"], False)]
+        elif "messages" in row and "task_name" not in row:
+            messages, label = row["messages"], row.get("label")
+            if not isinstance(label, bool):
+                raise InputError(
+                    f"{name}: KTO trains on responses labelled desirable (`label: true`) or not (`label: false`); "
+                    + ("this row has no `label`" if label is None else f"got label {label!r}")
+                    + " (or on preference pairs, `chosen`/`rejected`)")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise InputError(f"{name}: KTO's response is the row's last message, which must be the assistant's")
+            prompt, sides = messages[:-1], [([messages[-1]], label)]
+        else:
+            raise InputError(f"{name}: data.dataset_name={cfg.dataset_name!r} gives rows with keys {sorted(row)}; KTO "
+                             "trains on labelled conversations (`messages` + `label`, TRL's `prompt`/`completion`/"
+                             "`label`) or preference pairs: name such a file or hub set (e.g. "
+                             "examples/configs/kto.yaml's)")
+        for response, label in sides:
+            with naming_row(name, prompt + response):
+                ex = tokenize_messages(prompt + response, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                       loss_start=len(prompt), tools=row.get("tools"),
+                                       add_generation_prompt=cfg.add_generation_prompt)
+            ex, status = _fit({**ex, "label": [int(label)]}, max_len, cfg.truncation)
+            if status != "ok":
+                stats[status] += 1
+            if ex is not None:
+                out.append(ex)
+    stats["kept"] = len(out)
+    _check_left(len(out), stats, max_len, cfg, "examples")
+    return out, stats
+
+
+def collate_kto(examples: list[Example], pad_id: int, max_len: int) -> BatchedDataDict:
+    """A KTO batch: the examples as `collate` makes them, with `kto_label [B]` (1: desirable), and
+    the mismatched pairs KTO's KL estimate reads in `kl_input_ids`, `kl_input_lengths` and
+    `kl_token_mask`: example i's prompt with example (i + 1) mod B's response (cut at `max_len`),
+    as TRL pairs them. A batch of one example is its own mismatched pair (an estimate of 0 at the
+    start: the log-ratio of the reference's own sample)."""
+    batch = collate(examples, pad_id)
+    starts = [ex["loss_mask"].index(1) for ex in examples]
+    kl = []
+    for i, ex in enumerate(examples):
+        j = (i + 1) % len(examples)
+        other = examples[j]
+        kl.append({"input_ids": (ex["input_ids"][: starts[i]] + other["input_ids"][starts[j]:])[:max_len],
+                   "loss_mask": ([0] * starts[i] + other["loss_mask"][starts[j]:])[:max_len]})
+    mismatched = collate(kl, pad_id)
+    batch["kto_label"] = torch.tensor([ex["label"][0] for ex in examples], dtype=torch.float32)
+    for key in ("input_ids", "input_lengths", "token_mask"):
+        batch[f"kl_{key}"] = mismatched[key]
+    return batch

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from posttrain.losses.kl import calculate_kl
 from posttrain.losses.nll import NLLLoss
 from posttrain.losses.policy_gradient import ClippedPGLoss
-from posttrain.losses.preference import BradleyTerryLoss, DPOLoss
+from posttrain.losses.preference import BradleyTerryLoss, DPOLoss, KTOLoss
 from posttrain.losses.utils import masked_mean, valid_counts
 
 # Loss classes by name; each takes its config section (a schema object or a dict).
@@ -22,6 +22,7 @@ LOSSES: dict[str, Callable[[Any], Any]] = {
     "nll": lambda cfg: NLLLoss(),
     "dpo": DPOLoss.from_config,  # the `dpo` section
     "bradley_terry": lambda cfg: BradleyTerryLoss(),
+    "kto": KTOLoss.from_config,  # the `kto` section
 }
 
 
@@ -32,5 +33,5 @@ def build_loss(name: str, cfg: Any = None) -> Any:
     return LOSSES[name](cfg)
 
 
-__all__ = ["LOSSES", "BradleyTerryLoss", "ClippedPGLoss", "DPOLoss", "NLLLoss", "build_loss", "calculate_kl",
+__all__ = ["LOSSES", "BradleyTerryLoss", "ClippedPGLoss", "DPOLoss", "KTOLoss", "NLLLoss", "build_loss", "calculate_kl",
            "masked_mean", "valid_counts"]

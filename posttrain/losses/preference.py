@@ -1,4 +1,5 @@
-"""Pairwise preference losses: DPO (sigmoid), IPO, SimPO and Bradley-Terry reward models.
+"""Preference losses: pairwise DPO (sigmoid), IPO, SimPO and Bradley-Terry reward models, and
+unpaired KTO.
 
 Pair batches interleave rows: row 2i is the chosen response of pair i, row 2i+1 the
 rejected one (`needs_pairs = True` tells the policy to keep both in one micro-batch and
@@ -199,5 +200,79 @@ class BradleyTerryLoss:
                 "rewards_chosen_mean": _mean(pair_mask, n_pairs, c),
                 "rewards_rejected_mean": _mean(pair_mask, n_pairs, r),
                 "num_valid_samples": pair_mask.sum().item(),
+            }
+        return loss, metrics
+
+
+class KTOLoss:
+    """KTO, Kahneman-Tversky optimisation (Ethayarajh et al., https://arxiv.org/abs/2402.01306), on
+    unpaired examples labelled desirable or not, as TRL's KTOTrainer computes it:
+
+        r_i    = log pi(y_i | x_i) - log pi_ref(y_i | x_i)              (token sums over the response)
+        z      = max(0, mean_j [log pi(y'_j | x_j) - log pi_ref(y'_j | x_j)])
+                 the reference point, a KL estimate from mismatched pairs (x_j, y'_j) of the batch,
+                 without gradient
+        loss_i = lambda_D * (1 - sigma(beta * (r_i - z)))   (y_i desirable)
+                 lambda_U * (1 - sigma(beta * (z - r_i)))   (y_i undesirable)
+        loss   = sum_i loss_i / the global number of examples
+
+    Inputs: curr `[b, S]` token-aligned policy logprobs; mb["reference_logprobs"] and
+    mb["token_mask"] `[b, S]`, mb["sample_mask"] `[b]`, mb["kto_label"] `[b]` (1 desirable, 0 not),
+    mb["kto_kl"] `[b]` (z, the same in every row of the global batch) and mb["kto_desirable"] `[b]`
+    (the global batch's number of desirable examples, in every row, so that per-label means sum
+    over micro-batches). Metrics: loss, kl (z), rewards_desirable_mean and
+    rewards_undesirable_mean (beta * r over each label's examples), reward_margin (their
+    difference), accuracy (the share of examples on their label's side of the reference point:
+    r > z for desirable ones, r < z for the others; a tie is not), num_valid_samples.
+    """
+
+    loss_type = "sequence"
+    needs_pairs = False
+    needs_reference = True  # the reward is a log-ratio to it
+
+    def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        if beta <= 0:
+            raise ValueError(f"KTO needs beta > 0, got {beta}")
+        self.beta = beta
+        self.desirable_weight = desirable_weight
+        self.undesirable_weight = undesirable_weight
+
+    @classmethod
+    def from_config(cls, kto_cfg) -> "KTOLoss":
+        """From the `kto` section (`posttrain.schemas.KTOConfig`)."""
+        return cls(kto_cfg.reference_policy_kl_penalty, kto_cfg.desirable_weight, kto_cfg.undesirable_weight)
+
+    def __call__(
+        self,
+        curr: torch.Tensor,
+        mb: BatchedDataDict,
+        global_valid_toks: torch.Tensor,
+        global_valid_seqs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb["token_mask"].to(curr.dtype)  # [b, S]
+        valid = mb["sample_mask"].to(curr.dtype)  # [b]
+        desirable = mb["kto_label"].to(curr.dtype)  # [b]
+        z = mb["kto_kl"].to(curr.dtype)  # [b]
+        ratio = sequence_logprobs(curr - mb["reference_logprobs"].to(curr.dtype), mask, average=False)  # r [b]
+        margin = self.beta * (ratio - z)
+        per_example = (desirable * self.desirable_weight * (1 - torch.sigmoid(margin))
+                       + (1 - desirable) * self.undesirable_weight * (1 - torch.sigmoid(-margin)))
+        loss = masked_mean(per_example, valid, global_normalization_factor=global_valid_seqs)
+
+        with torch.no_grad():
+            rewards = self.beta * ratio.detach()
+            n_desirable = mb["kto_desirable"].to(curr.dtype)[0]
+            n_undesirable = global_valid_seqs - n_desirable
+            right = torch.where(desirable > 0, margin.detach() > 0, margin.detach() < 0).to(curr.dtype)
+            d_mean = masked_mean(rewards, valid * desirable, global_normalization_factor=n_desirable.clamp(min=1))
+            u_mean = masked_mean(rewards, valid * (1 - desirable), global_normalization_factor=n_undesirable.clamp(min=1))
+            metrics = {
+                "loss": loss.item(),
+                "kl": masked_mean(z, valid, global_normalization_factor=global_valid_seqs).item(),
+                "rewards_desirable_mean": d_mean.item(),
+                "rewards_undesirable_mean": u_mean.item(),
+                "reward_margin": (d_mean - u_mean).item(),
+                "accuracy": masked_mean(right, valid, global_normalization_factor=global_valid_seqs).item(),
+                "num_valid_samples": valid.sum().item(),
             }
         return loss, metrics

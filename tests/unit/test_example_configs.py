@@ -14,7 +14,7 @@ import pytest
 from posttrain.config import load_config, to_yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
-PREFIXES = [("grpo_", "grpo"), ("sft", "sft"), ("dpo", "dpo"), ("rm", "rm")]
+PREFIXES = [("grpo_", "grpo"), ("sft", "sft"), ("dpo", "dpo"), ("rm", "rm"), ("kto", "kto")]
 
 
 def algorithm_of(path: Path) -> str:

@@ -159,3 +159,49 @@ def test_zero_beta_is_refused_at_load(name):
     loss.backward()
     # What the run got: log 2 whatever the policy, and no gradient.
     assert loss.item() == pytest.approx(math.log(2)) and curr.grad.abs().sum() == 0 and m["reward_margin"] == 0
+
+
+def test_kto_hand_computed_and_summed_over_micro_batches():
+    from posttrain.losses import KTOLoss
+
+    # Three examples, responses of two tokens (position 0 is the prompt): r = sum(policy - ref).
+    curr = torch.tensor([[0.0, -1.0, -1.0], [0.0, -2.0, -3.0], [0.0, -1.0, -4.0]], requires_grad=True)
+    mb = BatchedDataDict(
+        reference_logprobs=torch.tensor([[0.0, -1.5, -1.5], [0.0, -2.0, -2.0], [0.0, -1.0, -1.0]]),
+        token_mask=torch.tensor([[0, 1, 1], [0, 1, 1], [0, 1, 1]], dtype=torch.float32),
+        sample_mask=torch.ones(3),
+        kto_label=torch.tensor([1.0, 0.0, 1.0]),  # desirable, undesirable, desirable
+        kto_kl=torch.full((3,), 0.25),
+        kto_desirable=torch.full((3,), 2.0),
+    )
+    beta, w_d, w_u = 0.5, 1.0, 1.5
+    r = [1.0, -1.0, -3.0]
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    per = [w_d * (1 - sig(beta * (r[0] - 0.25))), w_u * (1 - sig(beta * (0.25 - r[1]))),
+           w_d * (1 - sig(beta * (r[2] - 0.25)))]
+    loss_fn = KTOLoss(beta, w_d, w_u)
+    loss, m = loss_fn(curr, mb, torch.tensor(6.0), torch.tensor(3.0))
+    assert loss.item() == pytest.approx(sum(per) / 3)
+    assert m["kl"] == pytest.approx(0.25)
+    assert m["rewards_desirable_mean"] == pytest.approx(beta * (r[0] + r[2]) / 2)
+    assert m["rewards_undesirable_mean"] == pytest.approx(beta * r[1])
+    assert m["reward_margin"] == pytest.approx(beta * (r[0] + r[2]) / 2 - beta * r[1])
+    # Example 0 above the reference point (desirable: right), 1 below it (undesirable: right), 2 below (wrong).
+    assert m["accuracy"] == pytest.approx(2 / 3)
+    # d loss / d curr[0, 1] = -w_d * sigma'(beta (r - z)) * beta / 3: the response tokens only.
+    loss.backward()
+    s0 = sig(beta * (r[0] - 0.25))
+    g = -w_d * s0 * (1 - s0) * beta / 3
+    assert curr.grad[0].tolist() == pytest.approx([0.0, g, g])
+    # Micro-batches with the global counts sum to the whole batch's loss and metrics.
+    parts = [loss_fn(curr[i : i + 1].detach(), mb.select_indices([i]), torch.tensor(6.0), torch.tensor(3.0))
+             for i in range(3)]
+    assert sum(p[0].item() for p in parts) == pytest.approx(loss.item())
+    for key in ("rewards_desirable_mean", "rewards_undesirable_mean", "accuracy", "kl"):
+        assert sum(p[1][key] for p in parts) == pytest.approx(m[key])
+    from posttrain.schemas import KTOConfig
+
+    built = build_loss("kto", KTOConfig(reference_policy_kl_penalty=0.2, undesirable_weight=2.0))
+    assert (built.beta, built.desirable_weight, built.undesirable_weight) == (0.2, 1.0, 2.0)
+    with pytest.raises(ValueError, match="KTO needs beta > 0"):
+        KTOLoss(0.0)

@@ -1,5 +1,6 @@
 """Tokenization: assistant-only loss masks, chat-template override, truncation, batches."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -638,3 +639,72 @@ def test_a_chat_template_is_scanned_for_the_reasoning_field_it_reads_once(monkey
     for _ in range(5):
         process_sft_rows([{"messages": CONVO}], t, DataConfig(), max_len=1000)
     assert len(scans) == 3  # once for each of reasoning_content, reasoning, thinking: it reads none
+
+
+def test_kto_rows_keep_their_label_and_train_the_last_message(tok, shared_data, tmp_path):
+    from posttrain.data.formats import labelled_rows
+    from posttrain.data.processors import collate_kto, process_kto_rows
+
+    # LLaMA-Factory's KTO data (messages + label) read for KTO keeps the label SFT refuses.
+    cfg = DataConfig(dataset_name=f"{shared_data}/llamafactory_demo/kto_en_demo.json", truncation="truncate")
+    with labelled_rows():
+        rows = load_rows(cfg, "train")
+    assert {r["label"] for r in rows} == {True, False}
+    multi = next(r for r in rows if len(r["messages"]) >= 4)
+    (ex,), stats = process_kto_rows([multi], tok, cfg, max_len=100_000)
+    expected = tok.encode(multi["messages"][-1]["content"] + "<|end|>", add_special_tokens=False)
+    assert [i for i, m in zip(ex["input_ids"], ex["loss_mask"]) if m] == expected  # earlier answers get no loss
+    assert ex["label"] == [int(multi["label"])] and stats["kept"] == 1
+    # TRL's unpaired format, and a preference pair unpaired into its two sides.
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n"
+                    + json.dumps({"prompt": "1+2=", "completion": "4", "label": False}) + "\n")
+    with labelled_rows():
+        rows = load_rows(DataConfig(dataset_name=str(path), val_split_fraction=0.4), "train")
+    pair = {"prompt_messages": [{"role": "user", "content": "2+2="}],
+            "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]}
+    examples, stats = process_kto_rows(rows + [pair], tok, cfg, max_len=64)
+    assert [ex["label"] for ex in examples] == [[int(rows[0]["label"])], [1], [0]] and stats["kept"] == 3
+    # The mismatched pairs of the KL estimate: each prompt with the next example's response.
+    batch = collate_kto(examples, tok.pad_token_id, max_len=64)
+    assert batch["kto_label"].tolist() == [float(rows[0]["label"]), 1.0, 0.0]
+    starts = [ex["loss_mask"].index(1) for ex in examples]
+    for i in range(3):
+        j = (i + 1) % 3
+        want = examples[i]["input_ids"][: starts[i]] + examples[j]["input_ids"][starts[j]:]
+        n = int(batch["kl_input_lengths"][i])
+        assert batch["kl_input_ids"][i, :n].tolist() == want
+        assert batch["kl_token_mask"][i, :n].tolist() == [0.0] * starts[i] + [float(m) for m in examples[j]["loss_mask"][starts[j]:]]
+    # Cut at the context like any row.
+    assert collate_kto(examples, tok.pad_token_id, max_len=5)["kl_input_lengths"].max() <= 5
+
+
+def test_kto_rows_without_a_label_are_named(tok, tmp_path):
+    from posttrain.data.formats import labelled_rows
+    from posttrain.data.processors import process_kto_rows
+
+    path = tmp_path / "kto.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n"
+                    + json.dumps({"prompt": "1+2=", "completion": "3"}) + "\n"
+                    + json.dumps({"prompt": "1+3=", "completion": "4", "label": "yes"}) + "\n")
+    cfg = DataConfig(dataset_name=str(path), val_data_path=str(path))
+    with labelled_rows():
+        rows = load_rows(cfg, "train")
+    with pytest.raises(InputError, match=r"kto.jsonl row 2: KTO trains on responses labelled desirable "
+                                         r"\(`label: true`\) or not \(`label: false`\); this row has no `label`"):
+        process_kto_rows(rows, tok, cfg, max_len=64)
+    with pytest.raises(InputError, match=r"kto.jsonl row 3: .*got label 'yes'"):
+        process_kto_rows(rows[2:], tok, cfg, max_len=64)
+    # Read for anything else, a false label is still refused (SFT would imitate the answer).
+    path.write_text(json.dumps({"prompt": "1+2=", "completion": "4", "label": False}) + "\n")
+    with pytest.raises(InputError, match="`label` is false"):
+        load_rows(cfg, "train")
+
+
+def test_kto_on_rows_that_are_neither_labelled_nor_pairs_names_the_dataset(tok):
+    from posttrain.data.processors import process_kto_rows
+
+    cfg = DataConfig()  # the embedded arithmetic task: prompts for RL
+    with pytest.raises(InputError, match=r"data.dataset_name='arithmetic' gives rows with keys \[.*'task_name'.*\]; "
+                                         r"KTO trains on labelled conversations .* \(e.g. examples/configs/kto.yaml's\)"):
+        process_kto_rows(load_rows(cfg, "val")[:2], tok, cfg, max_len=64)

@@ -1,0 +1,106 @@
+"""Kahneman-Tversky optimisation (`posttrain kto`): preference training on unpaired responses
+labelled desirable or not (`posttrain.losses.KTOLoss`), TRL's KTOTrainer's loss.
+
+`run(cfg)` = `setup(cfg)` + `kto_train(setup)`. Batch sizes count examples. Data: conversations
+whose last message is the response, with a boolean `label` (LLaMA-Factory's KTO data, TRL's
+`prompt`/`completion`/`label`), or preference pairs, each unpaired into its chosen side
+(desirable) and its rejected side (not). Before each update (`prepare`): the reference logprobs
+of the batch, and KTO's reference point z, the KL estimate from the batch's mismatched pairs
+(each prompt with the next example's response) under the policy and the reference. Validation
+batches keep their reference logprobs (the reference never changes) and recompute z.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.algorithms.offline import (
+    OfflineSetup,
+    evaluate,
+    max_sequence_length,
+    offline_setup,
+    offline_train,
+    run_and_export,
+)
+from posttrain.data.batch import BatchedDataDict
+from posttrain.data.formats import labelled_rows
+from posttrain.data.processors import collate_kto, process_kto_rows
+from posttrain.losses import KTOLoss
+from posttrain.losses.preference import sequence_logprobs
+from posttrain.policy.lm_policy import Policy
+from posttrain.schemas import KTOMasterConfig
+
+_KL_KEYS = ("input_ids", "input_lengths", "token_mask")
+
+
+def setup(cfg: KTOMasterConfig) -> OfflineSetup:
+    max_len = max_sequence_length(cfg)
+    with labelled_rows():  # rows keep their desirable / undesirable label
+        s = offline_setup(cfg, "kto", cfg.kto, process_kto_rows, lambda ex, pad: collate_kto(ex, pad, max_len),
+                          KTOLoss.from_config(cfg.kto), cfg.policy, init_reference=True)
+    _say_weight_balance(s)
+    return s
+
+
+def _say_weight_balance(s: OfflineSetup) -> None:
+    """The paper's advice on lambda_D / lambda_U (Ethayarajh et al., section 4.2), said at the start
+    when the training examples are outside it."""
+    kto = s.cfg.kto
+    n_d = sum(ex["label"][0] for ex in s.loader.rows)
+    n_u = len(s.loader.rows) - n_d
+    if n_d == 0 or n_u == 0:
+        s.run.logger.console(f"kto: the training split has {n_d} desirable and {n_u} undesirable examples; with one "
+                             "kind only, the loss moves every response one way against the reference point")
+        return
+    ratio = kto.desirable_weight * n_d / (kto.undesirable_weight * n_u)
+    if not 1.0 <= ratio <= 4 / 3:
+        s.run.logger.console(
+            f"kto: {n_d} desirable and {n_u} undesirable training examples at kto.desirable_weight="
+            f"{kto.desirable_weight} and kto.undesirable_weight={kto.undesirable_weight} weigh {ratio:.2f} : 1; "
+            "the KTO paper advises desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in "
+            f"[1, 4/3], e.g. kto.undesirable_weight={kto.desirable_weight * n_d / n_u:.3g}")
+
+
+def _mismatched(batch: BatchedDataDict, keep: bool) -> BatchedDataDict:
+    """The mismatched pairs of `batch` (`collate_kto`'s kl_* keys) as a batch of their own; taken out
+    of `batch` unless `keep` (a validation batch, prepared again at every validation), so that a
+    training step does not ship them to the workers."""
+    take = batch.get if keep else batch.pop
+    return BatchedDataDict(**{key: take(f"kl_{key}") for key in _KL_KEYS}, sample_mask=batch["sample_mask"].clone())
+
+
+def reference_point(policy: Policy, mismatched: BatchedDataDict) -> torch.Tensor:
+    """KTO's z: max(0, mean over the mismatched pairs of log pi(y'|x) - log pi_ref(y'|x)), token sums."""
+    mask = mismatched["token_mask"]
+    ratio = policy.get_logprobs(mismatched)["logprobs"] - policy.get_reference_logprobs(mismatched)["reference_logprobs"]
+    return sequence_logprobs(ratio, mask, average=False).mean().clamp(min=0)
+
+
+def _prepare(policy: Policy, batch: BatchedDataDict, desirable: float, keep: bool = False) -> None:
+    """The loss's inputs beside the rows: reference logprobs (once per batch), z and the global
+    count of desirable examples, in every row."""
+    mismatched = _mismatched(batch, keep)
+    if "reference_logprobs" not in batch:
+        batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
+    batch["kto_kl"] = reference_point(policy, mismatched).expand(batch.size).clone()
+    batch["kto_desirable"] = torch.full((batch.size,), float(desirable))
+
+
+def validate(s: OfflineSetup) -> dict[str, float]:
+    """Loss, accuracy, rewards and z over the validation examples (no update)."""
+    policy = s.run.policy
+    desirable = sum(float(b["kto_label"].sum()) for b in s.val_batches)  # the per-label means are over all of them
+    for batch in s.val_batches:
+        _prepare(policy, batch, desirable, keep=True)
+    return evaluate(s.loss_fn, s.val_batches, lambda b: policy.get_logprobs(b)["logprobs"])
+
+
+def kto_train(s: OfflineSetup) -> dict[str, float]:
+    policy, max_len = s.run.policy, max_sequence_length(s.cfg)
+    return offline_train(s, s.cfg.kto, lambda rows: collate_kto(rows, s.tokenizer.pad_token_id, max_len),
+                         lambda: validate(s), show="accuracy",
+                         prepare=lambda batch: _prepare(policy, batch, float(batch["kto_label"].sum())))
+
+
+def run(cfg: KTOMasterConfig) -> dict[str, float]:
+    return run_and_export(setup(cfg), kto_train)
