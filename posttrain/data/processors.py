@@ -586,8 +586,8 @@ def process_kto_rows(
     (every message before the last) and the response (the last, an assistant message), loss on
     the response only; a preference pair gives two examples, its chosen side desirable and its
     rejected side not (TRL's KTOTrainer unpairs such data the same way). Counts as
-    `process_sft_rows`'s, per example."""
-    stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    `process_sft_rows`'s, per example (`rows`: a pair counts twice, so that kept <= rows)."""
+    stats = {"rows": 0, "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     out = []
     for n, row in enumerate(rows, start=1):
         name = row_name(row, f"row {n}")
@@ -608,6 +608,7 @@ def process_kto_rows(
                              "trains on labelled conversations (`messages` + `label`, TRL's `prompt`/`completion`/"
                              "`label`) or preference pairs: name such a file or hub set (e.g. "
                              "examples/configs/kto.yaml's)")
+        stats["rows"] += len(sides)
         for response, label in sides:
             with naming_row(name, prompt + response):
                 ex = tokenize_messages(prompt + response, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,

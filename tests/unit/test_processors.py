@@ -664,7 +664,8 @@ def test_kto_rows_keep_their_label_and_train_the_last_message(tok, shared_data, 
     pair = {"prompt_messages": [{"role": "user", "content": "2+2="}],
             "chosen": [{"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]}
     examples, stats = process_kto_rows(rows + [pair], tok, cfg, max_len=64)
-    assert [ex["label"] for ex in examples] == [[int(rows[0]["label"])], [1], [0]] and stats["kept"] == 3
+    assert [ex["label"] for ex in examples] == [[int(rows[0]["label"])], [1], [0]]
+    assert (stats["rows"], stats["kept"]) == (3, 3)  # the pair's two sides are two examples
     # The mismatched pairs of the KL estimate: each prompt with the next example's response.
     batch = collate_kto(examples, tok.pad_token_id, max_len=64)
     assert batch["kto_label"].tolist() == [float(rows[0]["label"]), 1.0, 0.0]
