@@ -566,6 +566,10 @@ class ClippedPGLossConfig(Section):
     disable_ppo_ratio: bool = False
     # CISPO (MiniMax-M1): loss = -sg(clip(ratio)) * A * log pi; clipping bounds the weight only.
     use_cispo: bool = False
+    # Train the policy-gradient term on the micro-batch's top share of tokens by the policy's entropy
+    # there ("Beyond the 80/20 Rule", 0.2 in its runs; TRL's key); the others count in the
+    # normalization with 0. 1 = every token. Not NeMo RL's: posttrain's own, with TRL's name.
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClippedPGLossConfig":

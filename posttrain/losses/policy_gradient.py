@@ -27,6 +27,12 @@ the generation backend (pi_gen) and the trainer (pi_prev): l *= w, w = pi_prev /
 w outside [C_min, C] (https://arxiv.org/abs/2510.18855); "seq-mask-tis" zeroes whole sequences
 whose geometric-mean weight exp(mean_t log w) is outside [C_min, C].
 
+High-entropy tokens (top_entropy_quantile = q < 1; Wang et al., "Beyond the 80/20 Rule",
+https://arxiv.org/abs/2506.01939; TRL's top_entropy_quantile): the policy-gradient term keeps only
+the valid tokens of the micro-batch whose entropy (of the policy's distribution there,
+batch["token_entropy"], which the policy worker adds) is at or above its (1 - q) quantile; the
+others contribute 0 but still count in the normalization, and the KL penalty keeps every token.
+
 Reduction: token_level_loss=true: sum over valid tokens / global_valid_toks (the Dr.GRPO /
 DAPO token-level normalization, no per-response length bias, https://arxiv.org/abs/2503.20783);
 false: per-sequence token mean, summed over valid sequences / global_valid_seqs (original GRPO).
@@ -35,6 +41,7 @@ The divisors are GLOBAL counts, so micro-batch losses sum to the global-batch lo
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -72,6 +79,11 @@ class ClippedPGLoss:
     def __init__(self, cfg: ClippedPGLossConfig | Mapping[str, Any] | None = None):
         self.cfg = cfg if isinstance(cfg, ClippedPGLossConfig) else ClippedPGLossConfig.model_validate(dict(cfg or {}))
         self.loss_type = "token" if self.cfg.token_level_loss else "sequence"
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the batch must hold "token_entropy" `[B, S]` (the policy worker adds it)."""
+        return self.cfg.top_entropy_quantile < 1.0
 
     def __call__(
         self,
@@ -141,6 +153,15 @@ class ClippedPGLoss:
                 cap = -adv * cfg.ratio_clip_c
                 dual_clipped_tokens = ((adv < 0) & (per_token > cap)).float()
                 per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+
+        # ---- only the micro-batch's high-entropy tokens in the policy-gradient term
+        if self.needs_entropy:
+            if "token_entropy" not in batch:
+                raise KeyError("ClippedPGLoss: loss_fn.top_entropy_quantile < 1 needs batch['token_entropy']")
+            kept = valid & (field(batch["token_entropy"]) >= _quantile_floor(field(batch["token_entropy"])[valid],
+                                                                             cfg.top_entropy_quantile))
+            per_token = per_token * kept
+            entropy_kept = kept.float()
 
         # ---- importance-sampling correction of the trainer/generator mismatch
         is_metrics: dict[str, float] = {}
@@ -213,6 +234,8 @@ class ClippedPGLoss:
                 "approx_entropy": float(entropy),
                 **is_metrics,
             }
+            if self.needs_entropy:
+                metrics["entropy_kept_fraction"] = tok_mean(entropy_kept)
         return loss, metrics
 
     def zero_gradient_rows(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -243,3 +266,13 @@ class ClippedPGLoss:
             raise ValueError(
                 f"ClippedPGLoss: batch['sample_mask'] must be [B]={curr.shape[0]}, got {tuple(batch['sample_mask'].shape)}"
             )
+
+
+def _quantile_floor(values: torch.Tensor, top: float) -> torch.Tensor:
+    """The smallest value among the top `top` share of `values` (1-D): ceil(top * n) of them are at or
+    above it (more with ties); +inf when `values` is empty."""
+    n = values.numel()
+    if n == 0:
+        return torch.tensor(float("inf"), device=values.device)
+    keep = max(1, math.ceil(top * n))
+    return torch.kthvalue(values.float().cpu(), n - keep + 1).values.to(values.device)

@@ -137,6 +137,32 @@ def logprobs_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tenso
     return picked - lse[rows[:, None], positions]
 
 
+@torch.no_grad()
+def entropies_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, chunk_size: int | None = None,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """`H[i, t]`, the entropy of softmax(logits[rows[i], positions[i, t]] / temperature), float32,
+    without gradient: `logprobs_at`'s distributions (`loss_fn.top_entropy_quantile` picks tokens
+    by it). H = log Z - sum_v p_v z_v, `chunk_size` positions at a time."""
+    length = logits.shape[1]
+    step = chunk_size or length
+    out = []
+    for s in range(0, length, step):
+        chunk = logits[:, s : s + step].float()
+        chunk = chunk / temperature if temperature != 1.0 else chunk
+        out.append(torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+    return torch.cat(out, dim=1)[rows[:, None], positions]
+
+
+def token_entropies(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0,
+                    offset: int = 0) -> torch.Tensor:
+    """`entropies_at` aligned as `token_logprobs` aligns logprobs: `out[b, t]` is the entropy of the
+    distribution that scores token t (from the logit at t - 1), 0 for `t <= offset`."""
+    b, kept, _ = logits.shape
+    positions = torch.arange(kept - 1, device=logits.device).expand(b, -1)
+    h = entropies_at(logits, torch.arange(b, device=logits.device), positions, chunk_size, temperature)
+    return torch.cat([torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device), h], dim=1)
+
+
 def _attention_score_cost(config) -> float:
     """One attention score's cost relative to one token through the projections, MLP and head.
 
@@ -366,11 +392,14 @@ class FSDPPolicyWorker:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
-    def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, rows: list[int] | None) -> torch.Tensor:
+    def _forward(self, model: torch.nn.Module, mb: BatchedDataDict, rows: list[int] | None,
+                 entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Token-aligned logprobs `[b, S]` (causal LM) or scores `[b]` (sequence classification);
         `rows`: pack the micro-batch into rows of that many sequences each (None: no packing).
         With a `token_mask`, the logprobs of the tokens before a row's first trained token are 0
-        (their logits are not computed where that saves work: `_untrained_logits`)."""
+        (their logits are not computed where that saves work: `_untrained_logits`). With `entropy`
+        (a causal LM), `(logprobs, entropies)`: the entropy of the distribution behind each logprob,
+        aligned and zeroed alike, without gradient (`entropies_at`)."""
         ids = mb["input_ids"].to(self.device)
         lengths = mb["input_lengths"]
         seq_len = ids.shape[1]
@@ -379,25 +408,28 @@ class FSDPPolicyWorker:
             self._model_tokens += fitted.numel()
             return model(input_ids=fitted, use_cache=False).logits[:, 0].float()
         first = _first_trained(mb["token_mask"].to(self.device), lengths) if "token_mask" in mb else None
-        lp = None
+        values = None
         if rows is not None:
             packed = pack_rows(ids, lengths, rows, self.pad_id, self.cfg.sequence_packing.sequence_length_round)
             # No attention mask + restarting position_ids = packed sequences in transformers.
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
             self._model_tokens += packed.input_ids.numel()
-            lp = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature)
-            lp = unpack_token_values(lp, packed, seq_len)
+            values = [token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature)]
+            if entropy:
+                values.append(token_entropies(logits, self.cfg.logprob_chunk_size, self._temperature))
+            values = [unpack_token_values(v, packed, seq_len) for v in values]
         elif self.cfg.prefix_sharing.enabled and first is not None:
-            lp = self._forward_shared_prefixes(model, ids, lengths, first)
-        if lp is None:
-            lp = self._forward_rows(model, ids, lengths, first)
+            values = self._forward_shared_prefixes(model, ids, lengths, first, entropy)
+        if values is None:
+            values = self._forward_rows(model, ids, lengths, first, entropy)
         if first is not None:
-            lp = lp * (torch.arange(seq_len, device=lp.device)[None] >= first.to(lp.device)[:, None])
-        return lp
+            trained_on = torch.arange(seq_len, device=values[0].device)[None] >= first.to(values[0].device)[:, None]
+            values = [v * trained_on for v in values]
+        return tuple(values) if entropy else values[0]
 
     def _forward_rows(self, model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
-                      first: torch.Tensor | None) -> torch.Tensor:
-        """Token logprobs `[b, S]` of the right-padded rows as they are."""
+                      first: torch.Tensor | None, entropy: bool) -> list[torch.Tensor]:
+        """Token logprobs `[b, S]` of the right-padded rows as they are (and their entropies)."""
         seq_len = ids.shape[1]
         fitted = self._fit(ids, lengths)
         skip = self._untrained_logits(first)
@@ -405,11 +437,15 @@ class FSDPPolicyWorker:
         # needed and attention takes the fast causal path.
         logits = model(input_ids=fitted, use_cache=False, **self._logits_kwargs(fitted.shape[1], skip)).logits
         self._model_tokens += fitted.numel()
-        lp = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size, self._temperature, skip)[:, :seq_len]
-        lp = lp * (torch.arange(lp.shape[1], device=lp.device)[None] < lengths.to(lp.device)[:, None])
-        if lp.shape[1] < seq_len:
-            lp = torch.nn.functional.pad(lp, (0, seq_len - lp.shape[1]))
-        return lp
+        values = [token_logprobs(logits, fitted, self.cfg.logprob_chunk_size, self._temperature, skip)]
+        if entropy:
+            values.append(token_entropies(logits, self.cfg.logprob_chunk_size, self._temperature, skip))
+        out = []
+        for v in values:
+            v = v[:, :seq_len]
+            v = v * (torch.arange(v.shape[1], device=v.device)[None] < lengths.to(v.device)[:, None])
+            out.append(torch.nn.functional.pad(v, (0, seq_len - v.shape[1])) if v.shape[1] < seq_len else v)
+        return out
 
     def _untrained_logits(self, first: torch.Tensor | None) -> int:
         """How many leading positions of the micro-batch give no trained token its logprob: the
@@ -430,8 +466,8 @@ class FSDPPolicyWorker:
         return {"logits_to_keep": length - skip} if skip else {}
 
     def _forward_shared_prefixes(self, model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
-                                 first: torch.Tensor) -> torch.Tensor | None:
-        """Token logprobs `[b, S]` with rows that share their prompt packed over one copy of it
+                                 first: torch.Tensor, entropy: bool) -> list[torch.Tensor] | None:
+        """Token logprobs `[b, S]` (and their entropies) with rows that share their prompt packed over one copy of it
         (`policy.prefix_sharing`); None when no rows share one or the attention backend cannot
         take a custom mask. The prompt is what precedes a row's first trained token, `first`."""
         attn = base_implementation(model)
@@ -457,12 +493,14 @@ class FSDPPolicyWorker:
                            use_cache=False, **kwargs).logits
         self._model_tokens += layout.input_ids.numel()
         # Token t of row r is scored by the logit at its packed position index[r, t-1] - skip.
-        at = layout.index[:, :-1] - skip
-        lp = logprobs_at(logits, layout.row, at.clamp(min=0), ids[:, 1:], self.cfg.logprob_chunk_size,
-                         self._temperature)
-        t = torch.arange(1, ids.shape[1], device=lp.device)
-        lp = lp * (t[None] < lengths.to(lp.device)[:, None])
-        return torch.cat([torch.zeros(ids.shape[0], 1, dtype=lp.dtype, device=lp.device), lp], dim=1)
+        at = layout.index[:, :-1].clamp(min=skip) - skip
+        values = [logprobs_at(logits, layout.row, at, ids[:, 1:], self.cfg.logprob_chunk_size, self._temperature)]
+        if entropy:
+            values.append(entropies_at(logits, layout.row, at, self.cfg.logprob_chunk_size, self._temperature))
+        t = torch.arange(1, ids.shape[1], device=ids.device)
+        in_row = t[None] < lengths.to(ids.device)[:, None]
+        return [torch.cat([torch.zeros(ids.shape[0], 1, dtype=v.dtype, device=v.device), v * in_row], dim=1)
+                for v in values]
 
     def _fit(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """`ids` cut (or padded) to the longest row, rounded up to make_sequence_length_divisible_by."""
@@ -531,7 +569,11 @@ class FSDPPolicyWorker:
         for i in range(n_mb):
             real = i < len(mbs)
             mb = batch.select_indices(mbs[i] if real else mbs[0]).to(self.device)
-            curr = self._forward(model, mb, packed[i if real else 0] if packed else None)
+            rows = packed[i if real else 0] if packed else None
+            if getattr(loss_fn, "needs_entropy", False):  # loss_fn.top_entropy_quantile: tokens picked by it
+                curr, mb["token_entropy"] = self._forward(model, mb, rows, entropy=True)
+            else:
+                curr = self._forward(model, mb, rows)
             loss, mb_metrics = loss_fn(curr, mb, norm_toks, norm_seqs)
             loss = loss * scale
             (loss if real else loss * 0.0).backward()

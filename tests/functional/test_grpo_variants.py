@@ -222,6 +222,21 @@ def test_one_optimizer_step_per_batch_skips_the_prev_logprob_pass(ray_session, t
         assert r["token_mult_prob_error"] < 1.01 and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
 
 
+def test_top_entropy_quantile_trains_the_high_entropy_share_of_each_micro_batch(ray_session, tmp_path):
+    # The policy workers add each token's entropy to the micro-batch; the loss keeps its top 25%.
+    # Every row trained (the untrained model's groups all score 0, which would leave one row a step).
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "loss_fn.top_entropy_quantile=0.25", "policy.skip_zero_gradient_samples=false",
+        "grpo.warmup_sft_steps=0", "grpo.max_num_steps=2",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+    ))
+    run(cfg)
+    for r in records(tmp_path / "logs", "train"):
+        # A quarter of each micro-batch's valid tokens (rounded up, and ties at the floor stay in).
+        assert 0.25 <= r["entropy_kept_fraction"] <= 0.3, r
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+
+
 def test_num_iterations_passes_over_the_same_rollouts_against_the_policy_that_sampled_them(ray_session, tmp_path):
     # GRPO's mu: one batch of 16 rollouts, three passes of one optimizer step each. The first pass
     # trains the sampling policy (ratio 1); the later ones a moved policy, against the logprobs

@@ -1,7 +1,8 @@
 """The policy computes logits only from the first position a trained token needs
 (`logits_to_keep`), on plain rows and on shared-prefix rows, and its logprobs of the trained
 tokens are those of the full forward (fp32, 1e-5); tokens before a row's first trained token
-are 0 on every path."""
+are 0 on every path. The entropies that come with the logprobs (loss_fn.top_entropy_quantile)
+are the full forward's too, on plain, shared-prefix and packed rows."""
 
 
 import pytest
@@ -89,3 +90,28 @@ def test_lora_model_takes_logits_to_keep(tiny_model_path):
             return input_ids
 
     assert not _takes_logits_to_keep(NoKeep())
+
+
+@pytest.mark.parametrize("path", ["plain_rows", "shared_prefix", "packed"])
+def test_entropies_come_with_the_logprobs_on_every_path(make_worker, tiny_model_path, path):
+    # loss_fn.top_entropy_quantile's input: the entropy of the distribution behind each trained
+    # token's logprob, as a full forward gives it, and 0 where the logprob is 0.
+    policy = {"plain_rows": {"prefix_sharing": {"enabled": False}}, "shared_prefix": {},
+              "packed": {"sequence_packing": {"enabled": True, "train_mb_tokens": 256, "logprob_mb_tokens": 256}}}[path]
+    worker = make_worker(**policy)
+    shared = path == "shared_prefix"
+    prompts, lengths = ([9, 9, 9, 9], [20, 14, 17, 12]) if shared else ([9, 6, 11, 7], [20, 14, 17, 12])
+    mbs, rows = worker._microbatches(batch(prompts, lengths, shared), train=False, group=1)
+    assert len(mbs) == 1 and (path == "packed") == bool(rows)
+    b = batch(prompts, lengths, shared).select_indices(mbs[0])  # packing may order the rows otherwise
+    lengths = b["input_lengths"].tolist()
+    got_lp, got_h = worker._forward(worker.model, b, rows[0] if rows else None, entropy=True)
+    torch.testing.assert_close(got_lp, worker._forward(worker.model, b, rows[0] if rows else None))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=b["input_ids"]).logits.float(), -1)
+    full = -(logp.exp() * logp).sum(-1)  # [b, S]: the distribution of position t + 1
+    full = torch.cat([torch.zeros(len(lengths), 1), full[:, :-1]], dim=1)
+    trained = b["token_mask"] > 0
+    torch.testing.assert_close(got_h[trained], full[trained], atol=1e-5, rtol=0)
+    assert (got_h[~trained & (got_lp == 0)] == 0).all() and not got_h.requires_grad

@@ -440,3 +440,33 @@ def test_missing_prev_logprobs_means_on_policy(cfg):
     assert m1 == m2
     assert m2["probs_ratio"] == pytest.approx(1.0) and m2["clip_fraction"] == 0.0
     assert g2.abs().sum() > 0
+
+
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_only():
+    # Entropies of the 5 valid tokens (row 0: positions 2, 3; row 1: 1, 2, 3); garbage elsewhere.
+    curr, batch = make_batch()
+    ent = torch.full((2, 4), 99.0)
+    for (i, t), h in zip([(0, 2), (0, 3), (1, 1), (1, 2), (1, 3)], [0.1, 0.9, 0.5, 0.7, 0.3]):
+        ent[i, t] = h
+    batch["token_entropy"] = ent
+    toks, seqs = valid_counts(batch)
+    loss_fn = ClippedPGLoss({"top_entropy_quantile": 0.4})
+    assert loss_fn.needs_entropy and not ClippedPGLoss({}).needs_entropy
+    loss, m = loss_fn(curr, batch, toks, seqs)
+    loss.backward()
+    # ceil(0.4 * 5) = 2 tokens kept, entropies 0.9 and 0.7: PPO terms -0.5 (row 0) and 0.8 (row 1,
+    # clipped there: no gradient); the other three count in the divisor with 0.
+    assert loss.item() == pytest.approx((-0.5 + 0.8) / 5, rel=1e-5)
+    assert grads_on_valid(curr.grad) == pytest.approx([0.0, -0.5 / 5, 0.0, 0.0, 0.0], abs=1e-6)
+    assert m["entropy_kept_fraction"] == pytest.approx(2 / 5)
+    # Every other metric is over all valid tokens, as without the option.
+    assert m["clip_fraction"] == pytest.approx(2 / 5) and m["probs_ratio_max"] == pytest.approx(2.0, rel=1e-5)
+    # Ties at the floor stay in: q = 0.2 keeps the one token at 0.9, and a second one at 0.9 with it.
+    ent[1, 3] = 0.9
+    _, m = ClippedPGLoss({"top_entropy_quantile": 0.2})(curr.detach(), batch, toks, seqs)
+    assert m["entropy_kept_fraction"] == pytest.approx(2 / 5)
+    del batch["token_entropy"]
+    with pytest.raises(KeyError, match="top_entropy_quantile < 1 needs batch\\['token_entropy'\\]"):
+        loss_fn(curr, batch, toks, seqs)
+    with pytest.raises(ValidationError):
+        ClippedPGLossConfig(top_entropy_quantile=0.0)

@@ -79,3 +79,18 @@ def test_disable_dropout_zeroes_layers_and_attention_rates_but_not_the_config():
         assert disable_dropout(model) == n
         assert torch.equal(model(ids).logits, model(ids).logits)  # training mode, no mask drawn
     assert gpt2.config.attn_pdrop == 0.1 and llama.config.attention_dropout == 0.2  # an export keeps them
+
+
+def test_token_entropies_alignment_temperature_and_chunking():
+    from posttrain.policy.fsdp_worker import token_entropies
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    full = token_entropies(logits, temperature=0.7)
+    assert full.shape == (2, 7) and not full.requires_grad and (full[:, 0] == 0).all()
+    # position t: the entropy of the distribution that scores token t, from the logits at t-1
+    p = torch.softmax(logits[1, 4].float() / 0.7, -1)
+    assert torch.allclose(full[1, 5], -(p * p.log()).sum(), atol=1e-5)
+    for chunk in (1, 3, 100):
+        assert torch.allclose(token_entropies(logits, chunk_size=chunk, temperature=0.7), full, atol=1e-5)
+    assert (token_entropies(logits, offset=3)[:, :4] == 0).all()
