@@ -645,10 +645,21 @@ class ClippedPGLossConfig(Section):
 
 
 class DPOLossConfig(Section):
-    # Selected by name: "sigmoid" (DPO), "ipo", "simpo" (reference-free).
-    name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    # Selected by name (posttrain.losses.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo"
+    # (reference-free), "robust" (rDPO: unbiased under label_smoothing's flips), "hinge" (SLiC-HF).
+    name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid"
     # SimPO's target reward margin gamma: loss = -log sigmoid(beta * (chosen - rejected) - gamma); "simpo" only.
     simpo_gamma: float = 0.5
+    # The share of pairs taken to be labelled the wrong way round (TRL's label_smoothing): "sigmoid"
+    # becomes conservative DPO, "robust" corrects for it; 0: none. Of those two losses only.
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+
+    @model_validator(mode="after")
+    def _smoothing_where_read(self) -> "DPOLossConfig":
+        if self.label_smoothing and self.name not in ("sigmoid", "robust"):
+            raise ValueError(f"dpo.loss.label_smoothing={self.label_smoothing} is of the sigmoid and robust losses; "
+                             f"dpo.loss.name={self.name} does not read it: unset it, or use one of those")
+        return self
 
 
 # --------------------------------------------------------------------------- data and env
@@ -1305,8 +1316,8 @@ class DPOConfig(SFTConfig):
     # IPO divides by it.
     reference_policy_kl_penalty: float = Field(0.05, gt=0)
     # Average (not sum) the sequence logprobs in the preference loss. null: the loss's own
-    # convention, sums for sigmoid (DPO), means for ipo (as TRL: IPO's squared loss on token sums
-    # of long responses reaches 1e5 and its gradients 1e6) and simpo (always means).
+    # convention, sums for sigmoid (DPO), robust and hinge, means for ipo (as TRL: IPO's squared
+    # loss on token sums of long responses reaches 1e5 and its gradients 1e6) and simpo (always means).
     preference_average_log_probs: bool | None = None
     # Average (not sum) the chosen responses' logprobs in the SFT term; null: as the preference loss.
     sft_average_log_probs: bool | None = None
@@ -1314,7 +1325,7 @@ class DPOConfig(SFTConfig):
     preference_loss_weight: float = 1.0
     # Weight of an NLL (SFT) loss on the chosen responses.
     sft_loss_weight: float = 0.0
-    # The preference loss (DPO, IPO or SimPO) and its settings.
+    # The preference loss (DPO, IPO, SimPO, rDPO or SLiC's hinge) and its settings.
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
 
 
@@ -1755,7 +1766,7 @@ class DPOMasterConfig(_MasterBase):
         return self.dpo.loss.name != "simpo"
 
     def _without_reference(self) -> str:
-        return "dpo.loss.name=simpo is reference-free; use sigmoid or ipo with it, or unset it"
+        return "dpo.loss.name=simpo is reference-free; use sigmoid, ipo, robust or hinge with it, or unset it"
 
 
 class RMMasterConfig(_MasterBase):

@@ -1,5 +1,6 @@
-"""Direct preference optimisation (`posttrain dpo`): sigmoid DPO, IPO or reference-free
-SimPO by `dpo.loss.name` (`posttrain.losses.DPOLoss`), keys as NeMo RL's `dpo` section.
+"""Direct preference optimisation (`posttrain dpo`): sigmoid DPO (conservative with
+`dpo.loss.label_smoothing`), robust rDPO, IPO, SLiC's hinge or reference-free SimPO by
+`dpo.loss.name` (`posttrain.losses.DPOLoss`), keys as NeMo RL's `dpo` section.
 
 `run(cfg)` = `setup(cfg)` + `dpo_train(setup)`. Batch sizes count pairs
 (`policy.train_global_batch_size: 16` = 16 chosen/rejected pairs per step). Reference

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from posttrain.data.batch import BatchedDataDict
 from posttrain.losses.utils import masked_mean
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "robust", "hinge")
 
 
 def sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -30,22 +30,33 @@ def preference_pair_losses(
     chosen: torch.Tensor,
     rejected: torch.Tensor,
     beta: float,
-    name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
+    name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid",
     gamma: float = 0.0,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Per-pair preference losses `[P]` from per-pair scores `[P]`.
 
-    For "sigmoid" and "ipo", `chosen`/`rejected` are log-ratios log pi(y|x) - log pi_ref(y|x);
-    for "simpo" they are the policy's length-averaged logprobs (reference-free).
-      sigmoid (DPO, https://arxiv.org/abs/2305.18290):  -log sigma(beta * (c - r))
-      ipo     (IPO, https://arxiv.org/abs/2310.12036):  (c - r - 1 / (2 beta))^2   (beta = tau)
-      simpo   (SimPO, https://arxiv.org/abs/2405.14734): -log sigma(beta * (c - r) - gamma)
+    For all but "simpo", `chosen`/`rejected` are log-ratios log pi(y|x) - log pi_ref(y|x); for
+    "simpo" they are the policy's length-averaged logprobs (reference-free). With h = c - r and
+    eps = `label_smoothing` (the share of pairs whose preference is taken to be flipped):
+      sigmoid (DPO, https://arxiv.org/abs/2305.18290; with eps > 0 conservative DPO, Mitchell 2023):
+                -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)
+      robust  (rDPO, https://arxiv.org/abs/2403.00409): the unbiased estimate under flips with
+                probability eps, (-(1 - eps) log sigma(beta h) + eps log sigma(-beta h)) / (1 - 2 eps)
+      ipo     (IPO, https://arxiv.org/abs/2310.12036):  (h - 1 / (2 beta))^2   (beta = tau)
+      hinge   (SLiC-HF, https://arxiv.org/abs/2305.10425): max(0, 1 - beta h)
+      simpo   (SimPO, https://arxiv.org/abs/2405.14734): -log sigma(beta h - gamma)
     """
     h = chosen - rejected
+    eps = label_smoothing
     if name == "sigmoid":
-        return -F.logsigmoid(beta * h)
+        return -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    if name == "robust":
+        return (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
     if name == "ipo":
         return (h - 1.0 / (2.0 * beta)) ** 2
+    if name == "hinge":
+        return torch.relu(1 - beta * h)
     if name == "simpo":
         return -F.logsigmoid(beta * h - gamma)
     raise ValueError(f"unknown preference loss {name!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
@@ -73,7 +84,7 @@ class DPOLoss:
     `[b]`. beta is `dpo.reference_policy_kl_penalty`. Sequence logprobs are token sums, or
     means when `average_log_probs` (`dpo.preference_average_log_probs`; None: means for IPO,
     as TRL computes it, whose squared loss on sums of hundreds of tokens explodes, sums for
-    DPO); SimPO always uses means (its length normalisation is the point of the method). The
+    the others); SimPO always uses means (its length normalisation is the point of the method). The
     SFT term averages over tokens when `sft_average_log_probs` (None: as the preference loss).
 
     Metrics (per pair, summing over micro-batches to the global mean): loss,
@@ -88,21 +99,25 @@ class DPOLoss:
     def __init__(
         self,
         beta: float = 0.05,
-        name: Literal["sigmoid", "ipo", "simpo"] = "sigmoid",
+        name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid",
         average_log_probs: bool | None = None,
         sft_average_log_probs: bool | None = None,
         preference_loss_weight: float = 1.0,
         sft_loss_weight: float = 0.0,
         simpo_gamma: float = 0.5,
+        label_smoothing: float = 0.0,
     ):
         if name not in PREFERENCE_LOSSES:
             raise ValueError(f"unknown dpo.loss.name {name!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
         if name == "ipo" and beta <= 0:
             raise ValueError("IPO needs dpo.reference_policy_kl_penalty > 0 (its target margin is 1 / (2 beta))")
+        if label_smoothing and name not in ("sigmoid", "robust"):
+            raise ValueError(f"dpo.loss.label_smoothing is of the sigmoid and robust losses, not {name!r}")
         self.beta = beta
         self.name = name
+        self.label_smoothing = label_smoothing
         if average_log_probs is None:
-            average_log_probs = name != "sigmoid"
+            average_log_probs = name == "ipo"
         self.average_log_probs = average_log_probs or name == "simpo"
         self.sft_average_log_probs = self.average_log_probs if sft_average_log_probs is None else sft_average_log_probs
         self.preference_loss_weight = preference_loss_weight
@@ -120,6 +135,7 @@ class DPOLoss:
             preference_loss_weight=dpo_cfg.preference_loss_weight,
             sft_loss_weight=dpo_cfg.sft_loss_weight,
             simpo_gamma=dpo_cfg.loss.simpo_gamma,
+            label_smoothing=dpo_cfg.loss.label_smoothing,
         )
 
     @property
@@ -144,7 +160,8 @@ class DPOLoss:
         else:
             scores = policy_seq
         chosen, rejected = scores[0::2], scores[1::2]  # [P]
-        per_pair = preference_pair_losses(chosen, rejected, self.beta, self.name, self.simpo_gamma)  # [P]
+        per_pair = preference_pair_losses(chosen, rejected, self.beta, self.name, self.simpo_gamma,
+                                          self.label_smoothing)  # [P]
         pref = masked_mean(per_pair, pair_mask, global_normalization_factor=n_pairs)
         sft_seq = sequence_logprobs(curr[0::2], mask[0::2], self.sft_average_log_probs)  # [P]
         sft = masked_mean(-sft_seq, pair_mask, global_normalization_factor=n_pairs)

@@ -834,7 +834,7 @@ def test_a_reference_model_nothing_uses_is_refused():
     with pytest.raises(ConfigError) as e:
         load_config("dpo", None, ["policy.reference_model_name=ref", "dpo.loss.name=simpo"])
     assert ("policy.reference_model_name='ref' is set, but nothing in this `posttrain dpo` run uses a reference "
-            "model: dpo.loss.name=simpo is reference-free; use sigmoid or ipo with it, or unset it  "
+            "model: dpo.loss.name=simpo is reference-free; use sigmoid, ipo, robust or hinge with it, or unset it  "
             "[policy.reference_model_name set at command line (policy.reference_model_name=ref); dpo.loss.name set "
             "at command line (dpo.loss.name=simpo)]") in str(e.value)
     assert load_config("dpo", None, ["policy.reference_model_name=ref"]).needs_reference()

@@ -7,6 +7,7 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.losses import LOSSES, BradleyTerryLoss, DPOLoss, NLLLoss, build_loss, valid_counts
+from posttrain.losses.preference import preference_pair_losses
 from posttrain.schemas import DPOConfig
 
 
@@ -205,3 +206,29 @@ def test_kto_hand_computed_and_summed_over_micro_batches():
     assert (built.beta, built.desirable_weight, built.undesirable_weight) == (0.2, 1.0, 2.0)
     with pytest.raises(ValueError, match="KTO needs beta > 0"):
         KTOLoss(0.0)
+
+
+def test_robust_hinge_and_label_smoothing_hand_computed():
+    # One pair of log-ratios, chosen 1.5 and rejected -0.5: h = 2, and beta h = 1 at beta 0.5.
+    c, r = torch.tensor([1.5]), torch.tensor([-0.5])
+    eps = 0.1
+    smoothed = -(1 - eps) * logsig(1.0) - eps * logsig(-1.0)
+    assert preference_pair_losses(c, r, 0.5, "sigmoid", label_smoothing=eps).item() == pytest.approx(smoothed)
+    assert preference_pair_losses(c, r, 0.5, "sigmoid").item() == pytest.approx(-logsig(1.0))
+    robust = (-(1 - eps) * logsig(1.0) + eps * logsig(-1.0)) / (1 - 2 * eps)
+    assert preference_pair_losses(c, r, 0.5, "robust", label_smoothing=eps).item() == pytest.approx(robust)
+    assert preference_pair_losses(c, r, 0.5, "robust").item() == pytest.approx(-logsig(1.0))  # eps 0: DPO
+    assert preference_pair_losses(c, r, 0.25, "hinge").item() == pytest.approx(0.5)  # max(0, 1 - 0.5)
+    assert preference_pair_losses(c, r, 0.5, "hinge").item() == 0.0  # margin reached: no loss, no gradient
+    # Through the config: sums of logprobs for robust and hinge (as TRL), as for sigmoid.
+    for name in ("robust", "hinge"):
+        fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": name, "label_smoothing": 0.0}}))
+        assert fn.name == name and not fn.average_log_probs
+    assert build_loss("dpo", DPOConfig.model_validate({"loss": {"label_smoothing": 0.2}})).label_smoothing == 0.2
+    from posttrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"dpo.loss.label_smoothing=0.1 is of the sigmoid and robust losses; "
+                                          r"dpo.loss.name=hinge does not read it"):
+        load_config("dpo", None, ["dpo.loss.name=hinge", "dpo.loss.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match=r"dpo.loss.label_smoothing: got 0.5, expected less than 0.5"):
+        load_config("dpo", None, ["dpo.loss.name=robust", "dpo.loss.label_smoothing=0.5"])
