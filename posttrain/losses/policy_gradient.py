@@ -158,8 +158,8 @@ class ClippedPGLoss:
         if self.needs_entropy:
             if "token_entropy" not in batch:
                 raise KeyError("ClippedPGLoss: loss_fn.top_entropy_quantile < 1 needs batch['token_entropy']")
-            kept = valid & (field(batch["token_entropy"]) >= _quantile_floor(field(batch["token_entropy"])[valid],
-                                                                             cfg.top_entropy_quantile))
+            token_entropy = field(batch["token_entropy"])
+            kept = valid & (token_entropy >= _quantile_floor(token_entropy[valid], cfg.top_entropy_quantile))
             per_token = per_token * kept
             entropy_kept = kept.float()
 
@@ -275,4 +275,4 @@ def _quantile_floor(values: torch.Tensor, top: float) -> torch.Tensor:
     if n == 0:
         return torch.tensor(float("inf"), device=values.device)
     keep = max(1, math.ceil(top * n))
-    return torch.kthvalue(values.float().cpu(), n - keep + 1).values.to(values.device)
+    return torch.kthvalue(values, n - keep + 1).values

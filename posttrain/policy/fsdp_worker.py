@@ -25,7 +25,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,11 +109,35 @@ def token_logprobs(
     logits are those of positions `[offset, L)` only (`logits_to_keep`), and `out[b, t] = 0`
     for `t <= offset`.
     """
+    return _token_aligned(logits, offset, lambda rows, positions: logprobs_at(
+        logits, rows, positions, input_ids[:, offset + 1 :], chunk_size, temperature))
+
+
+def token_entropies(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0,
+                    offset: int = 0) -> torch.Tensor:
+    """`entropies_at` aligned as `token_logprobs` aligns logprobs: `out[b, t]` is the entropy of the
+    distribution that scores token t (from the logit at t - 1), 0 for `t <= offset`."""
+    return _token_aligned(logits, offset, lambda rows, positions: entropies_at(
+        logits, rows, positions, chunk_size, temperature))
+
+
+def _token_aligned(logits: torch.Tensor, offset: int, values_at: Callable) -> torch.Tensor:
+    """`values_at(rows, positions)` of every row's logits `[b, L', V]`, placed so that position t
+    holds the value of the logit at t - 1 - offset (the one that scores token t), 0 up to `offset`."""
     b, kept, _ = logits.shape
     rows = torch.arange(b, device=logits.device)
     positions = torch.arange(kept - 1, device=logits.device).expand(b, -1)
-    lp = logprobs_at(logits, rows, positions, input_ids[:, offset + 1 :], chunk_size, temperature)
-    return torch.cat([torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device), lp], dim=1)
+    values = values_at(rows, positions)
+    return torch.cat([torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device), values], dim=1)
+
+
+def _scaled_chunks(logits: torch.Tensor, chunk_size: int | None, temperature: float) -> Iterator[torch.Tensor]:
+    """`logits [R, L, V]` `chunk_size` positions at a time, in float32 and divided by the temperature:
+    the distributions `logprobs_at` and `entropies_at` are of, at most that many positions x vocab at once."""
+    step = chunk_size or logits.shape[1]
+    for s in range(0, logits.shape[1], step):
+        chunk = logits[:, s : s + step].float()
+        yield chunk / temperature if temperature != 1.0 else chunk
 
 
 def logprobs_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
@@ -121,16 +145,11 @@ def logprobs_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tenso
     """`out[i, t] = log softmax(logits[rows[i], positions[i, t]] / temperature)[targets[i, t]]`, float32.
 
     logits `[R, L, V]`, rows `[b]`, positions and targets `[b, T]` -> `[b, T]`. The normaliser
-    is computed `chunk_size` positions at a time (float32 copies of at most that many
-    positions x vocab); the picked logits are gathered directly.
+    is computed `chunk_size` positions at a time (`_scaled_chunks`); the picked logits are
+    gathered directly.
     """
-    length = logits.shape[1]
-    step = chunk_size or length
-    lse = []
-    for s in range(0, length, step):
-        chunk = logits[:, s : s + step].float()
-        lse.append(torch.logsumexp(chunk / temperature if temperature != 1.0 else chunk, dim=-1))
-    lse = torch.cat(lse, dim=1)
+    lse = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in _scaled_chunks(logits, chunk_size, temperature)],
+                    dim=1)
     picked = logits[rows[:, None], positions, targets].float()
     if temperature != 1.0:
         picked = picked / temperature
@@ -142,25 +161,10 @@ def entropies_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tens
                  temperature: float = 1.0) -> torch.Tensor:
     """`H[i, t]`, the entropy of softmax(logits[rows[i], positions[i, t]] / temperature), float32,
     without gradient: `logprobs_at`'s distributions (`loss_fn.top_entropy_quantile` picks tokens
-    by it). H = log Z - sum_v p_v z_v, `chunk_size` positions at a time."""
-    length = logits.shape[1]
-    step = chunk_size or length
-    out = []
-    for s in range(0, length, step):
-        chunk = logits[:, s : s + step].float()
-        chunk = chunk / temperature if temperature != 1.0 else chunk
-        out.append(torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
-    return torch.cat(out, dim=1)[rows[:, None], positions]
-
-
-def token_entropies(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0,
-                    offset: int = 0) -> torch.Tensor:
-    """`entropies_at` aligned as `token_logprobs` aligns logprobs: `out[b, t]` is the entropy of the
-    distribution that scores token t (from the logit at t - 1), 0 for `t <= offset`."""
-    b, kept, _ = logits.shape
-    positions = torch.arange(kept - 1, device=logits.device).expand(b, -1)
-    h = entropies_at(logits, torch.arange(b, device=logits.device), positions, chunk_size, temperature)
-    return torch.cat([torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device), h], dim=1)
+    by it). H = log Z - sum_v p_v z_v, chunk by chunk (`_scaled_chunks`)."""
+    h = [torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+         for chunk in _scaled_chunks(logits, chunk_size, temperature)]
+    return torch.cat(h, dim=1)[rows[:, None], positions]
 
 
 def _attention_score_cost(config) -> float:
