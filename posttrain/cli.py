@@ -29,7 +29,7 @@ EXIT_INPUT_ERROR = 2
 _ALGO_HELP = {
     "grpo": "GRPO-family RL (GRPO, DAPO, GSPO, Dr.GRPO; single and multi-turn)",
     "sft": "supervised fine-tuning",
-    "dpo": "direct preference optimisation (DPO, cDPO, rDPO, IPO, SLiC, SimPO)",
+    "dpo": "direct preference optimisation (DPO, cDPO, rDPO, IPO, SLiC, SimPO, ORPO)",
     "rm": "reward-model training (Bradley-Terry)",
     "kto": "Kahneman-Tversky optimisation on responses labelled desirable or not",
     "eval": "evaluation (pass@k, cons@k)",

@@ -644,10 +644,18 @@ class ClippedPGLossConfig(Section):
         return self
 
 
+PreferenceLossName = Literal["sigmoid", "ipo", "simpo", "orpo", "robust", "hinge"]
+PREFERENCE_LOSSES: tuple[str, ...] = PreferenceLossName.__args__
+# The losses that read the policy alone (no reference model is loaded for them).
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
 class DPOLossConfig(Section):
-    # Selected by name (posttrain.losses.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo"
-    # (reference-free), "robust" (rDPO: unbiased under label_smoothing's flips), "hinge" (SLiC-HF).
-    name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid"
+    # Selected by name (posttrain.losses.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo" and
+    # "orpo" (reference-free), "robust" (rDPO: unbiased under label_smoothing's flips), "hinge" (SLiC-HF).
+    # orpo: beta (dpo.reference_policy_kl_penalty) is ORPO's lambda (TRL's default 0.1), and
+    # dpo.sft_loss_weight defaults to 1 (its NLL term).
+    name: PreferenceLossName = "sigmoid"
     # SimPO's target reward margin gamma: loss = -log sigmoid(beta * (chosen - rejected) - gamma); "simpo" only.
     simpo_gamma: float = 0.5
     # The share of pairs taken to be labelled the wrong way round (TRL's label_smoothing): "sigmoid"
@@ -1317,16 +1325,24 @@ class DPOConfig(SFTConfig):
     reference_policy_kl_penalty: float = Field(0.05, gt=0)
     # Average (not sum) the sequence logprobs in the preference loss. null: the loss's own
     # convention, sums for sigmoid (DPO), robust and hinge, means for ipo (as TRL: IPO's squared
-    # loss on token sums of long responses reaches 1e5 and its gradients 1e6) and simpo (always means).
+    # loss on token sums of long responses reaches 1e5 and its gradients 1e6), simpo and orpo
+    # (always means: false is refused with them).
     preference_average_log_probs: bool | None = None
     # Average (not sum) the chosen responses' logprobs in the SFT term; null: as the preference loss.
     sft_average_log_probs: bool | None = None
     # Weight of the preference loss.
     preference_loss_weight: float = 1.0
-    # Weight of an NLL (SFT) loss on the chosen responses.
-    sft_loss_weight: float = 0.0
-    # The preference loss (DPO, IPO, SimPO, rDPO or SLiC's hinge) and its settings.
+    # Weight of an NLL (SFT) loss on the chosen responses; null: 1 for orpo (half of its loss), else 0.
+    sft_loss_weight: float | None = None
+    # The preference loss (DPO, IPO, SimPO, ORPO, rDPO or SLiC's hinge) and its settings.
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
+
+    @model_validator(mode="after")
+    def _means_where_required(self) -> "DPOConfig":
+        if self.preference_average_log_probs is False and self.loss.name in REFERENCE_FREE_LOSSES:
+            raise ValueError(f"dpo.preference_average_log_probs=false: dpo.loss.name={self.loss.name} always "
+                             "averages the sequence logprobs; unset it")
+        return self
 
 
 class RMConfig(SFTConfig):
@@ -1761,12 +1777,14 @@ class DPOMasterConfig(_MasterBase):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
 
     def needs_reference(self) -> bool:
-        """Whether the preference loss compares with a reference (SimPO is reference-free); as
-        posttrain.losses.PreferenceLoss.needs_reference."""
-        return self.dpo.loss.name != "simpo"
+        """Whether the preference loss compares with a reference (SimPO and ORPO do not); as
+        posttrain.losses.DPOLoss.needs_reference."""
+        return self.dpo.loss.name not in REFERENCE_FREE_LOSSES
 
     def _without_reference(self) -> str:
-        return "dpo.loss.name=simpo is reference-free; use sigmoid, ipo, robust or hinge with it, or unset it"
+        *others, last = (n for n in PREFERENCE_LOSSES if n not in REFERENCE_FREE_LOSSES)
+        return (f"dpo.loss.name={self.dpo.loss.name} is reference-free; use {', '.join(others)} or {last} with it, "
+                "or unset it")
 
 
 class RMMasterConfig(_MasterBase):

@@ -1,5 +1,5 @@
-"""Preference losses: pairwise DPO (sigmoid), IPO, SimPO and Bradley-Terry reward models, and
-unpaired KTO.
+"""Preference losses: pairwise DPO (sigmoid) and its variants (IPO, SimPO, ORPO, rDPO, SLiC),
+Bradley-Terry reward models, and unpaired KTO.
 
 Pair batches interleave rows: row 2i is the chosen response of pair i, row 2i+1 the
 rejected one (`needs_pairs = True` tells the policy to keep both in one micro-batch and
@@ -10,15 +10,12 @@ global mean.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.losses.utils import masked_mean
-
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "robust", "hinge")
+from posttrain.schemas import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, PreferenceLossName
 
 
 def sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -30,15 +27,16 @@ def preference_pair_losses(
     chosen: torch.Tensor,
     rejected: torch.Tensor,
     beta: float,
-    name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid",
+    name: PreferenceLossName = "sigmoid",
     gamma: float = 0.0,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Per-pair preference losses `[P]` from per-pair scores `[P]`.
 
-    For all but "simpo", `chosen`/`rejected` are log-ratios log pi(y|x) - log pi_ref(y|x); for
-    "simpo" they are the policy's length-averaged logprobs (reference-free). With h = c - r and
-    eps = `label_smoothing` (the share of pairs whose preference is taken to be flipped):
+    For all but the reference-free "simpo" and "orpo", `chosen`/`rejected` are log-ratios
+    log pi(y|x) - log pi_ref(y|x); for those two they are the policy's length-averaged logprobs.
+    With h = c - r and eps = `label_smoothing` (the share of pairs whose preference is taken to be
+    flipped):
       sigmoid (DPO, https://arxiv.org/abs/2305.18290; with eps > 0 conservative DPO, Mitchell 2023):
                 -(1 - eps) log sigma(beta h) - eps log sigma(-beta h)
       robust  (rDPO, https://arxiv.org/abs/2403.00409): the unbiased estimate under flips with
@@ -46,6 +44,10 @@ def preference_pair_losses(
       ipo     (IPO, https://arxiv.org/abs/2310.12036):  (h - 1 / (2 beta))^2   (beta = tau)
       hinge   (SLiC-HF, https://arxiv.org/abs/2305.10425): max(0, 1 - beta h)
       simpo   (SimPO, https://arxiv.org/abs/2405.14734): -log sigma(beta h - gamma)
+      orpo    (ORPO, https://arxiv.org/abs/2403.07691): -beta log sigma(log odds(c) - log odds(r)),
+                odds(l) = p / (1 - p) at p = exp(l), the mean token probability's geometric mean;
+                beta is the paper's lambda (beta outside the sigmoid, as there). DPOLoss adds
+                ORPO's other half, the NLL of the chosen responses.
     """
     h = chosen - rejected
     eps = label_smoothing
@@ -59,7 +61,15 @@ def preference_pair_losses(
         return torch.relu(1 - beta * h)
     if name == "simpo":
         return -F.logsigmoid(beta * h - gamma)
+    if name == "orpo":
+        return -beta * F.logsigmoid(_log_odds(chosen) - _log_odds(rejected))
     raise ValueError(f"unknown preference loss {name!r}; valid: {', '.join(PREFERENCE_LOSSES)}")
+
+
+def _log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) at p = exp(mean_logprob) <= 1, stable near p = 1 (expm1, not 1 - exp) and
+    finite at p = 1 exactly (the clamp: a sequence the model is certain of)."""
+    return mean_logprob - torch.log(-torch.expm1(mean_logprob.clamp(max=-1e-6)))
 
 
 def _pair_mask(sample_mask: torch.Tensor) -> torch.Tensor:
@@ -80,17 +90,20 @@ class DPOLoss:
              + sft_loss_weight * mean_pairs(-log pi(y_chosen | x))
 
     Inputs: curr `[b, S]` token-aligned policy logprobs; mb["reference_logprobs"] `[b, S]`
-    (not read by "simpo"), mb["token_mask"] `[b, S]` (response tokens), mb["sample_mask"]
-    `[b]`. beta is `dpo.reference_policy_kl_penalty`. Sequence logprobs are token sums, or
-    means when `average_log_probs` (`dpo.preference_average_log_probs`; None: means for IPO,
-    as TRL computes it, whose squared loss on sums of hundreds of tokens explodes, sums for
-    the others); SimPO always uses means (its length normalisation is the point of the method). The
-    SFT term averages over tokens when `sft_average_log_probs` (None: as the preference loss).
+    (not read by the reference-free "simpo" and "orpo"), mb["token_mask"] `[b, S]` (response
+    tokens), mb["sample_mask"] `[b]`. beta is `dpo.reference_policy_kl_penalty`. Sequence
+    logprobs are token sums, or means when `average_log_probs` (`dpo.preference_average_log_probs`;
+    None: means for IPO, as TRL computes it, whose squared loss on sums of hundreds of tokens
+    explodes, sums for the others); SimPO and ORPO always use means (SimPO's length normalisation
+    is the point of the method; ORPO's odds need a probability per token). The SFT term averages
+    over tokens when `sft_average_log_probs` (None: as the preference loss), weighs
+    `sft_loss_weight` (None: 1 for ORPO, whose loss is the NLL plus lambda times the odds-ratio
+    term, 0 for the others).
 
     Metrics (per pair, summing over micro-batches to the global mean): loss,
     preference_loss, sft_loss, accuracy (chosen reward > rejected reward), rewards_chosen_mean,
     rewards_rejected_mean, reward_margin; rewards are beta * log-ratio (beta * mean logprob
-    for SimPO).
+    for SimPO and ORPO, as TRL reports them).
     """
 
     loss_type = "sequence"
@@ -99,11 +112,11 @@ class DPOLoss:
     def __init__(
         self,
         beta: float = 0.05,
-        name: Literal["sigmoid", "ipo", "simpo", "robust", "hinge"] = "sigmoid",
+        name: PreferenceLossName = "sigmoid",
         average_log_probs: bool | None = None,
         sft_average_log_probs: bool | None = None,
         preference_loss_weight: float = 1.0,
-        sft_loss_weight: float = 0.0,
+        sft_loss_weight: float | None = None,
         simpo_gamma: float = 0.5,
         label_smoothing: float = 0.0,
     ):
@@ -118,10 +131,11 @@ class DPOLoss:
         self.label_smoothing = label_smoothing
         if average_log_probs is None:
             average_log_probs = name == "ipo"
-        self.average_log_probs = average_log_probs or name == "simpo"
+        self.average_log_probs = average_log_probs or name in REFERENCE_FREE_LOSSES
         self.sft_average_log_probs = self.average_log_probs if sft_average_log_probs is None else sft_average_log_probs
         self.preference_loss_weight = preference_loss_weight
-        self.sft_loss_weight = sft_loss_weight
+        # None: ORPO's NLL term at weight 1 (half of its loss), no SFT term for the others.
+        self.sft_loss_weight = (1.0 if name == "orpo" else 0.0) if sft_loss_weight is None else sft_loss_weight
         self.simpo_gamma = simpo_gamma
 
     @classmethod
@@ -140,7 +154,7 @@ class DPOLoss:
 
     @property
     def needs_reference(self) -> bool:
-        return self.name != "simpo"
+        return self.name not in REFERENCE_FREE_LOSSES
 
     def __call__(
         self,

@@ -3,7 +3,7 @@
 
 - preference accuracy on held-out pairs (never trained on) rises well above chance;
 - the step-0 loss equals an independent torch computation of the same formula on the same
-  model and batch (sigmoid DPO + SFT term, length-averaged logprobs).
+  model and batch (sigmoid DPO + SFT term, length-averaged logprobs; ORPO without a reference).
 """
 
 import copy
@@ -77,6 +77,29 @@ def test_step0_loss_matches_independent_computation(ray_session, stories260k, sh
     expected = w_pref * (-F.logsigmoid(beta * h)).mean() + w_sft * (-policy[0::2]).mean()
     assert result["train/loss"] == pytest.approx(expected.item(), abs=1e-4)
     assert result["train/sft_loss"] == pytest.approx((-policy[0::2]).mean().item(), abs=1e-4)
+
+
+def test_orpo_step0_loss_matches_independent_computation(ray_session, stories260k, shared_data, tmp_path):
+    # ORPO: the chosen responses' NLL plus lambda (beta) times -log sigmoid of the log odds ratio, no
+    # reference model loaded.
+    lam = 0.1
+    cfg = _cfg(tmp_path, stories260k, shared_data, "dpo.max_num_steps=1", "dpo.val_at_start=false",
+               "dpo.val_period=0", "dpo.val_at_end=false", "dpo.loss.name=orpo", f"dpo.reference_policy_kl_penalty={lam}")
+    s = dpo.setup(cfg)
+    try:
+        assert not s.loss_fn.needs_reference
+        batch = collate_pairs(next(copy.deepcopy(s.loader)), s.tokenizer.pad_token_id)
+        assert "reference_logprobs" not in batch
+        result = dpo.dpo_train(s)
+    finally:
+        s.run.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(stories260k, dtype=torch.float32).eval()
+    mean_lp = _seq_logprobs(model, batch)
+    log_odds = mean_lp - torch.log1p(-torch.exp(mean_lp))
+    odds_term = (-lam * F.logsigmoid(log_odds[0::2] - log_odds[1::2])).mean()
+    nll = (-mean_lp[0::2]).mean()
+    assert result["train/preference_loss"] == pytest.approx(odds_term.item(), abs=1e-5)
+    assert result["train/loss"] == pytest.approx((odds_term + nll).item(), abs=1e-4)
 
 
 @pytest.mark.parametrize("budgets, message", [

@@ -839,6 +839,13 @@ def test_a_reference_model_nothing_uses_is_refused():
             "at command line (dpo.loss.name=simpo)]") in str(e.value)
     assert load_config("dpo", None, ["policy.reference_model_name=ref"]).needs_reference()
     assert not load_config("dpo", None, ["dpo.loss.name=simpo"]).needs_reference()
+    assert not load_config("dpo", None, ["dpo.loss.name=orpo"]).needs_reference()
+    with pytest.raises(ConfigError, match="dpo.loss.name=orpo is reference-free; use sigmoid, ipo, robust or hinge"):
+        load_config("dpo", None, ["policy.reference_model_name=ref", "dpo.loss.name=orpo"])
+    # ORPO's odds and SimPO's length normalisation need means: false was ignored.
+    with pytest.raises(ConfigError, match="dpo.preference_average_log_probs=false: dpo.loss.name=orpo always "
+                                          "averages the sequence logprobs; unset it"):
+        load_config("dpo", None, ["dpo.loss.name=orpo", "dpo.preference_average_log_probs=false"])
     for command in ("sft", "rm", "eval"):
         with pytest.raises(ConfigError, match=f"nothing in this `posttrain {command}` run uses a reference model: "
                                               f"`posttrain {command}` has none; unset it"):

@@ -1,4 +1,4 @@
-"""NLL, DPO (sigmoid/IPO/SimPO) and Bradley-Terry losses against hand-computed values."""
+"""NLL, DPO (sigmoid/IPO/SimPO/ORPO) and Bradley-Terry losses against hand-computed values."""
 
 import math
 
@@ -98,6 +98,37 @@ def test_ipo_and_simpo_hand_computed():
     assert m["accuracy"] == 0.5
 
 
+def log_odds(mean_logprob):
+    p = math.exp(mean_logprob)
+    return math.log(p / (1 - p))
+
+
+def test_orpo_hand_computed():
+    curr, mb = _pair_batch(POLICY, REF, MASK)
+    mb_no_ref = BatchedDataDict({k: v for k, v in mb.items() if k != "reference_logprobs"})
+    # Reference-free, means: c0=-1, r0=-2, c1=-1, r1=-0.5; lambda = beta = 0.1 outside the sigmoid.
+    beta = 0.1
+    fn = DPOLoss(beta=beta, name="orpo")
+    assert not fn.needs_reference and fn.average_log_probs and fn.sft_loss_weight == 1.0
+    loss, m = fn(curr, mb_no_ref, *valid_counts(mb))
+    pref = (-beta * logsig(log_odds(-1) - log_odds(-2)) - beta * logsig(log_odds(-1) - log_odds(-0.5))) / 2
+    nll = (1 + 1) / 2  # the chosen responses' mean token NLL, over the pairs
+    assert m["preference_loss"] == pytest.approx(pref, abs=1e-6) and m["sft_loss"] == pytest.approx(nll, abs=1e-6)
+    assert loss.item() == pytest.approx(pref + nll, abs=1e-6)
+    assert m["accuracy"] == 0.5 and m["rewards_chosen_mean"] == pytest.approx(beta * -1)
+    loss.backward()
+    # d/d(chosen token 1 of pair 0): NLL -1/(2 pairs * 2 tokens) plus the odds term's
+    # -beta * sigmoid(-(lo_c - lo_r)) * dlo/dl / (2 pairs * 2 tokens), dlo/dl = 1 / (1 - p).
+    d = log_odds(-1) - log_odds(-2)
+    g = -1 / 4 - beta / (1 + math.exp(d)) / (1 - math.exp(-1)) / 4
+    assert curr.grad[0, 1].item() == pytest.approx(g, abs=1e-6)
+    # A response the model is certain of (p = 1) keeps the loss finite.
+    certain, mb1 = _pair_batch([[0.0, 0.0], [0.0, -1.0]], [[0.0, 0.0], [0.0, 0.0]], [[0, 1], [0, 1]])
+    loss, _ = DPOLoss(beta=beta, name="orpo")(certain, mb1, *valid_counts(mb1))
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(certain.grad).all()
+
+
 def test_dpo_micro_batches_sum_and_sample_mask():
     curr, mb = _pair_batch(POLICY, REF, MASK, sample_mask=[1.0, 1.0, 0.0, 0.0])
     toks, seqs = valid_counts(mb)
@@ -135,9 +166,12 @@ def test_bad_inputs_and_registry():
     dpo = build_loss("dpo", DPOConfig(reference_policy_kl_penalty=0.2, preference_average_log_probs=True))
     assert (dpo.beta, dpo.average_log_probs, dpo.sft_average_log_probs, dpo.name) == (0.2, True, True, "sigmoid")
     # Unset: each loss's convention (sums for DPO, means for IPO and SimPO); the SFT term follows.
-    for name, average in (("sigmoid", False), ("ipo", True), ("simpo", True)):
+    for name, average in (("sigmoid", False), ("ipo", True), ("simpo", True), ("orpo", True)):
         fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": name}}))
         assert (fn.average_log_probs, fn.sft_average_log_probs) == (average, average), name
+        # Unset, the SFT term is ORPO's NLL half (weight 1) and off for the others.
+        assert fn.sft_loss_weight == (1.0 if name == "orpo" else 0.0), name
+    assert build_loss("dpo", DPOConfig.model_validate({"loss": {"name": "orpo"}, "sft_loss_weight": 0})).sft_loss_weight == 0
     fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": "ipo"}, "preference_average_log_probs": False}))
     assert not fn.average_log_probs
     assert {"nll", "dpo", "bradley_terry"} <= set(LOSSES)
