@@ -194,7 +194,7 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         # score it in `math` (the environment of rows without a task_name).
         out = _from_messages({**out, "task_name": task_name}, loc)
     if _LABELLED.get():
-        return {**out, "label": row["label"]} if "label" in row and "task_name" not in out else out
+        return _labelled(out, row.get("label"), loc)
     if row.get("label") is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
             f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "
@@ -202,6 +202,23 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
             "remove such rows, or set data.on_malformed_row=skip (counted) to train SFT on the others"
         )
     return out
+
+
+def _labelled(out: dict[str, Any], label: Any, loc: str) -> dict[str, Any]:
+    """A KTO conversation row with its boolean `label`; a row without one, or whose last message is
+    not the response, is malformed here (skipped and counted under data.on_malformed_row=skip).
+    Preference pairs (KTO unpairs them) and RL rows (refused for the whole dataset by
+    `process_kto_rows`) pass as they are."""
+    if "task_name" in out or is_preference(out):
+        return out
+    if not isinstance(label, bool):
+        raise DataFormatError(
+            f"{loc}: KTO trains on responses labelled desirable (`label: true`) or not (`label: false`); "
+            + ("this row has no `label`" if label is None else f"got label {label!r}")
+            + " (or on preference pairs, `chosen`/`rejected`); fix it, or set data.on_malformed_row=skip (counted)")
+    if not out["messages"] or out["messages"][-1].get("role") != "assistant":
+        raise DataFormatError(f"{loc}: KTO's response is the row's last message, which must be the assistant's")
+    return {**out, "label": label}
 
 
 def demonstration_messages(row: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -581,8 +581,9 @@ def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> BatchedD
 def process_kto_rows(
     rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
 ) -> tuple[list[Example], dict[str, int]]:
-    """Tokenize KTO rows into examples labelled desirable or not (`label`: 1 / 0, a one-item list
-    so that `_fit` cuts it as the rest). A conversation row `{"messages", "label"}` is the prompt
+    """Tokenize KTO rows (read under `formats.labelled_rows`) into examples labelled desirable or not
+    (`label`: 1 / 0, a one-item list so that `_fit` cuts it as the rest). A conversation row
+    `{"messages", "label"}` is the prompt
     (every message before the last) and the response (the last, an assistant message), loss on
     the response only; a preference pair gives two examples, its chosen side desirable and its
     rejected side not (TRL's KTOTrainer unpairs such data the same way). Counts as
@@ -593,16 +594,8 @@ def process_kto_rows(
         name = row_name(row, f"row {n}")
         if "prompt_messages" in row:  # a preference pair
             prompt, sides = row["prompt_messages"], [(row["chosen"], True), (row["rejected"], False)]
-        elif "messages" in row and "task_name" not in row:
-            messages, label = row["messages"], row.get("label")
-            if not isinstance(label, bool):
-                raise InputError(
-                    f"{name}: KTO trains on responses labelled desirable (`label: true`) or not (`label: false`); "
-                    + ("this row has no `label`" if label is None else f"got label {label!r}")
-                    + " (or on preference pairs, `chosen`/`rejected`)")
-            if not messages or messages[-1].get("role") != "assistant":
-                raise InputError(f"{name}: KTO's response is the row's last message, which must be the assistant's")
-            prompt, sides = messages[:-1], [([messages[-1]], label)]
+        elif "messages" in row and "task_name" not in row:  # labelled and checked when read (`labelled_rows`)
+            prompt, sides = row["messages"][:-1], [([row["messages"][-1]], row["label"])]
         else:
             raise InputError(f"{name}: data.dataset_name={cfg.dataset_name!r} gives rows with keys {sorted(row)}; KTO "
                              "trains on labelled conversations (`messages` + `label`, TRL's `prompt`/`completion`/"

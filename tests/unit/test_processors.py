@@ -680,22 +680,32 @@ def test_kto_rows_keep_their_label_and_train_the_last_message(tok, shared_data, 
     assert collate_kto(examples, tok.pad_token_id, max_len=5)["kl_input_lengths"].max() <= 5
 
 
-def test_kto_rows_without_a_label_are_named(tok, tmp_path):
+def test_kto_rows_without_a_label_are_named_or_skipped(tok, tmp_path):
     from posttrain.data.formats import labelled_rows
     from posttrain.data.processors import process_kto_rows
 
     path = tmp_path / "kto.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "label": True}) + "\n"
                     + json.dumps({"prompt": "1+2=", "completion": "3"}) + "\n"
-                    + json.dumps({"prompt": "1+3=", "completion": "4", "label": "yes"}) + "\n")
+                    + json.dumps({"prompt": "1+3=", "completion": "4", "label": "yes"}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "completion": "5", "label": False}) + "\n")
     cfg = DataConfig(dataset_name=str(path), val_data_path=str(path))
+    with labelled_rows(), pytest.raises(InputError, match=r"kto.jsonl row 2: KTO trains on responses labelled "
+                                                          r"desirable \(`label: true`\) or not \(`label: false`\); "
+                                                          r"this row has no `label`.*data.on_malformed_row=skip"):
+        load_rows(cfg, "train")
+    # Skipped and counted like any malformed row.
+    skip = cfg.model_copy(update={"on_malformed_row": "skip"})
     with labelled_rows():
-        rows = load_rows(cfg, "train")
-    with pytest.raises(InputError, match=r"kto.jsonl row 2: KTO trains on responses labelled desirable "
-                                         r"\(`label: true`\) or not \(`label: false`\); this row has no `label`"):
-        process_kto_rows(rows, tok, cfg, max_len=64)
-    with pytest.raises(InputError, match=r"kto.jsonl row 3: .*got label 'yes'"):
-        process_kto_rows(rows[2:], tok, cfg, max_len=64)
+        rows = load_rows(skip, "train")
+    assert [(r["messages"][-1]["content"], r["label"]) for r in rows] == [("2", True), ("5", False)]
+    examples, stats = process_kto_rows(rows, tok, skip, max_len=64)
+    assert [ex["label"] for ex in examples] == [[1], [0]] and stats["rows"] == 2
+    # A conversation whose last message is not the response.
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                                             {"role": "user", "content": "sure?"}], "label": True}) + "\n")
+    with labelled_rows(), pytest.raises(InputError, match="kto.jsonl row 1: KTO's response is the row's last message"):
+        load_rows(cfg, "train")
     # Read for anything else, a false label is still refused (SFT would imitate the answer).
     path.write_text(json.dumps({"prompt": "1+2=", "completion": "4", "label": False}) + "\n")
     with pytest.raises(InputError, match="`label` is false"):
