@@ -303,6 +303,9 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     # Sample among the k most likely tokens; null = all.
     top_k: int | None = Field(None, ge=1)
+    # Min-p sampling (arXiv 2407.01082): drop the tokens less likely than min_p times the most likely
+    # one, after the temperature and before top-k/top-p (vLLM's order); 0 = off.
+    min_p: float = Field(0.0, ge=0, le=1)
     # Token ids that end a row (besides EOS).
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Strings that end a row (non-empty); they stay in the output.
@@ -328,6 +331,8 @@ class GenerationConfig(Section):
             return "policy.generation.temperature=0 (greedy)"
         if self.top_k == 1:
             return "policy.generation.top_k=1 (the most likely token only)"
+        if self.min_p == 1:
+            return "policy.generation.min_p=1 (the most likely token only)"
         return None
 
     @model_validator(mode="after")
@@ -1708,7 +1713,7 @@ class GRPOMasterConfig(_MasterBase):
             f"{deterministic} makes the grpo.num_generations_per_prompt={g.num_generations_per_prompt} samples of "
             f"each prompt one response repeated, with one reward: grpo.adv_estimator={g.adv_estimator} compares them "
             "with each other, so every advantage would be 0 and nothing learned; sample (a temperature > 0, "
-            "top_k null or above 1), or for greedy rollouts set grpo.num_generations_per_prompt=1 with "
+            "top_k null or above 1, min_p below 1), or for greedy rollouts set grpo.num_generations_per_prompt=1 with "
             "grpo.adv_estimator=reinforce_pp"
         )
 

@@ -102,7 +102,10 @@ class HFGeneration:
         for j, p in enumerate(prompts):
             input_ids[j, width - len(p) :] = p
             mask[j, width - len(p) :] = 1
-        sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0}
+        # transformers applies min_p after top-p (vLLM and the torch engine before it): the same
+        # distribution unless both are set.
+        sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0,
+                                        "min_p": s.min_p or None}
         # generate() takes every setting it is not given from the model's generation config, and a
         # checkpoint's generation_config.json may add logits processors (repetition_penalty,
         # min_new_tokens, no_repeat_ngram_size, ...) to the documented distribution: it runs under

@@ -1,14 +1,17 @@
 """Token sampling and stop detection shared by the generation backends.
 
-Sampling distribution (what `logprobs` report, as vLLM does):
-    l = logits / T;  keep the top-k of l;  keep the smallest prefix of the sorted
-    distribution whose mass reaches top_p (nucleus sampling, Holtzman et al. 2019,
+Sampling distribution (what `logprobs` report, as vLLM does, in vLLM's order):
+    l = logits / T;  keep the tokens with l >= max(l) + log(min_p), i.e. at least min_p times
+    as likely as the most likely one (min-p sampling, Nguyen et al. 2024,
+    https://arxiv.org/abs/2407.01082);  keep the top-k of l;  keep the smallest prefix of the
+    sorted distribution whose mass reaches top_p (nucleus sampling, Holtzman et al. 2019,
     https://arxiv.org/abs/1904.09751);  p = softmax(l over the kept tokens).
 Greedy picks argmax(logits) and reports its logprob under softmax(logits) (temperature 1).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,11 +25,12 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int | None = None
     greedy: bool = False
+    min_p: float = 0.0
 
     @classmethod
     def from_config(cls, cfg, greedy: bool) -> "SamplingSettings":
         """From a `GenerationConfig`; temperature 0 means greedy."""
-        return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0)
+        return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0, cfg.min_p)
 
 
 def version_seed(seed: int, version: int) -> int:
@@ -68,6 +72,10 @@ def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor
         return torch.log_softmax(logits, dim=-1)
     if s.temperature != 1.0:
         logits = logits / s.temperature
+    if s.min_p > 0:
+        # p_i >= min_p * p_max, compared in logits (the softmax's normaliser cancels).
+        floor = logits.max(dim=-1, keepdim=True).values + math.log(s.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

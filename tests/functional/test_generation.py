@@ -281,6 +281,27 @@ def test_logprobs_are_of_the_sampling_distribution(model_tok):
     torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_min_p_samples_and_reports_the_min_p_distribution(model_tok, backend):
+    """temperature 0.7 + min_p 0.2: only tokens at least 0.2 times as likely as the most likely one are
+    sampled, and their logprobs are renormalised over those (hf: transformers' own min-p)."""
+    model, tok = model_tok
+    batch = make_batch(tok)
+    out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, min_p=0.2, seed=3).generate(batch)
+    ids = out["output_ids"]
+    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / 0.7
+    probs = torch.softmax(logits, dim=-1)
+    kept = probs >= 0.2 * probs.max(dim=-1, keepdim=True).values
+    lp = torch.log_softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
+    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    m = generated_mask(batch, out)
+    assert bool(torch.isfinite(expected[m]).all()), "a token below min_p was sampled"
+    assert float(kept.sum(-1).float().mean()) < probs.shape[-1] / 2  # min_p cut most of the vocabulary
+    torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
+
+
 def test_refit_in_process(tiny_model_path):
     """After update_weights the engine uses the new weights (no rebuild): logprobs change and agree again."""
     model, tok = perturbed_tiny(tiny_model_path)

@@ -918,6 +918,9 @@ def test_grpo_refuses_deterministic_decoding_of_the_samples_it_compares():
     with pytest.raises(ConfigError, match=r"top_k=1 \(the most likely token only\) makes .* "
                                           "grpo.adv_estimator=reinforce_pp compares them"):
         load_config("grpo", None, ["policy.generation.top_k=1", "grpo.adv_estimator=reinforce_pp"])
+    with pytest.raises(ConfigError, match=r"min_p=1 \(the most likely token only\) makes .* min_p below 1"):
+        load_config("grpo", None, ["policy.generation.min_p=1"])
+    load_config("grpo", None, ["policy.generation.min_p=0.1"])
     # A group of one keeps its reward under REINFORCE++, and distillation learns from the teacher.
     load_config("grpo", None, ["policy.generation.temperature=0", "grpo.num_generations_per_prompt=1",
                                "grpo.adv_estimator=reinforce_pp", "policy.train_global_batch_size=16"])

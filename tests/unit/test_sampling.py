@@ -1,4 +1,4 @@
-"""Sampling: the distribution is right (chi-square against the model), top-k/top-p never emit an
+"""Sampling: the distribution is right (chi-square against the model), top-k/top-p/min-p never emit an
 excluded token, the kept sets are the documented ones, and stop detection is exact."""
 
 from __future__ import annotations
@@ -69,11 +69,12 @@ def test_chi_square_detects_the_wrong_distribution(sharp_model):
     assert _chi2_pvalue(counts, probs) < 1e-6
 
 
-@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (None, 0.5), (10, 0.8)])
-def test_top_k_top_p_never_emit_excluded_tokens(top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,min_p", [(3, 1.0, 0.0), (None, 0.5, 0.0), (10, 0.8, 0.0), (None, 1.0, 0.2),
+                                               (10, 0.8, 0.05)])
+def test_top_k_top_p_min_p_never_emit_excluded_tokens(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=g) * 2
-    s = SamplingSettings(temperature=0.9, top_p=top_p, top_k=top_k)
+    s = SamplingSettings(temperature=0.9, top_p=top_p, top_k=top_k, min_p=min_p)
     lp = sampling_logprobs(logits, s)
     allowed = torch.isfinite(lp)
     for _ in range(50):
@@ -81,6 +82,14 @@ def test_top_k_top_p_never_emit_excluded_tokens(top_k, top_p):
         assert bool(allowed.gather(1, tokens[:, None]).all())
         torch.testing.assert_close(tok_lp, lp.gather(1, tokens[:, None]).squeeze(1))
     scaled = logits / 0.9
+    if min_p:
+        # Min-p first (vLLM's order): the tokens at least min_p times as likely as the most likely one.
+        probs = torch.softmax(scaled, dim=-1)
+        kept_by_min_p = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+        assert bool((allowed <= kept_by_min_p).all())
+        if top_k is None and top_p == 1.0:
+            assert torch.equal(allowed, kept_by_min_p) and 1 < allowed.sum(dim=-1).float().mean() < 50
+        scaled = scaled.masked_fill(~kept_by_min_p, float("-inf"))
     order = scaled.argsort(dim=-1, descending=True)
     if top_k is not None:
         # Exactly the k largest are kept when top-p does not cut further.
