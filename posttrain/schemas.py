@@ -377,6 +377,20 @@ class RewardModelCfg(Section):
     reward_model_type: Literal["bradley_terry"] = "bradley_terry"
 
 
+class ReferenceSyncConfig(Section):
+    """TR-DPO's reference update (Gorbatovski et al. 2024, arXiv 2404.09656; TRL's `sync_ref_model`):
+    every `sync_steps` steps the reference becomes mixup_alpha * policy + (1 - mixup_alpha) * reference,
+    weight by weight (1: a copy of the policy). Saved in checkpoints, so a resumed run keeps it."""
+
+    # Update the reference (DPO, KTO, GRPO's KL reference; not a distillation teacher, not with LoRA).
+    enabled: bool = False
+    # The policy's share of the new reference (TRL's ref_model_mixup_alpha).
+    mixup_alpha: float = Field(0.6, gt=0, le=1)
+    # Steps between updates (TRL's ref_model_sync_steps): the loop's steps, one batch each (a GRPO
+    # step's several optimizer steps count once).
+    sync_steps: int = Field(512, ge=1)
+
+
 class PolicyConfig(Section):
     model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
     # The tokenizer (null name: the model's own) and an optional chat template.
@@ -387,6 +401,8 @@ class PolicyConfig(Section):
     # Refused where nothing uses it (it would not be loaded): GRPO without a KL penalty or
     # distillation, SimPO, SFT, RM and eval.
     reference_model_name: str | None = None
+    # Move the reference toward the policy as training goes (TR-DPO); off: it stays frozen.
+    reference_sync: ReferenceSyncConfig = Field(default_factory=ReferenceSyncConfig)
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
     train_global_batch_size: int = Field(32, ge=1)
     # Rows (pairs for DPO/RM) per forward/backward pass on one worker (gradient accumulation up to
@@ -1501,6 +1517,24 @@ class _MasterBase(Section):
                 f"policy.reference_model_name={self.policy.reference_model_name!r} is set, but nothing in this "
                 f"`posttrain {self._command()}` run uses a reference model: {self._without_reference()}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _reference_sync_applies(self) -> "_MasterBase":
+        if not self.policy.reference_sync.enabled:
+            return self
+        if not self.needs_reference():
+            raise ValueError(f"policy.reference_sync.enabled=true, but this `posttrain {self._command()}` run loads "
+                             "no reference model to update (GRPO loads one with a KL penalty > 0; SimPO and ORPO are "
+                             "reference-free); turn the sync off")
+        if self.policy.lora.enabled:
+            # The reference of a LoRA policy is its base model with the adapters off: the adapters'
+            # weights have nothing to be mixed into.
+            raise ValueError("policy.reference_sync.enabled=true with policy.lora.enabled=true: the reference is "
+                             "the base model under the adapters, which do not train it; turn one of them off")
+        if getattr(getattr(self, "grpo", None), "adv_estimator", None) == "on_policy_distillation":
+            raise ValueError("policy.reference_sync.enabled=true with grpo.adv_estimator=on_policy_distillation: "
+                             "the reference is the teacher, which the student must not overwrite; turn the sync off")
         return self
 
     @model_validator(mode="after")

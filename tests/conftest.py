@@ -87,6 +87,20 @@ def free_port() -> int:
     return find("127.0.0.1")
 
 
+@pytest.fixture
+def single_rank_worker_env(monkeypatch, free_port):
+    """The environment a policy worker reads when it runs in this process as rank 0 of 1 (no Ray);
+    its process group is destroyed afterwards."""
+    import torch.distributed as dist
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port)}.items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def save_68b_config():
     """`save(folder, vocab_size=128256)`: a config-only model folder of a ~68B-parameter Llama, too

@@ -662,6 +662,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async runs log
                 rollout_metrics.update(_refit_generation(s, step + 1))
         step += 1
+        policy.sync_reference_if_due(step)  # policy.reference_sync (the KL reference)
         # The data position before the next step's prompts (async: before the oldest queued ones).
         last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()

@@ -354,6 +354,9 @@ def offline_train(
         with timer.time("training"):
             train_metrics = policy.train(batch, s.loss_fn)
         step += 1
+        if policy.sync_reference_if_due(step):
+            for b in s.val_batches:
+                b.pop("reference_logprobs", None)  # of the reference before the sync
         # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
         # grace period, which a long validation before the save would spend)
         measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.checkpoint import TRAINER_STATE_FILE
+from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -272,6 +273,8 @@ class FSDPPolicyWorker:
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
+        if self.reference is not None and cfg.reference_sync.enabled:
+            self._synced_pairs()  # a reference of another architecture fails here, not at the first sync
         freeze_setup_objects()
         positions = {"policy.model_name": getattr(hf_config, "max_position_embeddings", None)}
         if ref_config is not None and cfg.reference_model_name is not None:
@@ -753,15 +756,44 @@ class FSDPPolicyWorker:
                 save_hf(sd, self.hf_config, self.tokenizer, path, self.model_kind, self.generation_config)
         dist.barrier()
 
+    def _synced_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(reference, policy) local tensors of every policy parameter, by name (sharded alike)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.reference is None:
+            raise RuntimeError("sync_reference: this Policy was built with init_reference=False")
+        reference = dict(self.reference.named_parameters())
+        pairs = []
+        for name, p in self.model.named_parameters():
+            r = reference.get(name)
+            if r is None or r.shape != p.shape:
+                raise InputError(
+                    f"policy.reference_sync: the reference model has no parameter {name} of shape {tuple(p.shape)} "
+                    f"(policy.reference_model_name={self.cfg.reference_model_name!r} is another architecture); "
+                    "name a reference of the policy's architecture, or turn the sync off")
+            pairs.append(tuple(t.to_local() if isinstance(t, DTensor) else t for t in (r, p)))
+        return pairs
+
+    @torch.no_grad()
+    def sync_reference(self, alpha: float) -> None:
+        """TR-DPO's update (policy.reference_sync): reference <- alpha * policy + (1 - alpha) * reference,
+        each parameter on this rank's shard, in the reference's dtype."""
+        for r, p in self._synced_pairs():
+            r.lerp_(p.to(r.dtype), alpha)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str) -> None:
-        """Sharded model + optimizer with torch.distributed.checkpoint; scheduler and HF config on rank 0."""
+        """Sharded model + optimizer with torch.distributed.checkpoint (and the reference model once
+        policy.reference_sync moves it); scheduler and HF config on rank 0."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        self._dcp(dcp.save, {"model": model_sd, "optim": optim_sd}, path)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.reference is not None and self.cfg.reference_sync.enabled:
+            state["reference"] = get_model_state_dict(self.reference)
+        self._dcp(dcp.save, state, path)
         if self.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "weights_version": self.weights_version},
                        Path(path) / TRAINER_STATE_FILE)
@@ -784,15 +816,24 @@ class FSDPPolicyWorker:
 
     def load_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                             set_model_state_dict, set_state_dict)
 
         if not (Path(path) / ".metadata").is_file():
             raise FileNotFoundError(f"no torch.distributed.checkpoint at {path} (missing .metadata)")
         run_groups = run_hyperparameters(self.optimizer)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        # A reference the run has moved (policy.reference_sync) comes back as it was saved; one
+        # that was never saved is the frozen one this worker loaded.
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        with_reference = self.reference is not None and any(k.startswith("reference.") for k in saved)
+        if with_reference:
+            state["reference"] = get_model_state_dict(self.reference)
         self._dcp(dcp.load, state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if with_reference:
+            set_model_state_dict(self.reference, state["reference"])
         extra = torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=False)
         self.scheduler = resumed_scheduler(self.optimizer, run_groups, self.cfg.scheduler,
                                            extra["scheduler"]["last_epoch"])

@@ -137,6 +137,16 @@ class Policy:
         self._check_batch(batch, "get_reference_logprobs")
         return self._sharded("get_logprobs", batch, True)
 
+    def sync_reference_if_due(self, step: int) -> bool:
+        """After loop step `step` (1-based): every policy.reference_sync.sync_steps steps, move the
+        reference toward the policy, mixup_alpha * policy + (1 - mixup_alpha) * reference (TR-DPO).
+        Whether it moved: reference logprobs computed before are stale then."""
+        sync = self.cfg.reference_sync
+        if not sync.enabled or step % sync.sync_steps:
+            return False
+        self.workers.get(self.workers.run_all("sync_reference", sync.mixup_alpha))
+        return True
+
     def get_scores(self, batch: BatchedDataDict) -> BatchedDataDict:
         """`scores [B]` of a reward model (model_kind="sequence_classification")."""
         if self.model_kind != "sequence_classification":

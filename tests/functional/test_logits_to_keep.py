@@ -7,7 +7,6 @@ are the full forward's too, on plain, shared-prefix and packed rows."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from policy_oracle import reference_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -17,11 +16,7 @@ from posttrain.schemas import PolicyConfig
 
 
 @pytest.fixture
-def make_worker(tiny_model_path, monkeypatch, free_port):
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port)}.items():
-        monkeypatch.setenv(k, v)
-
+def make_worker(tiny_model_path, single_rank_worker_env):
     def make(**policy) -> FSDPPolicyWorker:
         cfg = PolicyConfig(model_name=tiny_model_path, precision="float32", max_total_sequence_length=32,
                            logprob_batch_size=8, **policy)
@@ -29,9 +24,7 @@ def make_worker(tiny_model_path, monkeypatch, free_port):
         worker.setup()
         return worker
 
-    yield make
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return make
 
 
 def batch(prompts: list[int], lengths: list[int], shared: bool) -> BatchedDataDict:

@@ -828,6 +828,25 @@ def test_on_policy_distillation_settings():
         load_config("grpo", None, ["policy.reference_model_name=t"])
 
 
+def test_reference_sync_needs_a_reference_it_may_move():
+    # TR-DPO's update of a reference the run does not load, of LoRA's base model, or of a
+    # distillation teacher: refused before anything starts.
+    on = "policy.reference_sync.enabled=true"
+    for command, extra in (("sft", []), ("grpo", []), ("dpo", ["dpo.loss.name=simpo"])):
+        with pytest.raises(ConfigError, match=f"policy.reference_sync.enabled=true, but this `posttrain {command}` "
+                                              "run loads no reference model to update"):
+            load_config(command, None, [on, *extra])
+    with pytest.raises(ConfigError, match="with policy.lora.enabled=true: the reference is the base model"):
+        load_config("dpo", None, [on, "policy.lora.enabled=true"])
+    with pytest.raises(ConfigError, match="on_policy_distillation: the reference is the teacher"):
+        load_config("grpo", None, [on, "grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t"])
+    for command, extra in (("dpo", []), ("kto", []), ("grpo", ["loss_fn.reference_policy_kl_penalty=0.01"])):
+        sync = load_config(command, None, [on, *extra]).policy.reference_sync
+        assert (sync.enabled, sync.mixup_alpha, sync.sync_steps) == (True, 0.6, 512)  # TRL's defaults
+    with pytest.raises(ConfigError, match="policy.reference_sync.mixup_alpha: got 0"):
+        load_config("dpo", None, [on, "policy.reference_sync.mixup_alpha=0"])
+
+
 def test_a_reference_model_nothing_uses_is_refused():
     # SimPO and the commands without a reference never loaded it, nor checked its path: the run
     # went on as if it were not there.
