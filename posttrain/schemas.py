@@ -694,6 +694,41 @@ class DPOLossConfig(Section):
 # --------------------------------------------------------------------------- data and env
 
 
+DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math", "code"]
+
+
+class DataMixtureEntry(Section):
+    """One dataset of `data.mixture`: its name, its weight, and the keys of `data` it reads
+    differently (unset: data's)."""
+
+    # A dataset as data.dataset_name names one (registered, a file or folder, a hub set).
+    dataset_name: str = Field(min_length=1)
+    # Times each of its training rows appears per epoch of the mixture: 2 repeats every row, 0.5 takes
+    # a seeded half of them. Its share of the mixture is weight x rows over the sum of those. Validation
+    # rows are not weighted.
+    weight: float = Field(1.0, gt=0)
+    # data.train_data_path of this dataset.
+    train_data_path: str | None = None
+    # data.val_data_path of this dataset.
+    val_data_path: str | None = None
+    # data.format of this dataset.
+    format: DataFormat | None = None
+    # data.column_map of this dataset.
+    column_map: dict[str, str] | None = None
+    # data.dataset_kwargs of this dataset.
+    dataset_kwargs: dict[str, Any] | None = None
+    # data.task_name of this dataset: the environment that scores its rows (GRPO, eval).
+    task_name: str | None = Field(None, min_length=1)
+    # data.max_train_samples of this dataset (before its weight).
+    max_train_samples: int | None = Field(None, ge=1)
+    # data.max_val_samples of this dataset.
+    max_val_samples: int | None = Field(None, ge=1)
+    # data.prompt_file of this dataset.
+    prompt_file: str | None = None
+    # data.system_prompt_file of this dataset.
+    system_prompt_file: str | None = None
+
+
 class DataConfig(Section):
     # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
     # name ("gsm8k", "math500", "squad", ...), a local .jsonl/.json/.parquet path, a folder of
@@ -706,8 +741,7 @@ class DataConfig(Section):
     # val_split_fraction of the training rows.
     val_data_path: str | None = None
     # Format of local files: auto-detected when null.
-    format: Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math",
-                    "code"] | None = None
+    format: DataFormat | None = None
     # Rename the data's columns before the format is told, {its name: posttrain's}, e.g.
     # {"query": "question", "solution": "answer"} (a TRL-style GRPO set) or {"output": "completion"}.
     column_map: dict[str, str] = Field(default_factory=dict)
@@ -780,6 +814,29 @@ class DataConfig(Section):
     # Keyword arguments of `datasets.load_dataset` for a hub dataset or a folder (e.g. {"name":
     # "full"}, the set's configuration), or sliding_puzzle's settings; other datasets read none.
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # Several datasets trained together, each with a weight (e.g. [{dataset_name: gsm8k, weight: 2},
+    # {dataset_name: math500, task_name: math}]); replaces data.dataset_name. Each dataset reads the
+    # other keys of data unless its entry sets them (data.max_train_samples caps each one). null:
+    # data.dataset_name alone.
+    mixture: list[DataMixtureEntry] | None = Field(None, min_length=1)
+
+    def dataset_names(self) -> list[str]:
+        """The datasets the rows come from: data.mixture's, else data.dataset_name."""
+        return [e.dataset_name for e in self.mixture] if self.mixture is not None else [self.dataset_name]
+
+    def source(self) -> str:
+        """The key that names the data, with its value, for messages."""
+        if self.mixture is None:
+            return f"data.dataset_name={self.dataset_name!r}"
+        return f"data.mixture ({', '.join(map(repr, self.dataset_names()))})"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        if self.mixture is not None and "dataset_name" in self.model_fields_set:
+            raise ValueError(f"data.dataset_name={self.dataset_name!r} and data.mixture both name the data; name "
+                             "each dataset in data.mixture (its dataset_name) and drop data.dataset_name (on the command "
+                             "line: ~data.dataset_name)")
+        return self
 
     @field_validator("column_map")
     @classmethod
@@ -942,7 +999,7 @@ def check_rollout_turns(env: "EnvConfig", data: "DataConfig", turns: int, key: s
         if worker.tools and turns < worker.max_tool_calls + 1:
             raise ValueError(f"env.{name}.max_tool_calls={worker.max_tool_calls} needs {key} >= "
                              f"{worker.max_tool_calls + 1} (a turn per call, one for the answer), got {turns}")
-    if data.dataset_name == "sliding_puzzle":
+    if "sliding_puzzle" in data.dataset_names():
         max_moves = SlidingPuzzleEnvConfig.model_validate(env.get_worker_cfg("sliding_puzzle").cfg).max_moves
         if turns < max_moves:
             raise ValueError(f"env.sliding_puzzle.cfg.max_moves={max_moves} needs {key} >= {max_moves} (a turn per "

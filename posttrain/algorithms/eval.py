@@ -117,7 +117,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
     if overlong:
         i = overlong[0]
         raise InputError(
-            f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.dataset_name!r} leave no room to answer "
+            f"eval: {len(overlong)} of {len(rows)} prompts of {cfg.data.source()} leave no room to answer "
             f"within policy.max_total_sequence_length={limit} (first: {row_name(rows[i], f'row {i + 1}')}, "
             f"{lengths[i]} tokens); raise it or set policy.generation.overlong_prompt=truncate"
         )
@@ -251,7 +251,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "generated_tokens": generated_tokens,
         "elapsed_s": elapsed,
         "tokens_per_s": generated_tokens / max(elapsed, 1e-9),
-        "dataset": cfg.data.dataset_name,
+        "dataset": "+".join(cfg.data.dataset_names()),
         "model": cfg.policy.model_name,
         "config": cfg.model_dump(mode="json"),
     }

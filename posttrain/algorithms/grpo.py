@@ -44,7 +44,7 @@ from posttrain.data.processors import collate, load_policy_tokenizer, naming_row
 from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
-from posttrain.evals import mean_pass_at_k
+from posttrain.evals import accuracy, mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -255,7 +255,8 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
 
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     """Accuracy (share of the judged held-out samples their environment judged correct) and the
-    mean reward; pass@k with several samples (over the prompts with k judged samples)."""
+    mean reward, and both per environment when the rows have several (task_accuracy/<task>,
+    task_reward/<task>); pass@k with several samples (over the prompts with k judged samples)."""
     g = s.cfg.grpo
     n = g.num_val_generations_per_prompt
     rows = [r for r in s.val_rows for _ in range(n)]
@@ -278,6 +279,13 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     metrics = {"reward": float(torch.cat(rewards).double().mean()),
                **{k: v for k, v in summarize_rollouts(convs).items()
                   if k.startswith(("reward/", "env/")) or k in ("accuracy", "tool_calls_mean")}}
+    tasks = sorted({c.task_name for c in convs})
+    if len(tasks) > 1:  # several environments (data.mixture): each one's own numbers beside the mean
+        for task in tasks:
+            mine = [c for c in convs if c.task_name == task]
+            metrics[f"task_reward/{task}"] = sum(c.reward for c in mine) / len(mine)
+            if (share := accuracy([c.correct for c in mine])) is not None:
+                metrics[f"task_accuracy/{task}"] = share
     if n > 1:
         per_prompt = [[c.correct for c in convs[p : p + n]] for p in range(0, len(convs), n)]
         for k in sorted({1, n}):

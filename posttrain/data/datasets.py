@@ -466,6 +466,8 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     split = "val" if split == "validation" else split
+    if cfg.mixture is not None:
+        return _mixture_rows(cfg, split)
     name = cfg.dataset_name
     local_file = name not in REGISTRY and (resolve_path(name).suffix.lower() in _FILE_SUFFIXES
                                            or resolve_path(name).is_file())
@@ -500,6 +502,33 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if cfg.task_name is not None:  # RL/eval rows (the ones with a task_name) go to this environment
         rows = [with_fields(r, task_name=cfg.task_name) if "task_name" in r else r for r in rows]
     return apply_prompts(rows, cfg)
+
+
+def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    """`data.mixture`: each dataset's rows as `load_rows` reads them under its own keys; training rows
+    weighted (each row `int(weight)` times, plus a seeded share `weight % 1` of them once more),
+    validation rows as they are. Errors name the entry."""
+    out: list[dict[str, Any]] = []
+    counts = []
+    for i, entry in enumerate(cfg.mixture):
+        keys = {k: v for k, v in entry.model_dump(exclude={"weight"}).items() if v is not None}
+        sub = cfg.model_copy(update={"mixture": None, **keys})
+        try:
+            rows = load_rows(sub, split)
+        except InputError as e:
+            raise type(e)(f"data.mixture[{i}] ({entry.dataset_name}): {e}") from e
+        if split == "train":
+            whole, part = divmod(entry.weight, 1.0)
+            extra = random.Random(f"{cfg.seed}:{i}").sample(range(len(rows)), round(part * len(rows)))
+            weighted = rows * int(whole) + [rows[j] for j in sorted(extra)]
+            if not weighted:
+                raise InputError(f"data.mixture[{i}] ({entry.dataset_name}): weight {entry.weight} of its "
+                                 f"{len(rows)} training rows leaves none; raise it")
+            rows = weighted
+        counts.append((entry.dataset_name, len(rows)))
+        out.extend(rows)
+    log.info("data.mixture, %s rows: %s", split, ", ".join(f"{n} {c} ({c / len(out):.0%})" for n, c in counts))
+    return out
 
 
 def _prompt_text(path: str, key: str) -> str:

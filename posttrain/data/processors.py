@@ -524,7 +524,7 @@ def process_preference_rows(
     out = []
     for n, row in enumerate(rows, start=1):
         if "prompt_messages" not in row:
-            raise InputError(f"data.dataset_name={cfg.dataset_name!r} gives rows with keys {sorted(row)}; DPO/RM "
+            raise InputError(f"{cfg.source()} gives rows with keys {sorted(row)}; DPO/RM "
                              "train on preference pairs (`chosen`/`rejected`, with their context): name such a "
                              "file or hub set (e.g. examples/configs/dpo.yaml's)")
         prompt = row["prompt_messages"]
@@ -597,7 +597,7 @@ def process_kto_rows(
         elif "messages" in row and "task_name" not in row:  # labelled and checked when read (`labelled_rows`)
             prompt, sides = row["messages"][:-1], [([row["messages"][-1]], row["label"])]
         else:
-            raise InputError(f"{name}: data.dataset_name={cfg.dataset_name!r} gives rows with keys {sorted(row)}; KTO "
+            raise InputError(f"{name}: {cfg.source()} gives rows with keys {sorted(row)}; KTO "
                              "trains on labelled conversations (`messages` + `label`, TRL's `prompt`/`completion`/"
                              "`label`) or preference pairs: name such a file or hub set (e.g. "
                              "examples/configs/kto.yaml's)")

@@ -206,7 +206,7 @@ def test_eval_rejects_overlong_prompts_at_setup(stories260k, tmp_path):
         "policy.max_total_sequence_length=64", "eval.max_samples=5", f"eval.save_path={tmp_path}",
         "cluster.gpus_per_node=0",
     ])
-    with pytest.raises(ValueError, match=r"prompts of 'gsm8k' .* row 1, \d+ tokens.*overlong_prompt=truncate"):
+    with pytest.raises(ValueError, match=r"prompts of data.dataset_name='gsm8k' .* row 1, \d+ tokens.*overlong_prompt=truncate"):
         setup(cfg)
 
 

@@ -294,6 +294,25 @@ def test_reward_function_from_a_file_scores_every_row(ray_session, tmp_path):
     assert train["env_errors"] == 0 and 0 < train["reward"] <= train["response_length_max"] / 100
 
 
+def test_a_mixture_of_datasets_trains_on_both_and_validates_each(ray_session, tmp_path):
+    # data.mixture: the arithmetic rows twice over, once scored by the user's function, once (half
+    # of them, weight 0.5) by the arithmetic environment; validation reports each environment apart.
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def by_length(response, metadata):\n    return len(response) / 100\n")
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "grpo.max_num_steps=1", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_end=false",
+        "~data.dataset_name", f"env.by_length.target={rewards}:by_length", "data.num_train=64",
+        "data.mixture=[{dataset_name: arithmetic, task_name: by_length, max_val_samples: 4}, "
+        "{dataset_name: arithmetic, task_name: arithmetic, weight: 0.5, max_val_samples: 4}]",
+    ))
+    run(cfg)
+    (val,) = records(tmp_path / "logs", "val")
+    assert val["task_reward/by_length"] >= 0 and 0 <= val["task_accuracy/arithmetic"] <= 1
+    assert val["reward"] == pytest.approx((val["task_reward/by_length"] + val["task_reward/arithmetic"]) / 2)
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(0 <= s["reward"] <= 1 for s in samples)
+
+
 def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_complete_step(ray_session, tmp_path):
     from posttrain.environments import EnvironmentFailure
 
