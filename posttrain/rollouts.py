@@ -427,7 +427,8 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
     as reward/<name> (over the samples a list of reward functions scored, less those a TRL
     function returned None for), each environment metric's
     mean as env/<name> (over the samples that have it as a number) and, when the model had tools, the turns
-    with tool calls per conversation (tool_calls_mean)."""
+    with tool calls per conversation (tool_calls_mean), and per environment when there are several
+    (`_per_task`)."""
     n = len(convs)
     lengths = [c.response_tokens for c in convs]
     components: dict[str, list[float]] = defaultdict(list)
@@ -457,7 +458,23 @@ def summarize_rollouts(convs: Sequence[Conversation]) -> dict[str, float]:
         **{f"reward/{name}": sum(v) / len(v) for name, v in components.items()},
         **{f"env/{name}": sum(v) / len(v) for name, v in env_metrics.items()},
         **({"tool_calls_mean": sum(tool_calls) / n} if any(c.tools for c in convs) else {}),
+        **_per_task(convs),
     }
+
+
+def _per_task(convs: Sequence[Conversation]) -> dict[str, float]:
+    """With conversations of several environments (data.mixture), each one's mean reward and accuracy
+    (task_reward/<task>, task_accuracy/<task>: the latter over its judged ones, left out without any)."""
+    tasks = sorted({c.task_name for c in convs})
+    if len(tasks) < 2:
+        return {}
+    out = {}
+    for task in tasks:
+        mine = [c for c in convs if c.task_name == task]
+        out[f"task_reward/{task}"] = sum(c.reward for c in mine) / len(mine)
+        if (share := accuracy([c.correct for c in mine])) is not None:
+            out[f"task_accuracy/{task}"] = share
+    return out
 
 
 def _is_number(value: Any) -> bool:

@@ -44,7 +44,7 @@ from posttrain.data.processors import collate, load_policy_tokenizer, naming_row
 from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
-from posttrain.evals import accuracy, mean_pass_at_k
+from posttrain.evals import mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
@@ -278,14 +278,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     # which misses a 0.9 threshold.
     metrics = {"reward": float(torch.cat(rewards).double().mean()),
                **{k: v for k, v in summarize_rollouts(convs).items()
-                  if k.startswith(("reward/", "env/")) or k in ("accuracy", "tool_calls_mean")}}
-    tasks = sorted({c.task_name for c in convs})
-    if len(tasks) > 1:  # several environments (data.mixture): each one's own numbers beside the mean
-        for task in tasks:
-            mine = [c for c in convs if c.task_name == task]
-            metrics[f"task_reward/{task}"] = sum(c.reward for c in mine) / len(mine)
-            if (share := accuracy([c.correct for c in mine])) is not None:
-                metrics[f"task_accuracy/{task}"] = share
+                  if k.startswith(("reward/", "env/", "task_")) or k in ("accuracy", "tool_calls_mean")}}
     if n > 1:
         per_prompt = [[c.correct for c in convs[p : p + n]] for p in range(0, len(convs), n)]
         for k in sorted({1, n}):

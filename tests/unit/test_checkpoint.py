@@ -661,6 +661,9 @@ def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_fir
                 mgr.stop_signal = "SIGTERM"
             return {"loss": 1.0, "num_tokens": 8.0}
 
+        def sync_reference_if_due(self, step):  # policy.reference_sync is off
+            return False
+
     logger = SimpleNamespace(start_progress=lambda *a: None, update_progress=lambda *a: None, plot=lambda: None,
                              console=lambda m: None, log_metrics=lambda m, step, prefix: None,
                              timed_save=lambda step: contextlib.nullcontext())

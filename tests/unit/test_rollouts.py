@@ -638,6 +638,20 @@ def test_step_accuracy_is_over_the_same_conversations_as_the_reward():
     assert metrics["accuracy"] == 4 / 8 and metrics["reward"] == 3.5 / 8
 
 
+def test_rollouts_of_several_environments_are_summarised_per_environment_too():
+    from posttrain.rollouts import Conversation, summarize_rollouts
+
+    rows = [("math", 1.0, True), ("math", 0.0, False), ("math", 1.0, True), ("story", 0.25, None), ("story", 0.75, None)]
+    convs = [Conversation(messages=[], metadata={}, task_name=t, tokens=[], prompt_length=0, reward=r, correct=v)
+             for t, r, v in rows]
+    metrics = summarize_rollouts(convs)
+    assert metrics["task_reward/math"] == pytest.approx(2 / 3) and metrics["task_accuracy/math"] == pytest.approx(2 / 3)
+    assert metrics["task_reward/story"] == 0.5 and "task_accuracy/story" not in metrics  # nothing judged
+    assert metrics["reward"] == pytest.approx(3 / 5) and metrics["accuracy"] == pytest.approx(2 / 3)
+    # One environment: its numbers are the step's own, not repeated.
+    assert not any(k.startswith("task_") for k in summarize_rollouts(convs[:3]))
+
+
 def test_env_metrics_average_the_samples_that_report_a_number():
     # A sample's None ("not measured here") or text stopped the driver with a TypeError in the sum.
     import numpy as np
