@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
-import time
 from pathlib import Path
 
-TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n### Response:\n"
-    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
-)
+from trl_timing import alpaca_template, report, step_timer, stories260k
+
 
 
 def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, packing: bool, work: Path) -> float:
@@ -44,7 +41,7 @@ def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, pac
         "checkpointing.enabled=false", f"logger.log_dir={work}/posttrain-{packing}", "logger.console_enabled=false",
         "logger.plots_enabled=false", "policy.optimizer.kwargs={lr: 1.0e-4}", *pack,
     ])
-    cfg.policy.tokenizer.chat_template = TEMPLATE
+    cfg.policy.tokenizer.chat_template = alpaca_template()
     sft.run(cfg)
     recs = [json.loads(x) for x in open(work / f"posttrain-{packing}" / "metrics.jsonl")]
     train = [r for r in recs if r["prefix"] == "train"][1:]  # the first step warms up
@@ -54,28 +51,18 @@ def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, pac
 def trl_tokens_per_s(model: str, steps: int, batch: int, max_len: int, packing: bool, work: Path) -> float:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     from posttrain.data.datasets import load_rows
     from posttrain.data.processors import load_tokenizer, process_sft_rows
     from posttrain.schemas import DataConfig, TokenizerConfig
 
-    tok = load_tokenizer(TokenizerConfig(name=model, chat_template=TEMPLATE))
+    tok = load_tokenizer(TokenizerConfig(name=model, chat_template=alpaca_template()))
     examples, _ = process_sft_rows(load_rows(DataConfig(dataset_name="alpaca"), "train"), tok, DataConfig(), max_len)
     ds = Dataset.from_list([{"input_ids": e["input_ids"], "completion_mask": e["loss_mask"]} for e in examples])
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.t = []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            self.t.append(time.perf_counter())
-
-    timer = StepTimer()
+    timer = step_timer()
     args = SFTConfig(
         output_dir=str(work / f"trl-{packing}"), per_device_train_batch_size=batch, max_steps=steps,
         learning_rate=1e-4, packing=packing, max_length=max_len if not packing else max_len * 4,
@@ -93,7 +80,7 @@ def trl_tokens_per_s(model: str, steps: int, batch: int, max_len: int, packing: 
 
     trainer.training_step = counting_step
     trainer.train()
-    step_times = [timer.t[i + 1] - timer.t[i] for i in range(0, len(timer.t) - 1, 2)][1:]
+    step_times = timer.seconds()
     return sum(tokens[1:]) / sum(step_times)
 
 
@@ -107,13 +94,7 @@ def main() -> None:
     a = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     work = Path(tempfile.mkdtemp(prefix="sft_vs_trl-"))
-    model = a.model
-    if model is None:
-        from posttrain.convert.llama2c import convert
-        from posttrain.data.datasets import shared_data_dir
-
-        m = shared_data_dir() / "models" / "stories260K"
-        model = str(convert(m / "stories260K.bin", m / "tok512.model", work / "stories260K"))
+    model = a.model or stories260k(work)
     rows = []
     for packing in (False, True):
         ours = posttrain_tokens_per_s(model, a.steps, a.batch, a.max_len, packing, work)
@@ -122,10 +103,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     table = ("| packing | posttrain tokens/s | TRL SFTTrainer tokens/s | ratio |\n|---|---|---|---|\n"
              + "\n".join(rows) + "\n")
-    print(table)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(table)
+    report(table, a.out)
+    shutil.rmtree(work, ignore_errors=True)  # the converted model and both sides' run folders
 
 
 if __name__ == "__main__":
