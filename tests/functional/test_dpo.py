@@ -8,34 +8,26 @@
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import dpo
-from posttrain.config import InputError, load_config
+from posttrain.config import InputError
 from posttrain.data.processors import collate_pairs
-
-# The Alpaca-style plain-text template of the example config (stories260K has no chat template).
-SFT_ALPACA = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_alpaca.yaml"
-ALPACA_TEMPLATE = load_config("sft", SFT_ALPACA).policy.tokenizer.chat_template
 
 
 def _cfg(tmp_path, model, shared_data, *overrides):
-    cfg = load_config("dpo", None, [
-        f"policy.model_name={model}", f"data.dataset_name={shared_data}/llamafactory_demo/dpo_en_demo.json",
+    return offline_cfg(
+        "dpo", tmp_path, model, f"data.dataset_name={shared_data}/llamafactory_demo/dpo_en_demo.json",
         "data.val_split_fraction=0.2", "data.truncation=truncate", "policy.max_total_sequence_length=512",
-        "policy.precision=float32",  # exact comparisons need float32 compute (the default is bfloat16)
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
         "policy.optimizer.kwargs={lr: 1.0e-3, weight_decay: 0.0}", "dpo.reference_policy_kl_penalty=0.1",
-        "dpo.val_global_batch_size=64", f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false",
-        "checkpointing.enabled=false", *overrides,
-    ])
-    cfg.policy.tokenizer.chat_template = ALPACA_TEMPLATE
-    return cfg
+        "dpo.val_global_batch_size=64", *overrides,
+    )
 
 
 @pytest.mark.slow

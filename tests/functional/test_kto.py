@@ -10,31 +10,23 @@ and the LLaMA-Factory demo KTO data:
 import copy
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import kto
-from posttrain.config import load_config
 from posttrain.data.processors import collate_kto
-
-SFT_ALPACA = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_alpaca.yaml"
-ALPACA_TEMPLATE = load_config("sft", SFT_ALPACA).policy.tokenizer.chat_template
 
 
 def _cfg(tmp_path, model, shared_data, *overrides):
-    cfg = load_config("kto", None, [
-        f"policy.model_name={model}", f"data.dataset_name={shared_data}/llamafactory_demo/kto_en_demo.json",
+    return offline_cfg(
+        "kto", tmp_path, model, f"data.dataset_name={shared_data}/llamafactory_demo/kto_en_demo.json",
         "data.val_split_fraction=0.2", "data.truncation=truncate", "policy.max_total_sequence_length=512",
-        "policy.precision=float32",  # exact comparisons need float32 compute (the default is bfloat16)
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
-        "policy.optimizer.kwargs={lr: 2.0e-4, weight_decay: 0.0}", "kto.val_global_batch_size=64",
-        f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false", "checkpointing.enabled=false", *overrides,
-    ])
-    cfg.policy.tokenizer.chat_template = ALPACA_TEMPLATE
-    return cfg
+        "policy.optimizer.kwargs={lr: 2.0e-4, weight_decay: 0.0}", "kto.val_global_batch_size=64", *overrides,
+    )
 
 
 @pytest.mark.slow

@@ -12,32 +12,24 @@
 import copy
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import offline, sft
-from posttrain.config import ConfigError, InputError, load_config
+from posttrain.config import ConfigError, InputError
 from posttrain.data.processors import collate, process_sft_rows
-
-# The Alpaca-style plain-text template of the example config (stories260K has no chat template).
-SFT_ALPACA = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_alpaca.yaml"
-ALPACA_TEMPLATE = load_config("sft", SFT_ALPACA).policy.tokenizer.chat_template
 
 
 def _cfg(tmp_path, model, *overrides):
-    cfg = load_config("sft", None, [
-        f"policy.model_name={model}", "data.dataset_name=alpaca", "policy.max_total_sequence_length=256",
-        "policy.precision=float32",  # exact comparisons need float32 compute (the default is bfloat16)
+    return offline_cfg(
+        "sft", tmp_path, model, "data.dataset_name=alpaca", "policy.max_total_sequence_length=256",
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=8",
         "policy.optimizer.kwargs={lr: 2.0e-3, weight_decay: 0.0}", "sft.val_global_batch_size=32",
-        "sft.val_batches=2", f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false",
-        f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "checkpointing.enabled=false", *overrides,
-    ])
-    cfg.policy.tokenizer.chat_template = ALPACA_TEMPLATE
-    return cfg
+        "sft.val_batches=2", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *overrides,
+    )
 
 
 @pytest.mark.slow
