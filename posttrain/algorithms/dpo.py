@@ -1,11 +1,11 @@
 """Direct preference optimisation (`posttrain dpo`): sigmoid DPO (conservative with
-`dpo.loss.label_smoothing`), robust rDPO, IPO, SLiC's hinge or reference-free SimPO by
+`dpo.loss.label_smoothing`), robust rDPO, IPO, SLiC's hinge, or reference-free SimPO or ORPO by
 `dpo.loss.name` (`posttrain.losses.DPOLoss`), keys as NeMo RL's `dpo` section.
 
 `run(cfg)` = `setup(cfg)` + `dpo_train(setup)`. Batch sizes count pairs
 (`policy.train_global_batch_size: 16` = 16 chosen/rejected pairs per step). Reference
-logprobs come from the frozen reference copy of the initial policy (none for SimPO); those
-of the validation pairs never change, so they are computed once.
+logprobs come from the reference copy of the initial policy (none for SimPO and ORPO); those
+of the validation pairs are computed once, and again after `policy.reference_sync` moves it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ whose last message is the response, with a boolean `label` (LLaMA-Factory's KTO 
 (desirable) and its rejected side (not). Before each update (`prepare`): the reference logprobs
 of the batch, and KTO's reference point z, the KL estimate from the batch's mismatched pairs
 (each prompt with the next example's response) under the policy and the reference. Validation
-batches keep their reference logprobs (the reference never changes) and recompute z.
+batches keep their reference logprobs (until `policy.reference_sync` moves the reference) and
+recompute z.
 """
 
 from __future__ import annotations

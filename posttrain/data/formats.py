@@ -51,7 +51,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
 
 A conversation row with `label: false` (LLaMA-Factory's and TRL's unpaired KTO data: an answer
 not to give) is malformed for SFT, which would train the model to imitate it. Read for KTO
-(`labelled_rows`), a conversation row keeps its `label`, whatever it is (`posttrain kto` checks it). SFT on RL/eval
+(`labelled_rows`), a conversation row keeps its boolean `label`, and one without such a label (or
+whose last message is not the assistant's response) is malformed there. SFT on RL/eval
 rows (the math and code formats, the embedded tasks) trains each prompt's `demonstration`, else
 its `answer`, as the assistant turn (`demonstration_messages`), as GRPO's warm-up does.
 
@@ -169,7 +170,8 @@ _LABELLED = contextvars.ContextVar("posttrain_labelled_rows", default=False)
 
 @contextmanager
 def labelled_rows() -> Iterator[None]:
-    """Rows read inside keep their `label` (KTO's desirable / undesirable) instead of refusing a false one."""
+    """Rows read inside keep their `label` (KTO's desirable / undesirable) instead of refusing a false one;
+    a conversation without a boolean label is malformed (`_labelled`)."""
     token = _LABELLED.set(True)
     try:
         yield
