@@ -4,10 +4,11 @@ architectures the torch engine does not run).
 Rows are left-padded and generated as one batch (one per token limit, see `_generate`). Stop
 strings are matched per row on the generated tokens only, by a stopping criterion with the
 torch engine's rules (HF's own `stop_strings` are one set for the whole batch and also match a
-string begun in the prompt, which ends the row there). Logprobs come from the processed scores
-HF samples from (after temperature/top-k/top-p; greedy: raw logits), so they match the torch
-engine's definition. Each row is then cut with the same stop rules as the torch engine (first
-stop token id, first completed stop string, or the row's token limit).
+string begun in the prompt, which ends the row there). HF samples from, and reports as
+logprobs, the distribution of `sampling.sampling_logprobs` (a logits processor in place of HF's
+own temperature/min-p/top-k/top-p warpers, whose order differs from vLLM's), so every backend
+samples one distribution. Each row is then cut with the same stop rules as the torch engine
+(first stop token id, first completed stop string, or the row's token limit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import copy
 import time
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
@@ -26,7 +28,7 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker
+from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker, sampling_logprobs
 from posttrain.generation.torch_engine import DTYPES, stop_token_ids
 
 
@@ -102,10 +104,6 @@ class HFGeneration:
         for j, p in enumerate(prompts):
             input_ids[j, width - len(p) :] = p
             mask[j, width - len(p) :] = 1
-        # transformers applies min_p after top-p (vLLM and the torch engine before it): the same
-        # distribution unless both are set.
-        sampling = {} if s.greedy else {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or 0,
-                                        "min_p": s.min_p or None}
         # generate() takes every setting it is not given from the model's generation config, and a
         # checkpoint's generation_config.json may add logits processors (repetition_penalty,
         # min_new_tokens, no_repeat_ngram_size, ...) to the documented distribution: it runs under
@@ -116,19 +114,21 @@ class HFGeneration:
                 input_ids=input_ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 do_sample=not s.greedy,
+                # HF's own warpers off (a blank GenerationConfig has top_k 50): the processor is the rule.
+                **({} if s.greedy else {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}),
+                logits_processor=LogitsProcessorList([_SamplingDistribution(s)]),
                 max_new_tokens=limit,
                 eos_token_id=self.stop.stop_token_ids,
                 pad_token_id=self.pad_id,
                 stopping_criteria=StoppingCriteriaList([_GeneratedStopStrings(self.stop, width, stops)]),
                 output_scores=True,
                 return_dict_in_generate=True,
-                **sampling,
             )
         finally:
             self.model.generation_config = own
         seqs = out.sequences[:, width:].cpu()
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # [b, T, V], processed as sampled from
-        lps = torch.log_softmax(scores, dim=-1).gather(-1, seqs[:, : scores.shape[1], None]).squeeze(-1)
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # [b, T, V]: the sampling distribution's logprobs
+        lps = scores.gather(-1, seqs[:, : scores.shape[1], None]).squeeze(-1)
         stop_ids = set(self.stop.stop_token_ids)
         generated, gen_lp, truncated = [], [], []
         for j in range(n):
@@ -142,6 +142,18 @@ class HFGeneration:
             gen_lp.append(lps[j, :end].clone())
             truncated.append(not stopped)
         return generated, gen_lp, truncated
+
+
+class _SamplingDistribution(LogitsProcessor):
+    """Replaces the next-token scores with the logprobs of posttrain's sampling distribution
+    (`sampling_logprobs`): HF samples from softmax of them, which is that distribution, and
+    `output_scores` returns them (greedy: argmax and log_softmax of the logits)."""
+
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return sampling_logprobs(scores, self.settings)
 
 
 class _GeneratedStopStrings(StoppingCriteria):

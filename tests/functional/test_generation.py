@@ -264,27 +264,37 @@ def mha_twin(model, heads: int):
     return twin.eval()
 
 
-def test_logprobs_are_of_the_sampling_distribution(model_tok):
-    """temperature 0.7 + top_k 5: logprobs are log_softmax(logits / T) renormalised over the top 5."""
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_logprobs_are_of_the_sampling_distribution(model_tok, backend):
+    """temperature 0.7, min_p 0.02, top_k 5, top_p 0.8, in vLLM's order (min-p, top-k, then top-p
+    over what is left): logprobs are log_softmax(logits / T) renormalised over the kept tokens, and
+    only those are sampled, by both backends (transformers' own warpers apply min-p last)."""
     model, tok = model_tok
     batch = make_batch(tok)
-    out = engine("torch", model, tok, max_new_tokens=16, temperature=0.7, top_k=5).generate(batch)
+    out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, top_k=5, top_p=0.8, min_p=0.02,
+                 seed=5).generate(batch)
     ids = out["output_ids"]
     mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / 0.7
-    kth = logits.topk(5, dim=-1).values[..., -1:]
-    lp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    logits = logits.masked_fill(probs < 0.02 * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    logits = logits.masked_fill(logits < logits.topk(5, dim=-1).values[..., -1:], float("-inf"))
+    sorted_p, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+    cut = torch.zeros_like(sorted_p, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p >= 0.8)
+    lp = torch.log_softmax(logits.masked_fill(cut, float("-inf")), dim=-1)
     expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
     m = generated_mask(batch, out)
-    assert bool(torch.isfinite(expected[m]).all()), "a token outside the top 5 was sampled"
+    assert bool(torch.isfinite(expected[m]).all()), "a token outside the kept set was sampled"
+    kept = torch.isfinite(lp).sum(-1).float()
+    assert 1 < float(kept.mean()) < 5  # every rule cut something: top-p within the top 5
     torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_min_p_samples_and_reports_the_min_p_distribution(model_tok, backend):
     """temperature 0.7 + min_p 0.2: only tokens at least 0.2 times as likely as the most likely one are
-    sampled, and their logprobs are renormalised over those (hf: transformers' own min-p)."""
+    sampled, and their logprobs are renormalised over those."""
     model, tok = model_tok
     batch = make_batch(tok)
     out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, min_p=0.2, seed=3).generate(batch)
