@@ -367,7 +367,11 @@ class CheckpointManager:
         import socket
 
         path = self.dir.parent / f".{self.dir.name}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # what os.access cannot tell (root on a read-only or virtual file system)
+            raise MissingInputError(f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: cannot write "
+                                    f"beside it ({path}: {e.strerror})") from e
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -330,6 +330,9 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_f
             CheckpointManager(CheckpointingConfig(checkpoint_dir=str(read_only / "runs" / "ckpt")), SIG)
     CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
     assert not (tmp_path / "new").exists()  # nothing is created before a save
+    # What os.access passes and the file system refuses (root in /proc): the lock file beside it.
+    with pytest.raises(MissingInputError, match=r"checkpoint_dir=/proc/ckpt: cannot write"):
+        CheckpointManager(CheckpointingConfig(checkpoint_dir="/proc/ckpt"), SIG)
     # start_fresh, which moves the old checkpoints aside in it, is refused the same way (it failed
     # with the OSError of its move). os.access stands in for a read-only mount, which root meets too.
     _save(_mgr(tmp_path), 1)
