@@ -32,17 +32,15 @@ then the answer `045` (`TOOL_NAMES`; examples/tools/calculator.py implements the
 from __future__ import annotations
 
 import json
-import logging
 import operator
 import random
 from typing import Any, Sequence
-
-log = logging.getLogger(__name__)
 
 TASK_NAME = "arithmetic"
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 # The calculator tool of each operation, for demonstrations that call it.
 TOOL_NAMES = {"+": "add", "-": "subtract", "*": "multiply"}
+# At most this share of the problem space is held out, so that training keeps most of it.
 VAL_FRACTION_CAP = 0.2
 
 
@@ -93,9 +91,7 @@ def make_arithmetic_rows(
     base = 10**num_digits
     space = len(ops) * base * base
     cap = int(space * VAL_FRACTION_CAP)
-    if num_val > cap:
-        log.info("arithmetic: %d validation problems asked, the space of %d problems allows %d", num_val, space, cap)
-        num_val = cap
+    num_val = min(num_val, cap)  # the caller says so (posttrain.data.datasets: once per run, not per split)
 
     def decode(i: int) -> dict[str, Any]:
         a, b = divmod(i // len(ops), base)

@@ -377,7 +377,12 @@ def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 
     train, val = make_arithmetic_rows(cfg.num_digits, cfg.operations, cfg.num_train, cfg.num_val, cfg.seed,
                                       cfg.zero_pad, cfg.demo_carry_error_rate, cfg.demo_tool_rate)
-    return train if split == "train" else val
+    if split == "train":
+        return train
+    if len(val) < cfg.num_val:
+        log.info("data.num_val=%d: %d-digit %s problems allow %d held out (the rest stay for training)",
+                 cfg.num_val, cfg.num_digits, "/".join(cfg.operations), len(val))
+    return val
 
 
 # Registered datasets whose settings are `data.dataset_kwargs` (a hub dataset's go to `datasets.load_dataset`).

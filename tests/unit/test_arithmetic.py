@@ -127,3 +127,20 @@ def test_tool_demonstrations_call_the_operations_calculator_and_copy_its_result(
     plain, _ = make_arithmetic_rows(2, ["+", "-", "*"], 2000, 50, seed=0, zero_pad=True, demo_carry_error_rate=0.7)
     assert _prompts(plain) == _prompts(train)
     assert any(isinstance(r.get("demonstration"), str) for r in train)
+
+
+def test_a_validation_split_larger_than_the_cap_is_said_once_when_validation_is_read(caplog):
+    """One-digit additions are 100 problems, at most 20 held out: the run says so once (it did for
+    each split it read), naming data.num_val."""
+    import logging
+
+    from posttrain.data.datasets import load_rows
+    from posttrain.schemas import DataConfig
+
+    cfg = DataConfig(dataset_name="arithmetic", num_digits=1, num_train=50, num_val=200)
+    with caplog.at_level(logging.INFO, logger="posttrain.data"):
+        assert len(load_rows(cfg, "train")) == 50
+        assert not caplog.records
+        assert len(load_rows(cfg, "val")) == 20
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.num_val=200: 1-digit + problems allow 20 held out (the rest stay for training)"]
