@@ -97,8 +97,8 @@ class LowPrecisionTwin:
 
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0,
-    offset: int = 0,
-) -> torch.Tensor:
+    offset: int = 0, entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Token-aligned log-probabilities, computed in float32.
 
         out[b, 0] = 0,   out[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]  (t >= 1)
@@ -108,33 +108,23 @@ def token_logprobs(
     `temperature` is the sampling temperature of the rollouts, so that the policy's logprobs
     are of the distribution the tokens were drawn from (as NeMo RL does). With `offset`, the
     logits are those of positions `[offset, L)` only (`logits_to_keep`), and `out[b, t] = 0`
-    for `t <= offset`.
+    for `t <= offset`. With `entropy`, `(logprobs, entropies)`: the entropy of each of those
+    distributions, aligned and zeroed alike (`logprobs_at`).
     """
-    return _token_aligned(logits, offset, lambda rows, positions: logprobs_at(
-        logits, rows, positions, input_ids[:, offset + 1 :], chunk_size, temperature))
-
-
-def token_entropies(logits: torch.Tensor, chunk_size: int | None = None, temperature: float = 1.0,
-                    offset: int = 0) -> torch.Tensor:
-    """`entropies_at` aligned as `token_logprobs` aligns logprobs: `out[b, t]` is the entropy of the
-    distribution that scores token t (from the logit at t - 1), 0 for `t <= offset`."""
-    return _token_aligned(logits, offset, lambda rows, positions: entropies_at(
-        logits, rows, positions, chunk_size, temperature))
-
-
-def _token_aligned(logits: torch.Tensor, offset: int, values_at: Callable) -> torch.Tensor:
-    """`values_at(rows, positions)` of every row's logits `[b, L', V]`, placed so that position t
-    holds the value of the logit at t - 1 - offset (the one that scores token t), 0 up to `offset`."""
     b, kept, _ = logits.shape
     rows = torch.arange(b, device=logits.device)
     positions = torch.arange(kept - 1, device=logits.device).expand(b, -1)
-    values = values_at(rows, positions)
-    return torch.cat([torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device), values], dim=1)
+    values = logprobs_at(logits, rows, positions, input_ids[:, offset + 1 :], chunk_size, temperature, entropy)
+    # Position t holds the value of the logit at t - 1 - offset (the one that scores token t), 0 up to offset.
+    zeros = torch.zeros(b, offset + 1, dtype=torch.float32, device=logits.device)
+    if not entropy:
+        return torch.cat([zeros, values], dim=1)
+    return tuple(torch.cat([zeros, v], dim=1) for v in values)
 
 
 def _scaled_chunks(logits: torch.Tensor, chunk_size: int | None, temperature: float) -> Iterator[torch.Tensor]:
     """`logits [R, L, V]` `chunk_size` positions at a time, in float32 and divided by the temperature:
-    the distributions `logprobs_at` and `entropies_at` are of, at most that many positions x vocab at once."""
+    the distributions `logprobs_at` is of, at most that many positions x vocab at once."""
     step = chunk_size or logits.shape[1]
     for s in range(0, logits.shape[1], step):
         chunk = logits[:, s : s + step].float()
@@ -142,30 +132,33 @@ def _scaled_chunks(logits: torch.Tensor, chunk_size: int | None, temperature: fl
 
 
 def logprobs_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                chunk_size: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+                chunk_size: int | None = None, temperature: float = 1.0,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`out[i, t] = log softmax(logits[rows[i], positions[i, t]] / temperature)[targets[i, t]]`, float32.
 
     logits `[R, L, V]`, rows `[b]`, positions and targets `[b, T]` -> `[b, T]`. The normaliser
-    is computed `chunk_size` positions at a time (`_scaled_chunks`); the picked logits are
-    gathered directly.
+    log Z is computed `chunk_size` positions at a time (`_scaled_chunks`); the picked logits are
+    gathered directly. With `entropy`, `(out, H)`: `H[i, t]`, the entropy of the same
+    distribution, without gradient (`loss_fn.top_entropy_quantile` picks tokens by it), from the
+    same pass: H = log Z - sum_v p_v z_v with p = exp(z - log Z), so the vocabulary is not
+    normalised a second time.
     """
-    lse = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in _scaled_chunks(logits, chunk_size, temperature)],
-                    dim=1)
+    lse, entropies = [], []
+    for chunk in _scaled_chunks(logits, chunk_size, temperature):
+        chunk_lse = torch.logsumexp(chunk, dim=-1)
+        lse.append(chunk_lse)
+        if entropy:
+            with torch.no_grad():
+                z, log_z = chunk.detach(), chunk_lse.detach()
+                entropies.append(log_z - (torch.exp(z - log_z[..., None]) * z).sum(-1))
+    lse = torch.cat(lse, dim=1)
     picked = logits[rows[:, None], positions, targets].float()
     if temperature != 1.0:
         picked = picked / temperature
-    return picked - lse[rows[:, None], positions]
-
-
-@torch.no_grad()
-def entropies_at(logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, chunk_size: int | None = None,
-                 temperature: float = 1.0) -> torch.Tensor:
-    """`H[i, t]`, the entropy of softmax(logits[rows[i], positions[i, t]] / temperature), float32,
-    without gradient: `logprobs_at`'s distributions (`loss_fn.top_entropy_quantile` picks tokens
-    by it). H = log Z - sum_v p_v z_v, chunk by chunk (`_scaled_chunks`)."""
-    h = [torch.logsumexp(chunk, dim=-1) - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
-         for chunk in _scaled_chunks(logits, chunk_size, temperature)]
-    return torch.cat(h, dim=1)[rows[:, None], positions]
+    out = picked - lse[rows[:, None], positions]
+    if not entropy:
+        return out
+    return out, torch.cat(entropies, dim=1)[rows[:, None], positions]
 
 
 def _attention_score_cost(config) -> float:
@@ -406,7 +399,7 @@ class FSDPPolicyWorker:
         With a `token_mask`, the logprobs of the tokens before a row's first trained token are 0
         (their logits are not computed where that saves work: `_untrained_logits`). With `entropy`
         (a causal LM), `(logprobs, entropies)`: the entropy of the distribution behind each logprob,
-        aligned and zeroed alike, without gradient (`entropies_at`)."""
+        aligned and zeroed alike, without gradient (`logprobs_at`)."""
         ids = mb["input_ids"].to(self.device)
         lengths = mb["input_lengths"]
         seq_len = ids.shape[1]
@@ -421,10 +414,9 @@ class FSDPPolicyWorker:
             # No attention mask + restarting position_ids = packed sequences in transformers.
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
             self._model_tokens += packed.input_ids.numel()
-            values = [token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature)]
-            if entropy:
-                values.append(token_entropies(logits, self.cfg.logprob_chunk_size, self._temperature))
-            values = [unpack_token_values(v, packed, seq_len) for v in values]
+            values = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature,
+                                    entropy=entropy)
+            values = [unpack_token_values(v, packed, seq_len) for v in (values if entropy else [values])]
         elif self.cfg.prefix_sharing.enabled and first is not None:
             values = self._forward_shared_prefixes(model, ids, lengths, first, entropy)
         if values is None:
@@ -444,9 +436,8 @@ class FSDPPolicyWorker:
         # needed and attention takes the fast causal path.
         logits = model(input_ids=fitted, use_cache=False, **self._logits_kwargs(fitted.shape[1], skip)).logits
         self._model_tokens += fitted.numel()
-        values = [token_logprobs(logits, fitted, self.cfg.logprob_chunk_size, self._temperature, skip)]
-        if entropy:
-            values.append(token_entropies(logits, self.cfg.logprob_chunk_size, self._temperature, skip))
+        values = token_logprobs(logits, fitted, self.cfg.logprob_chunk_size, self._temperature, skip, entropy)
+        values = values if entropy else [values]
         out = []
         for v in values:
             v = v[:, :seq_len]
@@ -501,9 +492,9 @@ class FSDPPolicyWorker:
         self._model_tokens += layout.input_ids.numel()
         # Token t of row r is scored by the logit at its packed position index[r, t-1] - skip.
         at = layout.index[:, :-1].clamp(min=skip) - skip
-        values = [logprobs_at(logits, layout.row, at, ids[:, 1:], self.cfg.logprob_chunk_size, self._temperature)]
-        if entropy:
-            values.append(entropies_at(logits, layout.row, at, self.cfg.logprob_chunk_size, self._temperature))
+        values = logprobs_at(logits, layout.row, at, ids[:, 1:], self.cfg.logprob_chunk_size, self._temperature,
+                             entropy)
+        values = values if entropy else [values]
         t = torch.arange(1, ids.shape[1], device=ids.device)
         in_row = t[None] < lengths.to(ids.device)[:, None]
         return [torch.cat([torch.zeros(ids.shape[0], 1, dtype=v.dtype, device=v.device), v * in_row], dim=1)

@@ -82,15 +82,19 @@ def test_disable_dropout_zeroes_layers_and_attention_rates_but_not_the_config():
 
 
 def test_token_entropies_alignment_temperature_and_chunking():
-    from posttrain.policy.fsdp_worker import token_entropies
-
+    """token_logprobs(entropy=True): the entropies come from the logprobs' own pass, aligned as they are."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 7, 11, generator=g, dtype=torch.bfloat16, requires_grad=True)
-    full = token_entropies(logits, temperature=0.7)
+    ids = torch.randint(0, 11, (2, 7), generator=g)
+    lp, full = token_logprobs(logits, ids, temperature=0.7, entropy=True)
     assert full.shape == (2, 7) and not full.requires_grad and (full[:, 0] == 0).all()
+    assert lp.requires_grad and torch.equal(lp, token_logprobs(logits, ids, temperature=0.7))
     # position t: the entropy of the distribution that scores token t, from the logits at t-1
     p = torch.softmax(logits[1, 4].float() / 0.7, -1)
     assert torch.allclose(full[1, 5], -(p * p.log()).sum(), atol=1e-5)
     for chunk in (1, 3, 100):
-        assert torch.allclose(token_entropies(logits, chunk_size=chunk, temperature=0.7), full, atol=1e-5)
-    assert (token_entropies(logits, offset=3)[:, :4] == 0).all()
+        got = token_logprobs(logits, ids, chunk_size=chunk, temperature=0.7, entropy=True)[1]
+        assert torch.allclose(got, full, atol=1e-5)
+    lp3, h3 = token_logprobs(logits[:, 3:], ids, offset=3, entropy=True)
+    assert (h3[:, :4] == 0).all() and (lp3[:, :4] == 0).all()
+    assert torch.allclose(h3[:, 4:], token_logprobs(logits, ids, entropy=True)[1][:, 4:], atol=1e-5)
