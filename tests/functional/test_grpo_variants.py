@@ -402,3 +402,27 @@ def test_failed_setup_stops_what_it_started(ray_session, tiny_model_path, tmp_pa
         run(cfg)
     alive = [pg for pg in ray_session.util.placement_group_table().values() if pg["state"] != "REMOVED"]
     assert alive == [], alive
+
+
+def test_reference_sync_moves_the_kl_reference_to_the_policy_every_step(ray_session, tmp_path):
+    # ProRL's reference reset (policy.reference_sync with mixup_alpha 1, every step): each step's KL
+    # is measured before its one optimizer step, against a reference that the previous step's end
+    # set to the very weights being trained, so it is 0; without it the KL grows once the policy moves.
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def by_length(response, metadata):\n    return (len(response) % 4) / 3\n")
+
+    def kl_per_step(name, *extra):
+        cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+            tmp_path / name, "grpo.max_num_steps=3", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+            "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+            "policy.precision=float32", "policy.train_global_batch_size=16", 'policy.optimizer.kwargs={"lr": 0.02}',
+            "loss_fn.reference_policy_kl_penalty=0.1", "data.task_name=by_length",
+            f"env.by_length.target={rewards}:by_length", *extra))
+        run(cfg)
+        return [r["kl_penalty"] for r in records(tmp_path / name / "logs", "train")]
+
+    free = kl_per_step("free")
+    synced = kl_per_step("synced", "policy.reference_sync.enabled=true", "policy.reference_sync.mixup_alpha=1.0",
+                         "policy.reference_sync.sync_steps=1")
+    assert free[0] == pytest.approx(0.0, abs=1e-7) and free[2] > 1e-4, free
+    assert all(kl == pytest.approx(0.0, abs=1e-7) for kl in synced), synced
