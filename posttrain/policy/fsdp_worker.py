@@ -124,7 +124,7 @@ def token_logprobs(
 
 def _scaled_chunks(logits: torch.Tensor, chunk_size: int | None, temperature: float) -> Iterator[torch.Tensor]:
     """`logits [R, L, V]` `chunk_size` positions at a time, in float32 and divided by the temperature:
-    the distributions `logprobs_at` is of, at most that many positions x vocab at once."""
+    the distributions `logprobs_at` works on, at most that many positions x vocab at once."""
     step = chunk_size or logits.shape[1]
     for s in range(0, logits.shape[1], step):
         chunk = logits[:, s : s + step].float()
