@@ -306,6 +306,11 @@ class GenerationConfig(Section):
     # Min-p sampling (arXiv 2407.01082): drop the tokens less likely than min_p times the most likely
     # one, after the temperature and before top-k/top-p (vLLM's order); 0 = off.
     min_p: float = Field(0.0, ge=0, le=1)
+    # Repetition penalty (CTRL, arXiv 1909.05858; vLLM's and transformers' form): before the
+    # temperature, the logits of the tokens already in the prompt or the response are divided by
+    # it where positive and multiplied where negative; 1 = off, above 1 discourages repeats. The
+    # policy's logprobs do not apply it, so in RL the sampler's differ from them (as with top-k/top-p).
+    repetition_penalty: float = Field(1.0, gt=0)
     # Token ids that end a row (besides EOS).
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Strings that end a row (non-empty); they stay in the output.

@@ -116,7 +116,7 @@ class HFGeneration:
                 do_sample=not s.greedy,
                 # HF's own warpers off (a blank GenerationConfig has top_k 50): the processor is the rule.
                 **({} if s.greedy else {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}),
-                logits_processor=LogitsProcessorList([_SamplingDistribution(s)]),
+                logits_processor=LogitsProcessorList([_SamplingDistribution(s, (width - plen).to(self.device))]),
                 max_new_tokens=limit,
                 eos_token_id=self.stop.stop_token_ids,
                 pad_token_id=self.pad_id,
@@ -147,13 +147,19 @@ class HFGeneration:
 class _SamplingDistribution(LogitsProcessor):
     """Replaces the next-token scores with the logprobs of posttrain's sampling distribution
     (`sampling_logprobs`): HF samples from softmax of them, which is that distribution, and
-    `output_scores` returns them (greedy: argmax and log_softmax of the logits)."""
+    `output_scores` returns them (greedy: argmax and log_softmax of the logits). `starts [b]`:
+    where each left-padded row's prompt begins, so that padding is not a seen token."""
 
-    def __init__(self, settings: SamplingSettings):
-        self.settings = settings
+    def __init__(self, settings: SamplingSettings, starts: torch.Tensor):
+        self.settings, self.starts = settings, starts
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return sampling_logprobs(scores, self.settings)
+        seen = None
+        if self.settings.penalises_repeats:
+            real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= self.starts[:, None]
+            ids = torch.where(real, input_ids, input_ids[:, -1:])  # padding marks the last token again
+            seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, ids, True)
+        return sampling_logprobs(scores, self.settings, seen)
 
 
 class _GeneratedStopStrings(StoppingCriteria):

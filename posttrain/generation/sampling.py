@@ -1,12 +1,15 @@
 """Token sampling and stop detection shared by the generation backends.
 
 Sampling distribution (what `logprobs` report, as vLLM does, in vLLM's order):
-    l = logits / T;  keep the tokens with l >= max(l) + log(min_p), i.e. at least min_p times
+    z = logits, with the logits z_v of the tokens already in the sequence (prompt or response)
+    replaced by z_v / r where z_v > 0 and z_v * r otherwise (r = repetition_penalty, CTRL,
+    Keskar et al. 2019, https://arxiv.org/abs/1909.05858);
+    l = z / T;  keep the tokens with l >= max(l) + log(min_p), i.e. at least min_p times
     as likely as the most likely one (min-p sampling, Nguyen et al. 2024,
     https://arxiv.org/abs/2407.01082);  keep the top-k of l;  keep the smallest prefix of the
     sorted distribution whose mass reaches top_p (nucleus sampling, Holtzman et al. 2019,
     https://arxiv.org/abs/1904.09751);  p = softmax(l over the kept tokens).
-Greedy picks argmax(logits) and reports its logprob under softmax(logits) (temperature 1).
+Greedy picks argmax(z) and reports its logprob under softmax(z) (temperature 1).
 """
 
 from __future__ import annotations
@@ -26,11 +29,18 @@ class SamplingSettings:
     top_k: int | None = None
     greedy: bool = False
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_config(cls, cfg, greedy: bool) -> "SamplingSettings":
         """From a `GenerationConfig`; temperature 0 means greedy."""
-        return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0, cfg.min_p)
+        return cls(cfg.temperature, cfg.top_p, cfg.top_k, greedy or cfg.temperature == 0, cfg.min_p,
+                   cfg.repetition_penalty)
+
+    @property
+    def penalises_repeats(self) -> bool:
+        """Whether the distribution depends on the tokens already seen (`sampling_logprobs`' `seen`)."""
+        return self.repetition_penalty != 1.0
 
 
 def version_seed(seed: int, version: int) -> int:
@@ -65,9 +75,15 @@ class GlobalRngSeeds:
             yield
 
 
-def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
-    """Log-probabilities `[B, V]` of the sampling distribution for `logits [B, V]` (-inf = excluded)."""
+def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probabilities `[B, V]` of the sampling distribution for `logits [B, V]` (-inf = excluded);
+    `seen [B, V]` bool: the tokens already in each row's sequence (needed when `s.penalises_repeats`)."""
     logits = logits.float()
+    if s.penalises_repeats:
+        if seen is None:
+            raise ValueError("repetition_penalty needs each row's seen tokens")
+        r = s.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     if s.greedy:
         return torch.log_softmax(logits, dim=-1)
     if s.temperature != 1.0:
@@ -90,10 +106,11 @@ def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor
 
 
 def sample(
-    logits: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None
+    logits: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None, seen: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of `logits [B, V]`; returns (`tokens [B]` long, `logprobs [B]` float32)."""
-    lp = sampling_logprobs(logits, s)
+    """Pick one token per row of `logits [B, V]`; returns (`tokens [B]` long, `logprobs [B]` float32).
+    `seen`: as `sampling_logprobs` takes it."""
+    lp = sampling_logprobs(logits, s, seen)
     if s.greedy:
         tokens = lp.argmax(dim=-1)
     else:

@@ -520,6 +520,8 @@ class TorchGeneration:
         gen_buf = torch.zeros(num, cap, dtype=torch.long, device=dev)
         lp_buf = torch.zeros(num, cap, dtype=torch.float32, device=dev)
         has_stop_str = torch.zeros(num, dtype=torch.bool, device=dev)
+        # The tokens already in each slot's sequence, for the repetition penalty (none without one).
+        seen = torch.zeros(num, w.vocab_size, dtype=torch.bool, device=dev) if settings.penalises_repeats else None
 
         # Per request: its tokens, logprobs and count once it finishes, and whether it hit no stop.
         out_tok = torch.zeros(n, cap, dtype=torch.long)
@@ -534,6 +536,8 @@ class TorchGeneration:
             gen_buf[rows, n_gen[rows]] = tok
             lp_buf[rows, n_gen[rows]] = lp
             n_gen[rows] += 1
+            if seen is not None:
+                seen[rows, tok] = True
             hit_id = torch.isin(tok, stop_ids)
             done = hit_id | (n_gen[rows] >= limit[rows])
             if cand_table is not None:
@@ -562,7 +566,7 @@ class TorchGeneration:
                 take = free[: len(waiting)].tolist()
                 reqs = [waiting.popleft() for _ in take]
                 self._refill(cache, prompts, reqs, take, plen, max_new, stops, settings, req, active, seq_len,
-                             n_gen, limit, last, has_stop_str, record)
+                             n_gen, limit, last, has_stop_str, seen, record)
             if not bool(active.any()):
                 continue
             if not waiting and int(active.sum()) <= num * _COMPACT_FRACTION and num > 1:
@@ -570,10 +574,11 @@ class TorchGeneration:
                 cache.keep(idx)
                 req, active, seq_len, n_gen, limit, last = (t[idx] for t in (req, active, seq_len, n_gen, limit, last))
                 gen_buf, lp_buf, has_stop_str = gen_buf[idx], lp_buf[idx], has_stop_str[idx]
+                seen = None if seen is None else seen[idx]
                 num = len(idx)
             cache.ensure(int(seq_len.max()) + 1)
             logits = decode(w, cache, last, seq_len)
-            tok, lp = sample(logits, settings, self.generator)
+            tok, lp = sample(logits, settings, self.generator, seen)
             act = active.nonzero().flatten()
             seq_len += active.long()
             last = torch.where(active, tok, last)
@@ -581,8 +586,9 @@ class TorchGeneration:
         return out_tok, out_lp, out_len, out_trunc
 
     def _refill(self, cache, prompts, reqs, slots, plen, max_new, stops, settings, req, active, seq_len, n_gen,
-                limit, last, has_stop_str, record):
-        """Prefill waiting prompts `reqs` into free `slots` and sample their first token.
+                limit, last, has_stop_str, seen, record):
+        """Prefill waiting prompts `reqs` into free `slots` and sample their first token (`seen`, the
+        slots' seen tokens for the repetition penalty or None, starts as their prompts).
 
         Identical prompts (the n samples of one GRPO prompt) are prefilled once: the other
         slots get a copy of its KV cache and its next-token logits, then sample on their own."""
@@ -621,7 +627,11 @@ class TorchGeneration:
         ss = torch.tensor(slots, dtype=torch.long, device=dev)
         lens = plen[reqs].to(dev)
         logits = torch.cat(chunk_logits)[torch.tensor([row_of[src] for src in source], device=dev)]
-        tok, lp = sample(logits, settings, self.generator)
+        if seen is not None:
+            rows = prompts[reqs].to(dev)  # right-padded: padding marks the row's first token again
+            rows = torch.where(torch.arange(rows.shape[1], device=dev)[None] < lens[:, None], rows, rows[:, :1])
+            seen[ss] = torch.zeros(len(reqs), seen.shape[1], dtype=torch.bool, device=dev).scatter_(1, rows, True)
+        tok, lp = sample(logits, settings, self.generator, None if seen is None else seen[ss])
         req[ss.cpu()] = torch.tensor(reqs, dtype=torch.long)
         active[ss] = True
         seq_len[ss] = lens

@@ -121,6 +121,7 @@ class VllmGeneration:
                 top_p=1.0 if s.greedy else s.top_p,
                 top_k=-1 if (s.greedy or s.top_k is None) else s.top_k,
                 min_p=0.0 if s.greedy else s.min_p,
+                repetition_penalty=s.repetition_penalty,
                 stop=stops[i] or None,
                 include_stop_str_in_output=True,
                 stop_token_ids=self.stop_ids,

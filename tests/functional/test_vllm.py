@@ -109,3 +109,18 @@ def test_bad_input(setup):
         engine.generate(batch)
     with pytest.raises(ValueError, match="prompt at row 0"):
         engine.generate(make_batch(tok, ["y" * (CTX + 1)]))
+
+
+def test_greedy_with_a_repetition_penalty_equals_the_torch_engine(setup):
+    """vLLM's repetition penalty (over the prompt's and the response's tokens, before the
+    temperature) is the one posttrain's sampling rule applies: the same greedy tokens."""
+    model, tok, engine, torch_engine = setup
+    batch = make_batch(tok)
+    plain = torch_engine.generate(batch, greedy=True)["output_ids"]
+    engine.cfg.repetition_penalty = 1.8  # the fixture's engines share this config
+    try:
+        out, ref = engine.generate(batch, greedy=True), torch_engine.generate(batch, greedy=True)
+    finally:
+        engine.cfg.repetition_penalty = 1.0
+    assert out["output_ids"].tolist() == ref["output_ids"].tolist()
+    assert not torch.equal(ref["output_ids"], plain)  # the penalty changed what greedy picks

@@ -141,3 +141,20 @@ def test_stop_checker_matches_only_in_the_last_token():
     cand = sc.candidates({"<>"}, len(tok) + 3)  # the model's embedding padded past the tokenizer
     assert bool(cand[tok.convert_tokens_to_ids(">")]) and not bool(cand[tok.convert_tokens_to_ids("<")])
     assert cand.shape == (len(tok) + 3,) and not bool(cand[len(tok) :].any())
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    # Hand-computed: logits [2, -1, 0.5, -2], tokens 0 and 1 seen, penalty 2, temperature 0.5:
+    # z = [1, -2, 0.5, -2] -> l = z / 0.5 = [2, -4, 1, -4].
+    logits = torch.tensor([[2.0, -1.0, 0.5, -2.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    s = SamplingSettings(temperature=0.5, repetition_penalty=2.0)
+    torch.testing.assert_close(sampling_logprobs(logits, s, seen), torch.log_softmax(torch.tensor([[2.0, -4.0, 1.0, -4.0]]), -1))
+    # Greedy takes the penalised argmax: 2/2 = 1 < 1.5 would flip it with a token at 1.5.
+    g = SamplingSettings(greedy=True, repetition_penalty=2.0)
+    tokens, lp = sample(torch.tensor([[2.0, 1.5]]), g, None, torch.tensor([[True, False]]))
+    assert tokens.tolist() == [1] and float(lp) == pytest.approx(float(torch.log_softmax(torch.tensor([1.0, 1.5]), 0)[1]))
+    assert torch.equal(sampling_logprobs(logits, SamplingSettings(temperature=0.5), seen),
+                       torch.log_softmax(logits / 0.5, -1))  # 1 = off: seen is not read
+    with pytest.raises(ValueError, match="seen tokens"):
+        sampling_logprobs(logits, s)
