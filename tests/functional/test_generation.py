@@ -312,6 +312,23 @@ def test_min_p_samples_and_reports_the_min_p_distribution(model_tok, backend):
     torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
 
 
+def _assert_penalised_logprobs(model, batch, out, penalty: float, temperature: float) -> None:
+    """`out`'s logprobs are of the forward's logits with the tokens before each position (prompt
+    and response so far) penalised, then divided by the temperature; the penalty changed them."""
+    ids = out["output_ids"]
+    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    seen = torch.nn.functional.one_hot(ids, logits.shape[-1]).cumsum(1)[:, :-1] > 0  # tokens before t + 1
+    penalised = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    lp = torch.log_softmax(penalised / temperature, dim=-1)
+    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    m = generated_mask(batch, out)
+    torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
+    unpenalised = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert float((expected[:, 1:] - unpenalised).abs()[m[:, 1:]].max()) > 0.1
+
+
 @pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_repetition_penalty_samples_and_reports_the_penalised_distribution(model_tok, backend):
     """repetition_penalty 1.8, temperature 0.7: the logits of the tokens already in the sequence
@@ -322,18 +339,14 @@ def test_repetition_penalty_samples_and_reports_the_penalised_distribution(model
     batch = make_batch(tok, repeat=2)
     out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, repetition_penalty=1.8,
                  ignore_eos=True, seed=3).generate(batch)
-    ids = out["output_ids"]
-    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    seen = torch.nn.functional.one_hot(ids, logits.shape[-1]).cumsum(1)[:, :-1] > 0  # tokens before t + 1
-    penalised = torch.where(seen, torch.where(logits > 0, logits / 1.8, logits * 1.8), logits)
-    lp = torch.log_softmax(penalised / 0.7, dim=-1)
-    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
-    m = generated_mask(batch, out)
-    torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
-    unpenalised = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    assert float((expected[:, 1:] - unpenalised).abs()[m[:, 1:]].max()) > 0.1  # the penalty changed them
+    _assert_penalised_logprobs(model, batch, out, 1.8, 0.7)
+    if backend == "torch":
+        # Three slots for the rows, ending at their own EOS: slots refilled with new prompts and
+        # compacted keep each row's own seen tokens.
+        small = engine("torch", model, tok, max_new_tokens=16, temperature=0.7, repetition_penalty=1.8, seed=4,
+                       torch_cfg={"max_batch_size": 3}).generate(batch)
+        assert len(set(small["generation_lengths"].tolist())) > 1
+        _assert_penalised_logprobs(model, batch, small, 1.8, 0.7)
     # Greedy with the penalty: both backends pick the same tokens (one rule, sampling_logprobs).
     greedy = {b: engine(b, model, tok, max_new_tokens=16, repetition_penalty=1.8, ignore_eos=True).generate(
         batch, greedy=True)["output_ids"] for b in ("torch", "hf")}
