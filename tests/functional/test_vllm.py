@@ -117,10 +117,12 @@ def test_greedy_with_a_repetition_penalty_equals_the_torch_engine(setup):
     model, tok, engine, torch_engine = setup
     batch = make_batch(tok)
     plain = torch_engine.generate(batch, greedy=True)["output_ids"]
-    engine.cfg.repetition_penalty = 1.8  # the fixture's engines share this config
+    for e in (engine, torch_engine):
+        e.cfg.repetition_penalty = 1.8
     try:
         out, ref = engine.generate(batch, greedy=True), torch_engine.generate(batch, greedy=True)
     finally:
-        engine.cfg.repetition_penalty = 1.0
+        for e in (engine, torch_engine):
+            e.cfg.repetition_penalty = 1.0
     assert out["output_ids"].tolist() == ref["output_ids"].tolist()
     assert not torch.equal(ref["output_ids"], plain)  # the penalty changed what greedy picks
