@@ -28,7 +28,7 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker, sampling_logprobs
+from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker, sampling_logprobs, seen_tokens
 from posttrain.generation.torch_engine import DTYPES, stop_token_ids
 
 
@@ -157,8 +157,7 @@ class _SamplingDistribution(LogitsProcessor):
         seen = None
         if self.settings.penalises_repeats:
             real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= self.starts[:, None]
-            ids = torch.where(real, input_ids, input_ids[:, -1:])  # padding marks the last token again
-            seen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, ids, True)
+            seen = seen_tokens(input_ids, real, scores.shape[-1])
         return sampling_logprobs(scores, self.settings, seen)
 
 

@@ -75,6 +75,13 @@ class GlobalRngSeeds:
             yield
 
 
+def seen_tokens(ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool `[B, vocab_size]`: the tokens of each row of `ids [B, L]` at its `valid [B, L]`
+    positions (padding is not a seen token), the `seen` of `sampling_logprobs`."""
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, torch.where(valid, ids, vocab_size), True)[:, :vocab_size]
+
+
 def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probabilities `[B, V]` of the sampling distribution for `logits [B, V]` (-inf = excluded);
     `seen [B, V]` bool: the tokens already in each row's sequence (needed when `s.penalises_repeats`)."""

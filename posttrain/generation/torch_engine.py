@@ -37,7 +37,7 @@ from posttrain.generation.interfaces import (
     pad_token_id,
     prepare_prompts,
 )
-from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, version_seed
+from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, seen_tokens, version_seed
 from posttrain.policy.blockwise_attention import base_implementation
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -628,9 +628,8 @@ class TorchGeneration:
         lens = plen[reqs].to(dev)
         logits = torch.cat(chunk_logits)[torch.tensor([row_of[src] for src in source], device=dev)]
         if seen is not None:
-            rows = prompts[reqs].to(dev)  # right-padded: padding marks the row's first token again
-            rows = torch.where(torch.arange(rows.shape[1], device=dev)[None] < lens[:, None], rows, rows[:, :1])
-            seen[ss] = torch.zeros(len(reqs), seen.shape[1], dtype=torch.bool, device=dev).scatter_(1, rows, True)
+            rows = prompts[reqs].to(dev)  # right-padded
+            seen[ss] = seen_tokens(rows, torch.arange(rows.shape[1], device=dev)[None] < lens[:, None], seen.shape[1])
         tok, lp = sample(logits, settings, self.generator, None if seen is None else seen[ss])
         req[ss.cpu()] = torch.tensor(reqs, dtype=torch.long)
         active[ss] = True

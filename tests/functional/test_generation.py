@@ -264,6 +264,20 @@ def mha_twin(model, heads: int):
     return twin.eval()
 
 
+def _next_token_logits(model, out) -> torch.Tensor:
+    """Float32 logits `[B, S' - 1, V]` of one forward over `out`'s sequences: position t scores token t + 1."""
+    ids = out["output_ids"]
+    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+
+
+def _at_tokens(out, lp: torch.Tensor) -> torch.Tensor:
+    """`lp [B, S' - 1, V]` at `out`'s tokens, aligned as `out["logprobs"]` (position 0: 0)."""
+    ids = out["output_ids"]
+    return torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+
+
 @pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_logprobs_are_of_the_sampling_distribution(model_tok, backend):
     """temperature 0.7, min_p 0.02, top_k 5, top_p 0.8, in vLLM's order (min-p, top-k, then top-p
@@ -273,17 +287,14 @@ def test_logprobs_are_of_the_sampling_distribution(model_tok, backend):
     batch = make_batch(tok)
     out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, top_k=5, top_p=0.8, min_p=0.02,
                  seed=5).generate(batch)
-    ids = out["output_ids"]
-    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / 0.7
+    logits = _next_token_logits(model, out) / 0.7
     probs = torch.softmax(logits, dim=-1)
     logits = logits.masked_fill(probs < 0.02 * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     logits = logits.masked_fill(logits < logits.topk(5, dim=-1).values[..., -1:], float("-inf"))
     sorted_p, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
     cut = torch.zeros_like(sorted_p, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p >= 0.8)
     lp = torch.log_softmax(logits.masked_fill(cut, float("-inf")), dim=-1)
-    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    expected = _at_tokens(out, lp)
     m = generated_mask(batch, out)
     assert bool(torch.isfinite(expected[m]).all()), "a token outside the kept set was sampled"
     kept = torch.isfinite(lp).sum(-1).float()
@@ -298,14 +309,10 @@ def test_min_p_samples_and_reports_the_min_p_distribution(model_tok, backend):
     model, tok = model_tok
     batch = make_batch(tok)
     out = engine(backend, model, tok, max_new_tokens=16, temperature=0.7, min_p=0.2, seed=3).generate(batch)
-    ids = out["output_ids"]
-    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / 0.7
+    logits = _next_token_logits(model, out) / 0.7
     probs = torch.softmax(logits, dim=-1)
     kept = probs >= 0.2 * probs.max(dim=-1, keepdim=True).values
-    lp = torch.log_softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
-    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    expected = _at_tokens(out, torch.log_softmax(logits.masked_fill(~kept, float("-inf")), dim=-1))
     m = generated_mask(batch, out)
     assert bool(torch.isfinite(expected[m]).all()), "a token below min_p was sampled"
     assert float(kept.sum(-1).float().mean()) < probs.shape[-1] / 2  # min_p cut most of the vocabulary
@@ -315,18 +322,14 @@ def test_min_p_samples_and_reports_the_min_p_distribution(model_tok, backend):
 def _assert_penalised_logprobs(model, batch, out, penalty: float, temperature: float) -> None:
     """`out`'s logprobs are of the forward's logits with the tokens before each position (prompt
     and response so far) penalised, then divided by the temperature; the penalty changed them."""
-    ids = out["output_ids"]
-    mask = (torch.arange(ids.shape[1])[None] < out["unpadded_sequence_lengths"][:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    seen = torch.nn.functional.one_hot(ids, logits.shape[-1]).cumsum(1)[:, :-1] > 0  # tokens before t + 1
+    logits = _next_token_logits(model, out)
+    seen = torch.nn.functional.one_hot(out["output_ids"], logits.shape[-1]).cumsum(1)[:, :-1] > 0  # tokens before t + 1
     penalised = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-    lp = torch.log_softmax(penalised / temperature, dim=-1)
-    expected = torch.cat([torch.zeros(ids.shape[0], 1), lp.gather(-1, ids[:, 1:, None]).squeeze(-1)], dim=1)
+    expected = _at_tokens(out, torch.log_softmax(penalised / temperature, dim=-1))
     m = generated_mask(batch, out)
     torch.testing.assert_close(out["logprobs"][m], expected[m], atol=1e-4, rtol=0)
-    unpenalised = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    assert float((expected[:, 1:] - unpenalised).abs()[m[:, 1:]].max()) > 0.1
+    unpenalised = _at_tokens(out, torch.log_softmax(logits / temperature, dim=-1))
+    assert float((expected - unpenalised).abs()[m].max()) > 0.1
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])

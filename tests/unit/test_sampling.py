@@ -158,3 +158,12 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
                        torch.log_softmax(logits / 0.5, -1))  # 1 = off: seen is not read
     with pytest.raises(ValueError, match="seen tokens"):
         sampling_logprobs(logits, s)
+
+
+def test_seen_tokens_marks_each_rows_valid_tokens_only():
+    from posttrain.generation.sampling import seen_tokens
+
+    ids = torch.tensor([[3, 1, 0], [2, 2, 5]])
+    valid = torch.tensor([[True, True, False], [True, True, True]])  # row 0's last position is padding (0)
+    assert seen_tokens(ids, valid, 6).tolist() == [[False, True, False, True, False, False],
+                                                   [False, False, True, False, False, True]]
