@@ -1,11 +1,11 @@
 """Training throughput of the FSDP2 policy: tokens/s and model-FLOPs utilization (MFU).
 
     python benchmarks/train_throughput.py [--models 1m,30m] [--workers 1,2] [--packing off,on]
-                                          [--precisions float32,bfloat16] [--steps 3] [--out FILE]
+                                          [--precisions float32,bfloat16] [--compile off] [--steps 3] [--out FILE]
 
 Each configuration builds a real `Policy` (Ray workers, FSDP2, gloo) on an embedded model and
-times `--steps` optimizer steps (after one warm-up step) on the same random batch of
-variable-length sequences. MFU = model FLOPs / (time x matmul peak), where
+times `--steps` optimizer steps (after one warm-up step, timed apart: with `--compile on`
+(`policy.compile`) it holds the compiling) on the same random batch of variable-length sequences. MFU = model FLOPs / (time x matmul peak), where
 
     model FLOPs = 6 * params * tokens + 12 * layers * hidden * sum_i len_i^2
 
@@ -18,6 +18,7 @@ many threads as the workers use together.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import sys
@@ -87,16 +88,19 @@ def run(args) -> list[dict]:
         for workers in workers_list:
             cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=1), name="bench")
             for precision in args.precisions.split(","):
-                for packing in args.packing.split(","):
+                for packing, compiled in itertools.product(args.packing.split(","), args.compile.split(",")):
                     cfg = PolicyConfig(
                         model_name=f"embedded:{model}", train_global_batch_size=gbs, train_micro_batch_size=mbs,
                         max_total_sequence_length=lengths[1], precision=precision,
                         sequence_packing={"enabled": packing == "on", "train_mb_tokens": budget,
                                           "logprob_mb_tokens": budget, "sequence_length_round": 16},
                         optimizer={"name": "adamw", "kwargs": {"lr": 1e-4}},
+                        compile={"enabled": compiled == "on"},
                     )
                     policy = Policy(cluster, cfg, init_reference=False, name_prefix="bench")
+                    t0 = time.perf_counter()
                     policy.train(batch, NLLLoss())  # warm-up
+                    first = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     for _ in range(args.steps):
                         policy.train(batch, NLLLoss())
@@ -105,7 +109,7 @@ def run(args) -> list[dict]:
                     flops = model_flops(policy.num_parameters, hf.num_hidden_layers, hf.hidden_size,
                                         batch["input_lengths"])
                     row = dict(model=model, params_m=policy.num_parameters / 1e6, workers=workers,
-                               precision=precision, packing=packing, step_s=dt,
+                               precision=precision, packing=packing, compiled=compiled, first_s=first, step_s=dt,
                                tokens_per_s=float(batch["input_lengths"].sum()) / dt,
                                tflops=flops / dt / 1e12, mfu=flops / dt / peaks[(precision, workers)])
                     rows.append(row)
@@ -117,7 +121,7 @@ def run(args) -> list[dict]:
 
 def _fmt_row(r: dict) -> str:
     return (f"| {r['model']} ({r['params_m']:.1f}M) | {r['workers']} | {r['precision']} | {r['packing']} | "
-            f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops'] * 1e3:,.1f} | {100 * r['mfu']:.1f}% |")
+            f"{r['compiled']} | {r['first_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops'] * 1e3:,.1f} | {100 * r['mfu']:.1f}% |")
 
 
 def main() -> None:
@@ -126,6 +130,7 @@ def main() -> None:
     p.add_argument("--workers", default="1,2")
     p.add_argument("--packing", default="off,on")
     p.add_argument("--precisions", default="float32,bfloat16")
+    p.add_argument("--compile", default="off", help="policy.compile: off, on or off,on")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the markdown table here")
     args = p.parse_args()
@@ -138,8 +143,8 @@ def main() -> None:
         "",
         "matmul peak (2048x2048, GFLOP/s): " + ", ".join(f"{p} x{w} threads: {v / 1e9:,.1f}" for (p, w), v in peaks.items()),
         "",
-        "| model | workers | precision | packing | step s | tokens/s | GFLOP/s | MFU |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | workers | precision | packing | compile | first step s | step s | tokens/s | GFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *[_fmt_row(r) for r in rows],
     ]
     text = "\n".join(lines)

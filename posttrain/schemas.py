@@ -396,6 +396,27 @@ class ReferenceSyncConfig(Section):
     sync_steps: int = Field(512, ge=1)
 
 
+class CompileConfig(Section):
+    # torch.compile each decoder layer's forward of the policy and reference models: the
+    # training, logprob and scoring passes run the layers' elementwise work fused instead of one
+    # eager op at a time. Each kind of pass (with gradients, without) compiles at its first
+    # batch, for tens of seconds (8-47 s per process on 2 CPU cores, the low end from inductor's
+    # on-disk cache of an earlier run), so it pays off over long runs. On this project's CPU
+    # (benchmarks/results/train_throughput.md): bf16 training steps 10-37% faster, float32 0-25%,
+    # the quickstart's GRPO optimizer steps 15-30%; the 30M GRPO benchmark's step did not move
+    # beyond noise. Generation is not compiled (the torch engine runs its own decode; vLLM
+    # compiles its own model). Not with tensor parallelism.
+    enabled: bool = False
+    # torch.compile's backend; "inductor" on a CPU needs a C++ compiler (checked at worker setup).
+    backend: str = "inductor"
+    # torch.compile's mode; null: its default. "reduce-overhead" adds CUDA graphs (GPUs).
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    # Compile for symbolic shapes: every batch has other lengths, and static shapes would
+    # recompile for each (and past torch's recompile limit run eager). false: static shapes;
+    # null: torch's choice (static, then symbolic after the first recompile).
+    dynamic: bool | None = True
+
+
 class PolicyConfig(Section):
     model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
     # The tokenizer (null name: the model's own) and an optional chat template.
@@ -437,6 +458,8 @@ class PolicyConfig(Section):
     # bf16 0.77M model's forward + backward at 512 tokens: 1.93 vs 0.96 s; 256: 1.04 vs 0.76 s;
     # 128: 0.60 vs 0.78 s); sdpa on GPUs.
     attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
+    # torch.compile of the policy's decoder layers (off: eager), see the section.
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     # FSDP2 and tensor-parallel settings of the policy workers (NeMo RL's DTensor policy).
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     # Micro-batches by a token budget instead of a row count (an alternative to sequence_packing).
@@ -536,6 +559,10 @@ class PolicyConfig(Section):
             raise ValueError("policy.dtensor_cfg: context/sequence parallelism and custom_parallel_plan are not "
                              "supported yet (keep context_parallel_size=1, sequence_parallel=false, "
                              "custom_parallel_plan=null)")
+        if d.tensor_parallel_size > 1 and self.compile.enabled:
+            # Measured: inductor's backward of the DTensor layers fails (torch 2.13, a RecursionError).
+            raise ValueError("policy.compile.enabled does not combine with policy.dtensor_cfg.tensor_parallel_size > 1 "
+                             "(torch.compile fails on the tensor-parallel layers' backward); turn one off")
         if d.tensor_parallel_size > 1 and (self.lora.enabled or d.cpu_offload):
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 does not combine with "
                              + ("policy.lora.enabled" if self.lora.enabled else "policy.dtensor_cfg.cpu_offload"))

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.checkpoint import TRAINER_STATE_FILE
-from posttrain.config import InputError
+from posttrain.config import ConfigError, InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
@@ -46,7 +46,7 @@ from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memo
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
-from posttrain.schemas import PolicyConfig
+from posttrain.schemas import CompileConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +190,44 @@ def _first_trained(token_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks, by the class names transformers marks as not splittable."""
+    """The transformer blocks, by the class names transformers marks as not splittable (also
+    once FSDP2 has made them subclasses of those classes)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard "
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard or compile "
                          f"(_no_split_modules={sorted(names)})")
     return layers
+
+
+def check_compile(cfg: CompileConfig, device: torch.device) -> None:
+    """Refuse policy.compile settings that would fail at the first forward, deep in torch."""
+    import torch._dynamo
+
+    if cfg.backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(f"policy.compile.backend={cfg.backend!r} is not a torch.compile backend; available: "
+                          f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager, eager)")
+    if cfg.backend == "inductor" and device.type == "cpu":
+        from torch._inductor import config as inductor_config
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception:  # torch's InvalidCxxCompiler: none of the names it tries runs
+            tried = [c for c in inductor_config.cpp.cxx if c]
+            raise ConfigError(
+                "policy.compile.enabled with backend inductor on a CPU builds its kernels with a C++ compiler, and "
+                f"none runs here (tried {', '.join(tried) or 'none'}; torch reads the CXX variable): install one "
+                "(Debian/Ubuntu: apt-get install g++), or set policy.compile.enabled=false") from None
+
+
+def compile_layers(model: torch.nn.Module, cfg: CompileConfig) -> None:
+    """torch.compile the forward of every decoder layer of `model` (policy.compile). The forward,
+    not the module: FSDP2's hooks around it stay eager (they swap sharded and gathered
+    parameters), and the parameter names (state dicts, checkpoints) stay as they are. The layers
+    share their compiled graphs: torch passes a layer's parameters as graph inputs."""
+    for layer in _decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic)
 
 
 class FSDPPolicyWorker:
@@ -258,6 +289,8 @@ class FSDPPolicyWorker:
             # it must be the id the rows are padded with, or a shorter row is scored at a padding
             # position. Set here, it reaches the model, the HF export and the checkpoints' config alike.
             hf_config.pad_token_id = self.pad_id
+        if cfg.compile.enabled:
+            check_compile(cfg.compile, self.device)  # before the minutes of loading
         t0 = time.perf_counter()
         self.model = self._load_and_shard(path, train=True)
         self._keeps_logits = self.model_kind == "causal_lm" and _takes_logits_to_keep(self.model)
@@ -266,6 +299,10 @@ class FSDPPolicyWorker:
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
+        if cfg.compile.enabled:
+            for model in (self._twin.module if self._twin is not None else self.model, self.reference):
+                if model is not None:
+                    compile_layers(model, cfg.compile)
         if self.reference is not None and cfg.reference_sync.enabled:
             self._synced_pairs()  # a reference of another architecture fails here, not at the first sync
         freeze_setup_objects()

@@ -31,6 +31,20 @@ def make_batch(lengths=LENGTHS, seq=SEQ, seed=0) -> BatchedDataDict:
                            sample_mask=torch.ones(n))
 
 
+def prompt_batch(prompts: list[int], lengths: list[int], shared: bool, seed: int = 0) -> BatchedDataDict:
+    """Rows of random tokens, row r trained from position prompts[r] on; `shared`: every row
+    starts with row 0's first prompts[0] tokens (one GRPO group's prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(8, 60, (len(lengths), max(lengths)), generator=g)
+    if shared:
+        ids[1:, : prompts[0]] = ids[0, : prompts[0]]
+    pos = torch.arange(ids.shape[1])[None]
+    lens, first = torch.tensor(lengths)[:, None], torch.tensor(prompts)[:, None]
+    ids[pos >= lens] = 0
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths),
+                           token_mask=((pos >= first) & (pos < lens)).float(), sample_mask=torch.ones(len(lengths)))
+
+
 def reference_logprobs(model, batch: BatchedDataDict) -> torch.Tensor:
     """log_softmax of a plain forward (each row alone, unpadded) gathered at the next tokens; `[B, S]`.
     As the policy returns them, tokens before a row's first trained one (`token_mask`) are 0."""

@@ -7,7 +7,7 @@ are the full forward's too, on plain, shared-prefix and packed rows."""
 
 import pytest
 import torch
-from policy_oracle import reference_logprobs
+from policy_oracle import prompt_batch, reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from posttrain.data.batch import BatchedDataDict
@@ -27,26 +27,13 @@ def make_worker(tiny_model_path, single_rank_worker_env):
     return make
 
 
-def batch(prompts: list[int], lengths: list[int], shared: bool) -> BatchedDataDict:
-    """Rows of random tokens; row r is trained from position prompts[r] on."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(8, 60, (len(lengths), max(lengths)), generator=g)
-    if shared:
-        ids[1:, : prompts[0]] = ids[0, : prompts[0]]
-    pos = torch.arange(ids.shape[1])[None]
-    lens, first = torch.tensor(lengths)[:, None], torch.tensor(prompts)[:, None]
-    ids[pos >= lens] = 0
-    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor(lengths),
-                           token_mask=((pos >= first) & (pos < lens)).float(), sample_mask=torch.ones(len(lengths)))
-
-
 @pytest.mark.parametrize("shared", [False, True], ids=["plain_rows", "shared_prefix"])
 def test_logits_only_from_the_first_trained_token(make_worker, tiny_model_path, shared):
     worker = make_worker()
     heads: list[int] = []  # positions per row the LM head computes
     worker.model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
     prompts, lengths = ([9, 9, 9, 9], [20, 14, 17, 12]) if shared else ([9, 6, 11, 7], [20, 14, 17, 12])
-    b = batch(prompts, lengths, shared)
+    b = prompt_batch(prompts, lengths, shared)
     got = worker.get_logprobs(b)["logprobs"]
     if shared:  # one packed row: the 9-token prompt, then the 4 completions (11 + 5 + 8 + 3 tokens)
         assert heads == [9 + 11 + 5 + 8 + 3 - 8]
@@ -64,7 +51,7 @@ def test_rows_without_a_token_mask_keep_every_logit(make_worker, tiny_model_path
     worker = make_worker(prefix_sharing={"enabled": False})
     heads: list[int] = []
     worker.model.lm_head.register_forward_hook(lambda m, i, o: heads.append(i[0].shape[1]))
-    b = batch([9, 6, 11, 7], [20, 14, 17, 12], shared=False)
+    b = prompt_batch([9, 6, 11, 7], [20, 14, 17, 12], shared=False)
     del b["token_mask"]
     got = worker.get_logprobs(b)["logprobs"]
     assert heads == [20]
@@ -94,9 +81,9 @@ def test_entropies_come_with_the_logprobs_on_every_path(make_worker, tiny_model_
     worker = make_worker(**policy)
     shared = path == "shared_prefix"
     prompts, lengths = ([9, 9, 9, 9], [20, 14, 17, 12]) if shared else ([9, 6, 11, 7], [20, 14, 17, 12])
-    mbs, rows = worker._microbatches(batch(prompts, lengths, shared), train=False, group=1)
+    mbs, rows = worker._microbatches(prompt_batch(prompts, lengths, shared), train=False, group=1)
     assert len(mbs) == 1 and (path == "packed") == bool(rows)
-    b = batch(prompts, lengths, shared).select_indices(mbs[0])  # packing may order the rows otherwise
+    b = prompt_batch(prompts, lengths, shared).select_indices(mbs[0])  # packing may order the rows otherwise
     lengths = b["input_lengths"].tolist()
     got_lp, got_h = worker._forward(worker.model, b, rows[0] if rows else None, entropy=True)
     torch.testing.assert_close(got_lp, worker._forward(worker.model, b, rows[0] if rows else None))
