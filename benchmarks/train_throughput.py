@@ -5,7 +5,8 @@
 
 Each configuration builds a real `Policy` (Ray workers, FSDP2, gloo) on an embedded model and
 times `--steps` optimizer steps (after one warm-up step, timed apart: with `--compile on`
-(`policy.compile`) it holds the compiling) on the same random batch of variable-length sequences. MFU = model FLOPs / (time x matmul peak), where
+(`policy.compile`) it holds the compiling) on the same random batch of variable-length
+sequences. MFU = model FLOPs / (time x matmul peak), where
 
     model FLOPs = 6 * params * tokens + 12 * layers * hidden * sum_i len_i^2
 

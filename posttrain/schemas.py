@@ -559,13 +559,12 @@ class PolicyConfig(Section):
             raise ValueError("policy.dtensor_cfg: context/sequence parallelism and custom_parallel_plan are not "
                              "supported yet (keep context_parallel_size=1, sequence_parallel=false, "
                              "custom_parallel_plan=null)")
-        if d.tensor_parallel_size > 1 and self.compile.enabled:
-            # Measured: inductor's backward of the DTensor layers fails (torch 2.13, a RecursionError).
-            raise ValueError("policy.compile.enabled does not combine with policy.dtensor_cfg.tensor_parallel_size > 1 "
-                             "(torch.compile fails on the tensor-parallel layers' backward); turn one off")
-        if d.tensor_parallel_size > 1 and (self.lora.enabled or d.cpu_offload):
+        # policy.compile: inductor's backward of the DTensor layers fails (measured, torch 2.13: a RecursionError).
+        apart = {"policy.lora.enabled": self.lora.enabled, "policy.dtensor_cfg.cpu_offload": d.cpu_offload,
+                 "policy.compile.enabled": self.compile.enabled}
+        if d.tensor_parallel_size > 1 and any(apart.values()):
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 does not combine with "
-                             + ("policy.lora.enabled" if self.lora.enabled else "policy.dtensor_cfg.cpu_offload"))
+                             + next(key for key, on in apart.items() if on))
         return self
 
 

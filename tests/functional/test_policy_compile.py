@@ -100,5 +100,5 @@ def test_compile_settings_that_cannot_run_fail_at_setup(monkeypatch):
     with pytest.raises(ConfigError, match=r"policy\.compile\.enabled .* C\+\+ compiler.*/nonexistent/c\+\+"):
         check_compile(CompileConfig(enabled=True), torch.device("cpu"))
     check_compile(CompileConfig(enabled=True, backend="aot_eager"), torch.device("cpu"))  # builds no C++
-    with pytest.raises(ValueError, match=r"policy\.compile\.enabled does not combine with .*tensor_parallel_size"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size > 1 does not combine with policy\.compile\.enabled"):
         PolicyConfig(compile={"enabled": True}, dtensor_cfg={"tensor_parallel_size": 2})
