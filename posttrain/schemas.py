@@ -106,7 +106,11 @@ class DTensorConfig(Section):
     enabled: bool = True
     # Keep parameters, gradients and optimizer state on the CPU (FSDP2 CPUOffloadPolicy).
     cpu_offload: bool = False
-    # Not supported yet (must be false).
+    # Megatron's sequence parallelism on top of tensor parallelism: each rank of a tensor-parallel
+    # group keeps 1/tensor_parallel_size of the positions through the decoder layers' norms and
+    # residual adds (less activation memory). Needs tensor_parallel_size > 1, and rows that split
+    # evenly: policy.make_sequence_length_divisible_by (and sequence_packing.sequence_length_round
+    # when packing) a multiple of tensor_parallel_size.
     sequence_parallel: bool = False
     # Recompute each decoder layer's activations in backward to save memory.
     activation_checkpointing: bool = False
@@ -555,10 +559,22 @@ class PolicyConfig(Section):
         d = self.dtensor_cfg
         if not d.enabled:
             raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
-        if d.context_parallel_size != 1 or d.sequence_parallel or d.custom_parallel_plan:
-            raise ValueError("policy.dtensor_cfg: context/sequence parallelism and custom_parallel_plan are not "
-                             "supported yet (keep context_parallel_size=1, sequence_parallel=false, "
-                             "custom_parallel_plan=null)")
+        if d.context_parallel_size != 1 or d.custom_parallel_plan:
+            raise ValueError("policy.dtensor_cfg: context parallelism and custom_parallel_plan are not supported yet "
+                             "(keep context_parallel_size=1, custom_parallel_plan=null)")
+        if d.sequence_parallel:
+            tp = d.tensor_parallel_size
+            if tp == 1:
+                raise ValueError("policy.dtensor_cfg.sequence_parallel splits the positions over a tensor-parallel "
+                                 "group: set policy.dtensor_cfg.tensor_parallel_size > 1, or sequence_parallel=false")
+            rounding = {"policy.make_sequence_length_divisible_by": self.make_sequence_length_divisible_by}
+            if self.sequence_packing.enabled:
+                rounding["policy.sequence_packing.sequence_length_round"] = self.sequence_packing.sequence_length_round
+            for key, value in rounding.items():
+                if value % tp:
+                    raise ValueError(f"policy.dtensor_cfg.sequence_parallel: {key}={value} must be a multiple of "
+                                     f"tensor_parallel_size={tp}, so that every row splits evenly over the group "
+                                     f"(e.g. {key}={tp * -(-value // tp)})")
         # policy.compile: inductor's backward of the DTensor layers fails (measured, torch 2.13: a RecursionError).
         apart = {"policy.lora.enabled": self.lora.enabled, "policy.dtensor_cfg.cpu_offload": d.cpu_offload,
                  "policy.compile.enabled": self.compile.enabled}

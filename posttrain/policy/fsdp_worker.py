@@ -360,7 +360,7 @@ class FSDPPolicyWorker:
 
             mesh = init_device_mesh(self.device.type, (self.world_size // self.tp, self.tp),
                                     mesh_dim_names=("dp", "tp"))
-            apply_tensor_parallel(model, _decoder_layers(model), mesh["tp"])
+            apply_tensor_parallel(model, _decoder_layers(model), mesh["tp"], cfg.dtensor_cfg.sequence_parallel)
             mesh = mesh["dp"]
         else:
             mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))

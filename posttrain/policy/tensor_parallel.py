@@ -8,6 +8,16 @@ norms and the LM head are replicated. The plan is the model's own (transformers'
 `config.base_model_tp_plan`), applied with `torch.distributed.tensor.parallel`; FSDP2 then shards
 over the data-parallel dimension of the (dp, tp) mesh.
 
+With `policy.dtensor_cfg.sequence_parallel` (Megatron's sequence parallelism), the activations
+between the projections are split too, by sequence position: each rank keeps 1/tp of the
+positions through the two RMSNorms and the residual adds of every layer, the column-parallel
+projections all-gather their input and the row-parallel ones reduce-scatter their output
+(instead of all-reducing it). The same bytes cross the group; the norms' and residuals'
+activations and work shrink by tp. The first layer takes its rank's positions of the embedding
+output and the final norm gathers them back, so the attention mask, positions, LM head and loss
+see whole rows as without it. Rows must split evenly (`policy.make_sequence_length_divisible_by`
+a multiple of tp, checked with the config).
+
 Architectures whose plan has only "colwise"/"rowwise" entries under `layers.*` (Llama, Qwen2,
 Mistral, ...) are supported; anything else fails at setup, naming what is not.
 """
@@ -49,21 +59,65 @@ def check_tensor_parallel(config, tp: int, key: str = "policy.model_name") -> No
                          + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
-def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh) -> None:
-    """Split `decoder_layers` of `model` over `tp_mesh` by the model's plan (in place)."""
+# The decoder layer's norms that sequence parallelism runs on the rank's positions (Llama's names).
+_SEQUENCE_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_parallel: bool = False) -> None:
+    """Split `decoder_layers` of `model` over `tp_mesh` by the model's plan (in place); with
+    `sequence_parallel`, their norms and residual stream by sequence position too."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if sequence_parallel:
+        # The projections take and give the positions' shards (dim 1 of [rows, positions, hidden]).
+        styles = {"colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+                  "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1))}
+    else:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = _plan(model.config)
+    names = [*plan, *(_SEQUENCE_NORMS if sequence_parallel else ())]
     for layer in decoder_layers:
         try:
-            for name in plan:
+            for name in names:
                 layer.get_submodule(name)
         except AttributeError as e:
             raise InputError(f"tensor parallelism: decoder layer {type(layer).__name__} lacks a module its "
-                             f"config's plan names: {e}") from None
-        parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+                             f"config's plan{' or sequence parallelism' if sequence_parallel else ''} names: {e}") \
+                from None
+        layer_plan = {name: styles[style]() for name, style in plan.items()}
+        if sequence_parallel:
+            layer_plan.update({name: SequenceParallel() for name in _SEQUENCE_NORMS})
+        parallelize_module(layer, tp_mesh, layer_plan)
+    if sequence_parallel:
+        _split_positions_between(model, decoder_layers, tp_mesh)
+
+
+def _split_positions_between(model: Any, decoder_layers: list, tp_mesh) -> None:
+    """Hand the first decoder layer its rank's share of the positions, and the final norm the
+    whole rows again (an all-gather; autograd's backward of each is the other)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    norm = getattr(model.base_model, "norm", None)
+    if norm is None:
+        raise InputError(f"policy.dtensor_cfg.sequence_parallel: {type(model).__name__} has no final norm "
+                         "(base_model.norm) to gather the positions before its head")
+
+    def scatter(module, args, kwargs):
+        whole = args[0] if args else kwargs["hidden_states"]
+        local = DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
+            tp_mesh, [Shard(1)]).to_local()
+        return ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": local})
+
+    def gather(module, args):
+        local = args[0]
+        return (DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False).redistribute(
+            tp_mesh, [Replicate()]).to_local(), *args[1:])
+
+    decoder_layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
+    norm.register_forward_pre_hook(gather)

@@ -417,11 +417,13 @@ def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
 
 
 def test_tensor_parallel_grpo(ray_session, tmp_path):
-    # Two workers splitting each layer's heads and MLP width (warm-up, rollouts on the gathered
-    # weights, training, checkpoint and export); rows counted once, not once per rank.
+    # Two workers splitting each layer's heads and MLP width, and with sequence parallelism each
+    # row's positions between the projections (warm-up, rollouts on the gathered weights, training,
+    # checkpoint and export); rows counted once, not once per rank.
     cfg = load_config("grpo", QUICKSTART, tiny_overrides(
         tmp_path, "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_start=false",
         "cluster.workers_per_node=2", "cluster.cpus_per_worker=1", "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.dtensor_cfg.sequence_parallel=true", "policy.make_sequence_length_divisible_by=2",
     ))
     run(cfg)
     train = records(tmp_path / "logs", "train")

@@ -41,8 +41,19 @@ def test_a_reference_too_large_fails_before_loading(cluster, tiny_model_path, tm
 def test_unsupported_or_incomplete_config_fails_at_load():
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
-    with pytest.raises(ValueError, match="context/sequence parallelism"):
+    with pytest.raises(ValueError, match="context parallelism"):
         PolicyConfig(dtensor_cfg={"context_parallel_size": 2})
+    with pytest.raises(ValueError, match="set policy.dtensor_cfg.tensor_parallel_size > 1"):
+        PolicyConfig(dtensor_cfg={"sequence_parallel": True})
+    with pytest.raises(ValueError, match=r"policy.make_sequence_length_divisible_by=3 must be a multiple of "
+                                         r"tensor_parallel_size=2.*divisible_by=4\)"):
+        PolicyConfig(dtensor_cfg={"sequence_parallel": True, "tensor_parallel_size": 2},
+                     make_sequence_length_divisible_by=3)
+    with pytest.raises(ValueError, match="policy.sequence_packing.sequence_length_round=63 must be a multiple"):
+        PolicyConfig(dtensor_cfg={"sequence_parallel": True, "tensor_parallel_size": 2},
+                     make_sequence_length_divisible_by=2,
+                     sequence_packing={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64,
+                                       "sequence_length_round": 63})
     with pytest.raises(ValueError, match="are alternatives"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64},
                      dynamic_batching={"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 64})

@@ -1,6 +1,7 @@
 """Tensor parallelism (`policy.dtensor_cfg.tensor_parallel_size`) on real Ray workers over gloo:
 two workers holding half of every decoder layer's heads and MLP width each, against a plain
-single-process transformers model.
+single-process transformers model; the same with sequence parallelism (each also holding half
+of the positions through the norms and residual adds).
 
 Tolerances (fp32): logprobs 2e-5 absolute; loss and grad norm 1e-5 relative; parameters after one
 SGD step (lr 0.5) 5e-6 absolute (the row-parallel sums add in another order).
@@ -76,11 +77,66 @@ def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
                                     make_batch(seed=10))
 
 
+def _sequence_parallel_rank(rank: int, port: int, model_path: str, results) -> None:
+    """Rank `rank` of two policy workers in this (spawned) process under sequence parallelism:
+    the hidden states a middle decoder layer receives, and the logprobs of make_batch()."""
+    import os
+
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _decoder_layers
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    worker = FSDPPolicyWorker(_cfg(model_name=model_path, make_sequence_length_divisible_by=2,
+                                   dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}),
+                              init_reference=False)
+    worker.setup()
+    layer = _decoder_layers(worker.model)[1]
+    norm = layer.input_layernorm.weight
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(tuple(args[0].shape)), with_kwargs=True)
+    logprobs = worker.get_logprobs(make_batch())["logprobs"]
+    # As a list: a tensor would go as a shared-memory handle that dies with this process.
+    results.put((rank, seen, isinstance(norm, DTensor) and Replicate() in norm.placements, logprobs.tolist()))
+
+
+def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path, free_port):
+    # The worker class itself in two processes (Ray's actors hide their modules): a decoder layer
+    # receives its rank's half of each row's positions, with the norms' weights replicated over
+    # the group as DTensors, and the logprobs are the plain model's. make_batch() in logprob
+    # micro-batches of 3: rows of 16, 9, 12 tokens (16 positions, 8 per rank), then one of 5
+    # (rounded up to 6: 3 per rank).
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_sequence_parallel_rank, args=(r, free_port, tiny_model_path, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    hidden = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.hidden_size
+    expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval(),
+                                  make_batch())
+    for rank, seen, norm_replicated, logprobs in got:
+        assert seen == [(3, 8, hidden), (1, 3, hidden)], rank
+        assert norm_replicated, rank
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=2e-5, rtol=0)
+
+
 def test_a_checkpoint_resumes_under_another_tensor_parallel_size(ray_session, tmp_path):
     # Before the module's 2-worker fixture starts (3 of the test cluster's 4 CPUs here). AdamW,
-    # so the step after a resume depends on the moments resharded along with the weights.
+    # so the step after a resume depends on the moments resharded along with the weights. The
+    # split side runs sequence parallel too, whose norms are DTensors replicated over the group.
     adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
-    with _policy(2, "tp2", optimizer=adamw) as split, \
+    with _policy(2, "tp2", optimizer=adamw, make_sequence_length_divisible_by=2,
+                 dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}) as split, \
             _policy(1, "tp1", optimizer=adamw, dtensor_cfg={"tensor_parallel_size": 1}) as whole:
         split.train(make_batch(seed=1), NLLLoss())
         split.save_checkpoint(tmp_path / "tp2")
@@ -100,9 +156,13 @@ def test_a_checkpoint_resumes_under_another_tensor_parallel_size(ray_session, tm
             torch.testing.assert_close(v, expected[k], atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
-@pytest.fixture(scope="module")
-def tp_policy(ray_session):
-    with _policy(2, "tp") as policy:
+@pytest.fixture(scope="module", params=[False, True], ids=["tp", "tp+sp"])
+def tp_policy(request, ray_session):
+    # With sequence parallelism each rank also keeps half the positions between the projections;
+    # rows round up to even lengths (the 5-token logprob micro-batch of make_batch() runs as 6).
+    sp = {"dtensor_cfg": {"tensor_parallel_size": 2, "sequence_parallel": True},
+          "make_sequence_length_divisible_by": 2} if request.param else {}
+    with _policy(2, "tpsp" if request.param else "tp", **sp) as policy:
         yield policy
 
 
