@@ -115,29 +115,47 @@ def build_model(size: str = "tiny", vocab_size: int | None = None):
     return model
 
 
+# What a complete folder of an embedded model holds (a folder without them is a leftover).
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def materialize(size: str) -> Path:
-    """Write (once) and return the folder of embedded model `size` with its tokenizer."""
+    """Write (once) and return the folder of embedded model `size` with its tokenizer.
+
+    Processes that start at once (the ranks of a job, test workers) build it once: the first
+    holds a lock file while it writes into a temporary folder and renames it into place. A
+    folder that lacks a model file (seen once, a tokenizer-only folder from an interrupted
+    build) is built again instead of failing every later run."""
+    import fcntl
+
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown embedded model {EMBEDDED_PREFIX}{size}; valid: "
                          + ", ".join(EMBEDDED_PREFIX + s for s in MODEL_SIZES))
     target = cache_root() / "embedded" / f"{size}-{_VERSION}"
-    if (target / "config.json").is_file():
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
-    try:
-        build_model(size).save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if _complete(target):  # built by the process that held the lock before
+            return target
+        if target.exists():
+            logging.getLogger(__name__).warning("rebuilding %s: the folder lacks %s", target,
+                                                ", ".join(f for f in _MODEL_FILES if not (target / f).is_file()))
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
         try:
+            build_model(size).save_pretrained(tmp)
+            build_tokenizer().save_pretrained(tmp)
             os.rename(tmp, target)
-        except OSError:
-            # Another process finished first; its folder is identical (same seed and recipe).
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in _MODEL_FILES)
 
 
 def resolve_model_path(name: str) -> str:

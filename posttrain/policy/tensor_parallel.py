@@ -9,14 +9,14 @@ norms and the LM head are replicated. The plan is the model's own (transformers'
 over the data-parallel dimension of the (dp, tp) mesh.
 
 With `policy.dtensor_cfg.sequence_parallel` (Megatron's sequence parallelism), the activations
-between the projections are split too, by sequence position: each rank keeps 1/tp of the
-positions through the two RMSNorms and the residual adds of every layer, the column-parallel
-projections all-gather their input and the row-parallel ones reduce-scatter their output
-(instead of all-reducing it). The same bytes cross the group; the norms' and residuals'
-activations and work shrink by tp. The first layer takes its rank's positions of the embedding
-output and the final norm gathers them back, so the attention mask, positions, LM head and loss
-see whole rows as without it. Rows must split evenly (`policy.make_sequence_length_divisible_by`
-a multiple of tp, checked with the config).
+between the attention and MLP blocks are split too, by sequence position: each rank keeps 1/tp
+of the positions through the two RMSNorms and the residual adds of every layer; each block
+all-gathers its input once and its row-parallel projection reduce-scatters its output (instead
+of all-reducing it). The same bytes cross the group; the norms' saved activations and work
+shrink by tp (benchmarks/results/sequence_parallel_memory.md). The first layer takes its rank's
+positions of the embedding output and the final norm gathers them back, so the attention mask,
+positions, LM head and loss see whole rows as without it. Rows must split evenly
+(`policy.make_sequence_length_divisible_by` a multiple of tp, checked with the config).
 
 Architectures whose plan has only "colwise"/"rowwise" entries under `layers.*` (Llama, Qwen2,
 Mistral, ...) are supported; anything else fails at setup, naming what is not.
@@ -74,13 +74,14 @@ def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_pa
         parallelize_module,
     )
 
-    if sequence_parallel:
-        # The projections take and give the positions' shards (dim 1 of [rows, positions, hidden]).
-        styles = {"colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
-                  "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1))}
-    else:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = _plan(model.config)
+    # Sequence parallel: the row-parallel projections give the rank's positions (dim 1 of
+    # [rows, positions, hidden]); the column-parallel ones take whole rows, gathered once per
+    # attention and MLP block (`_reshard_positions_before`) rather than once per projection, which would
+    # keep three copies of the gathered rows for the backward of q, k and v.
+    styles = {"colwise": ColwiseParallel,
+              "rowwise": (lambda: RowwiseParallel(output_layouts=Shard(1))) if sequence_parallel else RowwiseParallel}
+    blocks = sorted({name.rpartition(".")[0] for name, style in plan.items() if style == "colwise"})
     names = [*plan, *(_SEQUENCE_NORMS if sequence_parallel else ())]
     for layer in decoder_layers:
         try:
@@ -92,32 +93,33 @@ def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_pa
                 from None
         layer_plan = {name: styles[style]() for name, style in plan.items()}
         if sequence_parallel:
-            layer_plan.update({name: SequenceParallel() for name in _SEQUENCE_NORMS})
+            layer_plan.update({name: SequenceParallel(use_local_output=True) for name in _SEQUENCE_NORMS})
         parallelize_module(layer, tp_mesh, layer_plan)
+        if sequence_parallel:
+            for block in blocks:
+                _reshard_positions_before(layer.get_submodule(block), tp_mesh, whole=True)
     if sequence_parallel:
-        _split_positions_between(model, decoder_layers, tp_mesh)
+        norm = getattr(model.base_model, "norm", None)
+        if norm is None:
+            raise InputError(f"policy.dtensor_cfg.sequence_parallel: {type(model).__name__} has no final norm "
+                             "(base_model.norm) to gather the positions before its head")
+        # The first layer takes its rank's share of the embedding output; the final norm, and so
+        # the head and the loss, whole rows again.
+        _reshard_positions_before(decoder_layers[0], tp_mesh, whole=False)
+        _reshard_positions_before(norm, tp_mesh, whole=True)
 
 
-def _split_positions_between(model: Any, decoder_layers: list, tp_mesh) -> None:
-    """Hand the first decoder layer its rank's share of the positions, and the final norm the
-    whole rows again (an all-gather; autograd's backward of each is the other)."""
+def _reshard_positions_before(module: Any, tp_mesh, whole: bool) -> None:
+    """Before `module` runs, turn its hidden states (first argument, or `hidden_states=`) from
+    the rank's share of the positions into whole rows (`whole`: an all-gather over the group)
+    or the other way (a slice); autograd's backward of each is the other."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    norm = getattr(model.base_model, "norm", None)
-    if norm is None:
-        raise InputError(f"policy.dtensor_cfg.sequence_parallel: {type(model).__name__} has no final norm "
-                         "(base_model.norm) to gather the positions before its head")
+    have, want = ([Shard(1)], [Replicate()]) if whole else ([Replicate()], [Shard(1)])
 
-    def scatter(module, args, kwargs):
-        whole = args[0] if args else kwargs["hidden_states"]
-        local = DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
-            tp_mesh, [Shard(1)]).to_local()
-        return ((local, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": local})
+    def convert(mod, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = DTensor.from_local(hidden, tp_mesh, have, run_check=False).redistribute(tp_mesh, want).to_local()
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
-    def gather(module, args):
-        local = args[0]
-        return (DTensor.from_local(local, tp_mesh, [Shard(1)], run_check=False).redistribute(
-            tp_mesh, [Replicate()]).to_local(), *args[1:])
-
-    decoder_layers[0].register_forward_pre_hook(scatter, with_kwargs=True)
-    norm.register_forward_pre_hook(gather)
+    module.register_forward_pre_hook(convert, with_kwargs=True)
