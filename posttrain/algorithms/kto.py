@@ -6,9 +6,9 @@ whose last message is the response, with a boolean `label` (LLaMA-Factory's KTO 
 `prompt`/`completion`/`label`), or preference pairs, each unpaired into its chosen side
 (desirable) and its rejected side (not). Before each update (`prepare`): the reference logprobs
 of the batch, and KTO's reference point z, the KL estimate from the batch's mismatched pairs
-(each prompt with the next example's response) under the policy and the reference. Validation
-batches keep their reference logprobs (until `policy.reference_sync` moves the reference) and
-recompute z.
+(each prompt with the next example's response) under the policy and the reference (one
+reference pass over the rows and the pairs). Validation batches keep their reference logprobs
+(until `policy.reference_sync` moves the reference) and recompute z.
 """
 
 from __future__ import annotations
@@ -70,20 +70,25 @@ def _mismatched(batch: BatchedDataDict, keep: bool) -> BatchedDataDict:
     return BatchedDataDict(**{key: take(f"kl_{key}") for key in _KL_KEYS}, sample_mask=batch["sample_mask"].clone())
 
 
-def reference_point(policy: Policy, mismatched: BatchedDataDict) -> torch.Tensor:
+def reference_point(policy: Policy, mismatched: BatchedDataDict, reference_logprobs: torch.Tensor) -> torch.Tensor:
     """KTO's z: max(0, mean over the mismatched pairs of log pi(y'|x) - log pi_ref(y'|x)), token sums."""
-    mask = mismatched["token_mask"]
-    ratio = policy.get_logprobs(mismatched)["logprobs"] - policy.get_reference_logprobs(mismatched)["reference_logprobs"]
-    return sequence_logprobs(ratio, mask, average=False).mean().clamp(min=0)
+    ratio = policy.get_logprobs(mismatched)["logprobs"] - reference_logprobs
+    return sequence_logprobs(ratio, mismatched["token_mask"], average=False).mean().clamp(min=0)
 
 
 def _prepare(policy: Policy, batch: BatchedDataDict, desirable: float, keep: bool = False) -> None:
     """The loss's inputs beside the rows: reference logprobs (once per batch), z and the global
     count of desirable examples, in every row."""
     mismatched = _mismatched(batch, keep)
-    if "reference_logprobs" not in batch:
-        batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
-    batch["kto_kl"] = reference_point(policy, mismatched).expand(batch.size).clone()
+    if "reference_logprobs" in batch:  # a validation batch's, kept from an earlier validation
+        mismatched_ref = policy.get_reference_logprobs(mismatched)["reference_logprobs"]
+    else:
+        # One reference pass (one call to the workers) over the rows and their mismatched pairs.
+        rows = BatchedDataDict(**{key: batch[key] for key in (*_KL_KEYS, "sample_mask")})
+        ref = policy.get_reference_logprobs(BatchedDataDict.from_batches([rows, mismatched]))["reference_logprobs"]
+        batch["reference_logprobs"] = ref[: batch.size, : batch["input_ids"].shape[1]]
+        mismatched_ref = ref[batch.size :, : mismatched["input_ids"].shape[1]]
+    batch["kto_kl"] = reference_point(policy, mismatched, mismatched_ref).expand(batch.size).clone()
     batch["kto_desirable"] = torch.full((batch.size,), float(desirable))
 
 
