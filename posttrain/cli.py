@@ -14,6 +14,7 @@ alone, without a traceback, and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -160,9 +161,14 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
         supervise_in_own_session()
     import importlib
 
+    from posttrain.runtime import single_threaded_driver
+
     _setup_logging()
     module = importlib.import_module(f"posttrain.algorithms.{algorithm}")
-    result: dict[str, Any] = module.run(cfg)
+    # Only `posttrain eval` computes in this process (it generates here); the others hand every
+    # model pass to Ray workers, and the driver's own torch threads would compete with theirs.
+    with contextlib.nullcontext() if getattr(module, "COMPUTES_IN_DRIVER", False) else single_threaded_driver():
+        result: dict[str, Any] = module.run(cfg)
     print(json.dumps({"result": result}, default=str))
     from posttrain.checkpoint import STOPPED_BY_SIGNAL
 

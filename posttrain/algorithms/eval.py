@@ -35,6 +35,8 @@ from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import accuracy, aggregate
 from posttrain.schemas import EvalMasterConfig
 
+# The generation backend runs in this process (no policy workers): the CLI leaves its torch threads alone.
+COMPUTES_IN_DRIVER = True
 # Metadata key under which each sample's extracted answer travels through the rollout.
 ANSWER_KEY = "eval_extracted_answer"
 # What a run writes in its folder beside the logger's files: all are moved aside

@@ -173,7 +173,8 @@ class Policy:
         return self.workers.get(self.workers.run_all("prepare_for_generation"))[0]
 
     def finish_generation(self) -> None:
-        self.workers.get(self.workers.run_all("finish_generation"))
+        """Nothing to release, so no round trip to the workers: their engines (torch, hf; colocated
+        vLLM is not implemented) hold their KV caches only inside `generate`."""
 
     def full_state_dict_ref(self) -> ray.ObjectRef:
         """Ref to the full CPU state dict (base-model keys, LoRA merged) in Ray's object store."""

@@ -255,3 +255,41 @@ def test_device_cuda_without_cuda_is_an_input_error(tmp_path):
     assert "posttrain eval: policy.device=cuda but torch sees no CUDA device" in out.stderr
     with pytest.raises(InputError, match="policy.device=cuda but torch sees no CUDA device"):  # the workers'
         resolve_device("cuda")
+
+
+@pytest.mark.parametrize("computes_in_driver", [False, True], ids=["models-in-workers", "eval"])
+def test_the_driver_runs_on_one_torch_thread_unless_it_computes(monkeypatch, computes_in_driver):
+    """The algorithms whose models run in Ray workers get one torch thread in the driver (its
+    OpenMP team would spin on the workers' cores); eval, which generates in the driver, keeps
+    them; either way the process has its threads back afterwards (`main` run in process)."""
+    import torch
+
+    seen = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def run(cfg):
+            seen.append(torch.get_num_threads())
+            return {}
+
+        algo = type(sys)("posttrain.algorithms.rm")
+        algo.run = run
+        if computes_in_driver:
+            algo.COMPUTES_IN_DRIVER = True
+        monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+        with pytest.raises(SystemExit) as e:
+            cli.main(["rm"])
+        assert e.value.code == 0
+        assert seen == [2 if computes_in_driver else 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_eval_is_the_algorithm_that_computes_in_the_driver():
+    from posttrain.algorithms import eval as eval_algo
+    from posttrain.schemas import MASTER_CONFIGS
+
+    computing = [name for name in MASTER_CONFIGS
+                 if getattr(__import__(f"posttrain.algorithms.{name}", fromlist=["run"]), "COMPUTES_IN_DRIVER", False)]
+    assert computing == ["eval"] and eval_algo.COMPUTES_IN_DRIVER

@@ -888,3 +888,18 @@ def test_a_template_whose_opening_changes_with_what_follows_is_refused_naming_th
     shown = _observation_tokens(plain, [*prompt, call], [{"role": "tool", "content": "4"}],
                                 last_token=plain.eos_token_id, tools=tools)
     assert plain.decode(shown) == "<|tool|>4<|end|><|assistant|>"  # the turn's <|end|> is its EOS, already generated
+
+
+def test_pad_right_pads_ragged_rows_and_rounds_floats_as_torch_does():
+    import torch
+
+    from posttrain.rollouts import _pad
+
+    ids = _pad([[5, 6, 7], [8], [9, 10]], -1, torch.long)
+    assert ids.dtype == torch.long
+    assert ids.tolist() == [[5, 6, 7], [8, -1, -1], [9, 10, -1]]
+    values = [[0.1, -1 / 3], [2.5e-8, 1e30, 7.0]]
+    lps = _pad(values, 0.0, torch.float32)
+    # float32 from the Python floats (doubles) directly: the same rounding as torch.tensor's
+    assert torch.equal(lps, torch.tensor([[0.1, -1 / 3, 0.0], [2.5e-8, 1e30, 7.0]], dtype=torch.float32))
+    assert _pad([[1, 0, 1], [0]], 0, torch.bool).tolist() == [[True, False, True], [False, False, False]]

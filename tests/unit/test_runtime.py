@@ -85,3 +85,21 @@ def test_keep_freed_memory_stops_tensor_memory_from_page_faulting_at_every_step(
     # An explicit choice of the environment's is left alone.
     applied, faults = _faults("keep", MALLOC_ARENA_MAX="2")
     assert applied == "False" and faults > 300_000
+
+
+def test_single_threaded_driver_restores_the_threads_even_after_an_error():
+    import pytest
+    import torch
+
+    from posttrain.runtime import single_threaded_driver
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with single_threaded_driver():
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
