@@ -234,10 +234,11 @@ class RayWorkerGroup:
         naming the worker and its last log lines; an exception raised inside a worker is
         re-raised as its own type."""
         pending = list(refs)
+        values: dict[ray.ObjectRef, Any] = {}  # each result fetched and deserialized once
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
-                ray.get(ready[0])
+                values[ready[0]] = ray.get(ready[0])
             except RayActorError as e:
                 rank = self._ref_rank.get(ready[0].binary(), refs.index(ready[0]))
                 self._forget(refs)
@@ -251,7 +252,7 @@ class RayWorkerGroup:
                     raise dead from None
                 raise e.as_instanceof_cause() from None
         self._forget(refs)
-        return ray.get(list(refs))
+        return [values[r] for r in refs]
 
     def _first_dead(self, refs: list[ray.ObjectRef], pending: list[ray.ObjectRef],
                     grace_s: float = 10.0) -> WorkerError | None:
