@@ -71,8 +71,7 @@ class LowPrecisionTwin:
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
         self.module = copy.deepcopy(master)
         _cast_parameters(self.module, dtype)
-        self._pairs = list(zip(master.parameters(), self.module.parameters()))
-        self._masters, self._lows = [m for m, _ in self._pairs], [low for _, low in self._pairs]
+        self._masters, self._lows = list(master.parameters()), list(self.module.parameters())
         self.version: int | None = None  # master weights version the copy holds
 
     def sync(self, version: int) -> torch.nn.Module:
@@ -85,7 +84,7 @@ class LowPrecisionTwin:
 
     def accumulate_grads(self) -> None:
         """Move the low-precision gradients of the last backward into the master's (float32)."""
-        for master, low in self._pairs:
+        for master, low in zip(self._masters, self._lows):
             if low.grad is None:
                 continue
             if master.grad is None:
