@@ -424,8 +424,8 @@ class _RolloutPipeline:
             queued.future.result()
 
     def take(self) -> tuple[list[dict], RolloutResult, dict[str, float], int]:
-        """The oldest queued prompts, their rollouts, the refit before them, and the weights
-        version that generated them."""
+        """The oldest queued prompts, their rollouts, the metrics of the refit before them and
+        their seconds (`rollout_s`), and the weights version that generated them."""
         queued = self._queue.popleft()
         rollout, refit = queued.future.result()
         return queued.prompts, rollout, refit, queued.version
@@ -524,8 +524,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             refit = {} if snapshot is None else s.generation.update_weights(snapshot, version=version)
             start = time.perf_counter()
             result = rollouts_of(prompts, version)
-            result.metrics["rollout_s"] = time.perf_counter() - start
-            return result, refit
+            return result, {**refit, "rollout_s": time.perf_counter() - start}
 
         pipeline.submit(task, prompts, version, loader_state)
 
@@ -560,8 +559,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                             break
                         with timer.time("refit"):  # the snapshot; the workers load it in the pipeline's thread
                             queue_rollouts(upcoming, before)
-                refit = {**refit, "trajectory_age_steps": float(step - generated_by),
-                         "rollout_s": rollout.metrics["rollout_s"]}
+                refit = {**refit, "trajectory_age_steps": float(step - generated_by)}
             else:
                 with timer.time("data"):
                     prompts = next(s.loader, None)

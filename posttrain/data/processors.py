@@ -415,6 +415,20 @@ def with_bos(ids: list[int], tokenizer) -> list[int]:
     return [bos, *ids]
 
 
+def decode_all(tokenizer, rows: list[list[int]]) -> list[str]:
+    """`tokenizer.batch_decode(rows, skip_special_tokens=True)`, through the Rust tokenizer itself
+    when transformers' fast tokenizer would only pass each row on to it: its batch_decode first
+    walks every id of every row to convert it to Python (1.2 against 0.2 ms for a GRPO step's 512
+    short completions)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is None or tokenizer.clean_up_tokenization_spaces
+            or type(tokenizer)._decode is not TokenizersBackend._decode):  # a subclass's own decoding
+        return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return [backend.decode(r, skip_special_tokens=True) for r in rows]
+
+
 def encode_continuation(tokenizer, text: str) -> list[int]:
     """Token ids of `text` where it continues earlier text (the next message of a rendered
     conversation, a multi-turn observation), as they read after a token boundary.

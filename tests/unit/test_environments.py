@@ -17,6 +17,7 @@ from posttrain.environments import (
     make_sliding_puzzle_rows,
 )
 from posttrain.environments.arithmetic import ArithmeticEnvironment
+from posttrain.environments.interfaces import CORRECT_KEY, ROLLOUT_KEY
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.math_answers import extract_boxed, extract_final_answer, gold_answer
 from posttrain.environments.sliding_puzzle import (
@@ -435,6 +436,9 @@ def test_env_group_splits_and_keeps_order(ray_session):
         ret = group.step([convo(r) for r in responses], [{"answer": a, "i": i} for i, a in enumerate(answers)])
         assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
         assert [m["i"] for m in ret.metadata] == [0, 1, 2, 3, 4] and ret.num_errors == 0
+        # The rollout's own entry goes in (environments read it) but not back out; the rest comes back.
+        ret = group.step([convo("1")], [{"answer": "1", "i": 9, ROLLOUT_KEY: {"completion_ids": [5, 6]}}])
+        assert ret.metadata == [{"answer": "1", "i": 9, CORRECT_KEY: True}]
         assert group.step([convo("7")], [{"answer": "7"}]).rewards.tolist() == [1.0]  # fewer samples than actors
     finally:
         group.shutdown()
@@ -1012,7 +1016,6 @@ def test_math_arithmetic_and_puzzle_verdicts():
 
 def test_a_verdict_that_is_not_a_bool_fails_the_slice_naming_it():
     from posttrain.environments.actors import _contract_violation
-    from posttrain.environments.interfaces import CORRECT_KEY
 
     def ret(value):
         return EnvironmentReturn(observations=[{"role": "environment", "content": ""}], metadata=[{CORRECT_KEY: value}],

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from posttrain.logging import Logger, Timer
-from posttrain.logging.console import compact_line
+from posttrain.logging.console import compact_line, word_match
 from posttrain.logging.plots import plot_pass_at_k
 from posttrain.schemas import LoggerConfig
 
@@ -326,6 +326,13 @@ def test_wandb_online_without_an_api_key_is_an_input_error(tmp_path, monkeypatch
     cfg = _cfg(wandb_enabled=True, wandb={"mode": "online", "project": "t"})
     with pytest.raises(InputError, match=r"^logger.wandb_enabled: W&B cannot start a run: No API key .*mode=offline"):
         Logger(cfg, tmp_path)
+
+
+def test_word_match_takes_whole_underscore_words_of_the_last_segment():
+    assert word_match("loss", "loss") and word_match("pg_loss", "loss") and word_match("val/loss_max", "loss")
+    assert not word_match("lossy", "loss") and not word_match("gloss", "loss") and not word_match("loss/x", "loss")
+    assert word_match("train/grad_norm", "grad_norm") and word_match("grad_norm_max", "grad_norm")
+    assert not word_match("grad_normal", "grad_norm") and not word_match("grad", "grad_norm")
 
 
 def test_console_line_and_progress(tmp_path):

@@ -11,6 +11,7 @@ from posttrain.data.datasets import load_rows
 from posttrain.data.processors import (
     collate,
     collate_pairs,
+    decode_all,
     load_tokenizer,
     process_preference_rows,
     process_sft_rows,
@@ -84,6 +85,19 @@ def qwen3_2507_tok(shared_data, qwen3_2507_like_template):
     t.add_tokens(["<think>", "</think>"])
     t.chat_template = qwen3_2507_like_template
     return t
+
+
+@pytest.mark.parametrize("which", ["embedded", "qwen3_like", "cleanup"])
+def test_decode_all_is_batch_decode_without_special_tokens(which, tok, qwen3_tok, shared_data):
+    """The rollouts' decoding of completions (the Rust tokenizer's own when transformers adds
+    nothing to it) gives batch_decode's texts: special and added tokens dropped, none kept."""
+    t = {"embedded": tok, "qwen3_like": qwen3_tok,
+         "cleanup": _gpt2_bpe(shared_data, eos_token="<|endoftext|>", clean_up_tokenization_spaces=True)}[which]
+    texts = ["12+34=046", "Hello , world ! <think>why</think> do n't", "  two  spaces\nand a line"]
+    rows = [t.encode(x, add_special_tokens=False) + [t.eos_token_id] for x in texts] + [[], [t.eos_token_id]]
+    want = t.batch_decode(rows, skip_special_tokens=True)
+    assert decode_all(t, rows) == want
+    assert want[-2:] == ["", ""] and not any(t.eos_token in w for w in want)
 
 
 def _loss_text(tok, ex):
