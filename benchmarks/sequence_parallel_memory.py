@@ -15,16 +15,12 @@ the backward keeps.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import os
 
 import torch
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace, precision: str, sp: bool, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _rank(rank: int, args: argparse.Namespace, precision: str, sp: bool) -> tuple[int, float]:
+    """One rank's (bytes saved for the backward, the step's loss)."""
     from torch.distributed.tensor import DTensor
 
     from posttrain.data.batch import BatchedDataDict
@@ -53,23 +49,15 @@ def _rank(rank: int, port: int, args: argparse.Namespace, precision: str, sp: bo
     worker.train(batch, NLLLoss(), args.rows)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = worker.train(batch, NLLLoss(), args.rows)["loss"]
-    results.put((rank, sum(saved.values()), loss))
+    return sum(saved.values()), loss
 
 
 def measure(args: argparse.Namespace, precision: str, sp: bool) -> tuple[float, float]:
     """(MiB saved for the backward, the larger of the two ranks; the step's loss)."""
-    from posttrain.distributed.worker_group import free_port
+    from posttrain.distributed.local_ranks import run_local_ranks
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, args, precision, sp, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return max(b for _, b, _ in got) / 2**20, got[0][2]
+    got = run_local_ranks(_rank, 2, args, precision, sp)
+    return max(b for b, _ in got) / 2**20, got[0][1]
 
 
 def main() -> None:

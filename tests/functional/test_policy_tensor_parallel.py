@@ -77,17 +77,13 @@ def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
                                     make_batch(seed=10))
 
 
-def _sequence_parallel_rank(rank: int, port: int, model_path: str, results) -> None:
-    """Rank `rank` of two policy workers in this (spawned) process under sequence parallelism:
-    the hidden states a middle decoder layer receives, and the logprobs of make_batch()."""
-    import os
-
+def _sequence_parallel_rank(rank: int, model_path: str) -> tuple:
+    """Rank `rank` of two policy workers (`run_local_ranks`) under sequence parallelism: the
+    hidden states a middle decoder layer receives, and the logprobs of make_batch()."""
     from torch.distributed.tensor import DTensor, Replicate
 
     from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _decoder_layers
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     worker = FSDPPolicyWorker(_cfg(model_name=model_path, make_sequence_length_divisible_by=2,
                                    dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}),
                               init_reference=False)
@@ -98,29 +94,18 @@ def _sequence_parallel_rank(rank: int, port: int, model_path: str, results) -> N
     layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(tuple(args[0].shape)), with_kwargs=True)
     logprobs = worker.get_logprobs(make_batch())["logprobs"]
     # As a list: a tensor would go as a shared-memory handle that dies with this process.
-    results.put((rank, seen, isinstance(norm, DTensor) and Replicate() in norm.placements, logprobs.tolist()))
+    return rank, seen, isinstance(norm, DTensor) and Replicate() in norm.placements, logprobs.tolist()
 
 
-def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path, free_port):
+def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path):
     # The worker class itself in two processes (Ray's actors hide their modules): a decoder layer
     # receives its rank's half of each row's positions, with the norms' weights replicated over
     # the group as DTensors, and the logprobs are the plain model's. make_batch() in logprob
     # micro-batches of 3: rows of 16, 9, 12 tokens (16 positions, 8 per rank), then one of 5
     # (rounded up to 6: 3 per rank).
-    import multiprocessing
+    from posttrain.distributed.local_ranks import run_local_ranks
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_sequence_parallel_rank, args=(r, free_port, tiny_model_path, results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted((results.get(timeout=300) for _ in procs), key=lambda r: r[0])
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    got = run_local_ranks(_sequence_parallel_rank, 2, tiny_model_path, timeout_s=300)
     hidden = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.hidden_size
     expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval(),
                                   make_batch())

@@ -156,19 +156,18 @@ def test_a_missing_model_is_named_by_policy_model_name_also_when_the_tokenizer_i
         load_policy_tokenizer(other)
 
 
-def _materialize_tiny(cache: str, results) -> None:
+def _materialize_tiny(rank: int, cache: str) -> str:
     os.environ["POSTTRAIN_CACHE"] = cache
     from posttrain.embedded import materialize
 
-    results.put(str(materialize("tiny")))
+    return str(materialize("tiny"))
 
 
 def test_embedded_models_are_built_once_and_a_leftover_folder_is_rebuilt(tmp_path, monkeypatch):
     # A tokenizer-only folder (left by a build that did not finish) made every later run fail at
     # the rename into place ("Directory not empty"); it is built again. Two processes starting at
     # once (the ranks of a job) wait for one build instead of racing.
-    import multiprocessing
-
+    from posttrain.distributed.local_ranks import run_local_ranks
     from posttrain.embedded import _VERSION, build_tokenizer, materialize
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
@@ -177,15 +176,6 @@ def test_embedded_models_are_built_once_and_a_leftover_folder_is_rebuilt(tmp_pat
     assert materialize("tiny") == leftover and (leftover / "model.safetensors").is_file()
     # Two processes on a fresh cache: one folder, complete, and no temporary folder left beside it.
     cache = tmp_path / "fresh"
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_materialize_tiny, args=(str(cache), results)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    paths = {results.get(timeout=120) for _ in procs}
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
-    (path,) = paths
+    (path,) = set(run_local_ranks(_materialize_tiny, 2, str(cache), timeout_s=120))
     assert sorted(n for n in os.listdir(cache / "embedded") if not n.endswith(".lock")) == [os.path.basename(path)]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
