@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
+from posttrain.distributed.serialization import use_numpy_tensor_transport
 from posttrain.runtime import keep_freed_memory
 
 
@@ -137,6 +138,7 @@ class _WorkerHost:
         import torch
 
         torch.set_num_threads(threads)
+        use_numpy_tensor_transport()  # the results this worker sends
         self.worker = worker_cls(*args, **kwargs)
 
     def info(self) -> dict[str, Any]:
@@ -159,6 +161,7 @@ class RayWorkerGroup:
     def __init__(self, cluster: RayVirtualCluster, worker_cls: type, *args, name_prefix: str = "worker",
                  log_dir: str | None = None, env_vars: dict[str, str] | None = None,
                  runtime_env: dict[str, Any] | None = None, **kwargs):
+        use_numpy_tensor_transport()  # the batches the driver sends
         self.cluster = cluster
         self.name = name_prefix
         self.world_size = cluster.world_size

@@ -32,6 +32,7 @@ from posttrain.environments.interfaces import (
     EnvironmentReturn,
     is_verdict,
 )
+from posttrain.distributed.serialization import use_numpy_tensor_transport
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
@@ -42,6 +43,7 @@ class EnvironmentActor:
     """The Ray actor around one environment instance (its methods mirror the interface)."""
 
     def __init__(self, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
+        use_numpy_tensor_transport()  # the rewards it sends back
         self.env = env_cls(cfg)
         freeze_setup_objects()
 
@@ -167,6 +169,7 @@ class EnvironmentGroup:
         config_class = getattr(env_cls, "config_class", None)
         if config_class is not None:  # fail on the driver, naming the key, before any actor starts
             validate(cfg.cfg, config_class, source=f"env.{name}.cfg")
+        use_numpy_tensor_transport()
         self.name = name
         self.cfg = cfg
         remote_cls = ray.remote(EnvironmentActor).options(
