@@ -56,7 +56,8 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                        "before returning") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(got))
-                    raise RuntimeError(f"rank(s) {missing} of {world_size} still running after {timeout_s:g} s") from None
+                    raise RuntimeError(f"rank(s) {missing} of {world_size} still running after "
+                                       f"{timeout_s:g} s") from None
                 continue
             if error is not None:
                 raise RuntimeError(f"rank {rank} of {world_size} raised:\n{error}")

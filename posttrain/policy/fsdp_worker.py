@@ -359,6 +359,9 @@ class FSDPPolicyWorker:
 
             mesh = init_device_mesh(self.device.type, (self.world_size // self.tp, self.tp),
                                     mesh_dim_names=("dp", "tp"))
+            # The (dp, tp) group as one: a reduction over both dims (the gradient norm of the split
+            # projections) is then one all-reduce instead of one per dim, which DTensor warned of.
+            mesh._flatten()
             apply_tensor_parallel(model, _decoder_layers(model), mesh["tp"], cfg.dtensor_cfg.sequence_parallel)
             mesh = mesh["dp"]
         else:

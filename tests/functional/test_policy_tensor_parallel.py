@@ -79,7 +79,10 @@ def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
 
 def _sequence_parallel_rank(rank: int, model_path: str) -> tuple:
     """Rank `rank` of two policy workers (`run_local_ranks`) under sequence parallelism: the
-    hidden states a middle decoder layer receives, and the logprobs of make_batch()."""
+    hidden states a middle decoder layer receives, the logprobs of make_batch(), and DTensor's
+    warnings in a training step."""
+    import logging
+
     from torch.distributed.tensor import DTensor, Replicate
 
     from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _decoder_layers
@@ -91,10 +94,17 @@ def _sequence_parallel_rank(rank: int, model_path: str) -> tuple:
     layer = _decoder_layers(worker.model)[1]
     norm = layer.input_layernorm.weight
     seen = []
-    layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(tuple(args[0].shape)), with_kwargs=True)
+    hook = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(tuple(args[0].shape)),
+                                           with_kwargs=True)
     logprobs = worker.get_logprobs(make_batch())["logprobs"]
+    hook.remove()
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+    worker.train(make_batch(), NLLLoss(), 4)  # the gradient norm reduces over the (dp, tp) mesh
     # As a list: a tensor would go as a shared-memory handle that dies with this process.
-    return rank, seen, isinstance(norm, DTensor) and Replicate() in norm.placements, logprobs.tolist()
+    return rank, seen, isinstance(norm, DTensor) and Replicate() in norm.placements, logprobs.tolist(), warned
 
 
 def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path):
@@ -109,8 +119,10 @@ def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path):
     hidden = AutoModelForCausalLM.from_pretrained(tiny_model_path).config.hidden_size
     expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval(),
                                   make_batch())
-    for rank, seen, norm_replicated, logprobs in got:
+    for rank, seen, norm_replicated, logprobs, warned in got:
         assert seen == [(3, 8, hidden), (1, 3, hidden)], rank
+        # One all-reduce over the flattened (dp, tp) group, not "2 sequential all_reduce operations".
+        assert not [w for w in warned if "sequential" in w], (rank, warned)
         assert norm_replicated, rank
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=2e-5, rtol=0)
 
