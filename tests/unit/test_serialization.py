@@ -40,10 +40,13 @@ def test_cpu_tensors_go_as_numpy_and_come_back_equal(ray_session, echo):
     sent = _tensors()
     assert all(_tensor_payload(t)[0] == "numpy" for t in sent.values())
     got = ray_session.get(echo.echo.remote(sent))
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # float8 has no torch.equal: compare its bytes
+        return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else t
+
     for k, t in sent.items():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
-        assert torch.equal(got[k].view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else got[k],
-                           t.view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else t), k
+        assert torch.equal(bits(got[k]), bits(t)), k
     # Only a view's own elements travel (torch's reduction sends its whole storage: 400 KB here).
     assert len(pickle.dumps(_tensor_payload(sent["row_of_big"]))) < 1_000
 
