@@ -24,6 +24,7 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
     prepare_prompts,
+    unpadded,
     assemble_output,
     generation_metrics,
     pad_token_id,
@@ -68,12 +69,12 @@ class HFGeneration:
     @torch.inference_mode()
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         cfg = self.cfg
-        prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
+        prompts, plen, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context, self.pad_id)
         settings = SamplingSettings.from_config(cfg, greedy)
         t0 = time.perf_counter()
         with self._seeds.call():
-            generated, gen_lp, truncated = self._generate(prompts, stops, settings)
-        out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+            generated, gen_lp, truncated = self._generate(unpadded(prompts, plen), stops, settings)
+        out = assemble_output(prompts, plen, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
         self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out
 

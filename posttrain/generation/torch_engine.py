@@ -33,7 +33,6 @@ from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_s
 from posttrain.generation.interfaces import (
     assemble_padded,
     generation_metrics,
-    pad_rows,
     pad_token_id,
     prepare_prompts,
 )
@@ -473,12 +472,11 @@ class TorchGeneration:
     @torch.inference_mode()
     def generate(self, batch: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
         cfg = self.cfg
-        prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
-        settings = SamplingSettings.from_config(cfg, greedy)
-        t0 = time.perf_counter()
         # One right-padded tensor of the prompts: the loop below gathers rows from it instead of
         # touching hundreds of per-row tensors (bookkeeping was ~20% of a 512-row GRPO rollout).
-        padded, plen = pad_rows(prompts, self.pad_id)
+        padded, plen, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context, self.pad_id)
+        settings = SamplingSettings.from_config(cfg, greedy)
+        t0 = time.perf_counter()
         out = assemble_padded(padded, plen, *self._run(padded, plen, stops, settings), prompt_truncated, self.pad_id)
         self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out

@@ -27,6 +27,7 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.weight_sync import resolve_state_dict
 from posttrain.generation.interfaces import (
     prepare_prompts,
+    unpadded,
     assemble_output,
     generation_metrics,
     pad_token_id,
@@ -106,7 +107,8 @@ class VllmGeneration:
         from vllm import SamplingParams
 
         cfg = self.cfg
-        prompts, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context)
+        padded, plen, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context, self.pad_id)
+        prompts = unpadded(padded, plen)
         s = SamplingSettings.from_config(cfg, greedy)
         # The in-process engine (one GPU, or the CPU) samples from torch's global generator, seeded
         # for the call (GlobalRngSeeds): with vLLM's engine seed alone sampling ran on from wherever
@@ -140,6 +142,6 @@ class VllmGeneration:
             generated.append(torch.tensor(toks, dtype=torch.long))
             gen_lp.append(torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float32))
             truncated.append(c.finish_reason == "length")
-        out = assemble_output(prompts, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
+        out = assemble_output(padded, plen, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
         self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out

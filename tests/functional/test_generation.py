@@ -481,8 +481,9 @@ def test_a_rows_stop_strings_that_are_not_a_list_of_strings_are_an_error(model_t
 @pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_overlong_prompt_error_and_truncate(model_tok, backend):
     model, tok = model_tok
-    texts = PROMPTS[:2] + ["y" * (CTX + 5)]
-    batch = make_batch(tok, texts)
+    # Distinct neighbours, so that the kept tokens show which end was cut.
+    long = ("abcdefghijklmnopqrstuvwxyz" * 6)[: CTX + 5]
+    batch = make_batch(tok, PROMPTS[:2] + [long])
     with pytest.raises(InputError, match="prompt at row 2 has 133 tokens"):
         engine(backend, model, tok, max_new_tokens=8).generate(batch)
     e = engine(backend, model, tok, max_new_tokens=8, overlong_prompt="truncate")
@@ -493,7 +494,10 @@ def test_overlong_prompt_error_and_truncate(model_tok, backend):
     kept = int(out["unpadded_sequence_lengths"][2] - out["generation_lengths"][2])
     assert kept == CTX - 8
     assert int(out["unpadded_sequence_lengths"][2]) <= CTX
-    assert tok.decode(out["output_ids"][2, :kept]) == "y" * kept  # the left was cut
+    assert tok.decode(out["output_ids"][2, :kept]) == long[-kept:]  # the left was cut
+    for i in (0, 1):  # the rows that fit keep their whole prompt
+        n = int(batch["input_lengths"][i])
+        assert out["output_ids"][i, :n].tolist() == batch["input_ids"][i, :n].tolist()
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])
