@@ -388,8 +388,10 @@ def run_rollouts(
                                     ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
                                                   "last_turn": last_turn or c.truncated}}
                                    for c in group])
+            # As lists once: a tensor indexed per sample cost ~1.2 ms for 512 samples.
+            rewards, terminateds = ret.rewards.tolist(), ret.terminateds.tolist()
             for k, c in enumerate(group):
-                c.reward += float(ret.rewards[k])
+                c.reward += float(rewards[k])
                 earlier_error, returned = c.metadata.get(ENV_ERROR_KEY), ret.metadata[k]
                 c.correct = verdict(returned)
                 if returned is not None:
@@ -400,7 +402,7 @@ def run_rollouts(
                     c.metadata[ENV_ERROR_KEY] = earlier_error  # the sample's log keeps it
                 if ret.tool_calls is not None and ret.tool_calls[k]:
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
-                if bool(ret.terminateds[k]) or last_turn or c.truncated:
+                if terminateds[k] or last_turn or c.truncated:
                     c.done = True
                     continue
                 obs = ret.observations[k]

@@ -13,15 +13,23 @@ import sys
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # mallopt(3) parameters, <malloc.h>.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_GC_GEN0_THRESHOLD = 20_000
 
 
 def freeze_setup_objects() -> None:
     """Exclude every object alive now (imported modules, tokenizer, datasets, model) from the
     cyclic garbage collector's full collections, which otherwise walk them all again and again:
     370 ms per full collection in the GRPO driver, about every 12 steps of the quickstart.
-    Call once setup is done; objects created later are collected as usual."""
+    Call once setup is done.
+
+    Objects created later are collected as usual, but less often: the youngest generation is
+    collected after `_GC_GEN0_THRESHOLD` net container allocations instead of Python's 700.
+    A GRPO step of the quickstart allocates ~8,000 (512 conversations, the environment's
+    return) that die by reference counting anyway; at 700 the driver ran ~11 young and one
+    middle collection a step, ~1.5 ms (the middle one walks everything the step still holds)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(_GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 @contextlib.contextmanager

@@ -92,8 +92,9 @@ def _contract_violation(ret: Any, n: int) -> str | None:
         # A reward in the verdict's place would count partial credit as correct again.
         if m is not None and not is_verdict(m.get(CORRECT_KEY)):
             return f"metadata[{i}][{CORRECT_KEY!r}] = {m[CORRECT_KEY]!r:.80}, not True, False or None"
+    terminateds = ret.terminateds.tolist()
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
-        if not bool(ret.terminateds[i]) and not (_is_message(obs) or (
+        if not terminateds[i] and not (_is_message(obs) or (
                 isinstance(obs, list) and obs and all(map(_is_message, obs)))):
             return (f"observations[{i}] = {obs!r:.80}, not a message {{'role': ..., 'content': ...}} or a list of "
                     "them, for a conversation that goes on")

@@ -16,6 +16,7 @@ class _Node:
 
 
 def test_freeze_hides_setup_objects_but_later_cycles_are_collected():
+    before = gc.get_threshold()
     setup_cycle = _Node()
     setup_cycle.self = setup_cycle
     try:
@@ -31,6 +32,24 @@ def test_freeze_hides_setup_objects_but_later_cycles_are_collected():
         assert ref() is None  # a cycle made after setup is still collected
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_later_cycles_are_collected_without_a_call_but_less_often():
+    before = gc.get_threshold()
+    try:
+        freeze_setup_objects()
+        cycle = _Node()
+        cycle.self = cycle
+        ref = weakref.ref(cycle)
+        del cycle
+        held = [[] for _ in range(5_000)]  # a driver step's worth of short-lived containers and more
+        assert ref() is not None  # Python's default (700 allocations) would have collected it by now
+        held += [[] for _ in range(20_000)]
+        assert ref() is None  # the collector still runs by itself
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_the_supervisor_names_the_signal_that_killed_its_job():
