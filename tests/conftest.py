@@ -6,16 +6,17 @@ import tempfile
 
 import pytest
 
+from posttrain.distributed.cluster import apply_ray_env_defaults
+
 _TMP = tempfile.mkdtemp(prefix="posttrain-tests-")
 os.environ.setdefault("POSTTRAIN_CACHE", os.path.join(_TMP, "cache"))
 os.environ.setdefault("RAY_TMPDIR", os.path.join(_TMP, "ray"))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_worker_niceness", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+apply_ray_env_defaults()  # the Ray settings `init_ray` runs posttrain's jobs with
 
 SHARED_DATA = os.environ.get(
     "POSTTRAIN_SHARED_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")

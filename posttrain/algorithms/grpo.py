@@ -630,14 +630,20 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # needs them even then: the generation logprobs are the sampler's (top-k/top-p
             # renormalised, another engine's rounding, async's older weights), not the policy's.
             needs_prev = batch.size > gbs or g.num_iterations > 1 or g.adv_estimator == "on_policy_distillation"
+            if needs_prev and reuse_generation_logprobs is None:
+                # Checked on one optimizer step's rows (a quarter of the quickstart's forward
+                # pass): a mismatch is the engine's, in every row alike. All rows when those hold
+                # no generated token, which would compare nothing.
+                probe = batch.slice(0, gbs) if batch.size > gbs else batch
+                probe = probe if float(probe["token_mask"].sum()) > 0 else batch
+                with timer.time("prev"):
+                    probe["prev_logprobs"] = policy.get_logprobs(probe)["logprobs"]
+                reuse_generation_logprobs = _generation_logprobs_match(probe, logger, cfg.policy.precision)
             if needs_prev and reuse_generation_logprobs:
                 batch["prev_logprobs"] = batch["generation_logprobs"]
-            elif needs_prev:
+            elif needs_prev and "prev_logprobs" not in batch:  # (the probe's were all rows')
                 with timer.time("prev"):
                     batch["prev_logprobs"] = policy.get_logprobs(batch)["logprobs"]
-                if reuse_generation_logprobs is None:
-                    reuse_generation_logprobs = _generation_logprobs_match(batch, logger,
-                                                                           cfg.policy.precision)
             if cfg.needs_reference():
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.distributed.cluster import PlacementError, RayVirtualCluster
+from posttrain.distributed.cluster import RAY_ENV_DEFAULTS, PlacementError, RayVirtualCluster, apply_ray_env_defaults
 from posttrain.distributed.worker_group import RayWorkerGroup, WorkerError
 from posttrain.schemas import ClusterConfig
 
@@ -25,7 +25,8 @@ class EchoWorker:
 
     def env(self):
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        return {k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
+        return ({k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
+                | {k: os.environ.get(k) for k in RAY_ENV_DEFAULTS})
 
     def all_reduce(self, x: float) -> float:
         t = torch.tensor([x])
@@ -71,6 +72,16 @@ def test_ranks_env_and_collective(group):
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and envs[0]["threads"] == 1
     assert group.get(group.run_all("all_reduce", 1.5)) == [3.0, 3.0]
     assert len({i["pid"] for i in group.worker_info} | {os.getpid()}) == 3  # own processes
+    # The workers run with the Ray settings the driver's process had (RAY_ENV_DEFAULTS unless set).
+    assert all(e[k] == os.environ[k] for e in envs for k in RAY_ENV_DEFAULTS)
+
+
+def test_ray_env_defaults_fill_only_what_is_unset(monkeypatch):
+    monkeypatch.setenv("RAY_max_direct_call_object_size", "1000")
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    apply_ray_env_defaults()
+    assert os.environ["RAY_max_direct_call_object_size"] == "1000"
+    assert os.environ["RAY_worker_niceness"] == "0"
 
 
 def test_cpu_workers_keep_freed_memory_for_the_next_step(group):
