@@ -477,7 +477,8 @@ class PolicyConfig(Section):
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     # Leave the rows whose loss gradient is exactly 0 out of the training forward and backward
     # passes: with GRPO's clipped_pg loss and no KL penalty, the samples of a group that all got
-    # the same reward (zero advantage), and samples masked out by overlong filtering. The update
+    # the same reward (zero advantage), and samples masked out by overlong filtering (none with
+    # loss_fn.top_entropy_quantile < 1, whose quantile counts those rows' tokens). The update
     # is the same (the loss still divides by the whole batch's counts; train/loss is the whole
     # batch's); the loss's metrics (ratios, clip fraction, entropy, ...) are then over the trained
     # rows, and train/zero_gradient_fraction is the share of rows left out. TRL and NeMo RL

@@ -42,6 +42,7 @@ The divisors are GLOBAL counts, so micro-batch losses sum to the global-batch lo
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Mapping
 
 import torch
@@ -176,13 +177,17 @@ class ClippedPGLoss:
             if kind == "tis":
                 out_of_bounds = (weights > hi).float()
                 weights = weights.clamp(max=hi)
-            elif kind == "icepop":
-                out_of_bounds = ((weights < lo) | (weights > hi)).float()
-                weights = weights * (1.0 - out_of_bounds)
-            else:  # seq-mask-tis
-                geo_mean = torch.exp(masked_mean(log_w, token_mask, dim=-1))
-                out_of_bounds = ((geo_mean < lo) | (geo_mean > hi)).float()[:, None].expand_as(curr)
-                weights = weights * (1.0 - out_of_bounds)
+            else:
+                if kind == "icepop":
+                    outside = (weights < lo) | (weights > hi)
+                else:  # seq-mask-tis
+                    geo_mean = torch.exp(masked_mean(log_w, token_mask, dim=-1))
+                    outside = ((geo_mean < lo) | (geo_mean > hi))[:, None].expand_as(curr)
+                # Selected, not multiplied by 0: a weight that overflowed to inf (a log-weight past
+                # ~88 in float32; GSPO's sequence weight sums a whole response's) is the kind these
+                # drop, and inf * 0 would put a NaN into the loss.
+                weights = torch.where(outside, 0.0, weights)
+                out_of_bounds = outside.float()
             is_metrics["is_oob_ratio"] = tok_mean(out_of_bounds)
         is_metrics["sampling_importance_ratio"] = tok_mean(weights)
         if cfg.use_importance_sampling_correction:
@@ -243,8 +248,14 @@ class ClippedPGLoss:
         the policy worker can leave out of the forward and backward passes (still counting them in
         the global normalization) without changing the update: rows with sample_mask 0, and without
         a KL penalty, rows whose advantage is 0 at every token of their token_mask (a GRPO group
-        whose samples all got the same reward). Every variant's per-token term is a multiple of A."""
+        whose samples all got the same reward). Every variant's per-token term is a multiple of A.
+
+        With top_entropy_quantile < 1 no row is named: the high-entropy floor is a quantile over the
+        micro-batch's valid tokens, a zero-advantage row's among them, and leaving any row out also
+        regroups the micro-batches, so either would move the floor and the tokens it keeps."""
         out = batch["sample_mask"] == 0
+        if self.needs_entropy:
+            return torch.zeros_like(out)
         if self.cfg.reference_policy_kl_penalty == 0:
             out = out | ((batch["advantages"] * batch["token_mask"]) == 0).all(dim=1)
         return out
@@ -274,5 +285,6 @@ def _quantile_floor(values: torch.Tensor, top: float) -> torch.Tensor:
     n = values.numel()
     if n == 0:
         return torch.tensor(float("inf"), device=values.device)
-    keep = max(1, math.ceil(top * n))
+    # In exact decimal arithmetic: float products round up past an integer (0.28 * 25 = 7.000000000000001).
+    keep = max(1, math.ceil(Fraction(repr(top)) * n))
     return torch.kthvalue(values, n - keep + 1).values

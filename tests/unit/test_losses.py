@@ -213,6 +213,29 @@ def test_truncated_importance_sampling(kind, lo, hi, weights, oob):
     assert m["is_oob_ratio"] == pytest.approx(oob)
 
 
+@pytest.mark.parametrize("kind", ["icepop", "seq-mask-tis"])
+def test_truncation_drops_an_overflowing_weight_without_a_nan(kind):
+    # Row 0's last token was sampled at pi_gen = e^-100 of the trainer's 0.4: w = 0.4 e^100 is inf
+    # in float32, which icepop (token) and seq-mask-tis (row 0's geometric mean) drop; a 0 * inf
+    # put a NaN into the loss and its gradient. Expected: the same as a large finite weight.
+    cfg = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": kind,
+           "truncated_importance_sampling_ratio": 2.5, "truncated_importance_sampling_ratio_min": 0.6}
+    results = []
+    for log_gen in (-100.0, -80.0):  # w = inf, w = 0.4 e^80 (finite)
+        curr, batch = make_batch()
+        batch["generation_logprobs"][0, 3] = log_gen
+        loss, m = ClippedPGLoss(cfg)(curr, batch, *valid_counts(batch))
+        loss.backward()
+        results.append((loss.item(), curr.grad, m["is_oob_ratio"], m["sampling_importance_ratio"]))
+    (l_inf, g_inf, oob_inf, w_inf), (l_big, g_big, oob_big, w_big) = results
+    # icepop: row 0's token 3 out (weight 0); seq-mask-tis: all of row 0 out.
+    expected = PPO[0][0] + sum(PPO[1]) if kind == "icepop" else sum(PPO[1])
+    assert l_inf == pytest.approx(expected / 5, rel=1e-5) and l_inf == l_big
+    assert torch.equal(g_inf, g_big) and torch.isfinite(g_inf).all()
+    assert oob_inf == oob_big == pytest.approx(1 / 5 if kind == "icepop" else 2 / 5)
+    assert w_inf == w_big and math.isfinite(w_inf)
+
+
 def test_sample_mask_drops_a_row():
     curr, batch = make_batch()
     batch["sample_mask"] = torch.tensor([0.0, 1.0])
@@ -321,6 +344,32 @@ def test_zero_gradient_rows_have_exactly_zero_gradient(cfg):
     assert zero.tolist() == [not kl, False, True, False, False, False]  # the KL penalty trains every row
     assert (curr.grad[zero] == 0).all()
     assert (curr.grad[~zero].abs().sum(dim=1) > 0).all()
+
+
+def test_no_row_is_skipped_under_the_entropy_quantile():
+    # The high-entropy floor is a quantile over the micro-batch's valid tokens, a zero-advantage
+    # row's among them: leaving that row out moved the floor and changed the other rows' update.
+    curr, batch = _random_batch()
+    batch["advantages"][0] = 0.0
+    batch["token_entropy"] = torch.rand(curr.shape, generator=torch.Generator().manual_seed(1))
+    batch["token_entropy"][0] = 10.0  # row 0 holds the highest entropies
+    loss_fn = ClippedPGLoss({"top_entropy_quantile": 0.3, "ratio_clip_min": 0.99, "ratio_clip_max": 100.0})
+    assert not loss_fn.zero_gradient_rows(batch).any()
+    whole = curr.clone().requires_grad_()
+    loss_fn(whole, batch, *valid_counts(batch))[0].backward()
+    rest = {k: v[1:] for k, v in batch.items()}
+    part = curr[1:].clone().requires_grad_()
+    loss_fn(part, rest, *valid_counts(batch))[0].backward()
+    assert not torch.allclose(whole.grad[1:], part.grad)  # why the row must stay
+
+
+def test_entropy_quantile_counts_exactly():
+    from posttrain.losses.policy_gradient import _quantile_floor
+
+    # 0.28 * 25 is 7.000000000000001 in floats: ceil kept 8 tokens.
+    for top, n, keep in ((0.28, 25, 7), (0.14, 50, 7), (0.2, 10, 2), (0.21, 10, 3), (0.01, 10, 1)):
+        values = torch.arange(float(n))
+        assert int((values >= _quantile_floor(values, top)).sum()) == keep, (top, n)
 
 
 def test_config_defaults_validation_and_pickling():
