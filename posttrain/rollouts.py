@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import numbers
 import os
 import time
@@ -41,6 +42,7 @@ from posttrain.environments.interfaces import (
 )
 from posttrain.evals import accuracy
 
+log = logging.getLogger(__name__)
 
 # A row's prompt tokens as `render_prompt` gives them, under the run's data.add_bos and
 # data.add_generation_prompt (GRPO's setup renders every prompt once to check its length and
@@ -197,8 +199,10 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
     closing = stand_in[at + len(_CONTENT_SENTINEL):]
     if tokenizer.decode([last_token], skip_special_tokens=True) == "":
         written = tokenizer.decode([last_token], skip_special_tokens=False)
-        if written and closing.startswith(written):
-            closing = closing[len(written):]  # the special token that ended the turn is in the tokens already
+        if written and written in closing:
+            # The special token that ended the turn is in the tokens already, and what the template
+            # writes before it (Llama 2's space in " </s>") the model did not: the rest follows it.
+            closing = closing[closing.index(written) + len(written):]
     return closing
 
 
@@ -400,6 +404,8 @@ def run_rollouts(
                     c.env_errors += 1
                 elif earlier_error:
                     c.metadata[ENV_ERROR_KEY] = earlier_error  # the sample's log keeps it
+                if c.env_errors:  # a failed verification scores the sample 0, earlier turns' rewards too
+                    c.reward = 0.0
                 if ret.tool_calls is not None and ret.tool_calls[k]:
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 if terminateds[k] or last_turn or c.truncated:
@@ -410,7 +416,18 @@ def run_rollouts(
                 # A message without a role is the environment's, as a text observation is: kept
                 # without one, it stopped the step at the logs, which read each message's role.
                 obs = [m if m.get("role") else {**m, "role": "environment"} for m in obs]
-                obs_tokens = _next_turn_tokens(tokenizer, c, obs, add_generation_prompt)
+                try:
+                    obs_tokens = _next_turn_tokens(tokenizer, c, obs, add_generation_prompt)
+                except Exception as e:  # noqa: BLE001 - e.g. content the chat template cannot write
+                    # The environment's observation, not the run, is at fault: the sample scores 0.
+                    error = f"environment {task!r}: the chat template cannot render its observation {obs!r:.120}: " \
+                            f"{type(e).__name__}: {e}"
+                    log.warning("%s; the sample scores 0", error)
+                    c.metadata[ENV_ERROR_KEY] = error
+                    c.env_errors += 1
+                    c.reward = 0.0
+                    c.done = True
+                    continue
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     continue

@@ -51,6 +51,9 @@ def test_answer_extraction():
     assert extract_final_answer("first 3, then 1,234.5 apples.") == "1234.5"
     assert extract_final_answer(r"-4 but \boxed{12} is final") == "12"
     assert extract_final_answer("it is -7.") == "-7"
+    # An unboxed LaTeX fraction is one number, as "3/4" is: it ended in its denominator.
+    assert extract_final_answer(r"so the share is $\frac{3}{4}$.") == "3/4"
+    assert extract_final_answer(r"\dfrac{-3}{ 8 } of it") == "-3/8"
     assert extract_final_answer("no digits") is None
     # A fraction is one number, and a Unicode minus is a sign; a hyphen after a number is not.
     assert extract_final_answer("she ate 3/4 of it.") == "3/4"

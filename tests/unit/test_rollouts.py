@@ -90,6 +90,22 @@ def test_observation_tokens_close_a_turn_cut_by_a_stop_string(tok):
         "\n<|user|>Board<|end|>\n<|assistant|>")
 
 
+def test_a_turn_the_model_ended_gets_no_second_eos_where_the_template_spaces_it(tok):
+    # Llama 2's template writes " " + content + " " + eos: the closing " <|end|>" does not start
+    # with the model's <|end|>, and the whole of it followed, two EOS tokens no render contains.
+    import copy
+
+    spaced = copy.copy(tok)
+    spaced.chat_template = tok.chat_template.replace("'<|end|>'", "' <|end|>'")
+    before = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "up"}]
+    obs = [{"role": "environment", "content": "Board"}]
+    assert spaced.decode(_observation_tokens(spaced, before, obs, last_token=tok.eos_token_id)) == (
+        "<|user|>Board <|end|><|assistant|>")
+    stopped = tok.convert_tokens_to_ids("p")  # cut by a stop string: the whole closing, space and all
+    assert spaced.decode(_observation_tokens(spaced, before, obs, last_token=stopped)) == (
+        " <|end|><|user|>Board <|end|><|assistant|>")
+
+
 class _EchoGeneration:
     """Generates `replies[k]` (the last one from then on) then <|end|> (unless `eos` is False:
     as if a stop string ended it) for every prompt of its k-th call, and records the prompts it
@@ -567,6 +583,52 @@ def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(t
     (conv,) = result.conversations
     assert conv.env_errors == 1 and result.metrics["env_errors"] == 1
     assert conv.metadata[ENV_ERROR_KEY] == "verifier crashed"
+
+
+def test_a_failed_verification_scores_the_sample_0_whatever_its_earlier_turns_earned(tok):
+    import torch
+
+    from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
+
+    class HalfThenCrash:
+        """Turn 1: reward 0.5, the conversation goes on; turn 2: the verifier fails."""
+
+        turn = 0
+
+        def step(self, message_logs, metadata):
+            self.turn += 1
+            n = len(metadata)
+            meta = [dict(m) for m in metadata] if self.turn == 1 else [{**m, ENV_ERROR_KEY: "boom"} for m in metadata]
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "again"}] * n, metadata=meta,
+                next_stop_strings=[None] * n, rewards=torch.full((n,), 0.5 if self.turn == 1 else 0.0),
+                terminateds=torch.full((n,), self.turn > 1), answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    result = run_rollouts(_EchoGeneration(tok), rows, {"t": HalfThenCrash()}, tok, max_turns=3, max_seq_len=200)
+    assert result.batch["rewards"].tolist() == [0.0] and result.batch["env_errors"].tolist() == [True]
+
+
+@pytest.mark.parametrize("content", [[{"type": "text", "text": "again"}], None])
+def test_an_observation_the_chat_template_cannot_write_scores_0_and_the_rollout_goes_on(tok, content):
+    import torch
+
+    from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
+
+    class OddContent:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": content if m["i"] == 0 else "again"} for m in metadata],
+                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=torch.ones(n),
+                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "metadata": {"i": i}} for i in range(2)]
+    result = run_rollouts(_EchoGeneration(tok), rows, {"t": OddContent()}, tok, max_turns=2, max_seq_len=200)
+    bad, good = result.conversations
+    assert result.batch["rewards"].tolist() == [0.0, 2.0] and result.batch["env_errors"].tolist() == [True, False]
+    assert bad.turns == 1 and good.turns == 2
+    assert "cannot render its observation" in bad.metadata[ENV_ERROR_KEY]
 
 
 def test_grpo_prompts_longer_than_the_input_cap_follow_data_truncation(tok):
