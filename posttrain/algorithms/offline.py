@@ -201,14 +201,16 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
         )
 
 
-def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of_train: bool) -> None:
+def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of_train: bool, max_len: int) -> None:
     """Sequence packing puts each training row whole (each chosen/rejected pair together, which the
     pair loss needs in one micro-batch) in one micro-batch, and fails the step that draws one longer
     than the token budget: fail before any worker starts.
 
     Training units go through `train_mb_tokens`. Logprob passes (validation, and DPO's reference
     logprobs of the training rows when `logprobs_of_train`) need no pairs: they pack row by row,
-    so only the longest row must fit `logprob_mb_tokens`.
+    so only the longest row must fit `logprob_mb_tokens`; with KTO's labelled rows, also the
+    longest mismatched pair its KL estimate can draw (`collate_kto`: a row's prompt with another
+    row's response, cut at `max_len`), which may be longer than any row.
     """
     sp = policy.sequence_packing
     if not sp.enabled:
@@ -222,8 +224,14 @@ def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of
     checks = [("train", what, longest_unit, "train_mb_tokens")]
     if logprobs_of_train:
         checks.append(("train", "row", longest_row, "logprob_mb_tokens"))
+    if not pairs and "label" in rows[0]:  # KTO
+        starts = [ex["loss_mask"].index(1) for ex in rows]
+        longest = max(starts) + max(len(ex["input_ids"]) - start for ex, start in zip(rows, starts))
+        checks.append(("train", "mismatched pair (a row's prompt with another's response, KTO's KL estimate)",
+                       min(max_len, longest), "logprob_mb_tokens"))
     if data.val_batches:
-        longest_val = max(int(b["input_lengths"].max()) for b in data.val_batches)
+        longest_val = max(int(b[key].max()) for b in data.val_batches for key in ("input_lengths", "kl_input_lengths")
+                          if key in b)
         checks.append(("val", "row", longest_val, "logprob_mb_tokens"))
     for split, what, longest, key in checks:
         if longest > getattr(sp, key):
@@ -304,7 +312,8 @@ def offline_setup(
     workers, resume. `policy_kwargs` go to `start_run` (model_kind, init_reference)."""
     torch.manual_seed(algo.seed)
     data = offline_data(cfg, algo, process_rows, collate_fn)
-    check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False))
+    check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False),
+                          max_len=max_sequence_length(cfg))
     run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
     try:

@@ -634,14 +634,19 @@ def process_kto_rows(
 def collate_kto(examples: list[Example], pad_id: int, max_len: int) -> BatchedDataDict:
     """A KTO batch: the examples as `collate` makes them, with `kto_label [B]` (1: desirable), and
     the mismatched pairs KTO's KL estimate reads in `kl_input_ids`, `kl_input_lengths` and
-    `kl_token_mask`: example i's prompt with example (i + 1) mod B's response (cut at `max_len`),
-    as TRL pairs them. A batch of one example is its own mismatched pair (an estimate of 0 at the
-    start: the log-ratio of the reference's own sample)."""
+    `kl_token_mask`: example i's prompt with the response of the next example (mod B) whose prompt
+    differs (cut at `max_len`), as TRL pairs each prompt with its neighbour's response. The next
+    one alone would be a matched pair wherever neighbours share their prompt, as the two sides of
+    an unpaired preference pair do in validation batches and unshuffled data (TRL unpairs a
+    chunk's chosen sides before its rejected ones). When every prompt of the batch is the same,
+    the next example's response (a batch of one: its own, an estimate of 0 at the start)."""
     batch = collate(examples, pad_id)
     starts = [ex["loss_mask"].index(1) for ex in examples]
+    prompts = [ex["input_ids"][:start] for ex, start in zip(examples, starts)]
+    n = len(examples)
     kl = []
     for i, ex in enumerate(examples):
-        j = (i + 1) % len(examples)
+        j = next((k % n for k in range(i + 1, i + n) if prompts[k % n] != prompts[i]), (i + 1) % n)
         other = examples[j]
         kl.append({"input_ids": (ex["input_ids"][: starts[i]] + other["input_ids"][starts[j]:])[:max_len],
                    "loss_mask": ([0] * starts[i] + other["loss_mask"][starts[j]:])[:max_len]})

@@ -89,3 +89,32 @@ def test_a_steps_loss_and_reference_point_match_an_independent_computation(ray_s
     assert result["train/loss"] == pytest.approx(per.mean().item(), abs=1e-5)
     assert result["train/rewards_desirable_mean"] == pytest.approx((beta * r)[desirable == 1].mean().item(), abs=1e-4)
     assert 0 < desirable.sum() < len(desirable)  # both labels in the batch: the check covers both branches
+
+
+def test_packing_checks_the_mismatched_pairs_kto_can_draw(tmp_path):
+    # One row with a long prompt, another with a long response: each fits the logprob budget, the
+    # first's prompt with the second's response (the KL estimate's pair) does not. The check passed
+    # and the step that drew that pair failed ("a sequence has 85 tokens, more than ... 64").
+    from posttrain.algorithms import offline
+    from posttrain.config import InputError
+    from posttrain.data.formats import labelled_rows
+    from posttrain.data.processors import process_kto_rows
+
+    path = tmp_path / "kto.jsonl"
+    rows = [r for i in range(4) for r in ((f"Q{i} " * 20, "A", True), (f"Q{i}", f"A{i} " * 20, False))]
+    path.write_text("".join(json.dumps({"prompt": p, "completion": c, "label": lab}) + "\n" for p, c, lab in rows))
+
+    def setup(budget):
+        cfg = offline_cfg("kto", tmp_path, "embedded:tiny", "data.dataset_name=local", f"data.train_data_path={path}",
+                          "data.val_split_fraction=0.25", "policy.sequence_packing.enabled=true",
+                          f"policy.sequence_packing.train_mb_tokens={budget}",
+                          f"policy.sequence_packing.logprob_mb_tokens={budget}", "policy.train_global_batch_size=4")
+        with labelled_rows():
+            data = offline.offline_data(cfg, cfg.kto, process_kto_rows, lambda ex, pad: collate_kto(ex, pad, 512))
+        longest_row = max(len(ex["input_ids"]) for ex in data.loader.rows)
+        offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=True, max_len=512)
+        return longest_row
+
+    longest_row = setup(512)
+    with pytest.raises(InputError, match=r"logprob_mb_tokens=\d+ is less than the longest train mismatched pair"):
+        setup(longest_row)

@@ -680,18 +680,24 @@ def test_kto_rows_keep_their_label_and_train_the_last_message(tok, shared_data, 
     examples, stats = process_kto_rows(rows + [pair], tok, cfg, max_len=64)
     assert [ex["label"] for ex in examples] == [[int(rows[0]["label"])], [1], [0]]
     assert (stats["rows"], stats["kept"]) == (3, 3)  # the pair's two sides are two examples
-    # The mismatched pairs of the KL estimate: each prompt with the next example's response.
+    # The mismatched pairs of the KL estimate: each prompt with the response of the next example
+    # whose prompt differs. The pair's chosen side (1) is not paired with its own rejected side
+    # (2), the next example: that would be a matched pair.
     batch = collate_kto(examples, tok.pad_token_id, max_len=64)
     assert batch["kto_label"].tolist() == [float(rows[0]["label"]), 1.0, 0.0]
     starts = [ex["loss_mask"].index(1) for ex in examples]
-    for i in range(3):
-        j = (i + 1) % 3
+    for i, j in enumerate([1, 0, 0]):
         want = examples[i]["input_ids"][: starts[i]] + examples[j]["input_ids"][starts[j]:]
         n = int(batch["kl_input_lengths"][i])
         assert batch["kl_input_ids"][i, :n].tolist() == want
         assert batch["kl_token_mask"][i, :n].tolist() == [0.0] * starts[i] + [float(m) for m in examples[j]["loss_mask"][starts[j]:]]
     # Cut at the context like any row.
     assert collate_kto(examples, tok.pad_token_id, max_len=5)["kl_input_lengths"].max() <= 5
+    # Every prompt the same: the next example's response (a batch of one, its own).
+    same = collate_kto(examples[1:], tok.pad_token_id, max_len=64)
+    assert same["kl_input_ids"][0].tolist()[: int(same["kl_input_lengths"][0])] == examples[2]["input_ids"]
+    one = collate_kto(examples[:1], tok.pad_token_id, max_len=64)
+    assert one["kl_input_ids"][0].tolist() == examples[0]["input_ids"]
 
 
 def test_kto_rows_without_a_label_are_named_or_skipped(tok, tmp_path):
