@@ -15,7 +15,7 @@ Greedy picks argmax(z) and reports its logprob under softmax(z) (temperature 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -113,10 +113,16 @@ def sampling_logprobs(logits: torch.Tensor, s: SamplingSettings, seen: torch.Ten
 
 
 def sample(
-    logits: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None, seen: torch.Tensor | None = None
+    logits: torch.Tensor, s: SamplingSettings, generator: torch.Generator | None, seen: torch.Tensor | None = None,
+    rows: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of `logits [B, V]`; returns (`tokens [B]` long, `logprobs [B]` float32).
-    `seen`: as `sampling_logprobs` takes it."""
+    `seen`: as `sampling_logprobs` takes it.
+
+    A row whose distribution is not finite (NaN or inf logits) is a FloatingPointError naming it:
+    its picked token's logprob is then NaN or -inf, whatever the token, greedy or sampled. `rows`
+    names the caller's batch row of each logits row (-1: a row whose pick is discarded, never an
+    error); without it, the rows of `logits`."""
     lp = sampling_logprobs(logits, s, seen)
     if s.greedy:
         tokens = lp.argmax(dim=-1)
@@ -124,7 +130,15 @@ def sample(
         probs = lp.exp()
         u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
         tokens = inverse_cdf_pick(probs, u)
-    return tokens, lp.gather(-1, tokens[:, None]).squeeze(-1)
+    picked = lp.gather(-1, tokens[:, None]).squeeze(-1)
+    bad = ~torch.isfinite(picked)
+    if bool(bad.any()):
+        names = torch.as_tensor(rows if rows is not None else range(len(picked)), dtype=torch.long)
+        named = [r for r in names[bad.cpu()].tolist() if r >= 0]
+        if named:
+            raise FloatingPointError(f"the next-token distribution of batch row(s) {named[:8]} is not finite "
+                                     "(NaN or inf logits): the model's weights or activations have overflowed")
+    return tokens, picked
 
 
 def inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -136,13 +150,10 @@ def inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     and does a cumulative sum (measured, 2 threads: 128 x 32,000: 72 -> 2.1 ms per step;
     64 x 151,936: 186 -> 16 ms; 512 x 104: 0.98 -> 0.05 ms). A float32 cumulative sum shifts a
     token's mass by at most ~1e-7. A token of probability 0 (cut by top-k/top-p) has an
-    empty interval and is never picked."""
+    empty interval and is never picked. A row that is not finite picks some token (`sample`
+    names such rows)."""
     cdf = torch.cumsum(probs, dim=-1)
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all()):
-        rows = (~torch.isfinite(total[:, 0])).nonzero().flatten().tolist()
-        raise FloatingPointError(f"the next-token distribution of batch row(s) {rows[:8]} is not finite "
-                                 "(NaN or inf logits): the model's weights or activations have overflowed")
     tokens = torch.searchsorted(cdf, u * total, right=True).clamp_max_(probs.shape[-1] - 1)
     # u * total can round up to total itself, past the last token of positive mass: take that token.
     past_end = probs.gather(-1, tokens) == 0

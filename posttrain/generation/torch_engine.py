@@ -570,13 +570,14 @@ class TorchGeneration:
             if not waiting and int(active.sum()) <= num * _COMPACT_FRACTION and num > 1:
                 idx = active.nonzero().flatten()
                 cache.keep(idx)
-                req, active, seq_len, n_gen, limit, last = (t[idx] for t in (req, active, seq_len, n_gen, limit, last))
+                req = req[idx.cpu()]  # req stays on the CPU (a CPU tensor takes no CUDA index)
+                active, seq_len, n_gen, limit, last = (t[idx] for t in (active, seq_len, n_gen, limit, last))
                 gen_buf, lp_buf, has_stop_str = gen_buf[idx], lp_buf[idx], has_stop_str[idx]
                 seen = None if seen is None else seen[idx]
                 num = len(idx)
             cache.ensure(int(seq_len.max()) + 1)
             logits = decode(w, cache, last, seq_len)
-            tok, lp = sample(logits, settings, self.generator, seen)
+            tok, lp = sample(logits, settings, self.generator, seen, rows=req)  # free slots: -1, not checked
             act = active.nonzero().flatten()
             seq_len += active.long()
             last = torch.where(active, tok, last)
@@ -628,7 +629,7 @@ class TorchGeneration:
         if seen is not None:
             rows = prompts[reqs].to(dev)  # right-padded
             seen[ss] = seen_tokens(rows, torch.arange(rows.shape[1], device=dev)[None] < lens[:, None], seen.shape[1])
-        tok, lp = sample(logits, settings, self.generator, None if seen is None else seen[ss])
+        tok, lp = sample(logits, settings, self.generator, None if seen is None else seen[ss], rows=reqs)
         req[ss.cpu()] = torch.tensor(reqs, dtype=torch.long)
         active[ss] = True
         seq_len[ss] = lens

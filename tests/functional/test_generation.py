@@ -669,3 +669,19 @@ def test_hf_backend_keeps_a_prompt_near_the_context_within_the_position_embeddin
     out = engine("hf", model.eval(), tok, max_new_tokens=30, ignore_eos=True).generate(batch)
     assert out["generation_lengths"].tolist() == [4, 30]
     assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
+
+
+@pytest.mark.parametrize("greedy,torch_cfg", [(False, {}), (False, {"max_batch_size": 2}), (True, {})])
+def test_a_non_finite_distribution_is_an_error_naming_its_batch_row(greedy, torch_cfg):
+    # Token 50's embedding is NaN and only row 3 holds it. With 2 slots the error named the row's
+    # slot (1), not its batch row; greedy decoding returned NaN logprobs without an error.
+    model, tok = config_llama()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[50] = float("nan")
+    rows = [[10, 11, 12], [13, 14], [15, 16, 17], [18, 50, 19], [20, 21]]
+    ids = torch.full((len(rows), 3), tok.pad_token_id)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    batch = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]))
+    with pytest.raises(FloatingPointError, match=r"batch row\(s\) \[3\] is not finite"):
+        engine("torch", model, tok, max_new_tokens=5, torch_cfg=torch_cfg).generate(batch, greedy=greedy)
