@@ -156,7 +156,8 @@ class PrefixSharingConfig(Section):
     # Rows that start with the same prompt (the completions of one GRPO prompt) run as one
     # packed row: the prompt once, then each completion attending to it and to itself. Exact
     # (same logprobs and gradients); fewer tokens through the model. Applies to batches with a
-    # token_mask (the prompt is what precedes the first trained token) and sdpa/eager attention.
+    # token_mask (the prompt is what precedes the first trained token) and sdpa/eager attention,
+    # not to micro-batches with a row longer than the model's sliding window (Mistral's, Gemma's).
     enabled: bool = True
     # Longest packed row in tokens; a group that does not fit continues in a new packed row
     # (a dense attention mask is rows x this^2).

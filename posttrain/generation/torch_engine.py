@@ -37,7 +37,7 @@ from posttrain.generation.interfaces import (
     prepare_prompts,
 )
 from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, seen_tokens, version_seed
-from posttrain.policy.blockwise_attention import base_implementation
+from posttrain.policy.blockwise_attention import base_implementation, sliding_window
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -79,10 +79,8 @@ def check_supported(model, context: int | None = None) -> None:
         problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
     elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         problem = "the model does not have the `model.layers` / `lm_head` layout"
-    elif getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
-        if model.config.sliding_window < context:
-            problem = (f"sliding-window attention (window {model.config.sliding_window}, shorter than the "
-                       f"{context}-token context) is not supported")
+    elif (window := sliding_window(model.config)) is not None and window < context:
+        problem = f"sliding-window attention (window {window}, shorter than the {context}-token context) is not supported"
     if problem:
         raise UnsupportedModelError(
             f"the torch generation engine cannot run this model: {problem}; use "

@@ -172,6 +172,14 @@ def _register() -> None:
         AttentionMaskInterface.register(_PREFIX + base, ALL_MASK_ATTENTION_FUNCTIONS[base])
 
 
+def sliding_window(config) -> int | None:
+    """The attention window of a model config that applies one (Mistral's `sliding_window`, Qwen2's
+    with `use_sliding_window`, Gemma's sliding layers), else None. A row no longer than it attends
+    as under full causal attention; shared-prefix masks and blocks are full causal attention."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and getattr(config, "use_sliding_window", True) else None
+
+
 def base_implementation(model: torch.nn.Module) -> str | None:
     """The model's attention implementation with the blockwise wrapper taken off."""
     attn = getattr(model.config, "_attn_implementation", None)

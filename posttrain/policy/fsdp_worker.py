@@ -39,7 +39,8 @@ from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_micr
 from posttrain.generation.interfaces import pad_token_id
 from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
-from posttrain.policy.blockwise_attention import PrefixBlocks, base_implementation, enable_blockwise, is_blockwise
+from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
+                                                 sliding_window)
 from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, disable_dropout,
                                    load_generation_config, load_model_configs, load_pretrained, model_class,
                                    resolve_tokenizer_path, save_hf, writing_folder)
@@ -505,10 +506,15 @@ class FSDPPolicyWorker:
     def _forward_shared_prefixes(self, model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
                                  first: torch.Tensor, entropy: bool) -> list[torch.Tensor] | None:
         """Token logprobs `[b, S]` (and their entropies) with rows that share their prompt packed over one copy of it
-        (`policy.prefix_sharing`); None when no rows share one or the attention backend cannot
-        take a custom mask. The prompt is what precedes a row's first trained token, `first`."""
+        (`policy.prefix_sharing`); None when no rows share one, the attention backend cannot
+        take a custom mask, or a row is longer than the model's sliding window (the shared-prefix
+        mask and blocks are full causal attention). The prompt is what precedes a row's first
+        trained token, `first`."""
         attn = base_implementation(model)
         if attn not in ("sdpa", "eager"):
+            return None
+        window = sliding_window(model.config)
+        if window is not None and window < int(lengths.max()):
             return None
         layout = share_prefixes(ids, lengths, first, self.pad_id, self.cfg.prefix_sharing.max_row_tokens,
                                 self.cfg.make_sequence_length_divisible_by, self._score_cost,
