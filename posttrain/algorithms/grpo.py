@@ -274,6 +274,14 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         convs += out.conversations
     if colocated:
         s.policy.finish_generation()
+    if not g.val_greedy:
+        # Sampled validation drew from the engines' sampling streams, which restart only at a
+        # refit: the next step's rollouts would go on from there, and a run resumed from this
+        # step's checkpoint (its engines refit at the start) would sample otherwise. Refit again.
+        if colocated:
+            s.policy.prepare_for_generation(force=True)
+        else:
+            s.generation.update_weights(s.policy.full_state_dict_ref(), version=s.generation.version)
     # In float64, as accuracy (a ratio of counts): a float32 mean of 180 of 200 is 0.8999999762,
     # which misses a 0.9 threshold.
     metrics = {"reward": float(torch.cat(rewards).double().mean()),
@@ -603,8 +611,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 val_metrics = last.val = _validate_current(s, pipeline, step)
                 logger.log_metrics(val_metrics, step=step, prefix="val")
             if step > last.saved_step and s.checkpointer.should_save(step, last=True):
-                _save(s, step, last.train, last.val,
-                      loader_state=pipeline.loader_state if pipeline is not None else None)
+                # Dynamic sampling gave up on this step's prompts: a resume (with more rounds, as the
+                # error advises) starts at them. Out of prompts: where the data ended.
+                exhausted = pipeline.loader_state if pipeline is not None else None
+                _save(s, step, last.train, last.val, loader_state=last.loader_state if prompts is not None else exhausted)
             if prompts is not None:
                 raise DynamicSamplingExhausted(
                     f"step {step}: {reason}. Raise grpo.dynamic_sampling_max_gen_batches or "

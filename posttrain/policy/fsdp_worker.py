@@ -897,8 +897,10 @@ class FSDPPolicyWorker:
             return BatchedDataDict()
         return self.gen_engine.generate(shard.to("cpu") if self.device.type == "cpu" else shard, greedy=greedy)
 
-    def prepare_for_generation(self) -> dict[str, float]:
-        if self.gen_version == self.weights_version and self.gen_engine is not None:
+    def prepare_for_generation(self, force: bool = False) -> dict[str, float]:
+        """Refit the generation copy to the current weights (and so reseed its sampler) unless it
+        holds them already; `force`: refit anyway."""
+        if self.gen_version == self.weights_version and self.gen_engine is not None and not force:
             return {"refit_s": 0.0}
         t0 = time.perf_counter()
         sd = self._base_weights(all_ranks=True)

@@ -168,9 +168,10 @@ class Policy:
         access, so that generate itself is one round trip)."""
         return self.workers.get(self.workers.run_all("generation_metrics"))[0]
 
-    def prepare_for_generation(self) -> dict[str, float]:
-        """Refit the generation copies to the current weights; returns {"refit_s": seconds (rank 0)}."""
-        return self.workers.get(self.workers.run_all("prepare_for_generation"))[0]
+    def prepare_for_generation(self, force: bool = False) -> dict[str, float]:
+        """Refit the generation copies to the current weights (`force`: even when they hold them,
+        which restarts their samplers' streams); returns {"refit_s": seconds (rank 0)}."""
+        return self.workers.get(self.workers.run_all("prepare_for_generation", force))[0]
 
     def finish_generation(self) -> None:
         """Nothing to release, so no round trip to the workers: their engines (torch, hf; colocated

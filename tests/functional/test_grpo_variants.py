@@ -63,6 +63,28 @@ def test_dynamic_sampling_that_keeps_no_group_says_so_and_stops(ray_session, tmp
     assert records(tmp_path / "logs", "train") == []
 
 
+def test_a_run_stopped_by_dynamic_sampling_resumes_at_the_prompts_it_gave_up_on(ray_session, tmp_path):
+    # Step 1's samples score apart, step 2's all alike: dynamic sampling gives up on step 2's
+    # prompts, and the checkpoint of step 1 held the data position after them, so a resume with
+    # more rounds (the error's advice) never generated them.
+    from posttrain.algorithms.grpo import DynamicSamplingExhausted
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def first_step_only(response, metadata):\n"
+                       "    return float(len(response) % 2) if metadata['_rollout']['global_step'] == 0 else 1.0\n")
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "grpo.max_num_steps=3", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=1",
+        "grpo.num_generations_per_prompt=8", "data.task_name=one", f"env.one.target={rewards}:first_step_only",
+        "checkpointing.save_period=10",
+    ))
+    with pytest.raises(DynamicSamplingExhausted, match="step 1: dynamic sampling kept 0 samples"):
+        run(cfg)
+    assert [r["step"] for r in records(tmp_path / "logs", "train")] == [1]
+    info = json.loads((tmp_path / "ckpt" / "step_1" / "training_info.json").read_text())
+    assert info["step"] == 1 and info["dataloader"]["served"] == 4  # step 1's 4 prompts, not step 2's too
+
+
 def test_lora_grpo_generates_with_the_trained_adapters(ray_session, tmp_path):
     # Warm-up SFT moves the adapters; colocated generation must then sample from base + adapter
     # (merged at refit), so its logprobs agree with the policy's.
