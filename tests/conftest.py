@@ -104,14 +104,18 @@ def single_rank_worker_env(monkeypatch, free_port):
 
 @pytest.fixture(scope="session")
 def save_68b_config():
-    """`save(folder, vocab_size=128256)`: a config-only model folder of a ~68B-parameter Llama, too
-    large for the RAM of any test machine (loading weights would fail differently, so a memory
-    error proves the check ran first)."""
+    """`save(folder, vocab_size=128256)`: the model folder of a ~68B-parameter Llama, too large for
+    the RAM of any test machine, whose weights file holds only its final norm (it passes the
+    drivers' check of the files; loading would fail differently, so a memory error proves the
+    memory check ran first)."""
+    import torch
+    from safetensors.torch import save_file
     from transformers import LlamaConfig
 
     def save(folder, vocab_size: int = 128256):
         LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                     num_key_value_heads=8, vocab_size=vocab_size).save_pretrained(folder)
+        save_file({"model.norm.weight": torch.ones(8192)}, f"{folder}/model.safetensors")
         return folder
 
     return save

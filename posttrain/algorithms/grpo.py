@@ -153,7 +153,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     g = cfg.grpo
     torch.manual_seed(g.seed)
     tokenizer = load_policy_tokenizer(cfg.policy)
-    load_model_configs(cfg.policy, with_reference=cfg.needs_reference())  # a wrong name fails before Ray starts
+    # A wrong name or model folder fails before Ray starts.
+    load_model_configs(cfg.policy, with_reference=cfg.needs_reference(), check_files=True)
     check_backend_installed(cfg.policy.generation)
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts

@@ -81,7 +81,7 @@ def start_run(
     """Logger, checkpoint manager (its latest checkpoint is checked against the data and
     `max_steps`, and `loader` set to its data position, before any worker starts), cluster and
     policy; returns the run and the checkpoint to resume from (or None)."""
-    load_model_configs(policy_cfg, with_reference=init_reference, model_kind=model_kind)  # fails before Ray starts
+    load_model_configs(policy_cfg, with_reference=init_reference, model_kind=model_kind, check_files=True)  # before Ray
     # Nothing is sampled here, so the loss trains and validation measures the model's own
     # distribution: the policy's logprobs are of logits / policy.generation.temperature (for RL,
     # the sampler's distribution), which a policy section shared with a GRPO config may set.

@@ -73,8 +73,28 @@ def load_policy_tokenizer(policy):
     tokenizer is the model's own (the default, or NeMo RL's `name: ${policy.model_name}` that the
     example configs write), the key the user wrote."""
     own = policy.tokenizer.name in (None, policy.model_name)
-    return load_tokenizer(policy.tokenizer.model_copy(update={"name": policy.tokenizer_name}),
-                          key="policy.model_name" if own else "policy.tokenizer.name")
+    key = "policy.model_name" if own else "policy.tokenizer.name"
+    tokenizer = load_tokenizer(policy.tokenizer.model_copy(update={"name": policy.tokenizer_name}), key=key)
+    check_token_ids_fit(tokenizer, policy, key)
+    return tokenizer
+
+
+def check_token_ids_fit(tokenizer, policy, key: str) -> None:
+    """Every id the tokenizer writes, and every `policy.generation.stop_token_ids`, must be a row of
+    the model's embedding: another model's tokenizer failed at the first step with an IndexError
+    from inside the model, and a stop id past the vocabulary never fires."""
+    from posttrain.policy.hf_io import load_hf_config
+
+    vocab = getattr(load_hf_config(policy.model_name)[1], "vocab_size", None)
+    if vocab is None:
+        return
+    if len(tokenizer) > vocab:
+        raise InputError(f"{key}: the tokenizer has {len(tokenizer)} tokens, more than the {vocab} rows of "
+                         f"{policy.model_name!r}'s embedding (vocab_size): is it the model's own tokenizer?")
+    past = [i for i in policy.generation.stop_token_ids or [] if not 0 <= i < vocab]
+    if past:
+        raise InputError(f"policy.generation.stop_token_ids: {past} are not token ids of {policy.model_name!r} "
+                         f"(0 to {vocab - 1})")
 
 
 def require_chat_template(tokenizer) -> None:

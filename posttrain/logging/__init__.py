@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 from posttrain.checkpoint import move_aside
-from posttrain.config import to_yaml
+from posttrain.config import MissingInputError, to_yaml
 from posttrain.logging.jsonl import naming_file, parse_lines
 from posttrain.logging.timer import Timer
 from posttrain.schemas import LoggerConfig
@@ -101,6 +101,18 @@ def _drop_after(path: Path, step: int | None) -> list[dict[str, Any]]:
     return kept
 
 
+def _check_writable(run_dir: Path) -> None:
+    """Create `run_dir` and write in it, or fail naming logger.log_dir (a permission error from deep
+    inside the logger was a traceback; root passes os.access on a read-only or immutable folder)."""
+    probe = run_dir / ".posttrain-write-check"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise MissingInputError(f"logger.log_dir={run_dir}: cannot write it ({e.strerror or e})") from None
+
+
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None) -> None:
@@ -116,7 +128,7 @@ class Logger:
         stopped run logged after the checkpoint stay there beside the ones logged again."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _check_writable(self.run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with
         # this run's at the same steps (and its later steps would stay in this run's plots).
@@ -255,12 +267,18 @@ class Logger:
             self._console.print_samples(rows[: self.cfg.num_val_samples_to_print], title)
 
     def plot(self) -> list[Path]:
-        """Write PNGs of the main curves to `<run_dir>/plots/` (when `logger.plots_enabled`)."""
+        """Write PNGs of the main curves to `<run_dir>/plots/` (when `logger.plots_enabled`). A file
+        system that refuses them (a full disk) is a warning: they are drawn from metrics.jsonl,
+        which holds the numbers, and a run stopped by its pictures (at a checkpoint's save) loses more."""
         if not self.cfg.plots_enabled:
             return []
         from posttrain.logging.plots import plot_history
 
-        return plot_history(self._records, self.run_dir / "plots", _OWN_STEP_AXES)
+        try:
+            return plot_history(self._records, self.run_dir / "plots", _OWN_STEP_AXES)
+        except OSError as e:
+            _log.warning("the plots could not be written to %s: %s", self.run_dir / "plots", e)
+            return []
 
     def __enter__(self) -> "Logger":
         return self

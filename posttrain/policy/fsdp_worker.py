@@ -272,7 +272,7 @@ class FSDPPolicyWorker:
         n_params = check_fits_in_memory(
             cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
             world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-            reference_config=ref_config, max_memory_fraction=cfg.max_memory_fraction,
+            reference_config=ref_config, max_memory_fraction=cfg.max_memory_fraction, lora=cfg.lora,
         )
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging

@@ -36,11 +36,12 @@ def load_hf_config(model_name: str, key: str = "policy.model_name"):
         raise model_load_error(key, model_name, path, "a model config", e) from None
 
 
-def load_model_configs(cfg, *, with_reference: bool,
-                       model_kind: str = "causal_lm") -> tuple[tuple[str, Any], tuple[str, Any] | None]:
+def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_lm",
+                       check_files: bool = False) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
     (`cfg.reference_model_name`, else the policy itself); None for no reference. The drivers call it
-    before starting Ray, so a wrong name fails in seconds; the workers call it again to load.
+    before starting Ray (`check_files`: and `check_weight_files` on local folders), so a wrong name
+    or folder fails in seconds; the workers call it again to load.
     A reference scores the policy's tokens, so its vocabulary must be the policy's; both must
     split over `policy.dtensor_cfg.tensor_parallel_size`; `policy.lora` must fit the model."""
     from posttrain.policy.tensor_parallel import check_tensor_parallel
@@ -50,6 +51,8 @@ def load_model_configs(cfg, *, with_reference: bool,
     check_tensor_parallel(config, tp)
     if cfg.lora.enabled:
         check_lora(config, cfg.lora, model_kind)
+    if check_files:
+        check_weight_files(path, config, model_kind, "policy.model_name")
     if not with_reference:
         return (path, config), None
     name = cfg.reference_model_name
@@ -58,7 +61,61 @@ def load_model_configs(cfg, *, with_reference: bool,
     ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
     check_tensor_parallel(ref_config, tp, key="policy.reference_model_name")
     check_reference_vocabulary(cfg, config, ref_path, ref_config)
+    if check_files:
+        check_weight_files(ref_path, ref_config, "causal_lm", "policy.reference_model_name")
     return (path, config), (ref_path, ref_config)
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weight_files(path: str, config, model_kind: str, key: str) -> None:
+    """A local model folder (not a hub id, which transformers fetches) must hold weights that load:
+    a weights file, every shard its index names, safetensors headers that read (a cut-off copy
+    does not), and tensors of the shapes config.json makes (an edited hidden_size does not).
+    Found in the workers, each of these was a traceback from inside transformers after Ray and
+    the workers had started."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    present = [f for f in _WEIGHT_FILES if (folder / f).is_file()]
+    if not present:
+        held = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+        raise InputError(f"{key}: the model folder {path} has no weights ({' / '.join(_WEIGHT_FILES)}); it holds {held}")
+    if not present[0].startswith("model.safetensors"):
+        return
+    files = [folder / present[0]]
+    if present[0].endswith(".json"):
+        import json
+
+        index = folder / present[0]
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{key}: cannot read the weights index {index}: {e}") from None
+        missing = [f for f in shards if not (folder / f).is_file()]
+        if missing:
+            raise InputError(f"{key}: the weights index {index} names shards the folder lacks: {', '.join(missing[:4])}")
+        files = [folder / f for f in shards]
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                shapes.update({k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()})
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+            raise InputError(f"{key}: cannot read the weights file {f} ({type(e).__name__}: {e}); a cut-off or "
+                             "corrupt copy? Copy or export it again") from None
+    with torch.device("meta"):
+        try:
+            expected = {k: tuple(v.shape) for k, v in model_class(model_kind).from_config(config).state_dict().items()}
+        except Exception:  # noqa: BLE001 - a model transformers cannot build says so when it loads
+            return
+    wrong = [(k, shapes[k], expected[k]) for k in shapes if k in expected and shapes[k] != expected[k]]
+    if wrong:
+        listed = "; ".join(f"{k} is {list(a)}, the config makes it {list(b)}" for k, a, b in wrong[:3])
+        raise InputError(f"{key}: the weights in {path} do not fit its config.json ({len(wrong)} tensor(s): {listed})")
 
 
 def resolve_tokenizer_path(cfg) -> str:
@@ -198,24 +255,30 @@ def config_for_kind(config, model_kind: str):
     return config
 
 
-def count_parameters(config, model_kind: str) -> int:
-    """Parameter count of the model `config` describes, built on the meta device (no memory)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = model_class(model_kind).from_config(config_for_kind(config, model_kind))
-    return sum(p.numel() for p in model.parameters())
-
-
-def check_lora(config, lora, model_kind: str) -> None:
-    """Apply `lora` to the model `config` describes, built on the meta device (no memory), so a
-    target module the model lacks fails before any worker starts, naming the key."""
+def _meta_model(config, model_kind: str, lora=None) -> torch.nn.Module:
+    """The model `config` describes on the meta device (no memory), its tied weights tied (built
+    empty, an LM head tied to the embedding was a second matrix), with `lora`'s adapters if enabled."""
     from accelerate import init_empty_weights
 
     from posttrain.policy.lora import maybe_apply_lora
 
     with init_empty_weights():
-        maybe_apply_lora(model_class(model_kind).from_config(config_for_kind(config, model_kind)), lora)
+        model = model_class(model_kind).from_config(config_for_kind(config, model_kind))
+    model.tie_weights()  # (inside init_empty_weights it does not tie)
+    with init_empty_weights():
+        return maybe_apply_lora(model, lora) if lora is not None else model
+
+
+def count_parameters(config, model_kind: str, lora=None) -> tuple[int, int]:
+    """(parameters, trainable ones) of the model `config` describes, with `lora`'s adapters."""
+    params = list(_meta_model(config, model_kind, lora).parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def check_lora(config, lora, model_kind: str) -> None:
+    """Apply `lora` to the model `config` describes, on the meta device, so a target module the
+    model lacks fails before any worker starts, naming the key."""
+    _meta_model(config, model_kind, lora)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -228,19 +291,21 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: torch.device, world_size: int,
-                         workers_on_device: int, reference_config: Any, max_memory_fraction: float) -> int:
+                         workers_on_device: int, reference_config: Any, max_memory_fraction: float,
+                         lora=None) -> int:
     """Raise MemoryError before loading when the model's training state cannot fit; returns the param count.
 
     Estimate for one device (the node's RAM on CPU, which its `workers_on_device` workers share):
-    the fp32 training state (weights + grads + 2 Adam moments = 4 x 4 bytes per parameter)
-    sharded over `world_size` workers, plus the frozen reference model of `reference_config`
-    (None: none; a distillation teacher may be far larger than the policy) at 4 bytes per
-    parameter, sharded, plus one unsharded fp32 copy per worker while it loads before sharding.
+    the fp32 training state (weights + grads + 2 Adam moments = 4 x 4 bytes per trained parameter;
+    with `lora` enabled, the frozen base's weights alone, 4 bytes) sharded over `world_size`
+    workers, plus the frozen reference model of `reference_config` (None: none; a distillation
+    teacher may be far larger than the policy) at 4 bytes per parameter, sharded, plus one
+    unsharded fp32 copy per worker while it loads before sharding.
     """
-    n = count_parameters(config, model_kind)
-    n_ref = count_parameters(reference_config, model_kind) if reference_config is not None else 0
+    n, trained = count_parameters(config, model_kind, lora)
+    n_ref = count_parameters(reference_config, model_kind)[0] if reference_config is not None else 0
     per_param = 4  # fp32 master weights, whatever the compute precision
-    sharded = n * TRAIN_STATE_COPIES + n_ref
+    sharded = n + (TRAIN_STATE_COPIES - 1) * trained + n_ref
     need = per_param * (sharded * workers_on_device / world_size + max(n, n_ref) * workers_on_device)
     avail = available_memory_bytes(device)
     budget = avail * max_memory_fraction
@@ -249,11 +314,12 @@ def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: to
         raise MemoryError(
             f"model {model_name!r} ({n / 1e6:,.1f}M parameters) needs about {need / gib:,.1f} GiB on this "
             f"{device.type} ({workers_on_device} of {world_size} workers: fp32 weights + grads + 2 Adam states"
+            f"{f' of {trained / 1e6:,.1f}M trained' if trained < n else ''}"
             f"{f' + a {n_ref / 1e6:,.1f}M-parameter reference' if n_ref else ''}, plus a full copy while "
             f"loading), but only "
             f"{budget / gib:,.1f} GiB is allowed ({avail / gib:,.1f} GiB available x "
-            f"policy.max_memory_fraction={max_memory_fraction}); use more workers/nodes, a smaller model, "
-            f"or LoRA"
+            f"policy.max_memory_fraction={max_memory_fraction}); use more workers/nodes"
+            f"{' or a smaller model' if trained < n else ', a smaller model, or LoRA'}"
         )
     return n
 

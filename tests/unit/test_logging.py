@@ -688,3 +688,21 @@ def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch
     assert said == [f"the earlier run's checkpoints in {ckpt} were moved to {checkpointer.moved_aside} "
                     "(checkpointing.start_fresh=true)"]
     assert (checkpointer.moved_aside / "step_2" / "COMPLETE").is_file()
+
+
+def test_a_log_dir_that_cannot_be_written_is_named(tmp_path):
+    from posttrain.config import MissingInputError
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(MissingInputError, match=r"logger.log_dir=.*a_file/run: cannot write it \(Not a directory\)"):
+        Logger(LoggerConfig(tensorboard_enabled=False), tmp_path / "a_file" / "run")
+
+
+def test_plots_that_cannot_be_written_are_a_warning(tmp_path, caplog):
+    # A full disk under plots/ stopped the run at its next checkpoint's save.
+    logger = Logger(LoggerConfig(tensorboard_enabled=False), tmp_path)
+    logger.log_metrics({"reward": 0.5}, step=1, prefix="train")
+    (tmp_path / "plots").write_text("a file where the folder goes")
+    assert logger.plot() == []
+    assert "the plots could not be written" in caplog.text
+    logger.close()

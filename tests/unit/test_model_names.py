@@ -179,3 +179,77 @@ def test_embedded_models_are_built_once_and_a_leftover_folder_is_rebuilt(tmp_pat
     (path,) = set(run_local_ranks(_materialize_tiny, 2, str(cache), timeout_s=120))
     assert sorted(n for n in os.listdir(cache / "embedded") if not n.endswith(".lock")) == [os.path.basename(path)]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+
+
+def test_a_model_folder_whose_weights_cannot_load_fails_before_any_worker_starts(tmp_path, tiny_model_path):
+    # Each was a traceback from inside transformers in the policy worker, after Ray had started.
+    import json
+    import shutil
+
+    from posttrain.config import InputError
+    from posttrain.policy.hf_io import check_weight_files
+
+    def folder(name, change):
+        path = tmp_path / name
+        shutil.copytree(tiny_model_path, path)
+        change(path)
+        return load_hf_config(str(path))
+
+    def cut(path):
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+    def wider(path):
+        config = json.loads((path / "config.json").read_text())
+        config["intermediate_size"] *= 2
+        (path / "config.json").write_text(json.dumps(config))
+
+    def sharded(path):
+        (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+
+    cases = {
+        "no_weights": (lambda p: (p / "model.safetensors").unlink(), r"has no weights \(.*\); it holds chat_template\.jinja, config\.json"),
+        "cut": (cut, r"cannot read the weights file .*model\.safetensors \(SafetensorError"),
+        "wider": (wider, r"do not fit its config\.json \(\d+ tensor\(s\): model\.layers\.0\.mlp\.down_proj\.weight is "),
+        "sharded": (sharded, r"names shards the folder lacks: model-00002-of-00002\.safetensors"),
+    }
+    for name, (change, message) in cases.items():
+        path, config = folder(name, change)
+        with pytest.raises(InputError, match="policy.model_name: .*" + message):
+            check_weight_files(path, config, "causal_lm", "policy.model_name")
+    check_weight_files(*load_hf_config(tiny_model_path), "causal_lm", "policy.model_name")  # whole: no error
+
+
+def test_a_tokenizer_or_stop_id_past_the_models_vocabulary_is_named(stories260k):
+    from posttrain.config import InputError
+    from posttrain.data.processors import load_policy_tokenizer
+    from posttrain.schemas import PolicyConfig
+
+    # stories260K's 512 tokens against the embedded model's 104 rows: an IndexError at the first step.
+    policy = PolicyConfig(model_name="embedded:tiny", tokenizer={"name": stories260k, "chat_template": "{{ 'x' }}"})
+    with pytest.raises(InputError, match=r"policy.tokenizer.name: the tokenizer has 512 tokens, more than the 104 rows"):
+        load_policy_tokenizer(policy)
+    policy = PolicyConfig(model_name="embedded:tiny", generation={"stop_token_ids": [7, 104]})
+    with pytest.raises(InputError, match=r"policy.generation.stop_token_ids: \[104\] are not token ids .* \(0 to 103\)"):
+        load_policy_tokenizer(policy)
+    assert len(load_policy_tokenizer(PolicyConfig(model_name="embedded:tiny"))) == 104
+
+
+def test_parameter_counts_tie_the_head_and_lora_trains_only_its_adapters(tiny_model_path):
+    # Built empty, the LM head tied to the embedding counted as a second matrix (Qwen2.5-0.5B: 630M
+    # for 494M), and the memory check budgeted Adam states for every weight of a LoRA run.
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.policy.hf_io import count_parameters
+    from posttrain.policy.lora import maybe_apply_lora
+    from posttrain.schemas import LoraConfig
+
+    config = load_hf_config(tiny_model_path)[1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    n = sum(p.numel() for p in model.parameters())
+    assert config.tie_word_embeddings and count_parameters(config, "causal_lm") == (n, n)
+    lora = LoraConfig(enabled=True, rank=4)
+    adapters = sum(p.numel() for p in maybe_apply_lora(model, lora).parameters() if p.requires_grad)
+    assert 0 < adapters < n / 4 and count_parameters(config, "causal_lm", lora) == (n + adapters, adapters)
