@@ -129,7 +129,9 @@ def materialize(size: str) -> Path:
     import fcntl
 
     if size not in MODEL_SIZES:
-        raise ValueError(f"unknown embedded model {EMBEDDED_PREFIX}{size}; valid: "
+        from posttrain.config import InputError  # an InputError: the command prints it without a traceback
+
+        raise InputError(f"unknown embedded model {EMBEDDED_PREFIX}{size}; valid: "
                          + ", ".join(EMBEDDED_PREFIX + s for s in MODEL_SIZES))
     target = cache_root() / "embedded" / f"{size}-{_VERSION}"
     if _complete(target):

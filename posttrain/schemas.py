@@ -371,7 +371,10 @@ class LoraConfig(Section):
     target_modules: list[str] | str = "all-linear"
     # Export: "merged" writes base+adapter weights, "adapter" writes the adapter only (peft's
     # layout, naming the base's folder: transformers' from_pretrained and posttrain eval's torch
-    # and hf backends load base + adapter from it; `posttrain convert dcp-to-hf` always merges).
+    # and hf backends load base + adapter from it; a reward model's, from
+    # AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1) with the
+    # tokenizer's pad_token_id set on it, as the base's config has neither; `posttrain convert
+    # dcp-to-hf` always merges).
     export: Literal["merged", "adapter"] = "merged"
 
 

@@ -115,6 +115,20 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
     return kept, dropped
 
 
+def cramped_prompts_note(rows: list[dict], cfg: GRPOMasterConfig) -> str | None:
+    """A note when some kept training prompts leave less than policy.generation.max_new_tokens to
+    answer in the context: their answers are cut there, which only truncation_rate showed."""
+    room = cfg.policy.max_total_sequence_length - cfg.policy.generation.max_new_tokens
+    lengths = [len(r[PROMPT_IDS_KEY]) for r in rows]
+    cramped = sum(n > room for n in lengths)
+    if not cramped:
+        return None
+    return (f"{cramped} of {len(rows)} training prompts leave fewer than policy.generation.max_new_tokens="
+            f"{cfg.policy.generation.max_new_tokens} tokens to answer within policy.max_total_sequence_length="
+            f"{cfg.policy.max_total_sequence_length} (the longest prompt: {max(lengths)} tokens): their answers are "
+            "cut at the context (counted in truncation_rate)")
+
+
 def worker_bundles(cfg: GRPOMasterConfig) -> list[Bundles]:
     """The placement groups of a GRPO run: the policy workers' (`cluster`), then, with
     policy.generation.colocated.enabled=false, the separate generation workers' beside them (one
@@ -184,6 +198,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                            "context or data.max_input_seq_length (data.truncation=drop)")
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
+        if (note := cramped_prompts_note(train_rows, cfg)) is not None:
+            logger.console(note)
         # Every placement group before any worker starts: separate generation workers that do not fit
         # failed only after the policy workers had loaded the model.
         clusters = reserve(worker_bundles(cfg))

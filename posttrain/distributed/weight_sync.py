@@ -57,12 +57,17 @@ def load_state_dict_inplace(model: torch.nn.Module, state_dict: Mapping[str, tor
     unknown = sorted(set(state_dict) - set(own))
     if unknown:
         raise KeyError(f"update_weights: {len(unknown)} key(s) not in the generation model, e.g. {unknown[:5]}")
-    loaded: set[int] = set()
+    # Everything checked before the first copy: a refit that fails half way would leave a mix of
+    # two versions' weights behind.
+    covered = {id(own[name]) for name in state_dict}
+    missing = [n for n, t in own.items() if id(t) not in covered]
+    if missing:
+        raise KeyError(f"update_weights: {len(missing)} weight(s) missing from the state dict, e.g. {missing[:5]}")
+    wrong = [f"{n} {list(state_dict[n].shape)} for {list(own[n].shape)}" for n in state_dict
+             if state_dict[n].shape != own[n].shape]
+    if wrong:
+        raise ValueError(f"update_weights: {len(wrong)} weight(s) of another shape, e.g. {'; '.join(wrong[:3])}")
     for name, tensor in own.items():
         if name in state_dict:
             tensor.copy_(state_dict[name])
-            loaded.add(id(tensor))
-    missing = [n for n, t in own.items() if id(t) not in loaded]
-    if missing:
-        raise KeyError(f"update_weights: {len(missing)} weight(s) missing from the state dict, e.g. {missing[:5]}")
     return time.perf_counter() - t0

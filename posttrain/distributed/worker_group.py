@@ -155,8 +155,17 @@ class WorkerError(RuntimeError):
     """A worker process died; the message names it and shows its last log lines."""
 
 
+class WorkerGroupBroken(RuntimeError):
+    """A call failed on some ranks while others still ran it, blocked in a collective that the
+    failed ranks will never join: the group can run no other call."""
+
+
 class RayWorkerGroup:
     """One actor per bundle of `cluster`, ranks in bundle order."""
+
+    # Seconds a failed call waits for its other ranks, to tell a dead peer (named) from ranks
+    # blocked in a collective (the group breaks: WorkerGroupBroken).
+    failure_grace_s = 10.0
 
     def __init__(self, cluster: RayVirtualCluster, worker_cls: type, *args, name_prefix: str = "worker",
                  log_dir: str | None = None, env_vars: dict[str, str] | None = None,
@@ -205,6 +214,7 @@ class RayWorkerGroup:
             ).remote(env, self.log_paths[rank], threads, worker_cls, args, kwargs)
             self.actors.append(actor)
         self._ref_rank: dict[bytes, int] = {}
+        self._broken: str | None = None  # why the group can run no more calls (WorkerGroupBroken)
         self.worker_info: list[dict[str, Any]] = [{"pid": None, "node": None, "python": None}] * self.world_size
         try:
             self.worker_info = self.get([a.info.remote() for a in self.actors])
@@ -216,13 +226,19 @@ class RayWorkerGroup:
 
     def run_all(self, method: str, *args, **kwargs) -> list[ray.ObjectRef]:
         """`worker.method(*args, **kwargs)` on every worker; futures in rank order."""
+        self._check_usable(method)
         return [self._track(r, a.call.remote(method, *args, **kwargs)) for r, a in enumerate(self.actors)]
+
+    def _check_usable(self, method: str) -> None:
+        if self._broken is not None:
+            raise WorkerGroupBroken(f"cannot run {method}: {self._broken}")
 
     def run_sharded(self, method: str, batch: BatchedDataDict, *args, batch_size: int | None = None,
                     replicas: int = 1, **kwargs) -> list[ray.ObjectRef]:
         """Shard `batch` over the workers (`shard_by_batch_size(world_size / replicas, batch_size)`);
         worker i gets shard i // replicas as its first argument (`replicas` consecutive ranks, a
         tensor-parallel group, compute on the same rows). Futures in rank order."""
+        self._check_usable(method)
         shards = batch.shard_by_batch_size(self.world_size // replicas, batch_size=batch_size)
         return [self._track(r, a.call.remote(method, shards[r // replicas], *args, **kwargs))
                 for r, a in enumerate(self.actors)]
@@ -249,25 +265,36 @@ class RayWorkerGroup:
             except RayTaskError as e:
                 # A peer's death often surfaces first as a collective error on a live rank
                 # ("connection reset"): name the dead worker if there is one.
-                dead = self._first_dead(refs, pending)
+                dead, stuck = self._first_dead(refs, pending)
                 self._forget(refs)
                 if dead is not None:
                     raise dead from None
+                if stuck:
+                    # They wait in a collective for the failed rank: a next call's collectives would
+                    # pair with theirs, or hang. Later calls fail at once instead.
+                    rank = self._ref_rank.get(ready[0].binary(), refs.index(ready[0]))
+                    cause = str(e.cause).splitlines()[0] if e.cause is not None else type(e).__name__
+                    self._broken = (f"rank {rank} failed ({type(e.cause).__name__}: {cause}) while rank(s) {stuck} "
+                                    "still ran the same call, blocked in a collective it will not join; start "
+                                    "the workers anew (a run resumes from its last checkpoint)")
                 raise e.as_instanceof_cause() from None
         self._forget(refs)
         return [values[r] for r in refs]
 
-    def _first_dead(self, refs: list[ray.ObjectRef], pending: list[ray.ObjectRef],
-                    grace_s: float = 10.0) -> WorkerError | None:
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+    def _first_dead(self, refs: list[ray.ObjectRef],
+                    pending: list[ray.ObjectRef]) -> tuple[WorkerError | None, list[int]]:
+        """The error of a worker among `pending` that died within `failure_grace_s`, if any, and the
+        ranks of those still running after it."""
+        ready, running = (ray.wait(pending, num_returns=len(pending), timeout=self.failure_grace_s) if pending
+                          else ([], []))
         for ref in ready:
             try:
                 ray.get(ref)
             except RayActorError as e:
-                return self._dead_worker_error(self._ref_rank.get(ref.binary(), refs.index(ref)), e)
+                return self._dead_worker_error(self._ref_rank.get(ref.binary(), refs.index(ref)), e), []
             except RayTaskError:
                 continue
-        return None
+        return None, sorted(self._ref_rank.get(r.binary(), refs.index(r)) for r in running)
 
     def _forget(self, refs: list[ray.ObjectRef]) -> None:
         for r in refs:

@@ -65,7 +65,9 @@ class GenerationWorker:
         return self.engine.generate(batch, greedy=greedy)
 
     def update_weights(self, state_dict, version: int) -> float:
-        """Load the new weights (Ray resolved the trainer's ObjectRef); returns the load seconds."""
+        """Load the new weights (Ray resolved the trainer's ObjectRef); returns the load seconds.
+        Until they are in, the worker holds no version: after a failed refit, generate refuses."""
+        self.version = -1
         seconds = self.engine.update_weights(state_dict, version)
         self.version = version
         return seconds

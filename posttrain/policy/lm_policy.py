@@ -115,8 +115,8 @@ class Policy:
             raise FloatingPointError(
                 f"the last {in_a_row} optimizer steps had a non-finite gradient norm and were skipped "
                 f"(policy.max_consecutive_skipped_steps={limit}); stopping. The weights are those of the last "
-                "finite update, so every saved checkpoint is intact: lower the learning rate or check the "
-                "data and rewards of these steps, then resume")
+                "finite update, so a checkpoint saved before is intact: lower the learning rate or check the "
+                "data and rewards of these steps, then resume from it (or start again if none was saved)")
         return out
 
     def reset_optimizer(self) -> None:

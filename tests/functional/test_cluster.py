@@ -9,7 +9,7 @@ import torch
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RAY_ENV_DEFAULTS, PlacementError, RayVirtualCluster, apply_ray_env_defaults
-from posttrain.distributed.worker_group import RayWorkerGroup, WorkerError
+from posttrain.distributed.worker_group import RayWorkerGroup, WorkerError, WorkerGroupBroken
 from posttrain.schemas import ClusterConfig
 
 
@@ -38,6 +38,11 @@ class EchoWorker:
 
     def fail(self):
         raise ValueError(f"bad value on {self.tag}")
+
+    def fail_on_rank0_then_reduce(self):
+        if os.environ["RANK"] == "0":
+            raise ValueError("rank 0 fails")
+        return self.all_reduce(1.0)  # waits for rank 0, which never joins
 
     def minor_faults_of_steps(self) -> int:
         """Page faults of 10 steps that each allocate, write and free 4 x 40 MiB, after 3 warm-up steps."""
@@ -97,6 +102,27 @@ def test_run_sharded_and_worker_exception(group):
     with pytest.raises(ValueError, match="bad value on echo"):
         group.get(group.run_all("fail"))
     assert "echo ready on rank 1" in group.tail_log(1)
+
+
+def test_a_rank_failing_while_another_waits_in_a_collective_breaks_the_group(ray_session):
+    # The waiting rank stayed blocked, and the next call paired its collectives with the old
+    # call's or hung: now the next call fails at once, saying why.
+    free = ray_session.available_resources().get("CPU", 0)
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, cpus_per_worker=1), name="wedge-test")
+    g = RayWorkerGroup(cluster, EchoWorker, "wedge", name_prefix="wedge")
+    g.failure_grace_s = 1.0
+    try:
+        with pytest.raises(ValueError, match="rank 0 fails"):
+            g.get(g.run_all("fail_on_rank0_then_reduce"))
+        with pytest.raises(WorkerGroupBroken, match=r"cannot run env: rank 0 failed \(ValueError: rank 0 fails\) "
+                                                    r"while rank\(s\) \[1\] still ran the same call"):
+            g.run_all("env")
+    finally:
+        g.shutdown()
+        cluster.shutdown()
+        deadline = time.monotonic() + 30  # the next tests count the free CPUs
+        while ray_session.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def test_unsatisfiable_request_fails_fast_with_numbers(ray_session):

@@ -44,6 +44,19 @@ def _arithmetic(data_dir, run_dir, *extra):
                  *extra)
 
 
+def test_prompts_that_leave_too_little_room_to_answer_are_noted():
+    from posttrain.algorithms.grpo import cramped_prompts_note
+    from posttrain.rollouts import PROMPT_IDS_KEY
+
+    cfg = load_config("grpo", QUICKSTART, ["policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6"])
+    rows = [{PROMPT_IDS_KEY: [1] * n} for n in (20, 26, 27, 30)]
+    assert cramped_prompts_note(rows, cfg) == (
+        "2 of 4 training prompts leave fewer than policy.generation.max_new_tokens=6 tokens to answer within "
+        "policy.max_total_sequence_length=32 (the longest prompt: 30 tokens): their answers are cut at the "
+        "context (counted in truncation_rate)")
+    assert cramped_prompts_note(rows[:2], cfg) is None
+
+
 def test_minibatch_permutation_is_seeded_by_run_and_step():
     from posttrain.algorithms.grpo import minibatch_permutation
 

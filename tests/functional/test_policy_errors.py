@@ -1,4 +1,5 @@
-"""Policy setup failures: clear errors before any weights load."""
+"""Policy setup failures: clear errors before any weights load; and a model the policy must not
+batch as it does others (a sliding window)."""
 
 import pytest
 from transformers import LlamaConfig
@@ -92,3 +93,37 @@ def test_a_teacher_trained_on_shorter_sequences_is_named_in_a_warning(cluster, c
     warnings = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
     assert warnings == ["policy.max_total_sequence_length=768 exceeds the max_position_embeddings=512 of "
                         "policy.reference_model_name: positions past 512 were not trained"]
+
+
+def test_prefix_sharing_keeps_a_sliding_window(cluster, tiny_model_path, tmp_path):
+    # The shared-prefix mask is full causal attention: over a Mistral with a 4-token window every
+    # row's logprobs were off (by up to 6 nats). Rows longer than the window are not shared.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from policy_oracle import make_batch, reference_logprobs
+
+    tiny = AutoConfig.from_pretrained(tiny_model_path)
+    config = MistralConfig(vocab_size=tiny.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                           max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    cfg = PolicyConfig(model_name=str(tmp_path), precision="float32", train_global_batch_size=4,
+                       train_micro_batch_size=4, logprob_batch_size=4, max_total_sequence_length=32,
+                       attn_implementation="eager")
+    policy = Policy(cluster, cfg, init_reference=False, name_prefix="window")
+    try:
+        batch = make_batch(lengths=[16, 12, 14, 10], seq=16)  # one 8-token prompt, the loss after it
+        batch["input_ids"][1:, :8] = batch["input_ids"][0, :8]
+        batch["token_mask"][:, :8] = 0
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
+                                   atol=2e-5, rtol=0)
+    finally:
+        policy.shutdown()

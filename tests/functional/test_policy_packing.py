@@ -84,33 +84,3 @@ def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path)
     for k, v in expected.items():
         torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0)
 
-
-def test_prefix_sharing_keeps_a_sliding_window(ray_session, tiny_model_path, tmp_path):
-    # The shared-prefix mask is full causal attention: over a Mistral with a 4-token window every
-    # row's logprobs were off (by up to 6 nats). Rows longer than the window are not shared.
-    from transformers import AutoConfig, AutoTokenizer, MistralConfig, MistralForCausalLM
-
-    tiny = AutoConfig.from_pretrained(tiny_model_path)
-    config = MistralConfig(vocab_size=tiny.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-                           max_position_embeddings=64, pad_token_id=0)
-    torch.manual_seed(0)
-    model = MistralForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name="window")
-    try:
-        policy = Policy(cluster, PolicyConfig(model_name=str(tmp_path), precision="float32", train_global_batch_size=4,
-                                              train_micro_batch_size=4, logprob_batch_size=4,
-                                              max_total_sequence_length=32, attn_implementation="eager"),
-                        init_reference=False, name_prefix="window")
-        batch = shared_prefix_batch()
-        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
-        torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
-                                   atol=2e-5, rtol=0)
-        policy.shutdown()
-    finally:
-        cluster.shutdown()

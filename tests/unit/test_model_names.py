@@ -253,3 +253,12 @@ def test_parameter_counts_tie_the_head_and_lora_trains_only_its_adapters(tiny_mo
     lora = LoraConfig(enabled=True, rank=4)
     adapters = sum(p.numel() for p in maybe_apply_lora(model, lora).parameters() if p.requires_grad)
     assert 0 < adapters < n / 4 and count_parameters(config, "causal_lm", lora) == (n + adapters, adapters)
+
+
+def test_an_unknown_embedded_model_is_an_input_error_listing_the_names():
+    # A ValueError: the command printed a 30-line traceback around the list.
+    from posttrain.config import InputError
+    from posttrain.embedded import resolve_model_path
+
+    with pytest.raises(InputError, match=r"unknown embedded model embedded:huge; valid: embedded:tiny, embedded:small"):
+        resolve_model_path("embedded:huge")
