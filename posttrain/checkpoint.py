@@ -24,6 +24,7 @@ when no metric is named, and always the latest one (so at most k+1 remain).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import json
 import logging
@@ -343,7 +344,8 @@ class CheckpointManager:
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
         self._last_check: float | None = None  # when stop_reason last ran: once a step, before its save
-        self._longest_step_s = 0.0  # the longest time between two of them (a step, its validation and save)
+        self._longest_step_s = 0.0
+        self._metric_kinds_seen: set[str] = set()  # check_metric_name  # the longest time between two of them (a step, its validation and save)
 
     def _check_writable(self) -> None:
         """The first save comes `save_period` steps into the run: a checkpoint_dir it could not
@@ -552,6 +554,21 @@ class CheckpointManager:
 
         # Our own file, holding Python/NumPy RNG tuples that weights_only loading refuses.
         return torch.load(Path(path) / RNG_FILE, weights_only=False)
+
+    def check_metric_name(self, logged: dict[str, float], prefix: str) -> None:
+        """`Logger.metric_checks` hook: the first time the run logs metrics of the kind of
+        `checkpointing.metric_name` ("train" / "val"), a name it lacks but one of them resembles
+        is a typo, an InputError then rather than a warning at every save while the top-k
+        pruning keeps the newest checkpoints instead of the best."""
+        name = self.cfg.metric_name
+        if not (self.cfg.enabled and name) or f"{prefix}:" != name[: len(prefix) + 1] or prefix in self._metric_kinds_seen:
+            return
+        self._metric_kinds_seen.add(prefix)
+        names = [f"{prefix}:{k}" for k in logged]
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        if name not in names and close:
+            raise InputError(f"checkpointing.metric_name={name!r} is not a metric this run logs; did you mean "
+                             f"{close[0]!r}? (its {prefix}: metrics: {', '.join(sorted(logged))})")
 
     # ----------------------------------------------------------------- saving
 

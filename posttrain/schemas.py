@@ -1208,7 +1208,8 @@ class CheckpointingConfig(Section):
     _checkpoint_dir_is_a_folder = field_validator("checkpoint_dir")(output_folder)
     # Metric that ranks checkpoints for keep_top_k, "train:<name>" or "val:<name>" of a step's
     # metrics (e.g. "val:accuracy"; a step that did not validate ranks below those that did:
-    # make save_period a multiple of val_period); null: newest win.
+    # make save_period a multiple of val_period); null: newest win. A name the run does not log
+    # but one of its metrics resembles fails when it first logs that kind (a typo).
     metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True

@@ -118,6 +118,8 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
                     also_move=(EXPORT_DIR,),
                     resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+    if checkpointer is not None:
+        logger.metric_checks.append(checkpointer.check_metric_name)
     if checkpointer is not None and checkpointer.moved_aside is not None:  # said as the logs' move is
         logger.console(f"the earlier run's checkpoints in {checkpointer.dir} were moved to {checkpointer.moved_aside} "
                        "(checkpointing.start_fresh=true)")

@@ -141,6 +141,9 @@ class Logger:
         # run's records at those steps stand, so that each step is in every backend once.
         self._kept = set() if resumed_from is None else {(r.get("prefix"), r.get("step")) for r in self._records}
         self.nonfinite_counts: dict[str, int] = {}
+        # Called with (logged scalars, prefix) after each log_metrics (a check of a config key
+        # that names metrics, such as checkpointing.metric_name).
+        self.metric_checks: list[Any] = []
         self._closed = False
         hparams = json.loads(json.dumps(hparams or {}, default=str))
 
@@ -235,6 +238,8 @@ class Logger:
             if console or backend is not self._console:
                 backend.log_metrics(scalars, step, prefix)
         self._records.append({"step": step, "prefix": prefix, **scalars})
+        for check in self.metric_checks:
+            check(scalars, prefix)
         return scalars
 
     @contextlib.contextmanager

@@ -729,3 +729,23 @@ def test_dcp_to_hf_of_a_truncated_weights_file_names_the_error_without_a_traceba
     assert re.fullmatch(rf"cannot read the checkpoint in {re.escape(str(policy))} \([A-Za-z]+Error[^\n]*\); "
                         r"a save cut short or files copied in part\? Convert another step_N", str(err.value))
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_misspelt_metric_name_fails_when_the_run_first_logs_its_kind(tmp_path):
+    # It was a warning at each save (the quickstart's first: step 50), while the top-k pruning kept
+    # the newest checkpoints instead of the best.
+    from posttrain.config import InputError
+    from posttrain.logging import Logger
+    from posttrain.schemas import LoggerConfig
+
+    logger = Logger(LoggerConfig(tensorboard_enabled=False), tmp_path / "logs")
+    logger.metric_checks.append(_mgr(tmp_path, metric_name="val:acuracy").check_metric_name)
+    logger.log_metrics({"reward": 0.5}, step=1, prefix="train")  # another kind: not checked
+    with pytest.raises(InputError, match=r"checkpointing.metric_name='val:acuracy' is not a metric this run logs; "
+                                         r"did you mean 'val:accuracy'\? \(its val: metrics: accuracy, reward\)"):
+        logger.log_metrics({"accuracy": 0.9, "reward": 0.8}, step=2, prefix="val")
+    logger.close()
+    # A name like none of them (a metric that may come later) and a right one pass.
+    for name in ("val:bleu", "val:accuracy"):
+        check = _mgr(tmp_path, metric_name=name).check_metric_name
+        check({"accuracy": 0.9}, "val")
