@@ -424,6 +424,29 @@ def _stories(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     return make_story_rows(cfg, split)
 
 
+def _folder_error(cfg: DataConfig, folder: Path, error: Exception) -> InputError:
+    """Why `datasets.load_dataset` could not read a local folder of data files, naming the file: it
+    says "An error occurred while generating the dataset" (its cause names a row, not the file).
+    Each file read on its own names its bad line; files that each read but whose columns differ
+    are listed with their columns."""
+    key = f"data.dataset_name={cfg.dataset_name!r}"
+    columns: dict[str, list[str]] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _FILE_SUFFIXES and p.is_file()):
+        try:
+            rows = read_file(path)[0]
+        except InputError as e:
+            return InputError(f"{key}: the folder's file {e}")
+        columns[str(path.relative_to(folder))] = sorted(rows[0]) if rows and isinstance(rows[0], dict) else []
+    if len({tuple(c) for c in columns.values()}) > 1:
+        listed = "; ".join(f"{name}: {', '.join(c)}" for name, c in columns.items())
+        return InputError(f"{key}: the folder's files have different columns, which one dataset cannot hold ({listed})")
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    return InputError(f"{key}: datasets.load_dataset cannot read the folder {folder}: {type(error).__name__}: {error}"
+                      + (f" ({type(cause).__name__}: {cause})" if cause is not error else ""))
+
+
 def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """Split `split` of a hub dataset, of a folder of data files `datasets.load_dataset` reads, or
     of a folder written by `save_to_disk`: its "train" split, its "validation" (else "test")
@@ -441,6 +464,8 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         else:
             splits = datasets.load_dataset(cfg.dataset_name, **cfg.dataset_kwargs)
     except Exception as e:  # noqa: BLE001 - offline, unknown name, a folder it cannot read: said with the cause
+        if folder.is_dir():
+            raise _folder_error(cfg, folder, e) from None
         raise InputError(
             f"data.dataset_name={cfg.dataset_name!r} is not a registered dataset ({', '.join(REGISTRY)}), not a "
             f"local {'/'.join(_FILE_SUFFIXES)} file, and loading it from the hub failed: {type(e).__name__}: {e}"

@@ -659,6 +659,24 @@ def test_folder_without_a_validation_split_holds_rows_out_of_train(tmp_path):
     assert len(load_rows(cfg, "train")) == 20 and len(load_rows(cfg, "val")) == 1
 
 
+def test_a_folder_whose_files_cannot_be_one_dataset_names_the_file(tmp_path):
+    # datasets said "An error occurred while generating the dataset", and posttrain that "loading it
+    # from the hub failed", naming neither the file nor its line.
+    from posttrain.config import InputError
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", [{"question": "q", "answer": "1"}])
+    (folder / "b.jsonl").write_text('{"question": "q", "answer": "2"}\n{"question": oops\n')
+    cfg = _cfg(str(folder), dataset_kwargs={"cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(InputError, match=r"data.dataset_name=.*: the folder's file .*b\.jsonl row 2: invalid JSON"):
+        load_rows(cfg, "train")
+    _write_jsonl(folder / "b.jsonl", [{"prompt": "q", "completion": "2"}])
+    with pytest.raises(InputError, match=r"the folder's files have different columns, which one dataset cannot hold "
+                                         r"\(a\.jsonl: answer, question; b\.jsonl: completion, prompt\)"):
+        load_rows(cfg, "train")
+
+
 def test_save_to_disk_folder_is_read_with_its_splits(tmp_path):
     # `Dataset.save_to_disk` folders stopped with datasets' "use `load_from_disk` instead", which no
     # setting could do.
