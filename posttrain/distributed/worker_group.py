@@ -266,13 +266,13 @@ class RayWorkerGroup:
                 # A peer's death often surfaces first as a collective error on a live rank
                 # ("connection reset"): name the dead worker if there is one.
                 dead, stuck = self._first_dead(refs, pending)
+                rank = self._ref_rank.get(ready[0].binary(), refs.index(ready[0]))
                 self._forget(refs)
                 if dead is not None:
                     raise dead from None
                 if stuck:
                     # They wait in a collective for the failed rank: a next call's collectives would
                     # pair with theirs, or hang. Later calls fail at once instead.
-                    rank = self._ref_rank.get(ready[0].binary(), refs.index(ready[0]))
                     cause = str(e.cause).splitlines()[0] if e.cause is not None else type(e).__name__
                     self._broken = (f"rank {rank} failed ({type(e.cause).__name__}: {cause}) while rank(s) {stuck} "
                                     "still ran the same call, blocked in a collective it will not join; start "
