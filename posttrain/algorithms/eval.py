@@ -195,6 +195,25 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
     }
 
 
+def sample_counts(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The results' counts and means over the sample records (`_sample_record`)."""
+    n = len(records)
+    return {
+        "num_correct": sum(r["correct"] is True for r in records),
+        "num_truncated": sum(r["truncated"] for r in records),
+        "num_prompt_truncated": sum(r["prompt_truncated"] for r in records),
+        "num_no_answer": sum(r["extracted_answer"] is None for r in records),
+        "num_env_errors": sum(r["env_error"] for r in records),
+        "mean_reward": sum(r["reward"] for r in records) / n,
+        "mean_response_tokens": sum(r["response_tokens"] for r in records) / n,
+        # Over every sample, a row without tools counting 0 calls (as GRPO's tool_calls_mean): with
+        # tools in one environment only, the samples of the others have no count (a KeyError here
+        # lost the results of the whole evaluation).
+        **({"mean_tool_calls": sum(r.get("tool_calls", 0) for r in records) / n}
+           if any("tool_calls" in r for r in records) else {}),
+    }
+
+
 def evaluate(s: EvalSetup) -> dict[str, Any]:
     """Generate, score and aggregate; write results.json and samples.jsonl; return the results."""
     from posttrain.rollouts import run_rollouts
@@ -241,15 +260,7 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         **metrics,
         "num_tests_per_prompt": n,
         "greedy": s.greedy,
-        "num_correct": sum(r["correct"] is True for r in records),
-        "num_truncated": sum(r["truncated"] for r in records),
-        "num_prompt_truncated": sum(r["prompt_truncated"] for r in records),
-        "num_no_answer": sum(r["extracted_answer"] is None for r in records),
-        "num_env_errors": sum(r["env_error"] for r in records),
-        "mean_reward": sum(r["reward"] for r in records) / len(records),
-        "mean_response_tokens": sum(r["response_tokens"] for r in records) / len(records),
-        **({"mean_tool_calls": sum(r["tool_calls"] for r in records) / len(records)}
-           if any("tool_calls" in r for r in records) else {}),
+        **sample_counts(records),
         "generated_tokens": generated_tokens,
         "elapsed_s": elapsed,
         "tokens_per_s": generated_tokens / max(elapsed, 1e-9),

@@ -49,7 +49,7 @@ def tool_call_ids(calls: list[ToolCall], seed: str) -> list[str]:
     template accepts (Mistral's reject any other)."""
     ids = []
     for i, call in enumerate(calls):
-        if call.id is not None and _CALL_ID.fullmatch(call.id):
+        if call.id is not None and _CALL_ID.fullmatch(call.id) and call.id not in ids:  # a repeated one is replaced
             ids.append(call.id)
             continue
         n = int.from_bytes(hashlib.sha1(f"{seed}\0{i}".encode()).digest()[:8], "big")

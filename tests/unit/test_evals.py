@@ -115,3 +115,26 @@ def test_a_partial_reward_is_refused_as_a_verdict():
         with pytest.raises(TypeError, match="a reward is no verdict"):
             cons_at_k(["1"], [bad], 1)
     assert aggregate([["1"], ["2"]], [[1.0], [0]])["accuracy"] == 0.5
+
+
+def test_sample_counts_of_environments_with_and_without_tools():
+    # Only the tool environment's samples count calls: summing r["tool_calls"] over all raised a
+    # KeyError after every sample was generated, and no results were written.
+    from posttrain.algorithms.eval import sample_counts
+
+    def record(correct, tool_calls=None):
+        r = {"correct": correct, "truncated": False, "prompt_truncated": False, "extracted_answer": "1",
+             "env_error": False, "reward": float(bool(correct)), "response_tokens": 4}
+        return r if tool_calls is None else {**r, "tool_calls": tool_calls}
+
+    counts = sample_counts([record(True, 2), record(False, 1), record(True), record(None)])
+    assert counts["mean_tool_calls"] == 3 / 4 and counts["num_correct"] == 2 and counts["mean_reward"] == 0.5
+    assert "mean_tool_calls" not in sample_counts([record(True)])
+
+
+def test_tool_call_ids_are_unique_even_when_the_model_repeats_one():
+    from posttrain.environments.tool_calls import ToolCall, tool_call_ids
+
+    calls = [ToolCall("add", {"a": 1}, id="abcdefghi"), ToolCall("add", {"a": 2}, id="abcdefghi")]
+    ids = tool_call_ids(calls, seed="0")
+    assert ids[0] == "abcdefghi" and ids[1] != "abcdefghi" and len(ids[1]) == 9
