@@ -747,6 +747,7 @@ class FSDPPolicyWorker:
             else:  # keep FSDP collectives in step with ranks that have more micro-batches
                 self._forward(model, self._dummy_batch(), None)
         model.train(was_training)
+        _reshard(model)
         return out
 
     def _dummy_batch(self) -> BatchedDataDict:
@@ -820,6 +821,7 @@ class FSDPPolicyWorker:
     def sync_reference(self, alpha: float) -> None:
         """TR-DPO's update (policy.reference_sync): reference <- alpha * policy + (1 - alpha) * reference,
         each parameter on this rank's shard, in the reference's dtype."""
+        _reshard(self.model)  # (a no-grad pass leaves FSDP2's root unsharded, a full tensor beside shards)
         for r, p in self._synced_pairs():
             r.lerp_(p.to(r.dtype), alpha)
 
@@ -931,6 +933,18 @@ class FSDPPolicyWorker:
         if self.gen_engine is None:
             return {}
         return {**self.gen_engine.last_metrics, "generation/refit_s": self.last_refit_s}
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Back to this rank's shards after a pass without a backward: FSDP2 keeps the root module's
+    parameters gathered after a forward (for the backward that a no-grad pass never runs), so
+    the frozen reference held its whole embedding and norms from its first logprob pass on, and
+    reference_sync, pairing its parameters with the policy's shards, failed on their shapes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _over_steps(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -235,6 +235,17 @@ def test_non_finite_gradient_skips_the_update(policies, tmp_path):
             assert torch.equal(v, after_skip[k]), k
 
 
+def test_reference_sync_after_a_reference_pass_over_two_ranks(policies):
+    # The reference's logprob pass left FSDP2's root module gathered (a full embedding beside the
+    # policy's shards): the sync then failed ("size of tensor a (104) must match ... (52)").
+    policy = policies[1]
+    batch = make_batch()
+    policy.get_reference_logprobs(batch)
+    policy.workers.get(policy.workers.run_all("sync_reference", 1.0))  # alpha 1: the reference becomes the policy
+    torch.testing.assert_close(policy.get_reference_logprobs(batch)["reference_logprobs"],
+                               policy.get_logprobs(batch)["logprobs"], atol=1e-6, rtol=0)
+
+
 def test_killed_worker_is_named(policies):
     policy = policies[1]  # last test of the module: this policy is broken afterwards
     victim = policy.worker_info[1]
