@@ -293,12 +293,14 @@ class FSDPPolicyWorker:
             check_compile(cfg.compile, self.device)  # before the minutes of loading
         t0 = time.perf_counter()
         self.model = self._load_and_shard(path, train=True)
-        self._keeps_logits = self.model_kind == "causal_lm" and _takes_logits_to_keep(self.model)
         if self._single_rank_plain() and DTYPES[cfg.precision] != torch.float32:
             self._twin = LowPrecisionTwin(self.model, DTYPES[cfg.precision])
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
+        # The policy's and the reference's (a distillation teacher of another class) forwards alike.
+        self._keeps_logits = self.model_kind == "causal_lm" and all(
+            _takes_logits_to_keep(m) for m in (self.model, self.reference) if m is not None)
         if cfg.compile.enabled:
             for model in (self._twin.module if self._twin is not None else self.model, self.reference):
                 if model is not None:
