@@ -336,8 +336,10 @@ class CheckpointManager:
         self._lock_fd: int | None = None
         if cfg.enabled:  # before start_fresh moves anything, which needs the folder writable too
             self._check_writable()
-            if self.dir.parent.is_dir():  # else nothing is created before the first save, which locks
-                self._lock()
+            # The lock lives beside the folder: its parent is made now (a new results/ or a log
+            # dir the Logger creates later), or a second run could start before the first save.
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            self._lock()
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
         self._started = time.monotonic()

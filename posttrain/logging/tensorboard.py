@@ -1,4 +1,5 @@
-"""TensorBoard backend: scalars as `<prefix>/<metric>`, the config once as text. The prefixes
+"""TensorBoard backend: scalars as `<prefix>/<metric>`, the config as text at the run's first
+step (a resumed run's at its own first step: not a second copy at step 0). The prefixes
 on a step axis of their own (the warm-up SFT's steps) go to a TensorBoard run of their own,
 `<log_dir>/<prefix>`, out of reach of a resumed run's purge."""
 
@@ -20,6 +21,7 @@ class TensorboardBackend:
         # hides every tag's, so the warm-up's (steps 10..warmup_sft_steps) are written elsewhere.
         self._writer = SummaryWriter(log_dir=str(log_dir),
                                      purge_step=None if resumed_from is None else resumed_from + 1)
+        self._first_step = 0 if resumed_from is None else resumed_from + 1
         self._own_step_axes = own_step_axes
         self._axis_writers: dict[str, SummaryWriter] = {}
 
@@ -39,7 +41,7 @@ class TensorboardBackend:
         # Markdown code block keeps the YAML indentation in TensorBoard's text tab; the YAML is
         # config.yaml's (safe_dump wrote non-ASCII text as escapes, "L\xF6sung").
         text = "```\n" + to_yaml(hparams) + "```"
-        self._writer.add_text("config", text, global_step=0)
+        self._writer.add_text("config", text, global_step=self._first_step)
         self._writer.flush()
 
     def close(self, failed: bool = False) -> None:

@@ -329,7 +329,7 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_f
         with pytest.raises(MissingInputError, match=r"read_only is not writable"):
             CheckpointManager(CheckpointingConfig(checkpoint_dir=str(read_only / "runs" / "ckpt")), SIG)
     CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
-    assert not (tmp_path / "new").exists()  # nothing is created before a save
+    assert not (tmp_path / "new" / "ckpt").exists()  # the folder itself comes with the first save
     # What os.access passes and the file system refuses (root in /proc): the lock file beside it.
     with pytest.raises(MissingInputError, match=r"checkpoint_dir=/proc/ckpt: cannot write"):
         CheckpointManager(CheckpointingConfig(checkpoint_dir="/proc/ckpt"), SIG)
@@ -394,11 +394,11 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_until_the_first_ends
         holder.wait()
     _mgr(tmp_path)  # the lock ended with its process, however it ended
     _mgr(tmp_path)  # and one process may open the folder again (a resume in the same process)
-    # A run whose folder does not exist yet creates nothing before its first save, which locks.
-    fresh = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
-    assert not (tmp_path / "new").exists()
-    _save(fresh, 1)
+    # A run whose folder's parent does not exist yet makes it and locks at once: it locked only at
+    # its first save, and a second run started before then trained into the same folder.
+    CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
     assert (tmp_path / "new" / ".ckpt.lock").read_text().startswith(f"pid {os.getpid()} on ")
+    assert not (tmp_path / "new" / "ckpt").exists()
 
 
 def test_checkpoint_must_save_by_stops_when_the_next_step_would_not_end_in_time(tmp_path, monkeypatch):

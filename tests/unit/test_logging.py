@@ -97,6 +97,12 @@ def test_tensorboard_event_reader(tmp_path):
     # The config in the text tab as config.yaml has it (non-ASCII text as written, not escaped).
     (text,) = acc.Tensors("config/text_summary")
     assert text.tensor_proto.string_val[0].decode() == "```\n" + (tmp_path / "config.yaml").read_text() + "```"
+    # A resumed run's config at its first step, not a second copy at step 0.
+    with Logger(_cfg(tensorboard_enabled=True), tmp_path, hparams={**hparams, "a": 2}, resumed_from=2) as logger:
+        logger.log_metrics({"loss": 0.2}, 3)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [t.step for t in acc.Tensors("config/text_summary")] == [0, 3]
 
 
 def test_a_saves_time_is_train_timing_checkpoint_in_every_backend_and_a_record_of_its_own(tmp_path, monkeypatch):
