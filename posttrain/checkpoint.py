@@ -256,6 +256,21 @@ class StopAtOnce(KeyboardInterrupt):
     def __init__(self, signal_name: str):
         super().__init__(f"stop signal ({signal_name})")
         self.signal_name = signal_name
+        global _last_stop_at_once
+        _last_stop_at_once = signal_name
+
+
+# The signal of the last StopAtOnce: raised while the driver waits in `ray.get`, it reaches the
+# CLI as the plain KeyboardInterrupt Ray raises instead, without its name (a SIGTERM in the
+# warm-up exited 130, as for Ctrl-C, not 143).
+_last_stop_at_once: str | None = None
+
+
+def take_stop_at_once() -> str | None:
+    """The signal of the last StopAtOnce since the previous call (None: none)."""
+    global _last_stop_at_once
+    name, _last_stop_at_once = _last_stop_at_once, None
+    return name
 
 
 def stop_at_once_on_sigterm() -> None:

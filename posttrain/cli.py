@@ -41,7 +41,7 @@ overrides (Hydra style, as in NeMo RL):
   a.b=1          set a key                       policy.max_grad_norm=0.5
   +a.b=1         add a key that is not set yet   +policy.generation.top_k=50
   ++a.b=1        add or set                      ++logger.wandb.name=run1
-  ~a.b           remove (back to the default)    ~policy.scheduler
+  ~a.b           remove (back to the default)    ~policy.max_grad_norm
   values are YAML: [1,2], null, true, 1e-3, {x: 1} (merged into the mapping there);
   interpolation: ${policy.model_name}, ${mul:${policy.max_total_sequence_length},2}
 """
@@ -202,6 +202,9 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         top.print_help()
         sys.exit(0 if argv else EXIT_INPUT_ERROR)
     command, rest = argv[0], argv[1:]
+    from posttrain.checkpoint import take_stop_at_once
+
+    take_stop_at_once()  # one an earlier run in this process stopped with is not this run's
     try:
         if command in MASTER_CONFIGS:
             code = _run_algorithm(command, rest, supervise)
@@ -218,7 +221,10 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a
         # second stop signal inside it: stop at once, as asked, without a traceback. The loop's first
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
-        name = getattr(e, "signal_name", "SIGINT")  # checkpoint.StopAtOnce names its signal
+        from posttrain.checkpoint import take_stop_at_once
+
+        # checkpoint.StopAtOnce names its signal (also when Ray re-raised it as a plain KeyboardInterrupt)
+        name = getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT"
         print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "
               "checkpoints saved before stay", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)
