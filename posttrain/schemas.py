@@ -28,7 +28,10 @@ Precision = Literal["float32", "bfloat16", "float16"]
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # coerce_numbers_to_str: a text key given a number (`data.task_name=1`, `task_name: 2024`, which
+    # YAML reads as numbers) is that text, as a typed Hydra/OmegaConf config takes it, not an error.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              coerce_numbers_to_str=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -36,8 +39,11 @@ class Section(BaseModel):
         # pydantic takes true/false for a number as 1/0, so `grpo.max_num_steps=true` or
         # `logger.num_val_samples_to_print: yes` (YAML 1.1 reads yes/no, on/off as booleans)
         # ran with 1 or 0 without a word.
-        if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _numbers_only(annotation):
             raise ValueError(f"got {value!r}, expected a number ({YAML_BOOLEANS})")
+        if value is None and isinstance(annotation, type) and issubclass(annotation, Section):
+            return {}  # a section left empty in YAML (`tokenizer:` with nothing under it) keeps its defaults
         return value
 
 

@@ -72,7 +72,9 @@ class VllmGeneration:
             extra["kv_cache_memory_bytes"] = int(vc.kv_cache_memory_gib * 2**30)
         self.llm = LLM(
             model=path,
-            tokenizer=path,
+            # The policy's tokenizer (policy.tokenizer.name), which the stop ids and pad id above come
+            # from: vLLM detokenizes with it to match stop strings. The model folder's own otherwise.
+            tokenizer=(getattr(tokenizer, "name_or_path", None) or path) if tokenizer is not None else path,
             dtype=vc.precision or precision,
             max_model_len=vc.max_model_len or max_total_sequence_length,
             tensor_parallel_size=vc.tensor_parallel_size,
@@ -126,6 +128,9 @@ class VllmGeneration:
                 repetition_penalty=s.repetition_penalty,
                 stop=stops[i] or None,
                 include_stop_str_in_output=True,
+                # Stop strings are matched on text with special tokens written out, as the torch
+                # engine's StopChecker reads it ("<|im_end|>" as a stop string stops both).
+                skip_special_tokens=False,
                 stop_token_ids=self.stop_ids,
                 ignore_eos=cfg.ignore_eos,
                 logprobs=0,
@@ -141,7 +146,10 @@ class VllmGeneration:
             toks = list(c.token_ids)
             generated.append(torch.tensor(toks, dtype=torch.long))
             gen_lp.append(torch.tensor([lp[t].logprob for t, lp in zip(toks, c.logprobs)], dtype=torch.float32))
-            truncated.append(c.finish_reason == "length")
+            # vLLM before its stop-first check_stop reported a stop or EOS id sampled as the last
+            # allowed token as "length": a stop, not a truncation, as the torch engine counts it.
+            stopped_by_id = bool(toks) and toks[-1] in self.stop_ids  # (EOS ids not among them with ignore_eos)
+            truncated.append(c.finish_reason == "length" and not stopped_by_id)
         out = assemble_output(padded, plen, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
         self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out

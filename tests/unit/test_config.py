@@ -223,10 +223,10 @@ def test_overrides_of_list_items(tmp_path):
                                     "~policy.scheduler.1"])
     assert [e.name for e in cfg.policy.scheduler] == ["CosineAnnealingLR"]
     with pytest.raises(ConfigError) as e:
-        load_config("sft", path, ["policy.scheduler.0.name=123", "policy.scheduler.x=1", "~policy.scheduler.7"])
+        load_config("sft", path, ["policy.scheduler.0.name=[1]", "policy.scheduler.x=1", "~policy.scheduler.7"])
     msg = str(e.value)
     # A bad value set through `a.0.b` is blamed on the command line, not on the file that set the item.
-    assert "policy.scheduler[0].name: got 123, expected a valid string  [set at command line" in msg
+    assert "policy.scheduler[0].name: got [1], expected a valid string  [set at command line" in msg
     assert "override 'policy.scheduler.x=1': policy.scheduler is a list of 3 items: 'x' is not one of its indices" in msg
     assert "cannot remove 'policy.scheduler.7', it is not set in the config" in msg
 
@@ -502,8 +502,8 @@ def test_all_errors_reported_at_once(tmp_path):
 
 def test_union_and_cross_field_errors():
     with pytest.raises(ConfigError) as e:
-        load_config("grpo", None, ["policy.lora.target_modules=3"])
-    assert "policy.lora.target_modules: got 3, expected a valid list or a valid string" in str(e.value)
+        load_config("grpo", None, ["policy.lora.target_modules={a: 1}"])
+    assert "policy.lora.target_modules: got {'a': 1}, expected a valid list or a valid string" in str(e.value)
     with pytest.raises(ConfigError, match="policy.lora.alpha: got 0, expected greater than 0"):
         load_config("grpo", None, ["policy.lora.alpha=0"])
     # Cross-field checks of a section run once its fields are valid.
@@ -1094,3 +1094,21 @@ def test_grpo_refuses_colocated_vllm():
     assert cfg.policy.generation.backend == "vllm"
     # Evaluation builds its generation backend in the driver: no placement to refuse.
     assert load_config("eval", None, ["policy.generation.backend=vllm"]).policy.generation.backend == "vllm"
+
+
+def test_a_number_given_to_a_text_key_is_its_text():
+    # `data.task_name=1` (YAML reads 1 as a number) was "got 1, expected a valid string": a typed
+    # Hydra/OmegaConf config takes it as the text "1".
+    cfg = load_config("grpo", None, ["data.task_name=1", "logger.wandb.name=2024"])
+    assert cfg.data.task_name == "1" and cfg.logger.wandb.name == "2024"
+
+
+def test_a_section_left_empty_in_yaml_keeps_its_defaults(tmp_path):
+    # `tokenizer:` with nothing under it is null to YAML: "got None, expected a valid dictionary".
+    path = _write(tmp_path / "c.yaml", """
+        policy:
+          tokenizer:
+          lora:
+    """)
+    cfg = load_config("sft", path, [])
+    assert cfg.policy.tokenizer.chat_template is None and cfg.policy.lora.enabled is False
