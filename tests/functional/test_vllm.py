@@ -126,3 +126,26 @@ def test_greedy_with_a_repetition_penalty_equals_the_torch_engine(setup):
             e.cfg.repetition_penalty = 1.0
     assert out["output_ids"].tolist() == ref["output_ids"].tolist()
     assert not torch.equal(ref["output_ids"], plain)  # the penalty changed what greedy picks
+
+
+def test_a_stop_id_sampled_as_the_last_allowed_token_is_no_truncation(setup):
+    # vLLM before its stop-first check reported such a row's finish as "length": truncated, where
+    # the torch engine (and overlong filtering after it) counts a stop.
+    _, tok, engine, _ = setup
+    batch = make_batch(tok)
+    free = engine.generate(batch, greedy=True)
+    a = int(batch["input_lengths"][0])
+    last = int(free["output_ids"][0, a + 3])  # row 0's 4th generated token
+    saved = engine.cfg, engine.stop_ids
+    try:
+        engine.cfg = engine.cfg.model_copy(update={"max_new_tokens": 4})
+        engine.stop_ids = sorted({*engine.stop_ids, last})
+        out = engine.generate(batch, greedy=True)
+    finally:
+        engine.cfg, engine.stop_ids = saved
+    assert int(out["generation_lengths"][0]) <= 4 and not bool(out["truncated"][0])
+    ids = out["output_ids"].tolist()
+    for r in range(batch.size):  # a row that ran to the limit without the stop id is truncated
+        n, start = int(out["generation_lengths"][r]), int(batch["input_lengths"][r])
+        if n == 4 and last not in ids[r][start : start + n]:
+            assert bool(out["truncated"][r])
