@@ -361,8 +361,8 @@ class CheckpointManager:
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
         self._last_check: float | None = None  # when stop_reason last ran: once a step, before its save
-        self._longest_step_s = 0.0
-        self._metric_kinds_seen: set[str] = set()  # check_metric_name  # the longest time between two of them (a step, its validation and save)
+        self._longest_step_s = 0.0  # the longest time between two of them (a step, its validation and save)
+        self._metric_kinds_seen: set[str] = set()  # check_metric_name
 
     def _check_writable(self) -> None:
         """The first save comes `save_period` steps into the run: a checkpoint_dir it could not

@@ -221,8 +221,6 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a
         # second stop signal inside it: stop at once, as asked, without a traceback. The loop's first
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
-        from posttrain.checkpoint import take_stop_at_once
-
         # checkpoint.StopAtOnce names its signal (also when Ray re-raised it as a plain KeyboardInterrupt)
         name = getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT"
         print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "

@@ -823,7 +823,6 @@ class FSDPPolicyWorker:
     def sync_reference(self, alpha: float) -> None:
         """TR-DPO's update (policy.reference_sync): reference <- alpha * policy + (1 - alpha) * reference,
         each parameter on this rank's shard, in the reference's dtype."""
-        _reshard(self.model)  # (a no-grad pass leaves FSDP2's root unsharded, a full tensor beside shards)
         for r, p in self._synced_pairs():
             r.lerp_(p.to(r.dtype), alpha)
 

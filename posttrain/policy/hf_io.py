@@ -107,11 +107,10 @@ def check_weight_files(path: str, config, model_kind: str, key: str) -> None:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header
             raise InputError(f"{key}: cannot read the weights file {f} ({type(e).__name__}: {e}); a cut-off or "
                              "corrupt copy? Copy or export it again") from None
-    with torch.device("meta"):
-        try:
-            expected = {k: tuple(v.shape) for k, v in model_class(model_kind).from_config(config).state_dict().items()}
-        except Exception:  # noqa: BLE001 - a model transformers cannot build says so when it loads
-            return
+    try:
+        expected = {k: tuple(v.shape) for k, v in _meta_model(config, model_kind).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a model transformers cannot build says so when it loads
+        return
     wrong = [(k, shapes[k], expected[k]) for k in shapes if k in expected and shapes[k] != expected[k]]
     if wrong:
         listed = "; ".join(f"{k} is {list(a)}, the config makes it {list(b)}" for k, a, b in wrong[:3])
