@@ -14,7 +14,10 @@ computed as the numerically stable product 1 - prod_{i = n-c+1}^{n} (1 - k / i)
 cons@k (majority voting, "self-consistency", Wang et al. 2022,
 https://arxiv.org/abs/2203.11171): take the first k samples, vote over their extracted
 final answers (samples with no extractable answer do not vote), and score the problem 1 if
-the most common answer is a correct one. Ties go to the answer seen first.
+the most common answer is a correct one. Ties go to the answer seen first. The samples judged
+correct vote as one answer: each is equivalent to the reference, so "0.5" and "\\frac{1}{2}" are
+one answer, as an equivalence vote makes them (a text vote split them, and a wrong answer
+written one way beat a right one written two ways). Wrong answers vote by their text.
 
 "Correct" is the environment's verdict of a sample (`CORRECT_KEY`), not a positive reward:
 partial credit (one test of five, a format bonus) is wrong here. Samples without a verdict
@@ -54,12 +57,17 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return next(a for a in votes if counts[a] == best)
 
 
+# The vote of every sample judged correct: they are one answer, the reference's.
+_CORRECT_VOTE = "\0correct"
+
+
 def cons_at_k(answers: Sequence[str | None], correct: Sequence[bool | float], k: int) -> float:
     """Majority-vote accuracy of one problem over its first `k` samples.
 
     answers: [n] extracted final answer of each sample (None when nothing was extracted).
     correct: [n] each sample's verdict (True/False, or 1/0) from its environment; a reward is no verdict.
-    Returns 1.0 when the majority answer of samples [0, k) is correct, else 0.0.
+    Returns 1.0 when the majority answer of samples [0, k) is correct, else 0.0; the correct
+    samples' answers count as one (all equal the reference), the wrong ones' by their text.
     """
     if len(answers) != len(correct):
         raise ValueError(f"cons_at_k: {len(answers)} answers but {len(correct)} correctness flags")
@@ -68,13 +76,9 @@ def cons_at_k(answers: Sequence[str | None], correct: Sequence[bool | float], k:
         raise ValueError("cons_at_k: a sample without a verdict (None); leave it out first (mean_cons_at_k)")
     if not 1 <= k <= len(answers):
         raise ValueError(f"cons_at_k needs 1 <= k <= n, got k={k}, n={len(answers)}")
-    winner = majority_answer(answers[:k])
-    if winner is None:
-        return 0.0
-    for a, ok in zip(answers[:k], correct[:k]):
-        if a is not None and a.strip() == winner:
-            return 1.0 if ok else 0.0
-    raise AssertionError("unreachable: the majority answer comes from these samples")
+    votes = [None if a is None or not a.strip() else _CORRECT_VOTE if ok else a
+             for a, ok in zip(answers[:k], correct[:k])]
+    return 1.0 if majority_answer(votes) == _CORRECT_VOTE else 0.0
 
 
 def _verdicts(correct: Sequence[bool | float | None], where: str) -> list[bool | None]:

@@ -70,6 +70,20 @@ def test_cons_at_k_ignores_missing_answers_and_whitespace():
     assert majority_answer([None, None]) is None
 
 
+def test_cons_at_k_counts_correct_answers_as_one_whatever_their_notation():
+    # Three right answers in three notations against two equal wrong ones: a text vote gave
+    # "0.4" (2 votes) the win over "0.5", "1/2" and "\\frac{1}{2}" (1 each).
+    answers = ["0.4", "0.5", "1/2", "0.4", "\\frac{1}{2}"]
+    correct = [False, True, True, False, True]
+    assert cons_at_k(answers, correct, 1) == 0.0
+    assert cons_at_k(answers, correct, 3) == 1.0  # right 2, "0.4" 1
+    assert cons_at_k(answers, correct, 4) == 0.0  # tie 2/2 -> "0.4", seen first
+    assert cons_at_k(answers, correct, 5) == 1.0  # right 3, "0.4" 2
+    # Wrong answers still vote by their text; a correct sample without an answer casts no vote.
+    assert cons_at_k(["7", "8", "9", "9 "], [False, False, True, True], 4) == 1.0
+    assert cons_at_k(["7", "7", None, "9"], [False, False, True, True], 4) == 0.0
+
+
 def test_cons_at_k_rejects_bad_arguments():
     with pytest.raises(ValueError, match="answers"):
         cons_at_k(["1"], [True, False], 1)
