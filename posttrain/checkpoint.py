@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import ConfigError, InputError, MissingInputError
+from posttrain.config import ConfigError, InputError, MissingInputError, RunStopped
 from posttrain.schemas import CheckpointingConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ def _same_signature(stored: Any, current: dict[str, Any]) -> bool:
     return all(same(k, v, current[k]) for k, v in stored.items())
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(RunStopped):
     """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
     disk is full and which checkpoints stay."""
 

@@ -8,7 +8,9 @@ The config is loaded and validated before torch, transformers or Ray are importe
 come with `posttrain.algorithms.<algo>`, imported only after validation), so a typo in a
 key fails in well under a second. Bad input (`InputError`: a config key or value, a missing
 file or model, a malformed data row, also when a Ray worker finds it) prints its message
-alone, without a traceback, and exits with status 2.
+alone, without a traceback, and exits with status 2; so does a stop the docs name (`RunStopped`:
+an environment that keeps failing, dynamic sampling exhausted, a failed checkpoint save, a dead
+worker), with status 1.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import traceback
 from typing import Any, Sequence
 
-from posttrain.config import InputError, load_config, to_yaml
+from posttrain.config import InputError, RunStopped, load_config, to_yaml
 from posttrain.schemas import MASTER_CONFIGS
 
 DOCS = "docs/config.md"
@@ -217,6 +219,9 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # is the worker's traceback: print the worker's own message.
         print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         sys.exit(EXIT_INPUT_ERROR)
+    except RunStopped as e:  # its message says why and what was saved; as for InputError, Ray's wrapper has `cause`
+        print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt as e:
         # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a
         # second stop signal inside it: stop at once, as asked, without a traceback. The loop's first

@@ -46,6 +46,14 @@ class InputError(ValueError):
     a traceback: the traceback would point into posttrain, where nothing needs fixing."""
 
 
+class RunStopped(RuntimeError):
+    """A condition the docs name ended the run (an environment that keeps failing, dynamic
+    sampling that found nothing to train on, a checkpoint that could not be written, a worker
+    that died), with a message that says why, what to change and what was saved. The CLI prints
+    the message alone and exits with status 1: a traceback through the training loop would
+    bury it."""
+
+
 class ConfigError(InputError):
     """A config problem, with a message that names the file, line or dotted key."""
 

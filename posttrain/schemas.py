@@ -1880,7 +1880,7 @@ class GRPOMasterConfig(_MasterBase):
             )
         return self
 
-    def _updates_per_step(self) -> int:
+    def updates_per_step(self) -> int:
         """Optimizer steps per GRPO step; above 1 the loop computes prev_logprobs before the update."""
         g = self.grpo
         samples = g.num_prompts_per_step * g.num_generations_per_prompt
@@ -1891,7 +1891,7 @@ class GRPOMasterConfig(_MasterBase):
         # With prev_logprobs = the generation logprobs, the correction's weights pi_prev / pi_gen
         # are 1 on every step after the first one's check.
         g = self.grpo
-        uses_prev = self._updates_per_step() > 1 or g.adv_estimator == "on_policy_distillation"
+        uses_prev = self.updates_per_step() > 1 or g.adv_estimator == "on_policy_distillation"
         if self.loss_fn.use_importance_sampling_correction and g.prev_logprobs_from_generation and uses_prev:
             raise ValueError(
                 "loss_fn.use_importance_sampling_correction=true weighs each token by pi_prev / pi_gen, but "
@@ -1909,7 +1909,7 @@ class GRPOMasterConfig(_MasterBase):
         # ratio nor a clip, as if it had sampled them itself.
         g = self.grpo
         samples = g.num_prompts_per_step * g.num_generations_per_prompt
-        updates = self._updates_per_step()
+        updates = self.updates_per_step()
         if self.loss_fn.force_on_policy_ratio and updates > 1:
             raise ValueError(
                 f"loss_fn.force_on_policy_ratio=true is exact for one optimizer step per rollout batch, but each step "

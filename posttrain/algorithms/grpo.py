@@ -35,7 +35,7 @@ from posttrain.advantages import (
 )
 from posttrain.algorithms.offline import log_data_stats, training_logger
 from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
-from posttrain.config import InputError, to_yaml
+from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows
 from posttrain.data.formats import row_name, with_fields
@@ -129,6 +129,20 @@ def cramped_prompts_note(rows: list[dict], cfg: GRPOMasterConfig) -> str | None:
             "cut at the context (counted in truncation_rate)")
 
 
+def off_policy_reinforce_note(cfg: GRPOMasterConfig) -> str | None:
+    """A note when loss_fn.disable_ppo_ratio (REINFORCE) meets several optimizer steps per GRPO
+    step: the later ones train on an older policy's samples with neither a ratio nor a clip.
+    NeMo RL allows it, so it runs; force_on_policy_ratio, the same gradient, is refused there."""
+    updates = cfg.updates_per_step()
+    if not cfg.loss_fn.disable_ppo_ratio or updates == 1:
+        return None
+    return (f"loss_fn.disable_ppo_ratio=true (REINFORCE) with {updates} optimizer steps per step "
+            "(policy.train_global_batch_size below the step's samples, or grpo.num_iterations > 1): every one "
+            "after the first trains on samples of an earlier policy, uncorrected (no ratio, no clip). For "
+            "on-policy REINFORCE set policy.train_global_batch_size to grpo.num_prompts_per_step * "
+            "grpo.num_generations_per_prompt and grpo.num_iterations=1; for several updates, the clipped ratio")
+
+
 def worker_bundles(cfg: GRPOMasterConfig) -> list[Bundles]:
     """The placement groups of a GRPO run: the policy workers' (`cluster`), then, with
     policy.generation.colocated.enabled=false, the separate generation workers' beside them (one
@@ -198,8 +212,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                            "context or data.max_input_seq_length (data.truncation=drop)")
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
-        if (note := cramped_prompts_note(train_rows, cfg)) is not None:
-            logger.console(note)
+        for note in (cramped_prompts_note(train_rows, cfg), off_policy_reinforce_note(cfg)):
+            if note is not None:
+                logger.console(note)
         # Every placement group before any worker starts: separate generation workers that do not fit
         # failed only after the policy workers had loaded the model.
         clusters = reserve(worker_bundles(cfg))
@@ -479,7 +494,7 @@ def _validate_current(s: GRPOSetup, pipeline: _RolloutPipeline | None, step: int
     return validate(s, step)
 
 
-class DynamicSamplingExhausted(RuntimeError):
+class DynamicSamplingExhausted(RunStopped):
     """Dynamic sampling kept less than one optimizer step of groups with reward variance in
     grpo.dynamic_sampling_max_gen_batches rounds: the run cannot go on (NeMo RL raises too), and
     ending it as if it were done would read as a finished run to whatever launched it."""
@@ -619,7 +634,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 reason = (f"dynamic sampling kept {sum(b.size for b in parts)} samples in {len(parts)} generation "
                           f"rounds (grpo.dynamic_sampling_max_gen_batches), fewer than one optimizer step "
                           f"(policy.train_global_batch_size={gbs}): the other groups' rewards were all equal")
-            logger.console(f"step {step}: {reason}; stopping")
+            logger.console(f"step {step + 1}: {reason}; stopping")
             # The run's last step, as step max_num_steps would have been: validated (grpo.val_at_end,
             # unless it was already) and checkpointed, keeping the steps since the last periodic save.
             # Only here is it known to be the last: the prompts ran out at the next step's draw.
@@ -634,7 +649,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 _save(s, step, last.train, last.val, loader_state=last.loader_state if prompts is not None else exhausted)
             if prompts is not None:
                 raise DynamicSamplingExhausted(
-                    f"step {step}: {reason}. Raise grpo.dynamic_sampling_max_gen_batches or "
+                    f"step {step + 1}: {reason}. Raise grpo.dynamic_sampling_max_gen_batches or "
                     "grpo.num_generations_per_prompt, or train on prompts the model solves only sometimes")
             break
         rollout_metrics.update(summarize_rollouts(step_convs))

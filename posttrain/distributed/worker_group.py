@@ -33,6 +33,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.config import RunStopped
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
 from posttrain.distributed.serialization import use_numpy_tensor_transport
@@ -151,11 +152,11 @@ class _WorkerHost:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
-class WorkerError(RuntimeError):
+class WorkerError(RunStopped):
     """A worker process died; the message names it and shows its last log lines."""
 
 
-class WorkerGroupBroken(RuntimeError):
+class WorkerGroupBroken(RunStopped):
     """A call failed on some ranks while others still ran it, blocked in a collective that the
     failed ranks will never join: the group can run no other call."""
 

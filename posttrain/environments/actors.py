@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import RunStopped
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_ERROR_KEY,
@@ -125,7 +126,7 @@ def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentRe
 _TOOL_CHILD_RESTART_S = 5.0
 
 
-class EnvironmentFailure(RuntimeError):
+class EnvironmentFailure(RunStopped):
     """An environment that keeps failing: the run stops rather than scoring every sample 0."""
 
 
@@ -196,7 +197,7 @@ class EnvironmentGroup:
             ray.get(starting)
         except Exception as e:
             self.shutdown()
-            raise RuntimeError(f"environment {self.name!r} failed to start: {_creation_error(e)}") from e
+            raise EnvironmentFailure(f"environment {self.name!r} failed to start: {_creation_error(e)}") from e
 
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
         """`EnvironmentInterface.step` over the actors; failed slices score 0 (module docstring)."""

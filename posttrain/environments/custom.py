@@ -43,6 +43,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -89,12 +90,25 @@ def _import_module(module_part: str, key: str):
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        # Its folder on the path, as `python file.py` has it: `from helpers import norm` finds the
+        # helpers.py beside it. Last: a file there never shadows an installed module.
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))
+        before = set(sys.modules)
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
         except BaseException:
             del sys.modules[name]
             raise
+        import ray.cloudpickle
+
+        # The modules it imported from its folder go to the actors by value, as it does: their
+        # processes have no such folder on their path.
+        for new in set(sys.modules) - before:
+            origin = getattr(sys.modules[new], "__file__", None)
+            if origin and Path(origin).resolve().parent == path.parent:
+                ray.cloudpickle.register_pickle_by_value(sys.modules[new])
         return module
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # last: a local file never shadows an installed module

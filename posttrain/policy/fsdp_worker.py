@@ -580,10 +580,11 @@ class FSDPPolicyWorker:
         t0 = time.perf_counter()
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
         full = batch
-        batch = self._rows_to_train(batch, loss_fn, group)
+        batch, placeholder = self._rows_to_train(batch, loss_fn, group)
         # One all-reduce: the global batch's counts (the loss's normalization) and the trained rows'.
         counts = torch.cat([self._valid_counts(full), self._valid_counts(batch),
-                            torch.tensor([float(full.size - batch.size), float(full.size)])]).to(self.device)
+                            torch.tensor([float(full.size - (0 if placeholder else batch.size)), float(full.size)])]
+                           ).to(self.device)
         dist.all_reduce(counts)
         counts /= self.tp
         global_toks, global_seqs = counts[0], counts[1]
@@ -668,6 +669,8 @@ class FSDPPolicyWorker:
         tok //= self.tp
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
+        if counts[4] > 0:  # the loss counted only the trained rows; the left-out ones are in the loss too
+            out["num_valid_samples"] = float(global_seqs)
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]),
                    model_tokens=float(tok[1]), global_valid_toks=float(global_toks),
                    global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(counts[4] / counts[5]),
@@ -685,18 +688,21 @@ class FSDPPolicyWorker:
             toks = (batch["input_lengths"].float() * sample_mask).sum()
         return torch.stack([toks, sample_mask.sum()])
 
-    def _rows_to_train(self, batch: BatchedDataDict, loss_fn: Callable, group: int) -> BatchedDataDict:
+    def _rows_to_train(self, batch: BatchedDataDict, loss_fn: Callable, group: int) -> tuple[BatchedDataDict, bool]:
         """`batch` without the rows whose gradient is exactly 0 (`loss_fn.zero_gradient_rows`, e.g. a
-        GRPO group whose samples all got the same reward) when policy.skip_zero_gradient_samples.
-        At least one row stays, so that every rank runs its passes and the optimizer steps on a
-        zero gradient as it would have (Adam's moments still decay and move the weights)."""
+        GRPO group whose samples all got the same reward) when policy.skip_zero_gradient_samples,
+        and whether what is left is a placeholder: when no row has a gradient, one stays, so that
+        every rank runs its passes and the optimizer steps on a zero gradient as it would have
+        (Adam's moments still decay and move the weights). It is counted as left out
+        (zero_gradient_fraction 1) but measured: the step's per-token means (token_mult_prob_error,
+        the ratio, entropy) are its own, the only ones there are."""
         zero_rows = getattr(loss_fn, "zero_gradient_rows", None)
         if not self.cfg.skip_zero_gradient_samples or zero_rows is None or group != 1:
-            return batch
+            return batch, False
         keep = (~zero_rows(batch)).nonzero().flatten()
         if len(keep) == batch.size:
-            return batch
-        return batch.select_indices(keep if len(keep) else torch.tensor([0]))
+            return batch, False
+        return batch.select_indices(keep if len(keep) else torch.tensor([0])), not len(keep)
 
     def _clip_grads(self) -> float:
         """Global L2 grad norm over all shards (DTensor-aware); clips to policy.max_grad_norm."""

@@ -57,6 +57,19 @@ def test_prompts_that_leave_too_little_room_to_answer_are_noted():
     assert cramped_prompts_note(rows[:2], cfg) is None
 
 
+def test_reinforce_with_several_updates_per_step_is_noted():
+    # It ran silently off-policy after the first update, while force_on_policy_ratio (the same
+    # gradient) is refused for it.
+    from posttrain.algorithms.grpo import off_policy_reinforce_note
+
+    rl = ["loss_fn.disable_ppo_ratio=true", "grpo.adv_estimator=rloo"]
+    cfg = load_config("grpo", QUICKSTART, rl)  # 512 samples, 128 a step: 4 updates
+    assert off_policy_reinforce_note(cfg).startswith(
+        "loss_fn.disable_ppo_ratio=true (REINFORCE) with 4 optimizer steps per step")
+    assert off_policy_reinforce_note(load_config("grpo", QUICKSTART, [*rl, "policy.train_global_batch_size=512"])) is None
+    assert off_policy_reinforce_note(load_config("grpo", QUICKSTART)) is None  # the clipped ratio
+
+
 def test_minibatch_permutation_is_seeded_by_run_and_step():
     from posttrain.algorithms.grpo import minibatch_permutation
 

@@ -54,10 +54,10 @@ def test_dynamic_sampling_that_keeps_no_group_says_so_and_stops(ray_session, tmp
     from posttrain.algorithms.grpo import DynamicSamplingExhausted
 
     # It fails (as NeMo RL's does), so that whatever launched it does not take it for a finished run.
-    with pytest.raises(DynamicSamplingExhausted, match=r"step 0: dynamic sampling kept 0 samples in 2 generation "
+    with pytest.raises(DynamicSamplingExhausted, match=r"step 1: dynamic sampling kept 0 samples in 2 generation "
                                                        r"rounds.*Raise grpo.dynamic_sampling_max_gen_batches"):
         run(cfg)
-    assert ("step 0: dynamic sampling kept 0 samples in 2 generation rounds (grpo.dynamic_sampling_max_gen_batches), "
+    assert ("step 1: dynamic sampling kept 0 samples in 2 generation rounds (grpo.dynamic_sampling_max_gen_batches), "
             "fewer than one optimizer step (policy.train_global_batch_size=8): the other groups' rewards were all "
             "equal; stopping") in " ".join(capsys.readouterr().out.split())  # the console wraps lines
     assert records(tmp_path / "logs", "train") == []
@@ -78,7 +78,7 @@ def test_a_run_stopped_by_dynamic_sampling_resumes_at_the_prompts_it_gave_up_on(
         "grpo.num_generations_per_prompt=8", "data.task_name=one", f"env.one.target={rewards}:first_step_only",
         "checkpointing.save_period=10",
     ))
-    with pytest.raises(DynamicSamplingExhausted, match="step 1: dynamic sampling kept 0 samples"):
+    with pytest.raises(DynamicSamplingExhausted, match="step 2: dynamic sampling kept 0 samples"):
         run(cfg)
     assert [r["step"] for r in records(tmp_path / "logs", "train")] == [1]
     info = json.loads((tmp_path / "ckpt" / "step_1" / "training_info.json").read_text())

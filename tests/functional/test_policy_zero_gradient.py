@@ -47,19 +47,35 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
     assert loss_fn.zero_gradient_rows(batch).tolist() == [True] * 4 + [False, True, False, False]
     loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, loss_fn=loss_fn)
     assert grad_norm > 0
-    for policy, skipped in zip(policies, (0.0, 4 / 8)):
+    for policy, skipped in zip(policies, (0.0, 5 / 8)):  # rows 0-3 and 5
         m = policy.train(batch, loss_fn)
         assert m["loss"] == pytest.approx(loss, rel=1e-5)
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
-        # Skip on: the first worker keeps one of its zero-gradient rows (every rank runs a pass)
-        # and the second leaves out row 5; the loss's metrics are over the trained rows.
+        # Skip on: the first worker runs one of its zero-gradient rows (every rank runs a pass) as
+        # a placeholder, left out all the same, and the second leaves out row 5; the loss's means
+        # are over the rows run, its count of samples the batch's (it said 4, the rows run).
         assert m["zero_gradient_fraction"] == skipped
-        assert m["num_valid_samples"] == (7 if not skipped else 4)
+        assert m["num_valid_samples"] == 7
         assert m["global_valid_seqs"] == 7 and m["global_valid_toks"] == float(
             (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum())
         state = full_state(policy)
         for k, v in expected.items():
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def test_a_step_whose_rows_all_have_zero_gradient_counts_them_all_left_out(policies):
+    # Every group solved (or failed) alike: the row each rank runs for the passes was counted as
+    # trained (num_valid_samples 2, a zero_gradient_fraction of 6/8). It still measures the step
+    # (the generation's logprob error, the ratio), the only row that can.
+    import math
+
+    batch = _grpo_batch()
+    batch["advantages"] = torch.zeros_like(batch["advantages"])
+    for policy, skip in zip(policies, (False, True)):
+        m = policy.train(batch, ClippedPGLoss({}))
+        assert m["num_valid_samples"] == 7.0 and m["grad_norm"] == 0.0 and math.isfinite(m["loss"])
+        assert m["zero_gradient_fraction"] == (1.0 if skip else 0.0)
+        assert m["probs_ratio"] == pytest.approx(1.0) and math.isfinite(m["token_mult_prob_error"])
 
 
 def test_a_step_without_one_valid_token_has_no_ratio_measurements(policies):

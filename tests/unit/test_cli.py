@@ -115,6 +115,28 @@ def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_wi
                                        "now, checkpoints saved before stay\n")
 
 
+@pytest.mark.parametrize("in_worker", [False, True])
+def test_a_documented_stop_prints_its_message_alone_and_exits_1(monkeypatch, capsys, in_worker):
+    # An environment failing step after step ended the run under a 25-line traceback through the
+    # loop; its message (why, what to change, what was saved) was the last line of it.
+    from ray.exceptions import RayTaskError
+
+    from posttrain.environments.actors import EnvironmentFailure
+
+    message = "environment 'ex': every sample failed in 3 steps in a row (env.ex.max_failed_steps); step 2 is saved"
+
+    def run(cfg):
+        try:
+            raise EnvironmentFailure(message)
+        except EnvironmentFailure as cause:
+            if in_worker:
+                raise RayTaskError("step", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
+            raise
+
+    assert _rm_exit_status(monkeypatch, run) == 1
+    assert capsys.readouterr().err == f"posttrain rm: {message}\n"
+
+
 def test_an_unexpected_error_prints_its_traceback_and_exits_1(monkeypatch, capsys):
     # Printed by the CLI itself: Ray's excepthook would first report it to a Ray node that may be gone.
     def run(cfg):

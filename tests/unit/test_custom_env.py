@@ -231,6 +231,27 @@ def test_reward_function_and_class_run_inside_ray_actors(ray_session, rewards_fi
         group.shutdown()
 
 
+def test_a_reward_file_imports_the_modules_beside_it_also_in_the_actors(ray_session, tmp_path):
+    # As `python my_rewards.py` would: the file's folder was on no path, so its own helper
+    # module failed to import ("No module named ..."), which the module form of the same file did.
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "posttrain_test_norms.py").write_text("def norm(text):\n    return text.strip().lstrip('0') or '0'\n")
+    (folder / "posttrain_test_scale.py").write_text("FULL = 2.0\n")
+    (folder / "scored.py").write_text(
+        "import posttrain_test_scale\n"
+        "from posttrain_test_norms import norm\n\n"
+        "def exact(response, metadata):\n"
+        "    return posttrain_test_scale.FULL * (norm(response) == norm(str(metadata['answer'])))\n"
+    )
+    group = create_env("beside", _cfg(f"{folder / 'scored.py'}:exact"))  # the actor's path has no such folder
+    try:
+        ret = group.step([convo(" 042"), convo("41")], [{"answer": "42"}, {"answer": "42"}])
+        assert ret.rewards.tolist() == [2.0, 0.0] and ret.num_errors == 0
+    finally:
+        group.shutdown()
+
+
 def test_reward_function_failures_score_zero_and_are_recorded(rewards_file):
     env = resolve_env("f", _cfg(f"{rewards_file}:not_a_number"))(EnvWorkerConfig())
     ret = env.step([convo("x")], [{}])
