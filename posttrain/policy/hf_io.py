@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import os
 import shutil
@@ -34,6 +35,18 @@ def load_hf_config(model_name: str, key: str = "policy.model_name"):
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise model_load_error(key, model_name, path, "a model config", e) from None
+
+
+def adapter_base(model_name: str) -> str | None:
+    """The base model named by a folder that holds a LoRA adapter alone (peft's
+    adapter_config.json, no config.json: a `policy.lora.export=adapter` export), else None.
+    transformers' from_pretrained loads such a folder as base + adapter; AutoConfig cannot."""
+    path = os.path.expanduser(resolve_model_path(model_name))
+    adapter = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(adapter) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    with open(adapter) as f:
+        return json.load(f).get("base_model_name_or_path")
 
 
 def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_lm",

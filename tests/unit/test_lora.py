@@ -2,6 +2,8 @@
 
 import json
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -106,6 +108,24 @@ def test_adapter_export_loads_with_transformers_from_anywhere(tiny_model_path, t
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()  # base + adapter
     with torch.no_grad():
         assert torch.allclose(reloaded(x).logits, trained, atol=1e-6)
+
+
+def test_posttrain_eval_takes_an_adapter_folder(tiny_model_path, tmp_path):
+    # The tokenizer check read the vocabulary size from the folder's config, which an adapter
+    # export has not: `posttrain eval` refused the folder it documents it loads.
+    from posttrain.config import load_config
+    from posttrain.data.processors import load_policy_tokenizer
+
+    model, _, _ = _trained_lora(tiny_model_path)
+    save_adapter(model.state_dict(), CFG, tmp_path / "adapter", tiny_model_path, model)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # as the run's hf/ export has them
+        if (Path(tiny_model_path) / f).is_file():
+            (tmp_path / "adapter" / f).write_bytes((Path(tiny_model_path) / f).read_bytes())
+    cfg = load_config("eval", None, [f"policy.model_name={tmp_path / 'adapter'}"])
+    assert len(load_policy_tokenizer(cfg.policy)) > 0
+    bad = load_config("eval", None, [f"policy.model_name={tmp_path / 'adapter'}", "policy.generation.stop_token_ids=[100000]"])
+    with pytest.raises(ValueError, match=r"stop_token_ids: \[100000\] are not token ids"):  # its base's vocabulary
+        load_policy_tokenizer(bad.policy)
 
 
 def test_an_adapter_folder_loads_as_plain_merged_weights(tiny_model_path, tmp_path):
