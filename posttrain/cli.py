@@ -228,8 +228,9 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
         # checkpoint.StopAtOnce names its signal (also when Ray re-raised it as a plain KeyboardInterrupt)
         name = getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT"
-        print(f"posttrain {command}: interrupted ({name}); stopped at once: nothing was saved now, "
-              "checkpoints saved before stay", file=sys.stderr)
+        kept = ("samples.jsonl keeps the samples of the batches that finished; no results.json was written"
+                if command == "eval" else "nothing was saved now, checkpoints saved before stay")
+        print(f"posttrain {command}: interrupted ({name}); stopped at once: {kept}", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)
     except Exception:  # noqa: BLE001
         # Printed here, not by Ray's excepthook, which first reports the error to the Ray node and,

@@ -45,8 +45,6 @@ def _policy_dir(checkpoint: Path) -> Path:
 def _model_source(policy_dir: Path, config_path: str | None) -> str:
     if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
         return str(policy_dir / HF_CONFIG_DIR)
-    if config_path and not Path(config_path).is_file():
-        raise MissingInputError(f"--config {config_path}: no such file")
     candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
     for c in candidates:
         if c.is_file():
@@ -82,8 +80,10 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
 
     from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict
 
+    if config_path is not None and not Path(config_path).is_file():
+        raise MissingInputError(f"--config {config_path}: no such file")
     policy_dir = _policy_dir(Path(checkpoint))
-    check_replaceable(Path(output))
+    check_replaceable(Path(output), {"--checkpoint": checkpoint, "--config": config_path})
     meta_file = policy_dir / META_FILE
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
     model_kind = meta["model_kind"]

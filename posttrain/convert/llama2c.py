@@ -250,7 +250,7 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     if not tok_path.is_file():
         raise MissingInputError(f"sentencepiece tokenizer model not found: {tok_path}")
     out = Path(out_dir)
-    check_replaceable(out)
+    check_replaceable(out, {"--model": bin_path, "--tokenizer": tok_path})
     hdr, arrays = read_llama2c(bin_path)
     sp = _read_sentencepiece(tok_path, hdr.vocab_size)
     with writing_folder(out) as tmp:

@@ -336,9 +336,15 @@ def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: to
     return n
 
 
-def check_replaceable(out: Path) -> None:
+def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
     """A model folder named by `--output` is replaced as a whole: refuse one that is not a model
-    folder (a `--output results` meant as `results/stories260K-hf` would delete every run in it)."""
+    folder (a `--output results` meant as `results/stories260K-hf` would delete every run in it),
+    and one that holds an input of the conversion (`inputs`: {option: path}), which the
+    replacement deleted after reading it."""
+    for option, given in (inputs or {}).items():
+        if given is not None and Path(given).resolve().is_relative_to(out.resolve()):
+            raise InputError(f"--output {out}: holds {option} {given}, which replacing the folder would delete; "
+                             "write the model into another folder")
     if not out.exists():
         # Its folders are made at the end, after the conversion's work: a file among them fails now.
         blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)

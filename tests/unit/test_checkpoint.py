@@ -616,8 +616,16 @@ def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
     assert _model_source(policy, str(tmp_path / "plain.yaml")) == "embedded:tiny"
     with pytest.raises(ConfigError, match="list.yaml: the top level of a config must be a mapping"):
         _model_source(policy, str(tmp_path / "list.yaml"))
+    # A --config that is not there is named, also when the checkpoint has hf_config/ (it was ignored).
+    from posttrain.convert.dcp_to_hf import convert
+
+    (policy / "hf_config").mkdir()
+    (policy / "hf_config" / "config.json").write_text("{}")
     with pytest.raises(MissingInputError, match=r"--config .*nowhere.yaml: no such file"):
-        _model_source(policy, str(tmp_path / "nowhere.yaml"))
+        convert(tmp_path / "step_1", tmp_path / "out", str(tmp_path / "nowhere.yaml"))
+    import shutil
+
+    shutil.rmtree(policy / "hf_config")
     (tmp_path / "step_1" / "config.yaml").write_text("policy: {model_name: embedded:small}\n")
     assert _model_source(policy, None) == "embedded:small"  # the config the run saved with its checkpoint
 

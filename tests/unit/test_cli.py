@@ -74,13 +74,13 @@ def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_pa
     assert f"policy.model_name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
 
 
-def _rm_exit_status(monkeypatch, run) -> int:
-    """`posttrain rm`'s exit status, run in this process, when the algorithm's run() is `run`."""
-    algo = type(sys)("posttrain.algorithms.rm")
+def _rm_exit_status(monkeypatch, run, command: str = "rm") -> int:
+    """`posttrain rm`'s (or `command`'s) exit status, run in this process, when the algorithm's run() is `run`."""
+    algo = type(sys)(f"posttrain.algorithms.{command}")
     algo.run = run
-    monkeypatch.setitem(sys.modules, "posttrain.algorithms.rm", algo)
+    monkeypatch.setitem(sys.modules, f"posttrain.algorithms.{command}", algo)
     with pytest.raises(SystemExit) as e:
-        cli.main(["rm"])
+        cli.main([command])
     return e.value.code
 
 
@@ -113,6 +113,16 @@ def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_wi
     name = "SIGINT" if code == 130 else "SIGTERM"
     assert capsys.readouterr().err == (f"posttrain rm: interrupted ({name}); stopped at once: nothing was saved "
                                        "now, checkpoints saved before stay\n")
+
+
+def test_an_interrupted_eval_says_what_it_kept(monkeypatch, capsys):
+    # It said "checkpoints saved before stay": eval has none; its finished batches' samples stay.
+    def run(cfg):
+        raise KeyboardInterrupt
+
+    assert _rm_exit_status(monkeypatch, run, "eval") == 130
+    assert capsys.readouterr().err == ("posttrain eval: interrupted (SIGINT); stopped at once: samples.jsonl keeps "
+                                       "the samples of the batches that finished; no results.json was written\n")
 
 
 @pytest.mark.parametrize("in_worker", [False, True])
@@ -254,6 +264,13 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     again = _run(*args, "--output", str(hf))
     assert again.returncode == 0, again.stderr
     assert (hf / "config.json").is_file() and not (hf / "stale.txt").exists()
+    # Nor one holding its inputs: the replacement deleted the .bin and tokenizer it had read.
+    (hf / "stories260K.bin").write_bytes((model / "stories260K.bin").read_bytes())
+    inside = _run("convert", "llama2c-to-hf", "--model", str(hf / "stories260K.bin"), "--tokenizer",
+                  str(model / "tok512.model"), "--output", str(hf))
+    assert inside.returncode == 2 and "Traceback" not in inside.stderr
+    assert f"--output {hf}: holds --model {hf / 'stories260K.bin'}, which replacing the folder would delete" in inside.stderr
+    assert (hf / "stories260K.bin").is_file()
 
 
 def test_convert_llama2c_names_a_tokenizer_that_is_not_sentencepiece(shared_data, tmp_path):
