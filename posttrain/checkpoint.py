@@ -416,6 +416,11 @@ class CheckpointManager:
         (the run's final one, or one after which it stops early), when checkpointing is enabled."""
         return self.cfg.enabled and (last or step % self.cfg.save_period == 0)
 
+    def time_left_s(self) -> float | None:
+        """Seconds until `checkpointing.checkpoint_must_save_by` (counted from this manager's
+        creation), or None without a limit."""
+        return None if self.save_deadline_s is None else self.save_deadline_s - (time.monotonic() - self._started)
+
     def stop_reason(self) -> str | None:
         """Why the run must save a checkpoint and end cleanly after this step, or None: the process
         got SIGTERM or SIGINT (see `stop_on_signals`), or the job's time limit

@@ -1232,6 +1232,7 @@ class CheckpointingConfig(Section):
     # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts: the run saves a checkpoint
     # and ends cleanly by then (for schedulers that kill jobs): after the last step that leaves
     # time for one more as long as the longest so far, validation and save included; null = no limit.
+    # A GRPO warm-up SFT (no checkpoint of its own) projected to end after it stops the run, saying so.
     checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d{1,2}:\d{1,2}:\d{1,2}$")
 
 

@@ -243,7 +243,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             start_step = info["step"]
             logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), g.max_num_steps))
         elif g.warmup_sft_steps:
-            _warmup_sft(cfg, policy, tokenizer, train_rows, logger)
+            _warmup_sft(cfg, policy, tokenizer, train_rows, logger, checkpointer)
         if generation is not policy and (latest is not None or g.warmup_sft_steps):
             # Separate generation workers loaded the weights on disk; the first rollout must use
             # the resumed or warmed-up ones.
@@ -256,7 +256,25 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     )
 
 
-def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger) -> None:
+def warmup_overrun(cfg: GRPOMasterConfig, step: int, elapsed_s: float, left_s: float | None) -> str | None:
+    """Why the warm-up SFT must stop at `step` (of grpo.warmup_sft_steps, `elapsed_s` in) with
+    `left_s` until checkpointing.checkpoint_must_save_by, or None. It saves no checkpoint, so a
+    warm-up that ends after that limit gets no save in before it: a scheduler's kill there lost it,
+    and the restart ran it again. Projected from the mean step after 10 steps."""
+    total = cfg.grpo.warmup_sft_steps
+    if left_s is None or step >= total:
+        return None
+    projected = elapsed_s / step * (total - step)
+    if left_s > 0 and (step < 10 or projected <= left_s):
+        return None
+    return (f"checkpointing.checkpoint_must_save_by={cfg.checkpointing.checkpoint_must_save_by}: the warm-up SFT "
+            f"(grpo.warmup_sft_steps={total}), which saves no checkpoint, would end after it (step {step} after "
+            f"{elapsed_s:.0f} s, ~{max(projected, 0):.0f} s to go, {max(left_s, 0):.0f} s left): raise the limit, lower "
+            "grpo.warmup_sft_steps, or warm up in a `posttrain sft` run of its own and start from its export")
+
+
+def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger,
+                checkpointer: CheckpointManager) -> None:
     """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
     if any(r.get("answer") is None and r.get("demonstration") is None for r in rows):
         raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` (or a `demonstration`) in every training row "
@@ -272,12 +290,15 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
                        batch_key="policy.train_global_batch_size")
     nll = NLLLoss()
     logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
+    first_step = time.monotonic()
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
         batch = collate(next(loader), tokenizer.pad_token_id)
         metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr)
         if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
             logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
         logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})
+        if (overrun := warmup_overrun(cfg, step, time.monotonic() - first_step, checkpointer.time_left_s())) is not None:
+            raise RunStopped(overrun)
     # RL starts with fresh Adam moments, as it would from an SFT checkpoint: the warm-up's are
     # scaled for dense imitation gradients and make a useful RL rate unstable.
     policy.reset_optimizer()

@@ -131,6 +131,20 @@ def test_sft_honours_the_job_time_limit(ray_session, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
 
 
+def test_a_warm_up_past_the_time_limit_stops_the_run_with_its_message(tmp_path, ray_tmpdir):
+    # The warm-up saves nothing and did not look at the limit: a run whose limit passed inside it
+    # saved its first checkpoint long after (a scheduler's kill there lost all of it).
+    env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}
+    args = [a for a in _grpo(tmp_path, 2) if not a.startswith("grpo.warmup_sft_steps=")]
+    out = subprocess.run([*args, "grpo.warmup_sft_steps=100000", "checkpointing.checkpoint_must_save_by=00:00:00:00"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    assert ("posttrain grpo: checkpointing.checkpoint_must_save_by=00:00:00:00: the warm-up SFT "
+            "(grpo.warmup_sft_steps=100000), which saves no checkpoint, would end after it (step 1 after") in out.stderr
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("step_*"))
+
+
 def test_sigterm_during_the_warm_up_stops_at_once_with_143(tmp_path, ray_tmpdir):
     # Before the training loop takes signals, SIGTERM stops the job as Ctrl-C does. Ray's C++
     # failure handler had it: a stack dump and an abort (exit status 134).
