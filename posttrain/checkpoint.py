@@ -325,6 +325,36 @@ def _same_signature(stored: Any, current: dict[str, Any]) -> bool:
     return all(same(k, v, current[k]) for k, v in stored.items())
 
 
+def lock_beside(folder: Path, key: str, value: Any) -> int:
+    """Take the lock of `folder` (the config's `key`=`value`) for this process, or fail naming the
+    process that holds it. The lock is the operating system's, on a hidden file beside the folder
+    (which a fresh start may move aside), so it ends with the process however it ends. Returns the
+    file descriptor that holds it (closing it, or any other of the process's on that file, releases
+    it), or -1 on a file system without locks, which is not checked."""
+    import fcntl
+    import socket
+
+    path = folder.parent / f".{folder.name}.lock"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # what os.access cannot tell (root on a read-only or virtual file system)
+        raise MissingInputError(f"{key}={value}: cannot write beside it ({path}: {e.strerror})") from e
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            log.warning("%s: cannot lock it (%s); another run on this %s would not be noticed", path, e.strerror, key)
+            return -1
+        raise InputError(f"{key}={value}: another run is using it ({holder}); wait for it to end or stop it, or give "
+                         f"this run its own {key}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    return fd
+
+
 class CheckpointSaveError(RunStopped):
     """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
     disk is full and which checkpoints stay."""
@@ -351,9 +381,8 @@ class CheckpointManager:
         self._lock_fd: int | None = None
         if cfg.enabled:  # before start_fresh moves anything, which needs the folder writable too
             self._check_writable()
-            # The lock lives beside the folder: its parent is made now (a new results/ or a log
-            # dir the Logger creates later), or a second run could start before the first save.
-            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            # The lock lives beside the folder (lock_beside makes its parent: a new results/ or a
+            # log dir the Logger creates later), taken now, or a second run could start before the first save.
             self._lock()
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
@@ -379,35 +408,8 @@ class CheckpointManager:
     def _lock(self) -> None:
         """One run at a time per checkpoint_dir: a second one (a job restarted while the first still
         runs or saves, the same config started twice) would save the same steps over each other's
-        and resume from whichever it read. The lock is the operating system's, on a hidden file
-        beside the folder (start_fresh moves the folder itself aside), so it ends with the process
-        however it ends; a file system without locks is not checked."""
-        import fcntl
-        import socket
-
-        path = self.dir.parent / f".{self.dir.name}.lock"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # what os.access cannot tell (root on a read-only or virtual file system)
-            raise MissingInputError(f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: cannot write "
-                                    f"beside it ({path}: {e.strerror})") from e
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                log.warning("%s: cannot lock it (%s); another run on this checkpoint_dir would not be noticed",
-                            path, e.strerror)
-                self._lock_fd = -1  # not tried again at the first save
-                return
-            raise InputError(
-                f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: another run is using it ({holder}); "
-                "wait for it to end or stop it, or give this run its own checkpointing.checkpoint_dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._lock_fd = fd  # held open (a POSIX lock ends when any of the process's fds of the file closes)
+        and resume from whichever it read."""
+        self._lock_fd = lock_beside(self.dir, "checkpointing.checkpoint_dir", self.cfg.checkpoint_dir)
 
     # ----------------------------------------------------------------- queries
 

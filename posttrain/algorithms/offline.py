@@ -116,7 +116,7 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     which this run's would overwrite) aside."""
     check_export_is_not_an_input(cfg, fresh=latest is None)
     logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
-                    also_move=(EXPORT_DIR,),
+                    also_move=(EXPORT_DIR,), exclusive=True,
                     resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
     if checkpointer is not None:
         logger.metric_checks.append(checkpointer.check_metric_name)

@@ -23,12 +23,13 @@ import contextlib
 import json
 import logging as _stdlib_logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from posttrain.checkpoint import move_aside
+from posttrain.checkpoint import lock_beside, move_aside
 from posttrain.config import MissingInputError, to_yaml
 from posttrain.logging.jsonl import naming_file, parse_lines
 from posttrain.logging.timer import Timer
@@ -115,7 +116,8 @@ def _check_writable(run_dir: Path) -> None:
 
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
-                 fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None) -> None:
+                 fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None,
+                 exclusive: bool = False) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
@@ -125,10 +127,13 @@ class Logger:
         logs again at a step the stopped run's records keep (the data counts every start logs at
         step 0) is not written twice. The W&B and MLflow runs of the stopped run are continued
         rather than new ones started; their stores cannot delete a logged value, so the steps the
-        stopped run logged after the checkpoint stay there beside the ones logged again."""
+        stopped run logged after the checkpoint stay there beside the ones logged again.
+        `exclusive`: hold `run_dir`'s lock until `close` (a training run's logger.log_dir): a second
+        live run there moved the first's logs aside and replaced its final export."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         _check_writable(self.run_dir)
+        self._lock_fd = lock_beside(self.run_dir, "logger.log_dir", cfg.log_dir) if exclusive else -1
         self.metrics_path = self.run_dir / "metrics.jsonl"
         # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with
         # this run's at the same steps (and its later steps would stay in this run's plots).
@@ -313,5 +318,8 @@ class Logger:
                 backend.close(failed)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the other backends closed
                 error = error or e
+        if self._lock_fd >= 0:  # logger.log_dir is free for the next run
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         if error is not None:
             raise error

@@ -712,3 +712,36 @@ def test_plots_that_cannot_be_written_are_a_warning(tmp_path, caplog):
     assert logger.plot() == []
     assert "the plots could not be written" in caplog.text
     logger.close()
+
+
+def test_a_training_runs_log_dir_is_refused_to_a_second_live_run_until_the_first_closes(tmp_path):
+    # Two runs with their own checkpoint_dir but one logger.log_dir: the second moved the first's
+    # live logs aside and the two final exports replaced each other's, silently.
+    import subprocess
+    import sys
+    import textwrap
+
+    from posttrain.config import InputError
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from posttrain.logging import Logger
+        from posttrain.schemas import LoggerConfig
+        Logger(LoggerConfig(log_dir={str(run)!r}, tensorboard_enabled=False), {str(run)!r}, fresh=True, exclusive=True)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        (run / "metrics.jsonl").write_text('{"step": 1}\n')
+        with pytest.raises(InputError, match=rf"logger.log_dir={run}: another run is using it \(pid {holder.pid} on "):
+            Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive=True)
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing moved aside
+        Logger(_cfg(log_dir=str(run)), run).close()  # a logger that is not a training run's takes no lock
+    finally:
+        holder.kill()
+        holder.wait()
+    first = Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive=True)
+    first.close()  # closed, it frees the folder for the next run (of this process too)
+    assert not (run / "metrics.jsonl").exists() and any(run.glob("previous-*"))
