@@ -262,12 +262,16 @@ def test_top_entropy_quantile_trains_the_high_entropy_share_of_each_micro_batch(
 def test_num_iterations_passes_over_the_same_rollouts_against_the_policy_that_sampled_them(ray_session, tmp_path):
     # GRPO's mu: one batch of 16 rollouts, three passes of one optimizer step each. The first pass
     # trains the sampling policy (ratio 1); the later ones a moved policy, against the logprobs
-    # of the pre-update pass (computed once), so the ratio leaves 1 and the clip can bite.
+    # of the pre-update pass (computed once), so the ratio leaves 1 and the clip can bite. Rewards
+    # by the response's length, which varies within a group (the untrained model's answers score alike).
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def parity(response, metadata):\n    return float(len(response) % 2)\n")
     cfg = load_config("grpo", QUICKSTART, tiny_overrides(
         tmp_path, "policy.train_global_batch_size=16", "grpo.num_iterations=3", "grpo.warmup_sft_steps=0",
         "grpo.max_num_steps=2", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
         "checkpointing.enabled=false", "policy.precision=float32",
         'policy.optimizer.kwargs={"lr": 0.05}', "grpo.use_leave_one_out_baseline=false",
+        "data.task_name=one", f"env.one.target={rewards}:parity",
     ))
     run(cfg)
     train = records(tmp_path / "logs", "train")
@@ -275,7 +279,7 @@ def test_num_iterations_passes_over_the_same_rollouts_against_the_policy_that_sa
         assert r["num_optimizer_steps"] == 3 and "timing/logprobs/prev" in r
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
     moved = [r for r in train if r["zero_gradient_fraction"] < 1.0]  # a step with some reward variance
-    assert moved and all(r["probs_ratio_max"] > 1.0 + 1e-4 or r["probs_ratio_min"] < 1.0 - 1e-4 for r in moved)
+    assert len(moved) == 2 and all(r["probs_ratio_max"] > 1.0 + 1e-4 or r["probs_ratio_min"] < 1.0 - 1e-4 for r in moved)
 
 
 @pytest.mark.parametrize("sampling, reused", [("policy.generation.top_k=null", True),
