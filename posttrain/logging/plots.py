@@ -1,6 +1,7 @@
 """PNG plots of the main training curves, from the logged metric records.
 
-One figure per group, for the groups that have data: `reward.png` (reward and accuracy),
+One figure per group, for the groups that have data (a series of another scale than the
+figure's first, dashed on a right-hand axis): `reward.png` (reward and accuracy),
 `loss.png`, `kl.png`, `entropy.png`, and `timing.png` (the step-time breakdown: the
 top-level `timing/<phase>` keys stacked); and `<prefix>.png` for each prefix on a step axis of
 its own (the warm-up SFT's loss, `warmup_sft.png`). A curve of 500 steps or more is drawn
@@ -73,18 +74,23 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
             continue
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
+        left, right = split_by_scale(series, keys[:_MAX_SERIES])
+        twin = ax.twinx() if right else None
+        colors = iter(f"C{i}" for i in range(_MAX_SERIES))
         for key in keys[:_MAX_SERIES]:
+            on, style = (twin, "--") if key in right else (ax, "-")
             steps = sorted(series[key])
             values = [series[key][s] for s in steps]
             if len(steps) < _SMOOTH_FROM:
-                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+                on.plot(steps, values, style, color=next(colors), marker="." if len(steps) < 50 else None, label=key)
                 continue
             # Thousands of noisy steps drew a solid band that hid the trend: the steps faint, and
             # over them their running mean.
-            (raw,) = ax.plot(steps, values, alpha=0.25, linewidth=0.5)
-            ax.plot(steps, running_mean(values, len(steps) // 50), color=raw.get_color(), label=f"{key} (mean)")
+            (raw,) = on.plot(steps, values, style, color=next(colors), alpha=0.25, linewidth=0.5)
+            on.plot(steps, running_mean(values, len(steps) // 50), style, color=raw.get_color(), label=f"{key} (mean)")
         more = len(keys) - _MAX_SERIES
-        _finish(ax, name + (f" ({more} more series in metrics.jsonl)" if more > 0 else ""), "value", xlabel=xlabel)
+        _finish(ax, name + (f" ({more} more series in metrics.jsonl)" if more > 0 else ""), "value", xlabel=xlabel,
+                twin=twin)
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / f"{name}.png"))
 
     timing = sorted(k for k in series if k.split("/").count("timing") == 1 and k.split("timing/", 1)[1].count("/") == 0)
@@ -116,6 +122,25 @@ def figure_series(series: dict[str, Any], own_step_axes: tuple[str, ...] = ()) -
     figures += [(prefix, order(k for k in own_axis if k.startswith(f"{prefix}/")), f"{prefix} step")
                 for prefix in own_step_axes]
     return figures
+
+
+# A series whose largest |value| is this many times that of a figure's first series (or as many
+# times smaller) goes on a right-hand axis.
+_SCALE_RATIO = 10.0
+
+
+def split_by_scale(series: dict[str, dict[int, float]], keys: list[str]) -> tuple[list[str], list[str]]:
+    """The `keys` drawn on the left axis and those on a right-hand one (dashed): a series of
+    another scale than the figure's first. On one axis DPO's sft_loss (a sum over tokens, ~1000)
+    drew its loss (0-3) as a flat line at 0, and rewards of +-20 did the same to accuracy."""
+    def scale(key: str) -> float:
+        return max((abs(v) for v in series[key].values() if math.isfinite(v)), default=0.0)
+
+    first = scale(keys[0]) if keys else 0.0
+    if first == 0.0:
+        return keys, []
+    right = [k for k in keys[1:] if scale(k) > first * _SCALE_RATIO or 0.0 < scale(k) < first / _SCALE_RATIO]
+    return [k for k in keys if k not in right], right
 
 
 def running_mean(values: list[float], window: int) -> list[float]:
@@ -158,7 +183,7 @@ def _or_zero(value: float) -> float:
     return 0.0 if math.isnan(value) else value
 
 
-def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step") -> None:
+def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step", twin: Any = None) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_title(title, fontsize="medium")
@@ -167,7 +192,12 @@ def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step") -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        twin.set_ylabel(f"{ylabel} (dashed)")
+        more_handles, more_labels = twin.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, fontsize="small")
 
 
 def _save(canvas: Any, fig: Any, path: Path) -> Path:

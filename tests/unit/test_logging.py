@@ -745,3 +745,22 @@ def test_a_training_runs_log_dir_is_refused_to_a_second_live_run_until_the_first
     first = Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive=True)
     first.close()  # closed, it frees the folder for the next run (of this process too)
     assert not (run / "metrics.jsonl").exists() and any(run.glob("previous-*"))
+
+
+def test_a_series_of_another_scale_goes_on_a_right_hand_axis(tmp_path):
+    # DPO's sft_loss (a sum over tokens, ~1000) drew the loss (0-3) on the same axis as a flat
+    # line at 0; its accuracy (0-1) under rewards of +-20 the same.
+    from posttrain.logging.plots import plot_history, series_from_records, split_by_scale
+
+    records = [{"step": s, "prefix": "train", "loss": 0.7 - s / 100, "preference_loss": 0.69, "sft_loss": 900.0 + s,
+                "accuracy": s / 10, "rewards_chosen_mean": 2.0 * s, "kl": 1e-6 * s} for s in range(1, 11)]
+    series = series_from_records(records)
+    assert split_by_scale(series, ["train/loss", "train/preference_loss", "train/sft_loss"]) == (
+        ["train/loss", "train/preference_loss"], ["train/sft_loss"])
+    assert split_by_scale(series, ["train/accuracy", "train/rewards_chosen_mean"]) == (
+        ["train/accuracy"], ["train/rewards_chosen_mean"])
+    assert split_by_scale(series, ["train/loss", "train/kl"]) == (["train/loss"], ["train/kl"])  # 1e5 times smaller
+    assert split_by_scale(series, ["train/loss"]) == (["train/loss"], [])
+    written = plot_history(records, tmp_path)
+    assert {p.name for p in written} >= {"loss.png", "reward.png"}
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in written)
