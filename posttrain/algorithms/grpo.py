@@ -558,6 +558,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
+    val_step = 0  # the step val_metrics are of: a stop skips the validation due at its step
     train_metrics: dict[str, float] = {}
     logger.start_progress(g.max_num_steps, s.start_step)  # before step 0's validation line: "val step 0/<max>"
     if g.val_at_start and s.start_step == 0:
@@ -662,6 +663,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             if (prompts is None and g.val_at_end and not last.val and step > s.start_step
                     and s.checkpointer.stop_signal is None):
                 val_metrics = last.val = _validate_current(s, pipeline, step)
+                val_step = step
                 logger.log_metrics(val_metrics, step=step, prefix="val")
             if step > last.saved_step and s.checkpointer.should_save(step, last=True):
                 # Dynamic sampling gave up on this step's prompts: a resume (with more rounds, as the
@@ -741,6 +743,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
                 val_metrics = _validate_current(s, pipeline, step)
+            val_step = step
             logger.log_metrics(val_metrics, step=step, prefix="val")
             last.val = val_metrics
 
@@ -779,7 +782,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             break
 
     logger.plot()
-    return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()}}
+    return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()},
+            **({"val/step": val_step} if val_metrics else {})}
 
 
 # grpo.prev_logprobs_from_generation: how far mean exp(|generation - policy|) may be from 1 for

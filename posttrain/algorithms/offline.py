@@ -346,6 +346,7 @@ def offline_train(
     policy, logger = s.run.policy, s.run.logger
     timer = Timer()
     val_metrics: dict[str, float] = {}
+    val_step = 0  # the step val_metrics are of: a stop skips the validation due at its step
     last: dict[str, float] = {}
     logger.start_progress(s.total_steps, s.start_step)  # before step 0's validation line: "val step 0/<total>"
     if algo.val_at_start and s.start_step == 0:
@@ -375,6 +376,7 @@ def offline_train(
         if due and s.run.checkpointer.stop_signal is None:
             with timer.time("validation"):
                 val_metrics = measured = validate()
+            val_step = step
             logger.log_metrics(val_metrics, step=step, prefix="val")
         # ---- logging (before the checkpoint: a run killed once it is saved resumes after this step,
         # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
@@ -394,7 +396,7 @@ def offline_train(
             break
     logger.plot()
     return {"step": step, **{f"train/{k}": v for k, v in last.items()},
-            **{f"val/{k}": v for k, v in val_metrics.items()}}
+            **{f"val/{k}": v for k, v in val_metrics.items()}, **({"val/step": val_step} if val_metrics else {})}
 
 
 def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:

@@ -274,6 +274,7 @@ def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_se
     assert info["step"] == 2 and info["consumed_samples"] == 2 * 16
     if val_at_end:
         assert info["metric_value"] == pytest.approx(val[0]["accuracy"]) == pytest.approx(result["val/accuracy"])
+        assert result["val/step"] == 2  # the step its val/ metrics are of (a stop skips the one due)
     else:
         assert info["metric_value"] is None and "val/accuracy" not in result
 

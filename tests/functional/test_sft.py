@@ -127,6 +127,7 @@ def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_
     assert result["step"] == 1
     assert val_steps == ([1] if val_at_end else [])
     assert ("val/loss" in result) is val_at_end
+    assert result.get("val/step") == (1 if val_at_end else None)  # the step its val/ metrics are of
     # step_time_s is the whole step's, as GRPO's (it was the workers' optimizer step alone, which
     # leaves out the data, the validation and the checkpoint).
     train = next(r for r in records if r["prefix"] == "train")
