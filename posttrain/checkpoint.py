@@ -300,9 +300,15 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
             result = train()
         if checkpointer.stop_signal:
             return {**result, STOPPED_BY_SIGNAL: checkpointer.stop_signal}
+        if checkpointer.time_limit_reached:
+            # Exported all the same (a job given a time limit still ends with a model to use), but
+            # named for what it is: the run continues from its checkpoint when started again.
+            result = {**result, "stopped_by_time_limit": True}
         if export_dir is not None:
             policy.export_hf(export_dir)
-            console(f"exported the final policy to {export_dir}")
+            console(f"exported the policy to {export_dir} (the run was stopped by checkpointing.checkpoint_must_save_by: "
+                    "started again, it resumes from its checkpoint while steps remain)"
+                    if checkpointer.time_limit_reached else f"exported the final policy to {export_dir}")
         return result
     finally:
         shutdown()
@@ -389,6 +395,7 @@ class CheckpointManager:
         self._started = time.monotonic()
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
+        self.time_limit_reached = False  # stop_reason stopped the run for checkpoint_must_save_by
         self._last_check: float | None = None  # when stop_reason last ran: once a step, before its save
         self._longest_step_s = 0.0  # the longest time between two of them (a step, its validation and save)
         self._metric_kinds_seen: set[str] = set()  # check_metric_name
@@ -441,6 +448,7 @@ class CheckpointManager:
         if self.save_deadline_s is None:
             return None
         left = self.save_deadline_s - (now - self._started)
+        self.time_limit_reached = left <= 0 or left < self._longest_step_s
         if left <= 0:
             return f"checkpointing.checkpoint_must_save_by={self.cfg.checkpoint_must_save_by} reached"
         if left < self._longest_step_s:

@@ -1233,6 +1233,7 @@ class CheckpointingConfig(Section):
     # and ends cleanly by then (for schedulers that kill jobs): after the last step that leaves
     # time for one more as long as the longest so far, validation and save included; null = no limit.
     # A GRPO warm-up SFT (no checkpoint of its own) projected to end after it stops the run, saying so.
+    # The run still exports (checkpointing.export_hf_at_end) and exits 0; its result has stopped_by_time_limit.
     checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d{1,2}:\d{1,2}:\d{1,2}$")
 
 
