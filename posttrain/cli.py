@@ -220,7 +220,8 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         sys.exit(EXIT_INPUT_ERROR)
     except RunStopped as e:  # its message says why and what was saved; as for InputError, Ray's wrapper has `cause`
-        print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        print(f"posttrain {command}: {getattr(e, 'cause', None) or e}" + (f"\n{e.after}" if e.after else ""),
+              file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:
         # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a

@@ -51,7 +51,9 @@ class RunStopped(RuntimeError):
     sampling that found nothing to train on, a checkpoint that could not be written, a worker
     that died), with a message that says why, what to change and what was saved. The CLI prints
     the message alone and exits with status 1: a traceback through the training loop would
-    bury it."""
+    bury it; then `after`, what a kind of stop adds to every message."""
+
+    after = ""
 
 
 class ConfigError(InputError):

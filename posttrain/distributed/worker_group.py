@@ -155,10 +155,14 @@ class _WorkerHost:
 class WorkerError(RunStopped):
     """A worker process died; the message names it and shows its last log lines."""
 
+    after = "The checkpoints saved before stay: the same command resumes from the latest."
+
 
 class WorkerGroupBroken(RunStopped):
     """A call failed on some ranks while others still ran it, blocked in a collective that the
     failed ranks will never join: the group can run no other call."""
+
+    after = WorkerError.after
 
 
 class RayWorkerGroup:

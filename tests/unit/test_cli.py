@@ -147,6 +147,17 @@ def test_a_documented_stop_prints_its_message_alone_and_exits_1(monkeypatch, cap
     assert capsys.readouterr().err == f"posttrain rm: {message}\n"
 
 
+def test_a_dead_worker_says_the_run_resumes_from_its_checkpoints(monkeypatch, capsys):
+    from posttrain.distributed.worker_group import WorkerError
+
+    def run(cfg):
+        raise WorkerError("policy worker rank 0 (pid 7, node n) died: killed")
+
+    assert _rm_exit_status(monkeypatch, run) == 1
+    assert capsys.readouterr().err == ("posttrain rm: policy worker rank 0 (pid 7, node n) died: killed\nThe "
+                                       "checkpoints saved before stay: the same command resumes from the latest.\n")
+
+
 def test_an_unexpected_error_prints_its_traceback_and_exits_1(monkeypatch, capsys):
     # Printed by the CLI itself: Ray's excepthook would first report it to a Ray node that may be gone.
     def run(cfg):
