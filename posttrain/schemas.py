@@ -154,7 +154,8 @@ class SequencePackingConfig(Section):
     algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit"] = (
         "modified_first_fit_decreasing"
     )
-    # Packed row lengths are rounded up to a multiple of this.
+    # Packed row lengths are rounded up to a multiple of this (rows are packed to that width; a
+    # micro-batch whose rows hold one sequence each is left unpacked, padded to its longest).
     sequence_length_round: int = Field(64, ge=1)
 
 

@@ -99,12 +99,14 @@ def _units(lengths: list[int], group: int) -> list[list[int]]:
 
 
 def packed_microbatches(lengths: list[int], token_budget: int, algorithm: str,
-                        group: int = 1, budget_key: str = "the *_mb_tokens setting") -> list[list[list[int]]]:
+                        group: int = 1, budget_key: str = "the *_mb_tokens setting",
+                        round_to: int = 1) -> list[list[list[int]]]:
     """Micro-batches of packed rows: `[[row indices of packed row 0, ...], ...]` per micro-batch.
 
     Sequences are packed into rows as long as the longest unit (a sequence, or a pair with
-    `group=2`), so attention, which costs (row length)^2 per row without a varlen kernel,
-    costs no more than without packing; then as many rows as fit `token_budget`
+    `group=2`) rounded up to `round_to` (the width `pack_rows` pads them to: the rounding's room
+    takes sequences too), so attention, which costs (row length)^2 per row without a varlen
+    kernel, costs no more than without packing; then as many rows as fit `token_budget`
     (rows x row length) form one micro-batch. Padding is what packing saves. `budget_key`
     names the setting of `token_budget` in the error when a unit does not fit it.
     """
@@ -113,7 +115,7 @@ def packed_microbatches(lengths: list[int], token_budget: int, algorithm: str,
     if max(sizes) > token_budget:
         raise ValueError(f"a {'pair of sequences' if group > 1 else 'sequence'} has {max(sizes)} tokens, more "
                          f"than the micro-batch token budget {token_budget}; raise {budget_key}")
-    row_len = max(sizes)
+    row_len = round_up(max(sizes), round_to)
     rows = [[i for u in b for i in units[u]] for b in pack_bins(sizes, row_len, algorithm)]
     per_mb = max(1, token_budget // row_len)
     return [rows[s : s + per_mb] for s in range(0, len(rows), per_mb)]

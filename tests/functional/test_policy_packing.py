@@ -84,3 +84,10 @@ def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path)
     for k, v in expected.items():
         torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0)
 
+
+
+def test_packing_that_packs_nothing_pads_the_rows_to_the_longest_only(policies):
+    # Four rows of 9 tokens, one per packed row (two do not fit a row of 16): they were padded to
+    # sequence_length_round (8), 64 positions run for 36 tokens; packing off ran 36.
+    m = policies["packing"].train(make_batch(lengths=[9, 9, 9, 9]), NLLLoss())
+    assert m["model_tokens"] == 36 and m["num_microbatches"] == 2

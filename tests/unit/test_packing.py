@@ -51,6 +51,14 @@ def test_packed_microbatches_rows_and_pairs():
         packed_microbatches(lengths, 4, "first_fit", budget_key="policy.sequence_packing.train_mb_tokens")
 
 
+def test_packed_rows_take_sequences_into_the_room_their_rounding_leaves():
+    # pack_rows pads every row to the rounded width anyway: bins as long as the longest sequence
+    # (5) left the 3 tokens a width of 8 has room for empty.
+    assert packed_microbatches([5, 3, 2], 32, "first_fit_decreasing") == [[[0], [1, 2]]]
+    assert packed_microbatches([5, 3, 2], 32, "first_fit_decreasing", round_to=8) == [[[0, 1], [2]]]
+    assert packed_microbatches([5, 3, 2], 8, "first_fit_decreasing", round_to=8) == [[[0, 1]], [[2]]]
+
+
 def test_dynamic_microbatches_budget():
     lengths = [10, 3, 9, 2, 4]
     mbs = dynamic_microbatches(lengths, token_budget=20, round_to=1)
