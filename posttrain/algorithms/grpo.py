@@ -37,7 +37,7 @@ from posttrain.algorithms.offline import log_data_stats, training_logger
 from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.datasets import load_rows
+from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
@@ -212,7 +212,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                            "context or data.max_input_seq_length (data.truncation=drop)")
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
-        for note in (cramped_prompts_note(train_rows, cfg), off_policy_reinforce_note(cfg)):
+        for note in (shared_rows_note(train_rows, val_rows), cramped_prompts_note(train_rows, cfg),
+                     off_policy_reinforce_note(cfg)):
             if note is not None:
                 logger.console(note)
         # Every placement group before any worker starts: separate generation workers that do not fit

@@ -10,6 +10,7 @@ optimizer step; `pair_policy_config` gives the policy the row counts.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.datasets import load_rows
+from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import load_policy_tokenizer
 from posttrain.distributed.cluster import RayVirtualCluster
@@ -30,6 +31,8 @@ from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import PolicyConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -274,13 +277,15 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
     """
     tokenizer = load_policy_tokenizer(cfg.policy)
     max_len = max_sequence_length(cfg)
-    examples, stats = {}, {}
+    examples, stats, rows_of = {}, {}, {}
     for split in ("train", "val"):
-        rows = load_rows(cfg.data, split)  # its errors name the file
+        rows = rows_of[split] = load_rows(cfg.data, split)  # its errors name the file
         try:
             examples[split], stats[split] = process_rows(rows, tokenizer, cfg.data, max_len)
         except InputError as e:
             raise InputError(f"{split} split: {e}") from e
+    if (note := shared_rows_note(rows_of["train"], rows_of["val"])) is not None:
+        log.warning("%s", note)
     # Only the batches validation runs on: a row past them must not fail the packing check.
     val_batches = [collate_fn(c, tokenizer.pad_token_id)
                    for c in chunks(examples["val"], algo.val_global_batch_size)[: algo.val_batches]]

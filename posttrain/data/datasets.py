@@ -23,6 +23,7 @@ rows that have none.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -98,6 +99,8 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     if suffix == ".json" and _top_level_is_object_with_data(path):
         kwargs["field"] = "data"
     builder = "parquet" if suffix == ".parquet" else "json"
+    if builder == "parquet" and _parquet_rows(path) == 0:  # datasets failed on it: "BatchSize must be greater than 0"
+        return [], str(path), []
     try:
         ds = datasets.load_dataset(
             builder, data_files=str(path), split="train", cache_dir=str(cache_root() / "datasets"), **kwargs
@@ -126,6 +129,16 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         lines = _json_line_numbers(path)
         numbers = lines if len(lines) == len(rows) else numbers
     return rows, str(path), numbers
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """The row count in a parquet file's footer; None when it is no parquet file (read_file says so)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 - not parquet, unreadable: the reader's own error names it
+        return None
 
 
 def _refuse_row_holder(top: Any, path: Path) -> None:
@@ -473,12 +486,22 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if isinstance(splits, datasets.Dataset):
         splits = {"train": splits}
     source = f"hub:{cfg.dataset_name}"
+
+    def split_rows(name: str) -> list[dict[str, Any]]:
+        # A folder of JSON files: its values as written, as read_file keeps them ("025" came back
+        # as 25.0, 26 as 26.0 from the features datasets inferred).
+        if folder.is_dir() and _changes_values(splits[name].features):
+            files = datasets.load_dataset_builder(str(folder), **cfg.dataset_kwargs).config.data_files.get(name, [])
+            if files and all(Path(f).suffix.lower() in (".json", ".jsonl") for f in files):
+                return [row for f in files for row in read_file(Path(f))[0]]
+        return splits[name].to_list()
+
     val_split = next((s for s in ("validation", "test") if s in splits), None)
     if split == "val" and val_split is not None:
-        return normalize_rows(splits[val_split].to_list(), f"{source}[{val_split}]", cfg)
+        return normalize_rows(split_rows(val_split), f"{source}[{val_split}]", cfg)
     if "train" not in splits:
         raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)})")
-    rows = normalize_rows(splits["train"].to_list(), f"{source}[train]", cfg)
+    rows = normalize_rows(split_rows("train"), f"{source}[train]", cfg)
     return rows if val_split is not None else _held_out(rows, split, cfg, source)
 
 
@@ -534,11 +557,29 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     return apply_prompts(rows, cfg)
 
 
+def shared_rows_note(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str | None:
+    """A note when validation rows are also training rows (the same prompt, or the same whole
+    row for preference data): MATH-500, a test set, is both splits of `math500`, and a file
+    named as both data.train_data_path and data.val_data_path is too; the held-out numbers
+    then measure fit, and nothing said so."""
+    def key(row: dict[str, Any]) -> str:
+        return json.dumps(row.get("messages") or row, sort_keys=True, default=str)
+
+    seen = {key(r) for r in train}
+    shared = sum(key(r) in seen for r in val)
+    if not shared:
+        return None
+    return (f"{shared} of the {len(val)} validation rows are training rows too: the validation metrics measure "
+            "fit to the training data, not generalization (set data.val_data_path to held-out rows)")
+
+
 def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """`data.mixture`: each dataset's rows as `load_rows` reads them under its own keys; training rows
     weighted (each row `int(weight)` times, plus a seeded share `weight % 1` of them once more),
-    validation rows as they are. Errors name the entry."""
-    out: list[dict[str, Any]] = []
+    validation rows as they are, taken from the entries in turn (one of each, then the next of
+    each, ...): entry after entry, a cap on them (grpo.max_val_samples, eval.max_samples) left the
+    later entries unvalidated. Errors name the entry."""
+    parts: list[list[dict[str, Any]]] = []
     counts = []
     for i, entry in enumerate(cfg.mixture):
         keys = {k: v for k, v in entry.model_dump(exclude={"weight"}).items() if v is not None}
@@ -556,7 +597,11 @@ def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
                                  f"{len(rows)} training rows leaves none; raise it")
             rows = weighted
         counts.append((entry.dataset_name, len(rows)))
-        out.extend(rows)
+        parts.append(rows)
+    if split == "train":
+        out = [row for rows in parts for row in rows]
+    else:
+        out = [row for turn in itertools.zip_longest(*parts) for row in turn if row is not None]
     log.info("data.mixture, %s rows: %s", split, ", ".join(f"{n} {c} ({c / len(out):.0%})" for n, c in counts))
     return out
 
@@ -573,6 +618,8 @@ def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str,
         return rows
     template = _prompt_text(cfg.prompt_file, "data.prompt_file") if cfg.prompt_file else None
     system = _prompt_text(cfg.system_prompt_file, "data.system_prompt_file").strip() if cfg.system_prompt_file else None
+    if system == "":  # it added no system message, and said nothing
+        raise InputError(f"data.system_prompt_file {cfg.system_prompt_file}: the file is empty")
     if template is not None:
         # Without a `{}` the template replaced every question with its own text, and no error said so.
         try:

@@ -624,7 +624,9 @@ def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
     key = "question" if "question" in row else "problem"
     question = _text(_require(row, key, loc, "math"), loc, key)
     answer = _require(row, "answer", loc, "math")
-    answer = _text(str(answer) if isinstance(answer, (int, float)) else answer, loc, "answer")
+    # A number is its text; a bool (an int to isinstance) is no answer: "True" was taken as one.
+    answer = _text(str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer,
+                   loc, "answer")
     # The worked solution is what SFT and GRPO's warm-up imitate: without it they trained the
     # model to answer with the bare final number.
     solution = row.get("solution") if isinstance(row.get("solution"), str) and row["solution"].strip() else None

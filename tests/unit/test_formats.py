@@ -659,6 +659,40 @@ def test_folder_without_a_validation_split_holds_rows_out_of_train(tmp_path):
     assert len(load_rows(cfg, "train")) == 20 and len(load_rows(cfg, "val")) == 1
 
 
+def test_a_folder_of_json_files_keeps_values_as_written(tmp_path):
+    # As a file read alone does: the folder's features, inferred by datasets, made 26 "26.0",
+    # 10000000000000001 "1e+16" and the string "025" 25.0.
+    folder = tmp_path / "fold"
+    folder.mkdir()
+    _write_jsonl(folder / "train.jsonl", [{"question": "a", "answer": 26}, {"question": "b", "answer": 1.5},
+                                          {"question": "c", "answer": 10000000000000001}])
+    _write_jsonl(folder / "test.jsonl", [{"question": "e", "answer": "025"}, {"question": "f", "answer": 7}])
+    cfg = _cfg(str(folder), dataset_kwargs={"cache_dir": str(tmp_path / "cache")})
+    assert [r["answer"] for r in load_rows(cfg, "train")] == ["26", "1.5", "10000000000000001"]
+    assert [r["answer"] for r in load_rows(cfg, "val")] == ["025", "7"]
+
+
+def test_an_empty_parquet_file_is_an_empty_dataset_and_odd_inputs_are_named(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "empty.parquet"
+    pd.DataFrame({"question": [], "answer": []}).astype(str).to_parquet(path)
+    with pytest.raises(DataFormatError, match=r"empty.parquet: the dataset is empty"):  # "BatchSize must be > 0"
+        load_rows(_cfg("local", train_data_path=str(path)), "train")
+    # A boolean answer is no text (a list was refused; True became "True").
+    bad = tmp_path / "bool.jsonl"
+    _write_jsonl(bad, [{"question": "q", "answer": True}])
+    with pytest.raises(DataFormatError, match="answer"):
+        load_rows(_cfg("local", train_data_path=str(bad)), "train")
+    # An empty system prompt file added nothing, silently.
+    ok = tmp_path / "ok.jsonl"
+    _write_jsonl(ok, [{"question": "q", "answer": "1"}])
+    (tmp_path / "system.txt").write_text("  \n")
+    with pytest.raises(InputError, match=r"data.system_prompt_file .*system.txt: the file is empty"):
+        load_rows(_cfg("local", train_data_path=str(ok), val_data_path=str(ok),
+                       system_prompt_file=str(tmp_path / "system.txt")), "train")
+
+
 def test_a_folder_whose_files_cannot_be_one_dataset_names_the_file(tmp_path):
     # datasets said "An error occurred while generating the dataset", and posttrain that "loading it
     # from the hub failed", naming neither the file nor its line.

@@ -54,7 +54,8 @@ def test_training_rows_are_weighted_and_validation_rows_are_not(files):
     assert {r.get("task_name") for r in train if _text(r).endswith("=")} == {"arithmetic"}
     assert all("task_name" not in r for r in train if _text(r).startswith("say"))
     val = load_rows(cfg, "validation")
-    assert [_text(r) for r in val] == ["0+1=", "1+1=", "2+1=", "say 0", "say 1"]
+    # The entries in turn: entry after entry, grpo.max_val_samples=2 validated the math rows alone.
+    assert [_text(r) for r in val] == ["0+1=", "say 0", "1+1=", "say 1", "2+1="]
 
 
 def test_a_fractional_weight_above_one_adds_a_share_of_the_rows_once_more(files):
@@ -73,3 +74,16 @@ def test_errors_name_the_entry_and_the_config_refuses_two_sources(files, tmp_pat
         load_config("sft", None, ["data.dataset_name=gsm8k", f"data.mixture=[{{dataset_name: {files['math']}}}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight: got 0, expected greater than 0"):
         load_config("sft", None, [f"data.mixture=[{{dataset_name: {files['math']}, weight: 0}}]"])
+
+
+def test_validation_rows_that_are_training_rows_are_noted(files):
+    # MATH-500 (a test set) is both splits of `math500`; the same file as both splits too: the
+    # held-out numbers then measured fit, and nothing said so.
+    from posttrain.data.datasets import shared_rows_note
+
+    same = DataConfig(dataset_name="local", train_data_path=files["math"], val_data_path=files["math_val"])
+    assert shared_rows_note(load_rows(same, "train"), load_rows(same, "val")) == (
+        "3 of the 3 validation rows are training rows too: the validation metrics measure fit to the training "
+        "data, not generalization (set data.val_data_path to held-out rows)")
+    held_out = DataConfig(dataset_name=files["math"])  # val_split_fraction of the file, out of the training rows
+    assert shared_rows_note(load_rows(held_out, "train"), load_rows(held_out, "val")) is None
