@@ -112,6 +112,17 @@ class RolloutResult:
         return summarize_rollouts(self.conversations)
 
 
+def _utf8(text: str) -> str:
+    """`text` with lone surrogates written as escapes ("\\ud800"): the model's own text echoed back
+    (a program's exception, a tool's error about the argument it named) held one, which no
+    tokenizer encodes, and the sample became an environment error."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def render_prompt(
     tokenizer, messages: list[dict[str, str]], add_bos: bool = True, *, add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
@@ -416,6 +427,7 @@ def run_rollouts(
                 # A message without a role is the environment's, as a text observation is: kept
                 # without one, it stopped the step at the logs, which read each message's role.
                 obs = [m if m.get("role") else {**m, "role": "environment"} for m in obs]
+                obs = [{**m, "content": _utf8(m["content"])} if isinstance(m.get("content"), str) else m for m in obs]
                 try:
                     obs_tokens = _next_turn_tokens(tokenizer, c, obs, add_generation_prompt)
                 except Exception as e:  # noqa: BLE001 - e.g. content the chat template cannot write

@@ -66,6 +66,7 @@ import os
 import re
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,6 +339,21 @@ os._exit(0)
 """
 
 
+# The conversation's state in its metadata, under names of its own: a row's own `score` or
+# `attempt` (its metadata comes from the data) was taken for it, and scored a passing program 0.3.
+_ATTEMPT, _SCORE = "code_attempt", "code_score"
+
+
+def _remove_tree(path: str) -> None:
+    """Delete a program's folder, whatever it made there: shutil.rmtree recurses, and a tree
+    1,200 folders deep raised RecursionError (no OSError), which turned a passing program into
+    an environment error and left the folder behind."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except RecursionError:
+        subprocess.run(["rm", "-rf", "--", path], check=False)
+
+
 def extract_program(text: str) -> str:
     """The last Python (or unlabelled) fenced block of `text`, else `text` itself."""
     blocks = [body for lang, body in _FENCE.findall(text) if lang.lower() in _PYTHON]
@@ -351,7 +367,8 @@ def run_tests(program: str, tests: list[str], *, setup: str = "", timeout_s: flo
     nonce = secrets.token_hex(16)
     job = {"program": program, "tests": tests, "setup": setup, "nonce": nonce, "memory_mb": memory_mb,
            "cpu_s": max(1, int(timeout_s) + 1), "file_mb": file_mb}
-    with tempfile.TemporaryDirectory(prefix="posttrain-code-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="posttrain-code-")
+    try:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
         with subprocess.Popen([sys.executable, *_PYTHON_FLAGS, _TESTS_SIDE, _PROGRAM_SIDE, *_PYTHON_FLAGS], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=tmp, env=env,
@@ -365,6 +382,8 @@ def run_tests(program: str, tests: list[str], *, setup: str = "", timeout_s: flo
                         pass
             finally:
                 _kill_group(proc)  # the program's interpreter, and whatever it left running in the group
+    finally:
+        _remove_tree(tmp)
     if failure is not None:
         return 0, failure
     for line in out.decode(errors="replace").splitlines():
@@ -439,7 +458,7 @@ class CodeEnvironment(PerSampleEnvironment):
         program = extract_program(last_assistant_text(messages))
         passed, error = run_tests(program, tests, setup=setup, timeout_s=self.timeout_s, memory_mb=self.cfg.memory_mb)
         total = len(tests)
-        attempt = int(metadata.get("attempt", 0)) + 1
+        attempt = int(metadata.get(_ATTEMPT, 0)) + 1
         done = passed == total or attempt >= self.cfg.max_attempts
         observation = f"Environment: {passed}/{total} tests passed" + (f"; {error}" if error else "")
         if not done:
@@ -449,7 +468,7 @@ class CodeEnvironment(PerSampleEnvironment):
         # attempt's score. (Scoring only a final attempt lost a half-right one's fraction when
         # the context, not max_attempts, ended the conversation.)
         score = passed / total if self.cfg.reward == "fraction" else float(passed == total)
-        return StepResult(observation=observation, reward=score - float(metadata.get("score", 0.0)), terminated=done,
-                          metadata={**metadata, "tests_passed": passed, "attempt": attempt, "score": score,
+        return StepResult(observation=observation, reward=score - float(metadata.get(_SCORE, 0.0)), terminated=done,
+                          metadata={**metadata, "tests_passed": passed, _ATTEMPT: attempt, _SCORE: score,
                                     CORRECT_KEY: passed == total},
                           answer=program)

@@ -806,6 +806,24 @@ def test_code_env_runs_programs_inside_a_ray_actor(ray_session):
         group.shutdown()
 
 
+def test_code_a_passing_program_scores_1_whatever_it_leaves_behind_or_the_row_calls_its_fields(tmp_path, monkeypatch):
+    # A tree 1,200 folders deep broke the folder's cleanup (RecursionError): a passing program was
+    # an environment error, and its folder stayed. A row's own `score` (metadata from the data)
+    # was taken for the last attempt's: a passing program scored 0.3.
+    import tempfile
+
+    from posttrain.environments.code import CodeEnvironment
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = CodeEnvironment(EnvWorkerConfig(timeout_s=30.0))  # 1,200 mkdirs in time on a loaded machine too
+    deep = "import os\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\ndef add(a, b):\n    return a + b"
+    ret = env.step([_answer(deep)], [{"tests": ADD_TESTS}])
+    assert ret.rewards.tolist() == [1.0] and ret.num_errors == 0
+    assert not list(tmp_path.glob("posttrain-code-*"))
+    ret = env.step([_answer("def add(a, b):\n    return a + b")], [{"tests": ADD_TESTS, "score": 0.7, "attempt": "x"}])
+    assert ret.rewards.tolist() == [1.0] and ret.num_errors == 0
+
+
 def test_code_failing_attempt_comes_back_until_max_attempts():
     env = _code_env(max_attempts=2)
     wrong, right = "def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b"
@@ -817,7 +835,7 @@ def test_code_failing_attempt_comes_back_until_max_attempts():
     second = env.step([again, _answer(wrong) + again[2:3] + [{"role": "assistant", "content": wrong}]],
                       [first.metadata[0], first.metadata[0]])
     assert second.terminateds.tolist() == [True, True] and second.rewards.tolist() == [1.0, 0.0]
-    assert [m["attempt"] for m in second.metadata] == [2, 2]
+    assert [m["code_attempt"] for m in second.metadata] == [2, 2]
 
 
 def test_code_turn_rewards_add_up_to_the_last_attempts_score_wherever_the_conversation_ends():
@@ -835,7 +853,7 @@ def test_code_turn_rewards_add_up_to_the_last_attempts_score_wherever_the_conver
                                  {"role": "assistant", "content": program}]
         second = env.step([convo], [first.metadata[0]])
         totals.append(first.rewards[0].item() + second.rewards[0].item())
-        assert second.metadata[0]["attempt"] == 2
+        assert second.metadata[0]["code_attempt"] == 2
     assert totals == [pytest.approx(0.0, abs=1e-6), pytest.approx(1.0)]  # the last attempt's score: 0/3, 3/3
 
 

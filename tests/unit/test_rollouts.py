@@ -631,6 +631,27 @@ def test_an_observation_the_chat_template_cannot_write_scores_0_and_the_rollout_
     assert "cannot render its observation" in bad.metadata[ENV_ERROR_KEY]
 
 
+def test_an_observation_with_a_lone_surrogate_reaches_the_model_escaped(tok):
+    # The model's own text echoed back (a program's exception, a tool's error naming the argument
+    # it wrote) held "\ud800", which no tokenizer encodes: the sample became an environment error.
+    import torch
+
+    from posttrain.environments.interfaces import EnvironmentReturn
+
+    class Echo:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvironmentReturn(
+                observations=[{"role": "environment", "content": "ValueError: \ud800 bad"}] * n,
+                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=torch.zeros(n),
+                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    (conv,) = run_rollouts(_EchoGeneration(tok), rows, {"t": Echo()}, tok, max_turns=2, max_seq_len=200).conversations
+    assert conv.env_errors == 0 and conv.turns == 2
+    assert conv.messages[2]["content"] == "ValueError: \\ud800 bad"
+
+
 def test_grpo_prompts_longer_than_the_input_cap_follow_data_truncation(tok):
     # data.max_input_seq_length (NeMo RL's prompt limit) was ignored by GRPO: prompts up to the
     # context were generated from. Below the context it bounds the prompts, as truncation says.
