@@ -889,12 +889,21 @@ class DataConfig(Section):
             return f"data.dataset_name={self.dataset_name!r}"
         return f"data.mixture ({', '.join(map(repr, self.dataset_names()))})"
 
+    @field_validator("dataset_name", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, name: Any) -> Any:
+        # null unsets it (a config that inherits a dataset_name and names a data.mixture instead).
+        return cls.model_fields["dataset_name"].default if name is None else name
+
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
-        if self.mixture is not None and "dataset_name" in self.model_fields_set:
+        # The default beside a mixture is no second source: a resolved config (config.yaml,
+        # --print-config) writes every key, and one with a mixture did not load back.
+        default = type(self).model_fields["dataset_name"].default
+        if self.mixture is not None and "dataset_name" in self.model_fields_set and self.dataset_name != default:
             raise ValueError(f"data.dataset_name={self.dataset_name!r} and data.mixture both name the data; name "
                              "each dataset in data.mixture (its dataset_name) and drop data.dataset_name (on the command "
-                             "line: ~data.dataset_name)")
+                             "line: ~data.dataset_name; in a file that inherits it: dataset_name: null)")
         return self
 
     @field_validator("column_map")

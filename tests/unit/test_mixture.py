@@ -72,6 +72,17 @@ def test_errors_name_the_entry_and_the_config_refuses_two_sources(files, tmp_pat
     with pytest.raises(ConfigError, match=r"data.dataset_name='gsm8k' and data.mixture both name the data.*"
                                           r"~data.dataset_name"):
         load_config("sft", None, ["data.dataset_name=gsm8k", f"data.mixture=[{{dataset_name: {files['math']}}}]"])
+    # A resolved config (config.yaml, --print-config) writes the default dataset_name beside the
+    # mixture: it loads back; a file inheriting a dataset_name unsets it with null.
+    from posttrain.config import to_yaml
+
+    mixed = load_config("sft", None, [f"data.mixture=[{{dataset_name: {files['math']}}}]"])
+    (tmp_path / "resolved.yaml").write_text(to_yaml(mixed))
+    assert load_config("sft", str(tmp_path / "resolved.yaml"), []).data == mixed.data
+    (tmp_path / "parent.yaml").write_text("data: {dataset_name: gsm8k}\n")
+    (tmp_path / "child.yaml").write_text(f"defaults: parent.yaml\ndata:\n  dataset_name: null\n"
+                                         f"  mixture: [{{dataset_name: {files['math']}}}]\n")
+    assert load_config("sft", str(tmp_path / "child.yaml"), []).data.mixture[0].dataset_name == files["math"]
     with pytest.raises(ConfigError, match=r"data.mixture\[0\].weight: got 0, expected greater than 0"):
         load_config("sft", None, [f"data.mixture=[{{dataset_name: {files['math']}, weight: 0}}]"])
 
