@@ -433,7 +433,7 @@ class CompileConfig(Section):
 
 
 class PolicyConfig(Section):
-    model_name: str = "embedded:tiny"  # a local folder, a hub id, or "embedded:<name>"
+    model_name: str = Field("embedded:tiny", min_length=1)  # a local folder, a hub id, or "embedded:<name>"
     # The tokenizer (null name: the model's own) and an optional chat template.
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     # The frozen reference model (of loss_fn.reference_policy_kl_penalty, DPO), or the teacher of
@@ -852,7 +852,7 @@ class DataConfig(Section):
     # Embedded arithmetic task: operands have up to this many digits.
     num_digits: int = Field(1, ge=1, le=9)
     # Embedded arithmetic task: the operations its problems use.
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
     # Training rows of the generated datasets (arithmetic problems, sliding_puzzle puzzles; a cap for stories).
     num_train: int = Field(20000, ge=1)
     # Validation rows of the generated datasets (arithmetic caps them at a fifth of its problems, stories at a quarter).
@@ -1156,6 +1156,8 @@ def output_folder(value: str | None) -> str | None:
     name (it failed at the first write, after the model had loaded and Ray had started)."""
     if value is None:
         return None
+    if not value.strip():  # an unset $OUT in logger.log_dir=$OUT: the run wrote into the working directory
+        raise ValueError("an empty path; name a folder (it is created if missing)")
     if os.path.isfile(path := os.path.expanduser(value)):
         raise ValueError(f"{value!r} is a file; name a folder (it is created if missing)")
     return path

@@ -1112,3 +1112,14 @@ def test_a_section_left_empty_in_yaml_keeps_its_defaults(tmp_path):
     """)
     cfg = load_config("sft", path, [])
     assert cfg.policy.tokenizer.chat_template is None and cfg.policy.lora.enabled is False
+
+
+@pytest.mark.parametrize("override,message", [
+    ("logger.log_dir=", "logger.log_dir: an empty path"),  # an unset $OUT: the run wrote into the working directory
+    ("checkpointing.checkpoint_dir=", "checkpointing.checkpoint_dir: an empty path"),
+    ("policy.model_name=", "policy.model_name: got '', expected String should have at least 1 character"),
+    ("data.operations=[]", "data.operations: got [], expected List should have at least 1 item"),  # a traceback 23 s in
+])
+def test_empty_values_that_named_nothing_are_refused_at_load(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("grpo", None, [override])
