@@ -553,7 +553,7 @@ def _loc_to_key(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:
     """Dotted key of a pydantic error location, dropping union-member tags such as 'list[str]'."""
     parts: list[str] = []
     model: type[BaseModel] | None = schema
-    for p in loc:
+    for i, p in enumerate(loc):
         if isinstance(p, int):
             parts.append(f"[{p}]")
             continue
@@ -563,7 +563,10 @@ def _loc_to_key(loc: tuple[Any, ...], schema: type[BaseModel]) -> str:
             parts.append(("." if parts else "") + p)
             model = entry
             continue
-        if field is None and (any(c in p for c in "[]-") or p in _TYPE_TAGS):
+        # The last part under a section is the user's unknown key, whatever it looks like
+        # (grpo.max-num-steps was reported as "unknown key 'grpo'").
+        user_key = model is not None and i == len(loc) - 1
+        if field is None and not user_key and (any(c in p for c in "[]-") or p in _TYPE_TAGS):
             continue
         parts.append(("." if parts else "") + p)
         model = _submodel(field.annotation) if field is not None else None
@@ -620,7 +623,14 @@ def format_errors(
                 given += f".{name}"
             owners = _owners_hint(key, schema)
             hint = None if owners else suggest_key(given, valid) or suggest_key(inner, valid)
-            msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else owners)
+            leaf = str(first["loc"][-1])
+            if "." in leaf and hint == inner:
+                # `grpo.max_num_steps: 5` in a YAML file is one key with dots in its name, not a path:
+                # "did you mean grpo.max_num_steps?" named itself.
+                msg = (f"unknown key {key!r}: a key with dots in a YAML file is one key, not a path; nest it "
+                       f"({leaf.split('.')[0]}: {{{leaf.split('.', 1)[1]}: ...}})")
+            else:
+                msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else owners)
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):

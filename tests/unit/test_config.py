@@ -1123,3 +1123,17 @@ def test_a_section_left_empty_in_yaml_keeps_its_defaults(tmp_path):
 def test_empty_values_that_named_nothing_are_refused_at_load(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("grpo", None, [override])
+
+
+def test_unknown_keys_are_named_as_written(tmp_path):
+    # A dashed key was dropped from its path as if it were a type tag ("unknown key 'grpo'"); a
+    # dotted key in YAML got a suggestion of itself.
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'grpo.max-num-steps' (did you mean grpo.max_num_steps?)")):
+        load_config("grpo", None, ["grpo.max-num-steps=5"])
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'policy.generation.top-k' (did you mean "
+                                                    "policy.generation.top_k?)")):
+        load_config("grpo", None, ["policy.generation.top-k=5"])
+    (tmp_path / "dotted.yaml").write_text("grpo.max_num_steps: 5\n")
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'grpo.max_num_steps': a key with dots in a YAML file "
+                                                    "is one key, not a path; nest it (grpo: {max_num_steps: ...})")):
+        load_config("grpo", str(tmp_path / "dotted.yaml"), [])
