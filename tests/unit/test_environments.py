@@ -323,7 +323,7 @@ def test_teacher_distance_table_is_bounded(monkeypatch):
         from posttrain.config import InputError
 
         with pytest.raises(InputError, match="grpo.warmup_sft_steps > 0 needs an `answer`"):
-            _warmup_sft(None, None, None, rows, None)  # their answer is None: nothing to imitate
+            _warmup_sft(None, None, None, rows, None, None)  # their answer is None: nothing to imitate
     finally:
         sliding_puzzle._distances.cache_clear()
 
