@@ -50,6 +50,7 @@ from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
+from posttrain.policy.optim import check_optimizer
 from posttrain.rollouts import (PROMPT_IDS_KEY, Conversation, RolloutResult, check_tool_turns, render_prompt,
                                 run_rollouts, summarize_rollouts)
 from posttrain.runtime import freeze_setup_objects
@@ -183,6 +184,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     tokenizer = load_policy_tokenizer(cfg.policy)
     # A wrong name or model folder fails before Ray starts.
     load_model_configs(cfg.policy, with_reference=cfg.needs_reference(), check_files=True)
+    check_optimizer(cfg.policy)
     check_backend_installed(cfg.policy.generation)
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts

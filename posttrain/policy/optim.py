@@ -10,6 +10,7 @@ The scheduler steps once per optimizer step.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import warnings
 from typing import Any, Iterable
@@ -60,6 +61,13 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
         raise InputError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
 
 
+def check_optimizer(cfg: Any) -> None:
+    """Build `policy.optimizer` and `policy.scheduler` (`cfg`: a PolicyConfig) over a one-element
+    stand-in parameter: a misspelt class or keyword fails in the driver, in milliseconds, with the
+    message the workers would give a minute later, after Ray started and the model loaded."""
+    build_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optimizer), cfg.scheduler)
+
+
 def _fused_applies(cls: type, params: list[torch.nn.Parameter]) -> bool:
     """Whether `cls` gets `fused=True` for these parameters: torch's Adam or AdamW (whose fused
     kernels DTensor also shards; its fused SGD it does not) over floating-point parameters on
@@ -77,8 +85,10 @@ def _scheduler_cls(name: str) -> type:
         if isinstance(cls, type) and issubclass(cls, lrs.LRScheduler):
             return cls
         raise InputError(f"policy.scheduler name {name!r} is not an LR scheduler class")
+    close = difflib.get_close_matches(name, SCHEDULERS, n=1)
     raise InputError(
-        f"unknown policy.scheduler name {name!r}; valid: {', '.join(sorted(SCHEDULERS))} "
+        f"unknown policy.scheduler name {name!r}" + (f" (did you mean {close[0]}?)" if close else "") +
+        f"; valid: {', '.join(sorted(SCHEDULERS))} "
         "or a dotted import path such as 'torch.optim.lr_scheduler.LinearLR'"
     )
 
@@ -91,7 +101,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
     if not named:
         return lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
     schedulers = []
-    for i, e in enumerate(named):
+    for i, e in ((i, e) for i, e in enumerate(entries) if e.name is not None):  # i: the entry's place in the list
         cls = _scheduler_cls(e.name)
         try:
             schedulers.append(cls(optimizer, **e.kwargs))

@@ -189,3 +189,21 @@ def test_bad_optimizer_and_scheduler_settings_are_input_errors():
     opt = build_optimizer(_params(), OptimizerConfig(name="sgd", kwargs={"lr": 0.1}))
     with pytest.raises(InputError, match="policy.scheduler name: cannot import 'torch.optim.lr_scheduler.Nope'"):
         build_scheduler(opt, [SchedulerEntry(name="torch.optim.lr_scheduler.Nope")])
+
+
+def test_the_driver_checks_the_optimizer_and_schedulers_before_anything_starts():
+    # Misspelt, they failed in the policy workers a minute in (Ray started, the model loaded); a
+    # bad entry after a milestones entry was named by its place among the named ones.
+    from posttrain.config import InputError, load_config
+    from posttrain.policy.optim import check_optimizer
+
+    def check(*overrides):
+        check_optimizer(load_config("sft", None, list(overrides)).policy)
+
+    check()  # the defaults
+    with pytest.raises(InputError, match=r"do not fit AdamW: .*unexpected keyword argument 'weight_decy'"):
+        check("policy.optimizer.kwargs={lr: 1e-3, weight_decy: 0.1}")
+    with pytest.raises(InputError, match=r"unknown policy.scheduler name 'LinaerLR' \(did you mean LinearLR\?\)"):
+        check("policy.scheduler=[{name: LinaerLR}]")
+    with pytest.raises(InputError, match=r"policy.scheduler\[2\] \(ConstantLR\) kwargs \{'factr': 1\}"):
+        check("policy.scheduler=[{milestones: [5]}, {name: LinearLR}, {name: ConstantLR, kwargs: {factr: 1}}]")
