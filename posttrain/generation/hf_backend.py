@@ -90,13 +90,13 @@ class HFGeneration:
             groups.setdefault(limit, []).append(j)
         rows = {}
         for limit, js in groups.items():
-            got = self._generate_group([prompts[j] for j in js], [stops[j] for j in js], limit, s)
+            got = self._generate_group([prompts[j] for j in js], [stops[j] for j in js], limit, s, js)
             rows.update(zip(js, zip(*got)))
         generated, gen_lp, truncated = zip(*(rows[j] for j in range(len(prompts))))
         return list(generated), list(gen_lp), list(truncated)
 
-    def _generate_group(self, prompts, stops, limit: int, s: SamplingSettings):
-        """`_generate` for rows that may all generate `limit` tokens."""
+    def _generate_group(self, prompts, stops, limit: int, s: SamplingSettings, rows: list[int]):
+        """`_generate` for rows that may all generate `limit` tokens (`rows`: their batch rows)."""
         n = len(prompts)
         plen = torch.tensor([len(p) for p in prompts])
         width = int(plen.max())
@@ -117,7 +117,7 @@ class HFGeneration:
                 do_sample=not s.greedy,
                 # HF's own warpers off (a blank GenerationConfig has top_k 50): the processor is the rule.
                 **({} if s.greedy else {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}),
-                logits_processor=LogitsProcessorList([_SamplingDistribution(s, (width - plen).to(self.device))]),
+                logits_processor=LogitsProcessorList([_SamplingDistribution(s, (width - plen).to(self.device), rows)]),
                 max_new_tokens=limit,
                 eos_token_id=self.stop.stop_token_ids,
                 pad_token_id=self.pad_id,
@@ -149,17 +149,26 @@ class _SamplingDistribution(LogitsProcessor):
     """Replaces the next-token scores with the logprobs of posttrain's sampling distribution
     (`sampling_logprobs`): HF samples from softmax of them, which is that distribution, and
     `output_scores` returns them (greedy: argmax and log_softmax of the logits). `starts [b]`:
-    where each left-padded row's prompt begins, so that padding is not a seen token."""
+    where each left-padded row's prompt begins, so that padding is not a seen token. A row whose
+    distribution is not finite (a NaN or +inf, or no finite entry) is a FloatingPointError naming
+    its batch row (`rows`), as the torch engine's `sample` raises: greedy decoding went on with
+    NaN logprobs, sampling failed in torch's multinomial naming no row."""
 
-    def __init__(self, settings: SamplingSettings, starts: torch.Tensor):
-        self.settings, self.starts = settings, starts
+    def __init__(self, settings: SamplingSettings, starts: torch.Tensor, rows: list[int]):
+        self.settings, self.starts, self.rows = settings, starts, rows
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         seen = None
         if self.settings.penalises_repeats:
             real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] >= self.starts[:, None]
             seen = seen_tokens(input_ids, real, scores.shape[-1])
-        return sampling_logprobs(scores, self.settings, seen)
+        lp = sampling_logprobs(scores, self.settings, seen)
+        bad = torch.isnan(lp).any(-1) | torch.isposinf(lp).any(-1) | ~torch.isfinite(lp).any(-1)
+        if bool(bad.any()):
+            named = [self.rows[i] for i in bad.nonzero().flatten().tolist()]
+            raise FloatingPointError(f"the next-token distribution of batch row(s) {named[:8]} is not finite "
+                                     "(NaN or inf logits): the model's weights or activations have overflowed")
+        return lp
 
 
 class _GeneratedStopStrings(StoppingCriteria):

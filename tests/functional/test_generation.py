@@ -685,3 +685,6 @@ def test_a_non_finite_distribution_is_an_error_naming_its_batch_row(greedy, torc
     batch = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]))
     with pytest.raises(FloatingPointError, match=r"batch row\(s\) \[3\] is not finite"):
         engine("torch", model, tok, max_new_tokens=5, torch_cfg=torch_cfg).generate(batch, greedy=greedy)
+    if not torch_cfg:  # the hf backend alike (greedy went on with NaN logprobs; sampling named no row)
+        with pytest.raises(FloatingPointError, match=r"batch row\(s\) \[3\] is not finite"):
+            engine("hf", model, tok, max_new_tokens=5).generate(batch, greedy=greedy)
