@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 from typing import Any, Callable, Iterator
@@ -45,6 +46,8 @@ from posttrain.data.formats import REASONING_FIELDS, REASONING_KEY, demonstratio
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
@@ -124,6 +127,9 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
         messages = [{**{k: v for k, v in m.items() if k != REASONING_KEY}, key: m[REASONING_KEY]}
                     if REASONING_KEY in m else m for m in messages]
     kwargs = {"tools": tools} if tools else {}
+    if tools:
+        _note_if_tools_unread(" ".join(tokenizer.chat_template.values()) if isinstance(tokenizer.chat_template, dict)
+                              else tokenizer.chat_template or "")
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
@@ -144,6 +150,17 @@ def _template_reasoning_key(template: str | dict | None) -> str:
     transformers (5.24, here) add `thinking` beside `reasoning_content` themselves; older ones
     (posttrain takes >= 4.50) pass a message as it is, and none adds `reasoning`."""
     return _reasoning_key_read(" ".join(template.values()) if isinstance(template, dict) else template or "")
+
+
+@functools.lru_cache(maxsize=16)
+def _note_if_tools_unread(template: str) -> None:
+    """Warn, once per template, when rows give `tools` (function schemas) to a chat template that
+    never reads them: the model then sees calls of functions it was never shown, silently (a
+    demonstration-taught tool, as grpo_tools.yaml's embedded model learns its calculator, is fine)."""
+    if not re.search(r"\btools\b", template):
+        log.warning("the chat template does not render the rows' `tools` (function schemas): the model sees tool "
+                    "calls and results of functions it is never shown; set policy.tokenizer.chat_template to one "
+                    "that renders them (the model's own, if it was trained on tool use) unless that is meant")
 
 
 @functools.lru_cache(maxsize=16)

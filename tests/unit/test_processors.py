@@ -1,6 +1,7 @@
 """Tokenization: assistant-only loss masks, chat-template override, truncation, batches."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -739,3 +740,23 @@ def test_kto_on_rows_that_are_neither_labelled_nor_pairs_names_the_dataset(tok):
     with pytest.raises(InputError, match=r"data.dataset_name='arithmetic' gives rows with keys \[.*'task_name'.*\]; "
                                          r"KTO trains on labelled conversations .* \(e.g. examples/configs/kto.yaml's\)"):
         process_kto_rows(load_rows(cfg, "val")[:2], tok, cfg, max_len=64)
+
+
+def test_rows_with_tools_for_a_template_that_never_reads_them_are_warned_about(caplog):
+    # The tool schemas of a row (glaive's) were dropped by such a template without a word: the
+    # model trained on calls of functions it was never shown.
+    from posttrain.data.processors import _note_if_tools_unread, render_chat
+
+    _note_if_tools_unread.cache_clear()
+    tok = load_tokenizer(TokenizerConfig(name="embedded:tiny"))
+    tools = [{"type": "function", "function": {"name": "search_recipes", "description": "d", "parameters": {}}}]
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.processors"):
+        render_chat(tok, [{"role": "user", "content": "x"}], add_generation_prompt=True, tools=tools)
+        render_chat(tok, [{"role": "user", "content": "y"}], add_generation_prompt=True, tools=tools)
+        render_chat(tok, [{"role": "user", "content": "z"}], add_generation_prompt=True)
+    warned = [r for r in caplog.records if "does not render the rows' `tools`" in r.getMessage()]
+    assert len(warned) == 1  # once per template
+    _note_if_tools_unread.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.processors"):
+        _note_if_tools_unread("{% if tools %}{{ tools | tojson }}{% endif %}")
+    assert len([r for r in caplog.records if "does not render" in r.getMessage()]) == 1  # no new one
