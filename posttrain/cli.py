@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import traceback
@@ -181,6 +182,14 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
 
 def _run_convert(argv: Sequence[str]) -> int:
     args = _convert_parser().parse_args(argv)
+    # Inputs that are not there fail before torch is imported (13-25 s on a loaded machine).
+    inputs = {"--checkpoint": args.checkpoint, "--config": args.config} if args.kind == "dcp-to-hf" else \
+        {"--model": args.model, "--tokenizer": args.tokenizer}
+    from posttrain.config import MissingInputError
+
+    for option, path in inputs.items():
+        if path is not None and not os.path.exists(os.path.expanduser(path)):
+            raise MissingInputError(f"{option} {path}: no such file or folder")
     import importlib
 
     _setup_logging()

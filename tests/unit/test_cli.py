@@ -234,12 +234,20 @@ def test_dispatch_to_algorithm_run(fake_modules, capsys):
     assert '"final_loss": 0.5' in capsys.readouterr().out
 
 
-def test_dispatch_convert(fake_modules):
+def test_dispatch_convert(fake_modules, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck" / "step_3").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
         cli.main(["convert", "dcp-to-hf", "--checkpoint", "ck/step_3", "--output", "out"])
     assert e.value.code == 0
     args = fake_modules["convert"]
     assert (args.kind, args.checkpoint, args.output, args.config) == ("dcp-to-hf", "ck/step_3", "out", None)
+    # An input that is not there is named before the converter (and torch) is imported.
+    fake_modules.pop("convert")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "dcp-to-hf", "--checkpoint", "ck/step_4", "--output", "out"])
+    assert e.value.code == 2 and "convert" not in fake_modules
+    assert capsys.readouterr().err == "posttrain convert: --checkpoint ck/step_4: no such file or folder\n"
 
 
 def test_convert_requires_its_arguments(capsys):
