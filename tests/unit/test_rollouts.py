@@ -515,7 +515,7 @@ def test_an_answer_cut_at_the_token_limit_is_the_environments_last_turn(tok):
              "metadata": {"tests": ["assert x == 1", "assert x == 2"]}}]
     result = run_rollouts(gen, rows, {"code": env}, tok, max_turns=2, max_seq_len=200)
     (conv,) = result.conversations
-    assert (conv.turns, conv.truncated, conv.metadata["attempt"]) == (1, True, 1)
+    assert (conv.turns, conv.truncated, conv.metadata["code_attempt"]) == (1, True, 1)
     assert conv.reward == 0.5 and result.batch["rewards"].tolist() == [0.5]
     # The code environment now scores every attempt (its turns add up to the last one's score),
     # so it passes without last_turn too: an environment that scores only on its last turn, as
