@@ -128,8 +128,7 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
                     if REASONING_KEY in m else m for m in messages]
     kwargs = {"tools": tools} if tools else {}
     if tools:
-        _note_if_tools_unread(" ".join(tokenizer.chat_template.values()) if isinstance(tokenizer.chat_template, dict)
-                              else tokenizer.chat_template or "")
+        _note_if_tools_unread(_template_text(tokenizer.chat_template))
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
@@ -149,7 +148,12 @@ def _template_reasoning_key(template: str | dict | None) -> str:
     reads none of them (`check_reasoning_rendered` then names the turns it drops). Recent
     transformers (5.24, here) add `thinking` beside `reasoning_content` themselves; older ones
     (posttrain takes >= 4.50) pass a message as it is, and none adds `reasoning`."""
-    return _reasoning_key_read(" ".join(template.values()) if isinstance(template, dict) else template or "")
+    return _reasoning_key_read(_template_text(template))
+
+
+def _template_text(template: str | dict | None) -> str:
+    """A chat template's text: a tokenizer's several named templates joined, none as ""."""
+    return " ".join(template.values()) if isinstance(template, dict) else template or ""
 
 
 @functools.lru_cache(maxsize=16)

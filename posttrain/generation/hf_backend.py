@@ -29,7 +29,8 @@ from posttrain.generation.interfaces import (
     generation_metrics,
     pad_token_id,
 )
-from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings, StopChecker, sampling_logprobs, seen_tokens
+from posttrain.generation.sampling import (GlobalRngSeeds, SamplingSettings, StopChecker, non_finite_error,
+                                           sampling_logprobs, seen_tokens)
 from posttrain.generation.torch_engine import DTYPES, stop_token_ids
 
 
@@ -165,9 +166,7 @@ class _SamplingDistribution(LogitsProcessor):
         lp = sampling_logprobs(scores, self.settings, seen)
         bad = torch.isnan(lp).any(-1) | torch.isposinf(lp).any(-1) | ~torch.isfinite(lp).any(-1)
         if bool(bad.any()):
-            named = [self.rows[i] for i in bad.nonzero().flatten().tolist()]
-            raise FloatingPointError(f"the next-token distribution of batch row(s) {named[:8]} is not finite "
-                                     "(NaN or inf logits): the model's weights or activations have overflowed")
+            raise non_finite_error([self.rows[i] for i in bad.nonzero().flatten().tolist()])
         return lp
 
 

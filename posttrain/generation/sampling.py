@@ -136,9 +136,14 @@ def sample(
         names = torch.as_tensor(rows if rows is not None else range(len(picked)), dtype=torch.long)
         named = [r for r in names[bad.cpu()].tolist() if r >= 0]
         if named:
-            raise FloatingPointError(f"the next-token distribution of batch row(s) {named[:8]} is not finite "
-                                     "(NaN or inf logits): the model's weights or activations have overflowed")
+            raise non_finite_error(named)
     return tokens, picked
+
+
+def non_finite_error(rows: list[int]) -> FloatingPointError:
+    """The error of a generation backend whose next-token distribution is not finite in batch `rows`."""
+    return FloatingPointError(f"the next-token distribution of batch row(s) {rows[:8]} is not finite "
+                              "(NaN or inf logits): the model's weights or activations have overflowed")
 
 
 def inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

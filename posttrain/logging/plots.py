@@ -74,7 +74,7 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
             continue
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
-        left, right = split_by_scale(series, keys[:_MAX_SERIES])
+        _, right = split_by_scale(series, keys[:_MAX_SERIES])
         twin = ax.twinx() if right else None
         colors = iter(f"C{i}" for i in range(_MAX_SERIES))
         for key in keys[:_MAX_SERIES]:

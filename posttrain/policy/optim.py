@@ -101,7 +101,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, entries: list[SchedulerEnt
     if not named:
         return lrs.ConstantLR(optimizer, factor=1.0, total_iters=0)
     schedulers = []
-    for i, e in ((i, e) for i, e in enumerate(entries) if e.name is not None):  # i: the entry's place in the list
+    for i, e in enumerate(entries):  # i: the entry's place in the list, milestones entries included
+        if e.name is None:
+            continue
         cls = _scheduler_cls(e.name)
         try:
             schedulers.append(cls(optimizer, **e.kwargs))
