@@ -185,6 +185,8 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
             return self._runner.run(call_pickled_tool, (self._pickled[name], name, args), self.tool_timeout_s)
         except TimeoutError:
             return f"error: {name} timed out after {self.tool_timeout_s:g} s"
+        except ChildProcessError as e:
+            return f"error: {name} crashed: {e}"
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - the child could not run it (unpickling it failed)
             return f"error: {name} could not run: {type(e).__name__}: {e}"
 

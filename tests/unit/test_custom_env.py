@@ -151,6 +151,16 @@ def sleepy(seconds: float) -> str:
     time.sleep(seconds)
     return f"slept {THRESHOLD * seconds / 2:g} s"  # a module global: the tool arrives with its module
 
+def crashy(code: int) -> str:
+    """Exit the process at once, as a crash in C code would.
+
+    Args:
+        code: The exit code.
+    """
+    import os
+
+    os._exit(code)
+
 class NotFound(Exception):  # an API client's own error: its class exists only in this file
     def __init__(self, key, detail):
         super().__init__(f"{key}: {detail}")
@@ -491,7 +501,8 @@ def test_too_few_rollout_turns_for_the_tool_calls_fail_at_config_load(rewards_fi
 def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards_file):
     import time
 
-    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:sleepy", f"{rewards_file}:add"], tool_timeout_s=2.0)
+    cfg = _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:sleepy", f"{rewards_file}:add", f"{rewards_file}:crashy"],
+               tool_timeout_s=2.0)
     env = resolve_env("slow", cfg)(cfg)
     try:
         # The file is not importable in the child by the name it was loaded under: the tools go
@@ -503,6 +514,12 @@ def test_a_tool_time_limit_runs_calls_in_a_child_that_a_hang_cannot_stop(rewards
         assert time.monotonic() - start < 30  # killed at 2 s; the next call waits for a fresh child
         assert [m["content"] for m in ret.observations[0]] == ["error: sleepy timed out after 2 s", "2"]
         assert ret.num_errors == 0 and not ret.terminateds[0]
+        # a tool whose process dies is reported at once, not after the time limit
+        env.tool_timeout_s = 60.0
+        start = time.monotonic()
+        ret = env.step([convo(_call("crashy", code=7) + _call("add", a=1, b=2))], [{}])
+        assert time.monotonic() - start < 30
+        assert [m["content"] for m in ret.observations[0]] == ["error: crashy crashed: the child process died (exit code 7)", "3"]
     finally:
         env.close()
 

@@ -1,6 +1,9 @@
 """Environments: answer extraction, each environment's rules, verifier failures scoring 0,
 and the Ray facade (slicing, order, timeouts, crashes and restarts)."""
 
+import functools
+import importlib
+import os
 import re
 import time
 
@@ -142,8 +145,21 @@ def test_subprocess_runner_recovers_after_a_timeout():
         assert runner.run(sorted, ([3, 1, 2],), 30) == [1, 2, 3]
         with pytest.raises(ZeroDivisionError):
             runner.run(divmod, (1, 0), 30)
+        # a child that dies is reported at once, not after the time limit, and replaced
+        start = time.monotonic()
+        with pytest.raises(ChildProcessError, match="exit code 3"):
+            runner.run(os._exit, (3,), 60)
+        assert time.monotonic() - start < 20
+        assert runner.run(sorted, ([2, 1],), 30) == [1, 2]
     finally:
         runner.close()
+
+
+def test_subprocess_runner_reraises_a_failing_warmup():
+    runner = SubprocessRunner(warmup=functools.partial(importlib.import_module, "posttrain_no_such_verifier"))
+    with pytest.raises(ModuleNotFoundError, match="posttrain_no_such_verifier"):
+        runner.run(sorted, ([1],), 30)
+    assert runner._process is None
 
 
 # --------------------------------------------------------------------------- arithmetic
