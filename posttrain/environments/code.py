@@ -42,7 +42,8 @@ program must not be able to make them pass without computing the answers. Two in
   not see the change; a namedtuple comes back as a tuple (no `.x`). The program's top-level
   names are visible to the tests, except names a builtin or the setup already defines (a test
   sees the builtin, or the setup's); a standard-library module the program imported is
-  imported again on the tests' side.
+  imported again on the tests' side; a top-level container of more than 100,000 items (a
+  precomputed table) stays a handle, which a test can index, iterate and take the len of.
 - The program never holds the tests: they reach only the tests' interpreter, which has read
   them before the program's code runs and is not dumpable (its /proc files and memory are
   closed to its user). The program sees the arguments of its calls, no expected value.
@@ -176,11 +177,18 @@ objects = []
 def keep(v):
     objects.append(v)
     return ["h", len(objects) - 1, type(v).__name__]
+def encode_name(v):
+    # A top-level table of many items (a precomputed sieve) stays here as a handle: copied, its
+    # JSON took the tests' time limit (10^7 ints: 5 s). Tests index, iterate or measure it.
+    if isinstance(v, (list, tuple, dict, set, frozenset)) and len(v) > 100_000:
+        objects.append(v)
+        return ["h", len(objects) - 1, "%s of %d items (not copied to the tests)" % (type(v).__name__, len(v))]
+    return encode(v, keep)
 ns = {"__name__": "__solution__"}
 try:
     exec(compile(job.pop("setup") + "\n" + job.pop("program"), "<program>", "exec"), ns)
     names = [(k, v) for k, v in list(ns.items()) if not k.startswith("__")]
-    reply = ["ok", ["d"] + [x for k, v in names if type(v) is not type(sys) for x in (k, encode(v, keep))],
+    reply = ["ok", ["d"] + [x for k, v in names if type(v) is not type(sys) for x in (k, encode_name(v))],
              {k: v.__name__ for k, v in names if type(v) is type(sys)}]
 except BaseException as e:
     reply = ["raise", describe(e)]

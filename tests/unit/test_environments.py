@@ -761,6 +761,20 @@ def words(s):
                                                    "not plain data: a test cannot compare it or take its truth")
 
 
+def test_code_large_top_level_tables_stay_in_the_program():
+    # Every top-level name was copied to the tests as JSON: a 10^7-item table took 5 s of the
+    # time limit. One of more than 100,000 items stays a handle the tests can index and measure.
+    program = "SQUARES = [i * i for i in range(10**7)]\nSMALL = list(range(5))\ndef sq(i):\n    return SQUARES[i]\n"
+    tests = ["assert sq(12) == 144", "assert SQUARES[3] == 9 and len(SQUARES) == 10**7", "assert SMALL == [0, 1, 2, 3, 4]",
+             "assert SQUARES == []"]
+    env = _code_env(reward="fraction", memory_mb=2048)
+    env.timeout_s = 2.0
+    ret = env.step([_answer(program)], [{"tests": tests}])
+    assert ret.rewards.tolist() == [0.75], ret.observations[0]["content"]
+    assert "the program's list of 10000000 items (not copied to the tests) is not plain data" in \
+        ret.observations[0]["content"]
+
+
 def test_code_parent_reads_a_bounded_report_in_time():
     # The program can reach the parent's end of the report pipe through /proc (its user's, or
     # root's): the old parent read all of it (1.5 GB sent cost the actor 4.5 GB and 12 s), and
