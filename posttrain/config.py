@@ -654,6 +654,10 @@ def format_errors(
             if isinstance(first.get("input"), bool):  # `name: yes`, `mode: off`: the user wrote no True
                 msg += f" ({YAML_BOOLEANS}: quote the text)"
         where = _origin_of(key, origins)
+        if (isinstance(first.get("input"), list) and where and where.startswith(f"{_CMDLINE} (")
+                and where.split("=", 1)[-1].lstrip().startswith("-")):
+            # `data.task_name=- x`, `log_dir=-`: a leading dash is a YAML list item
+            msg += " (a value starting with '-' is a YAML list: quote the text)"
         lines.append(msg + (f"  [set at {where}]" if where else ""))
     return lines
 

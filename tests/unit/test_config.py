@@ -339,6 +339,19 @@ def test_wrong_type_names_key_value_and_expected():
     assert "command line (policy.train_micro_batch_size=abc)" in msg
 
 
+def test_a_leading_dash_on_the_command_line_is_named_as_a_yaml_list():
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["logger.log_dir=-", "data.task_name=- x"])
+    msg = str(e.value)
+    for key, got in (("logger.log_dir", "[None]"), ("data.task_name", "['x']")):
+        assert (f"{key}: got {got}, expected a valid string (a value starting with '-' is a YAML list: quote "
+                "the text)") in msg
+    assert load_config("grpo", None, ["data.task_name='- x'"]).data.task_name == "- x"
+    with pytest.raises(ConfigError) as e:  # a list where a number goes, written as a list: no dash hint
+        load_config("grpo", None, ["grpo.max_num_steps=[1]"])
+    assert "YAML list" not in str(e.value)
+
+
 def test_a_boolean_is_no_number(tmp_path):
     # pydantic took true/false for a number as 1/0: these ran with 1 step and 1 printed sample.
     path = _write(tmp_path / "c.yaml", "logger:\n  num_val_samples_to_print: yes\n")
