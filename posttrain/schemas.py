@@ -30,8 +30,10 @@ class Section(BaseModel):
 
     # coerce_numbers_to_str: a text key given a number (`data.task_name=1`, `task_name: 2024`, which
     # YAML reads as numbers) is that text, as a typed Hydra/OmegaConf config takes it, not an error.
+    # allow_inf_nan=False: no setting means anything at inf or NaN (`.inf`, `.nan` in YAML), and one
+    # that reached a loss made every step NaN, skipped as "non-finite gradients".
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
-                              coerce_numbers_to_str=True)
+                              coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -728,6 +730,8 @@ PreferenceLossName = Literal["sigmoid", "ipo", "simpo", "orpo", "robust", "hinge
 PREFERENCE_LOSSES: tuple[str, ...] = PreferenceLossName.__args__
 # The losses that read the policy alone (no reference model is loaded for them).
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+# The largest number whose square float32 holds.
+_FLOAT32_SQRT_MAX = 1.8e19
 
 
 class DPOLossConfig(Section):
@@ -743,10 +747,15 @@ class DPOLossConfig(Section):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
 
     @model_validator(mode="after")
-    def _smoothing_where_read(self) -> "DPOLossConfig":
+    def _settings_where_read(self) -> "DPOLossConfig":
         if self.label_smoothing and self.name not in ("sigmoid", "robust"):
             raise ValueError(f"dpo.loss.label_smoothing={self.label_smoothing} is of the sigmoid and robust losses; "
                              f"dpo.loss.name={self.name} does not read it: unset it, or use one of those")
+        # as label_smoothing, only a value the loss would have to read (a resolved config.yaml
+        # holds the default of every key, and loads again)
+        if self.simpo_gamma != type(self).model_fields["simpo_gamma"].default and self.name != "simpo":
+            raise ValueError(f"dpo.loss.simpo_gamma={self.simpo_gamma} is SimPO's margin; dpo.loss.name={self.name} "
+                             "does not read it: unset it, or use simpo")
         return self
 
 
@@ -1482,9 +1491,9 @@ class DPOConfig(SFTConfig):
     # Average (not sum) the chosen responses' logprobs in the SFT term; null: as the preference loss.
     sft_average_log_probs: bool | None = None
     # Weight of the preference loss.
-    preference_loss_weight: float = 1.0
+    preference_loss_weight: float = Field(1.0, ge=0)
     # Weight of an NLL (SFT) loss on the chosen responses; null: 1 for orpo (half of its loss), else 0.
-    sft_loss_weight: float | None = None
+    sft_loss_weight: float | None = Field(None, ge=0)
     # The preference loss (DPO, IPO, SimPO, ORPO, rDPO or SLiC's hinge) and its settings.
     loss: DPOLossConfig = Field(default_factory=DPOLossConfig)
 
@@ -1493,6 +1502,13 @@ class DPOConfig(SFTConfig):
         if self.preference_average_log_probs is False and self.loss.name in REFERENCE_FREE_LOSSES:
             raise ValueError(f"dpo.preference_average_log_probs=false: dpo.loss.name={self.loss.name} always "
                              "averages the sequence logprobs; unset it")
+        sft_weight = self.sft_loss_weight if self.sft_loss_weight is not None else float(self.loss.name == "orpo")
+        if self.preference_loss_weight == 0 and sft_weight == 0:
+            raise ValueError("dpo.preference_loss_weight=0 with no dpo.sft_loss_weight: the loss is 0 and the run "
+                             "trains nothing; set one of them above 0")
+        if self.loss.name == "ipo" and not 1 / (2 * self.reference_policy_kl_penalty) < _FLOAT32_SQRT_MAX:
+            raise ValueError(f"dpo.reference_policy_kl_penalty={self.reference_policy_kl_penalty}: IPO's loss, the "
+                             "square of a margin less 1/(2 beta), overflows float32; use a larger beta")
         return self
 
 

@@ -296,7 +296,8 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dic
     first_step = time.monotonic()
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
         batch = collate(next(loader), tokenizer.pad_token_id)
-        metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr)
+        # at temperature 1: the demonstrations fit the model itself, as an SFT checkpoint would
+        metrics = policy.train(batch, nll, lr=cfg.grpo.warmup_sft_lr, temperature=1.0)
         if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
             logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
         logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})

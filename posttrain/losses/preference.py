@@ -68,8 +68,9 @@ def preference_pair_losses(
 
 def _log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
     """log(p / (1 - p)) at p = exp(mean_logprob) <= 1, stable near p = 1 (expm1, not 1 - exp) and
-    finite at p = 1 exactly (the clamp: a sequence the model is certain of)."""
-    return mean_logprob - torch.log(-torch.expm1(mean_logprob.clamp(max=-1e-6)))
+    finite at p = 1 exactly (the clamp, at the smallest normal number: a sequence the model is
+    certain of; a clamp at -1e-6 gave every p above 1 - 1e-6 one log-odds and no gradient)."""
+    return mean_logprob - torch.log(-torch.expm1(mean_logprob.clamp(max=-torch.finfo(mean_logprob.dtype).tiny)))
 
 
 def _pair_mask(sample_mask: torch.Tensor) -> torch.Tensor:
@@ -252,8 +253,8 @@ class KTOLoss:
     mb["kto_kl"] `[b]` (z, the same in every row of the global batch) and mb["kto_desirable"] `[b]`
     (the global batch's number of desirable examples, in every row, so that per-label means sum
     over micro-batches). Metrics: loss, kl (z), rewards_desirable_mean and
-    rewards_undesirable_mean (beta * r over each label's examples), reward_margin (their
-    difference), accuracy (the share of examples on their label's side of the reference point:
+    rewards_undesirable_mean (beta * r over each label's examples; absent when the global batch
+    has none of that label), reward_margin (their difference, when both are there), accuracy (the share of examples on their label's side of the reference point:
     r > z for desirable ones, r < z for the others; a tie is not), num_valid_samples.
     """
 
@@ -295,15 +296,20 @@ class KTOLoss:
             n_desirable = mb["kto_desirable"].to(curr.dtype)[0]
             n_undesirable = global_valid_seqs - n_desirable
             right = torch.where(desirable > 0, margin.detach() > 0, margin.detach() < 0).to(curr.dtype)
-            d_mean = masked_mean(rewards, valid * desirable, global_normalization_factor=n_desirable.clamp(min=1))
-            u_mean = masked_mean(rewards, valid * (1 - desirable), global_normalization_factor=n_undesirable.clamp(min=1))
             metrics = {
                 "loss": loss.item(),
                 "kl": masked_mean(z, valid, global_normalization_factor=global_valid_seqs).item(),
-                "rewards_desirable_mean": d_mean.item(),
-                "rewards_undesirable_mean": u_mean.item(),
-                "reward_margin": (d_mean - u_mean).item(),
                 "accuracy": masked_mean(right, valid, global_normalization_factor=global_valid_seqs).item(),
                 "num_valid_samples": valid.sum().item(),
             }
+            # A label the global batch has no example of has no mean reward (it logged 0, and the
+            # margin minus the other's mean); the counts are global, so every micro-batch agrees.
+            if n_desirable > 0:
+                d_mean = masked_mean(rewards, valid * desirable, global_normalization_factor=n_desirable)
+                metrics["rewards_desirable_mean"] = d_mean.item()
+            if n_undesirable > 0:
+                u_mean = masked_mean(rewards, valid * (1 - desirable), global_normalization_factor=n_undesirable)
+                metrics["rewards_undesirable_mean"] = u_mean.item()
+            if n_desirable > 0 and n_undesirable > 0:
+                metrics["reward_margin"] = (d_mean - u_mean).item()
         return loss, metrics

@@ -562,14 +562,20 @@ class FSDPPolicyWorker:
     # ------------------------------------------------------------------ train
 
     def train(self, shard: BatchedDataDict, loss_fn: Callable, local_batch_size: int,
-              lr: float | None = None) -> dict[str, Any]:
+              lr: float | None = None, temperature: float | None = None) -> dict[str, Any]:
         """Optimizer steps over consecutive local global-batch chunks of `local_batch_size` rows.
 
         `lr` overrides the learning rate for these steps only, without stepping the scheduler
-        (a separate phase such as GRPO's warm-up SFT, which must not use up the schedule)."""
+        (a separate phase such as GRPO's warm-up SFT, which must not use up the schedule);
+        `temperature` the logprobs' temperature (that warm-up fits the model itself, at 1)."""
         self._compute_model().train()
-        steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
-                 for s in range(0, shard.size, local_batch_size)]
+        sampling_temperature = self._temperature
+        self._temperature = temperature if temperature is not None else sampling_temperature
+        try:
+            steps = [self._train_step(shard.slice(s, s + local_batch_size), loss_fn, lr)
+                     for s in range(0, shard.size, local_batch_size)]
+        finally:
+            self._temperature = sampling_temperature
         out = _over_steps([{k: v for k, v in s.items() if k not in ("lr", "skipped")} for s in steps])
         out["lr"] = steps[-1]["lr"]
         out["num_optimizer_steps"] = len(steps)

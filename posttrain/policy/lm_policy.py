@@ -85,11 +85,13 @@ class Policy:
 
     # ------------------------------------------------------------------ train and inference
 
-    def train(self, batch: BatchedDataDict, loss_fn: Callable, lr: float | None = None) -> dict[str, float]:
+    def train(self, batch: BatchedDataDict, loss_fn: Callable, lr: float | None = None,
+              temperature: float | None = None) -> dict[str, float]:
         """One optimizer step per `policy.train_global_batch_size` rows of `batch`; returns loss,
         grad_norm, lr (of the last step), and the loss function's metrics (means over the steps;
         `*_min` / `*_max` their extremes).
-        `lr` overrides the learning rate for these steps without advancing the scheduler."""
+        `lr` overrides the learning rate for these steps without advancing the scheduler;
+        `temperature` the logprobs' temperature (default: the sampling one, as RL's losses need)."""
         self._check_batch(batch, "train")
         gbs = self.cfg.train_global_batch_size
         if batch.size == 0 or batch.size % gbs:
@@ -103,7 +105,8 @@ class Policy:
             raise ValueError(f"train: {type(loss_fn).__name__} needs chosen/rejected pairs, but each of the "
                              f"{self.dp} data-parallel workers would get {local} rows (odd); make "
                              "policy.train_global_batch_size / workers even")
-        refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, batch_size=gbs, replicas=self.tp)
+        refs = self.workers.run_sharded("train", batch, loss_fn, local, lr, temperature, batch_size=gbs,
+                                        replicas=self.tp)
         out = self.workers.get(refs)[0]
         in_a_row = out.pop("skipped_in_a_row")
         if out["skipped_steps"]:

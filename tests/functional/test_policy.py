@@ -246,6 +246,26 @@ def test_reference_sync_after_a_reference_pass_over_two_ranks(policies):
                                policy.get_logprobs(batch)["logprobs"], atol=1e-6, rtol=0)
 
 
+def test_train_takes_the_logprobs_temperature_for_one_call(policies, tiny_model_path):
+    # GRPO's warm-up SFT trains at temperature 1 in a policy whose logprobs are of the sampling
+    # temperature: it fitted logits / T to the demonstrations (a model 1/T too flat or sharp).
+    policy = policies[0]
+    batch = make_batch(seed=5)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model.load_state_dict(full_state(policy))
+    mask = batch["token_mask"]
+    logits = torch.stack([model(input_ids=batch["input_ids"][r : r + 1]).logits[0] for r in range(batch.size)])
+
+    def nll(temperature):
+        lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        return float(-(lp * mask[:, 1:]).sum() / mask.sum())
+
+    assert nll(0.5) != pytest.approx(nll(1.0), rel=1e-3)
+    # lr 0: the weights stay, so each call measures the same model
+    assert policy.train(batch, NLLLoss(), lr=0.0, temperature=0.5)["loss"] == pytest.approx(nll(0.5), rel=1e-5)
+    assert policy.train(batch, NLLLoss(), lr=0.0)["loss"] == pytest.approx(nll(1.0), rel=1e-5)  # the policy's own again
+
+
 def test_killed_worker_is_named(policies):
     policy = policies[1]  # last test of the module: this policy is broken afterwards
     victim = policy.worker_info[1]

@@ -1,6 +1,7 @@
 """NLL, DPO (sigmoid/IPO/SimPO/ORPO) and Bradley-Terry losses against hand-computed values."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -127,6 +128,14 @@ def test_orpo_hand_computed():
     loss, _ = DPOLoss(beta=beta, name="orpo")(certain, mb1, *valid_counts(mb1))
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(certain.grad).all()
+    # Near p = 1 the odds term is the formula's (TRL's), not a clamp's: a clamp at -1e-6 gave
+    # every p above 1 - 1e-6 the same log-odds, 0.0693 here, and no gradient on the rejected side.
+    near = torch.tensor([-1e-7], dtype=torch.float64, requires_grad=True)
+    far = torch.tensor([-1e-9], dtype=torch.float64, requires_grad=True)
+    value = preference_pair_losses(near, far, beta, "orpo")
+    value.sum().backward()
+    assert value.item() == pytest.approx(-beta * logsig(log_odds(-1e-7) - log_odds(-1e-9)), rel=1e-6)
+    assert value.item() == pytest.approx(0.461512, rel=1e-5) and far.grad.item() == pytest.approx(9.9e7, rel=0.01)
 
 
 def test_dpo_micro_batches_sum_and_sample_mask():
@@ -178,6 +187,34 @@ def test_bad_inputs_and_registry():
     for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
         assert fn.loss_type in ("token", "sequence")
     assert dpo.needs_pairs and BradleyTerryLoss.needs_pairs and not NLLLoss.needs_pairs
+
+
+def test_settings_that_make_the_loss_non_finite_or_constant_are_refused_at_load():
+    # Each was accepted: inf beta made every step NaN (skipped as "non-finite gradients"), a NaN
+    # weight likewise, a negative weight trained the NLL upward, two zero weights trained nothing,
+    # SimPO's gamma with another loss was ignored without a word.
+    from posttrain.config import ConfigError, load_config
+
+    cases = [(["dpo.reference_policy_kl_penalty=.inf"], "dpo.reference_policy_kl_penalty: got inf, expected a finite number"),
+             (["dpo.preference_loss_weight=.nan"], "dpo.preference_loss_weight: got nan, expected a finite number"),
+             (["dpo.sft_loss_weight=-1"], "dpo.sft_loss_weight: got -1, expected greater than or equal to 0"),
+             (["dpo.preference_loss_weight=0"], "dpo.preference_loss_weight=0 with no dpo.sft_loss_weight"),
+             (["dpo.loss.name=orpo", "dpo.preference_loss_weight=0", "dpo.sft_loss_weight=0"],
+              "dpo.preference_loss_weight=0 with no dpo.sft_loss_weight"),
+             (["dpo.loss.name=ipo", "dpo.reference_policy_kl_penalty=1e-20"], "IPO's loss, the square of a margin"),
+             (["dpo.loss.simpo_gamma=1.0"], "dpo.loss.simpo_gamma=1.0 is SimPO's margin; dpo.loss.name=sigmoid")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config("dpo", None, overrides)
+    with pytest.raises(ConfigError, match="kto.desirable_weight: got inf, expected a finite number"):
+        load_config("kto", None, ["kto.desirable_weight=.inf"])
+    # What stays valid: ORPO's NLL alone, the SFT term alone, gamma at its default (a resolved
+    # config.yaml writes it) or with SimPO, IPO at a small beta.
+    for overrides in (["dpo.loss.name=orpo", "dpo.preference_loss_weight=0"],
+                      ["dpo.preference_loss_weight=0", "dpo.sft_loss_weight=1"], ["dpo.loss.simpo_gamma=0.5"],
+                      ["dpo.loss.name=simpo", "dpo.loss.simpo_gamma=1.0"],
+                      ["dpo.loss.name=ipo", "dpo.reference_policy_kl_penalty=1e-6"]):
+        load_config("dpo", None, overrides)
 
 
 @pytest.mark.parametrize("name", ["sigmoid", "ipo", "simpo"])
@@ -234,6 +271,13 @@ def test_kto_hand_computed_and_summed_over_micro_batches():
     assert sum(p[0].item() for p in parts) == pytest.approx(loss.item())
     for key in ("rewards_desirable_mean", "rewards_undesirable_mean", "accuracy", "kl"):
         assert sum(p[1][key] for p in parts) == pytest.approx(m[key])
+    # A global batch without undesirable examples has no mean reward for them, nor a margin (they
+    # were logged as 0 and minus the other mean); the rest is measured as before.
+    one_label = mb.copy()
+    one_label.update(kto_label=torch.ones(3), kto_desirable=torch.full((3,), 3.0))
+    _, m1 = loss_fn(curr.detach(), one_label, torch.tensor(6.0), torch.tensor(3.0))
+    assert set(m1) == {"loss", "kl", "accuracy", "num_valid_samples", "rewards_desirable_mean"}
+    assert m1["rewards_desirable_mean"] == pytest.approx(beta * sum(r) / 3)
     from posttrain.schemas import KTOConfig
 
     built = build_loss("kto", KTOConfig(reference_policy_kl_penalty=0.2, undesirable_weight=2.0))
