@@ -229,7 +229,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             # workers' (~1.7 s of a run's start on 2 cores).
             envs[name] = create_env(name, cfg.env.get_worker_cfg(name), wait=False)
             undo.callback(envs[name].shutdown)
-        policy = Policy(clusters[0], cfg.policy, init_reference=cfg.needs_reference())
+        policy = Policy(clusters[0], cfg.policy, init_reference=cfg.needs_reference(), export_bos=cfg.data.add_bos)
         undo.callback(policy.shutdown)
         generation = _generation_backend(cfg, policy, clusters[1] if len(clusters) > 1 else None)
         if generation is not policy:

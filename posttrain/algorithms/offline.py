@@ -107,7 +107,9 @@ def start_run(
         logger.close()
         raise
     try:
-        policy = Policy(cluster, policy_cfg, init_reference=init_reference, model_kind=model_kind)
+        policy = Policy(cluster, policy_cfg, init_reference=init_reference, model_kind=model_kind,
+                        export_bos=cfg.data.add_bos,
+                        export_eos=cfg.data.add_eos and model_kind == "sequence_classification")
     except BaseException:
         logger.close()
         cluster.shutdown()

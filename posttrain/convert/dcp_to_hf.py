@@ -104,7 +104,11 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
         # A truncated or foreign checkpoint: name it, no traceback (CheckpointException, what
         # dcp raises for an unreadable one, is a BaseException).
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001
-            raise InputError(f"cannot read the checkpoint in {policy_dir} ({_cause(e)}); a save cut "
+            cause = _cause(e)
+            if "size mismatch" in cause.lower() or "missing key" in cause.lower():
+                raise InputError(f"the checkpoint in {policy_dir} does not fit the model of {source} ({cause}); it "
+                                 "is another model's: pass the run's own config (--config)") from e
+            raise InputError(f"cannot read the checkpoint in {policy_dir} ({cause}); a save cut "
                              "short or files copied in part? Convert another step_N") from e
     sd = {k: v.detach() for k, v in state["model"].items()}
     if lora.enabled:

@@ -16,6 +16,7 @@ size or the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -42,8 +43,8 @@ from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
 from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, disable_dropout,
-                                   load_generation_config, load_model_configs, load_pretrained, model_class,
-                                   resolve_tokenizer_path, save_hf, writing_folder)
+                                   exported_chat_template, load_generation_config, load_model_configs, load_pretrained,
+                                   model_class, resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -233,8 +234,10 @@ def compile_layers(model: torch.nn.Module, cfg: CompileConfig) -> None:
 class FSDPPolicyWorker:
     """One FSDP2 rank of the policy (see the module docstring). `setup()` does the loading."""
 
-    def __init__(self, cfg: PolicyConfig, init_reference: bool = True, model_kind: str = "causal_lm"):
+    def __init__(self, cfg: PolicyConfig, init_reference: bool = True, model_kind: str = "causal_lm",
+                 export_bos: bool = True, export_eos: bool = False):
         self.cfg = cfg
+        self._export_special = {"bos": export_bos, "eos": export_eos}  # see Policy
         self.init_reference = init_reference
         self.model_kind = model_kind
         self.rank = int(os.environ["RANK"])
@@ -281,6 +284,7 @@ class FSDPPolicyWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg))
         if cfg.tokenizer.chat_template is not None:
             self.tokenizer.chat_template = cfg.tokenizer.chat_template
+        self._export_template = exported_chat_template(self.tokenizer, **self._export_special)
         # The id the driver pads batches with (`load_tokenizer`: the pad token, else EOS).
         self.pad_id = pad_token_id(self.tokenizer)
         if self.model_kind == "sequence_classification":
@@ -811,12 +815,27 @@ class FSDPPolicyWorker:
                 with writing_folder(Path(path)) as tmp:
                     save_adapter(sd, self.cfg.lora, tmp, base_model_name_or_path=self.cfg.model_name,
                                  model=self.model)
-                    self.tokenizer.save_pretrained(tmp)
+                    self._save_tokenizer(tmp)
         else:
             sd = self._base_weights(all_ranks=False)
             if self.rank == 0:
-                save_hf(sd, self.hf_config, self.tokenizer, path, self.model_kind, self.generation_config)
+                with self._exported_tokenizer() as tokenizer:
+                    save_hf(sd, self.hf_config, tokenizer, path, self.model_kind, self.generation_config)
         dist.barrier()
+
+    @contextlib.contextmanager
+    def _exported_tokenizer(self) -> Iterator[Any]:
+        """The tokenizer with the chat template an export writes (`exported_chat_template`)."""
+        template = self.tokenizer.chat_template
+        self.tokenizer.chat_template = self._export_template
+        try:
+            yield self.tokenizer
+        finally:
+            self.tokenizer.chat_template = template
+
+    def _save_tokenizer(self, path: str | Path) -> None:
+        with self._exported_tokenizer() as tokenizer:
+            tokenizer.save_pretrained(path)
 
     def _synced_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(reference, policy) local tensors of every policy parameter, by name (sharded alike)."""
@@ -863,7 +882,7 @@ class FSDPPolicyWorker:
             self.hf_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
             if self.generation_config is not None:
                 self.generation_config.save_pretrained(Path(path) / HF_CONFIG_DIR)
-            self.tokenizer.save_pretrained(Path(path) / HF_CONFIG_DIR)
+            self._save_tokenizer(Path(path) / HF_CONFIG_DIR)  # dcp-to-hf exports it
             meta = {"model_kind": self.model_kind, "lora": self.cfg.lora.model_dump()}
             (Path(path) / META_FILE).write_text(json.dumps(meta, indent=1))
         dist.barrier()

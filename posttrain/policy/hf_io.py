@@ -18,6 +18,8 @@ import torch
 from posttrain.config import InputError
 from posttrain.embedded import model_load_error, resolve_model_path
 
+log = logging.getLogger(__name__)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Bytes of training state per parameter, in units of the master-weight size: fp32 weights,
@@ -336,6 +338,64 @@ def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: to
     return n
 
 
+_EOS_AFTER = "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}"
+# What a template may put BOS in front with: a SentencePiece tokenizer (Llama 2's, stories260K's)
+# reads text after a special token without its leading-space marker, so "<s>Once" is not BOS +
+# the ids of "Once"; "<s> Once" is.
+_BOS_FRONTS = ("{{ bos_token }}", "{{ bos_token }} ")
+# The conversation an exported template is checked on.
+_PROBE_PROMPT = [{"role": "user", "content": "Once upon a time"}]
+_PROBE = [*_PROBE_PROMPT, {"role": "assistant", "content": "there was a cat."}]
+
+
+def exported_chat_template(tokenizer, *, bos: bool, eos: bool) -> Any:
+    """The tokenizer's chat template as an export writes it, so that plain transformers'
+    `apply_chat_template` gives the ids posttrain trained on: the BOS that `with_bos` put in front
+    of the rendered text when `bos` (data.add_bos), and the EOS after a conversation when `eos`
+    (a reward model scores its rows at the EOS data.add_eos appended); each only where the template
+    does not already write it, and only as checked on a probe conversation to give posttrain's
+    ids (else the template stays and a warning says what is missing). posttrain reads such a
+    template back to the same ids (`with_bos` and `add_eos` skip a BOS or EOS that is there).
+    A dict of named templates is adjusted name by name."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        return {name: _with_special_tokens(tokenizer, t, bos, eos) for name, t in template.items()}
+    return _with_special_tokens(tokenizer, template, bos, eos) if isinstance(template, str) else template
+
+
+def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
+    from posttrain.rollouts import render_prompt
+
+    def ids(t: str, messages: list[dict], prompt: bool) -> list[int]:
+        return tokenizer.apply_chat_template(messages, chat_template=t, add_generation_prompt=prompt, tokenize=True,
+                                             return_dict=False)
+
+    given, original = template, tokenizer.chat_template
+    try:
+        tokenizer.chat_template = template
+        text = tokenizer.apply_chat_template(_PROBE, tokenize=False)
+        trained_prompt = render_prompt(tokenizer, _PROBE_PROMPT, True)
+        missing = []
+        if bos and tokenizer.bos_token and not text.startswith(tokenizer.bos_token):
+            fits = [front + template for front in _BOS_FRONTS
+                    if ids(front + template, _PROBE_PROMPT, True) == trained_prompt]
+            template = fits[0] if fits else template
+            missing += [] if fits else ["the BOS that data.add_bos put in front"]
+        if eos and tokenizer.eos_token and not text.rstrip().endswith(tokenizer.eos_token):
+            if ids(template + _EOS_AFTER, _PROBE, False) == [*ids(template, _PROBE, False), tokenizer.eos_token_id]:
+                template += _EOS_AFTER
+            else:
+                missing.append("the EOS that data.add_eos appended")
+    except Exception:  # noqa: BLE001 - a template that needs more (a system turn): left as it is
+        return given
+    finally:
+        tokenizer.chat_template = original
+    if missing:
+        log.warning("the exported chat template does not write %s (it would not tokenize as training did); "
+                    "with plain transformers, add it to the ids yourself", " nor ".join(missing))
+    return template
+
+
 def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
     """A model folder named by `--output` is replaced as a whole: refuse one that is not a model
     folder (a `--output results` meant as `results/stories260K-hf` would delete every run in it),
@@ -353,10 +413,24 @@ def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = N
         return
     if not out.is_dir():
         raise InputError(f"--output {out}: exists and is not a folder")
-    if any(out.iterdir()) and not any((out / f).is_file() for f in ("config.json", "adapter_config.json")):
-        raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json), which "
-                         "the converter would replace with all its contents; name a new or empty folder, or a "
-                         "model folder to replace")
+    if any(out.iterdir()) and not _is_model_folder(out):
+        raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json of a "
+                         "model), which the converter would replace with all its contents; name a new or empty "
+                         "folder, or a model folder to replace")
+
+
+def _is_model_folder(folder: Path) -> bool:
+    """Whether `folder` holds a transformers model (config.json with a model_type) or a PEFT adapter
+    (adapter_config.json with a peft_type): any config.json (an app's, a project's) was taken for
+    one, and the folder replaced whole."""
+    for name, key in (("config.json", "model_type"), ("adapter_config.json", "peft_type")):
+        try:
+            data = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and key in data:
+            return True
+    return False
 
 
 @contextlib.contextmanager

@@ -26,7 +26,11 @@ class Policy:
     """See docs/architecture.md ("Policy")."""
 
     def __init__(self, cluster: RayVirtualCluster, cfg: PolicyConfig, *, init_reference: bool = True,
-                 model_kind: str = "causal_lm", name_prefix: str = "policy"):
+                 model_kind: str = "causal_lm", name_prefix: str = "policy", export_bos: bool = True,
+                 export_eos: bool = False):
+        """`export_bos` / `export_eos`: the BOS and EOS the run's rows have around the chat template's
+        text (data.add_bos; data.add_eos, which matters to a reward model), written into the template
+        of its HF exports and checkpoints (`hf_io.exported_chat_template`)."""
         self.cfg = cfg
         self.model_kind = model_kind
         # Tensor parallelism: groups of tp consecutive ranks hold one copy of the model between
@@ -36,7 +40,8 @@ class Policy:
             raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size={self.tp} does not divide the "
                              f"{cluster.world_size} policy workers (cluster.num_nodes x workers_per_node)")
         self.workers = RayWorkerGroup(cluster, FSDPPolicyWorker, cfg, init_reference=init_reference,
-                                      model_kind=model_kind, name_prefix=name_prefix)
+                                      model_kind=model_kind, name_prefix=name_prefix, export_bos=export_bos,
+                                      export_eos=export_eos)
         self.dp = self.workers.world_size // self.tp
         try:
             info = self.workers.get(self.workers.run_all("setup"))

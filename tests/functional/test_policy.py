@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
@@ -124,6 +124,16 @@ def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     with pytest.raises(InputError, match="not a model folder"):  # it would replace the whole folder
         dcp_to_hf(tmp_path / "step_1", tmp_path / "notes")
+    (tmp_path / "notes" / "config.json").write_text('{"name": "my app"}')  # an app's, not a model's config
+    with pytest.raises(InputError, match="not a model folder"):
+        dcp_to_hf(tmp_path / "step_1", tmp_path / "notes")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    # Another model's run config for a checkpoint without its hf_config/: named as such, not as a save cut short.
+    shutil.copytree(tmp_path / "step_1", tmp_path / "foreign")
+    shutil.rmtree(tmp_path / "foreign" / "policy" / "hf_config")
+    (tmp_path / "other.yaml").write_text("policy:\n  model_name: embedded:small\n")
+    with pytest.raises(InputError, match=r"does not fit the model of embedded:small .*pass the run's own config"):
+        dcp_to_hf(tmp_path / "foreign", tmp_path / "converted", str(tmp_path / "other.yaml"))
     with pytest.raises(SystemExit) as done:
         cli_main(["convert", "dcp-to-hf", "--checkpoint", str(tmp_path / "step_1"),
                   "--output", str(tmp_path / "converted")])
@@ -138,6 +148,12 @@ def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict().items():
         assert torch.equal(converted[k], v), k
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+    # Its chat template writes the BOS that data.add_bos puts in front (tests/unit/test_hf_export.py),
+    # and so does the converted checkpoint's.
+    for folder in ("hf", "converted"):
+        tok = AutoTokenizer.from_pretrained(tmp_path / folder)
+        rendered = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=True, return_dict=False)
+        assert rendered[0] == tok.bos_token_id and rendered[1] != tok.bos_token_id
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     batch = make_batch(seed=4)
     ids = batch["input_ids"][:, :9]  # rows 0, 2 and the prefix of 1 are all valid tokens
@@ -254,7 +270,8 @@ def test_train_takes_the_logprobs_temperature_for_one_call(policies, tiny_model_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     model.load_state_dict(full_state(policy))
     mask = batch["token_mask"]
-    logits = torch.stack([model(input_ids=batch["input_ids"][r : r + 1]).logits[0] for r in range(batch.size)])
+    with torch.no_grad():
+        logits = torch.stack([model(input_ids=batch["input_ids"][r : r + 1]).logits[0] for r in range(batch.size)])
 
     def nll(temperature):
         lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]

@@ -137,5 +137,17 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
         padded = exported(input_ids=batch["input_ids"]).logits[:, 0]
     torch.testing.assert_close(scores, alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=1e-5)  # the export pads as training did
+    # Plain transformers renders a conversation with the BOS and the scored EOS that data.add_bos /
+    # add_eos put around the template's text (without them the export scored other ids: -0.16
+    # against +0.19 in an audit), its prompt as training tokenized it (tests/unit/test_hf_export.py).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    prompt = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=False)
+    assert all(batch["input_ids"][i, : len(prompt)].tolist() == prompt for i in range(batch.size))
+    whole = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]},
+                                     {"role": "assistant", "content": "a dog"}], tokenize=True, return_dict=False)
+    assert whole[0] == tok.bos_token_id and whole[-1] == tok.eos_token_id and whole[-2] != tok.eos_token_id
     # Positions through the model: the padded rows, not 0 (the score forward went uncounted).
     assert trained["train/model_tokens"] >= trained["train/num_tokens"] > 0

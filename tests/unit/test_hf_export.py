@@ -1,0 +1,71 @@
+"""The chat template an HF export writes: plain transformers renders the ids posttrain trained on."""
+
+from transformers import AutoTokenizer
+
+from posttrain.data.processors import tokenize_messages
+from posttrain.embedded import resolve_model_path
+from posttrain.policy.hf_io import exported_chat_template
+from posttrain.rollouts import render_prompt
+
+PROMPT = [{"role": "user", "content": "12+34="}]
+CONVERSATION = [*PROMPT, {"role": "assistant", "content": "046"}]
+PLAIN = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _tokenizer(template=None):
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("embedded:small"))
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+def _rendered(tok, messages, **kw):
+    return tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
+
+
+def test_the_exported_template_writes_the_bos_and_eos_the_data_put_around_it():
+    for template, eos in ((None, False), (PLAIN, True)):  # the embedded model's; a plain one of a reward model
+        trained = _tokenizer(template)
+        prompt = render_prompt(trained, PROMPT, True)
+        row = tokenize_messages(CONVERSATION, trained, add_bos=True, add_eos=True)["input_ids"]
+        assert _rendered(trained, PROMPT, add_generation_prompt=True) != prompt  # the template alone: no BOS
+        exported = _tokenizer(exported_chat_template(trained, bos=True, eos=eos))
+        assert _rendered(exported, PROMPT, add_generation_prompt=True) == prompt
+        assert _rendered(exported, CONVERSATION) == row  # the embedded template ends turns with its EOS
+        # posttrain reads the exported template back to the same ids, and exports it unchanged again
+        assert render_prompt(exported, PROMPT, True) == prompt
+        assert tokenize_messages(CONVERSATION, exported, add_bos=True, add_eos=True)["input_ids"] == row
+        assert exported_chat_template(exported, bos=True, eos=eos) == exported.chat_template
+
+
+def test_the_exported_template_is_unchanged_where_nothing_is_put_around_it():
+    tok = _tokenizer(PLAIN)
+    assert exported_chat_template(tok, bos=False, eos=False) == PLAIN
+    with_bos = "{{ bos_token }}" + PLAIN  # stories260K's converter writes its BOS itself
+    assert exported_chat_template(_tokenizer(with_bos), bos=True, eos=False) == with_bos
+    tok.chat_template = {"default": PLAIN, "tool_use": with_bos}  # named templates, each adjusted
+    assert exported_chat_template(tok, bos=True, eos=False) == {"default": with_bos, "tool_use": with_bos}
+
+
+def test_a_sentencepiece_tokenizer_gets_its_bos_before_a_space(stories260k, caplog):
+    # SentencePiece reads "<s>Once" as BOS + "Once" without its leading-space marker, not as the
+    # ids posttrain trained on (BOS + those of "Once"): the template writes "<s> Once".
+    rm_template = "{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n" \
+                  "### Response:\n{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+    for template in (rm_template, PLAIN):
+        trained = AutoTokenizer.from_pretrained(stories260k)
+        trained.chat_template = template
+        exported = AutoTokenizer.from_pretrained(stories260k)
+        exported.chat_template = exported_chat_template(trained, bos=True, eos=True)
+        assert exported.chat_template.startswith("{{ bos_token }} ")
+        for messages in (PROMPT, [{"role": "user", "content": "Tim and Lily"}]):
+            assert _rendered(exported, messages, add_generation_prompt=True) == render_prompt(trained, messages, True)
+        conversation = _rendered(exported, CONVERSATION)
+        assert conversation[0] == trained.bos_token_id and conversation[-1] == trained.eos_token_id
+    assert "does not write" not in caplog.text
+    # A template that no BOS in front can make tokenize as training did is left as it is, with a warning.
+    odd = AutoTokenizer.from_pretrained(stories260k)
+    odd.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    odd.bos_token = "Tim"  # a "BOS" whose text reads as other ids
+    assert exported_chat_template(odd, bos=True, eos=False) == odd.chat_template
+    assert "does not write the BOS that data.add_bos put in front" in caplog.text
