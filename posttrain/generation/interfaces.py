@@ -44,8 +44,10 @@ class GenerationInterface(Protocol):
     def finish_generation(self) -> None:
         """Release what generation holds (caches) so training gets the memory back."""
 
-    def update_weights(self, state_dict_or_ref: Any, version: int) -> None:
-        """Load new weights (a CPU state dict or a Ray ObjectRef to one) tagged with `version`."""
+    def update_weights(self, state_dict_or_ref: Any, version: int) -> float | dict[str, float]:
+        """Load new weights (a CPU state dict or a Ray ObjectRef to one) tagged with `version`;
+        returns the refit's time: an engine its seconds, `GenerationWorkerGroup` {"refit_s": wall
+        seconds, "refit_load_s": the slowest worker's load seconds}."""
 
 
 def validate_prompts(batch: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,6 +134,26 @@ def test_an_interrupted_eval_keeps_the_samples_of_its_finished_batches(ray_sessi
     assert not (save / "results.json").exists()
 
 
+def test_eval_loads_the_model_with_the_policys_attention_kernel(monkeypatch, tmp_path):
+    # As GRPO's validation does: eval loaded transformers' default (sdpa), which rounded one greedy
+    # answer of the quickstart's 200 prompts otherwise than its validation (0.225 against 0.23).
+    import posttrain.generation
+    from posttrain.algorithms.eval import setup
+
+    class Built(Exception):
+        pass
+
+    def build_generation(backend, **kwargs):
+        raise Built(kwargs["attn_implementation"])
+
+    monkeypatch.setattr(posttrain.generation, "build_generation", build_generation)
+    for setting, kernel in (("auto", "eager"), ("sdpa", "sdpa")):  # auto: eager on a CPU up to 256 positions
+        cfg = load_config("eval", CONFIGS / "arithmetic.yaml", [f"eval.save_path={tmp_path}",
+                                                                f"policy.attn_implementation={setting}"])
+        with pytest.raises(Built, match=f"^{kernel}$"):
+            setup(cfg)
+
+
 def test_answers_an_environment_gives_as_numbers_are_voted_on_as_text():
     from posttrain.algorithms.eval import ANSWER_KEY, _AnswerRecorder
     from posttrain.environments.interfaces import PerSampleEnvironment, StepResult

@@ -540,6 +540,9 @@ def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices
     other = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
                                        f"policy.generation.vllm_cfg.python={sys.executable}"])
     check_backend_installed(other.policy.generation)
+    # But not for eval, which generates in its own process: the message says to run it in that venv.
+    with pytest.raises(InputError, match=r"run this command with that venv's posttrain .*vllm_cfg.python does not apply"):
+        check_backend_installed(other.policy.generation, in_process=True)
 
 
 def test_vllm_python_is_checked_at_load(tmp_path):
