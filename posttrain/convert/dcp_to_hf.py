@@ -9,10 +9,12 @@ only used when `hf_config/` is missing, to find `policy.model_name`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from omegaconf import OmegaConf
@@ -73,6 +75,22 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def _drop_dcp_record(record: logging.LogRecord) -> bool:
+    return "torch/distributed/checkpoint/" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def _without_dcp_fallback_logs() -> Iterator[None]:
+    """dcp.load logs each metadata fallback of an unreadable checkpoint on the root logger, with
+    its whole traceback (27 lines before the one-line error that names the checkpoint and cause)."""
+    root = logging.getLogger()
+    root.addFilter(_drop_dcp_record)
+    try:
+        yield
+    finally:
+        root.removeFilter(_drop_dcp_record)
+
+
 def convert(checkpoint: str | Path, output: str | Path, config_path: str | None = None) -> Path:
     """Write the policy weights of `checkpoint` as a transformers checkpoint in `output`."""
     import torch.distributed.checkpoint as dcp
@@ -97,7 +115,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
                                                                      dtype=torch.float32), lora)
     model.to_empty(device="cpu")
     state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # a single process without a group is the intent here
+    with warnings.catch_warnings(), _without_dcp_fallback_logs():  # a single process without a group is the intent
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp.load(state, checkpoint_id=str(policy_dir))

@@ -111,7 +111,7 @@ def test_dcp_checkpoint_restores_weights_and_optimizer(policies, tmp_path):
         assert torch.equal(v, after_one_more[k]), k
 
 
-def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
+def test_hf_export_reloads_with_identical_logits(policies, tmp_path, caplog):
     policy = policies[1]
     # An earlier export's file that this one would not overwrite (a shard index, say) goes with it.
     (tmp_path / "hf").mkdir()
@@ -143,6 +143,7 @@ def test_hf_export_reloads_with_identical_logits(policies, tmp_path):
     (tmp_path / "step_2" / "policy" / ".metadata").write_bytes(b"")
     with pytest.raises(InputError, match=r"cannot read the checkpoint in .*step_2"):
         dcp_to_hf(tmp_path / "step_2", tmp_path / "converted")
+    assert "metadata is not found" not in caplog.text  # dcp's fallbacks, each logged with a traceback
     assert (tmp_path / "converted" / "config.json").is_file()  # the earlier conversion is intact
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").state_dict()
     for k, v in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict().items():
