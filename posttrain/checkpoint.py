@@ -54,6 +54,9 @@ STOPPED_BY_SIGNAL = "stopped_by_signal"
 EXPORT_DIR = "hf"
 COMPLETE_MARKER = "COMPLETE"
 INFO_FILE = "training_info.json"
+# A checkpoint's training_info key: the validation due at its step was skipped by a stop signal
+# (its grace period is for the save); the resumed run makes it up (`pending_validation`).
+VALIDATION_PENDING = "validation_pending"
 CONFIG_FILE = "config.yaml"
 RNG_FILE = "rng_state.pt"
 # In policy/ (`Policy.save_checkpoint`): the LR scheduler's position and the weights' version.
@@ -266,6 +269,19 @@ class StopAtOnce(KeyboardInterrupt):
 _last_stop_at_once: str | None = None
 
 
+_run_start: float | None = None  # `mark_run_start`: time.monotonic() when the command started
+
+
+def mark_run_start() -> None:
+    """The command's start (`posttrain <algorithm>`), from which the next CheckpointManager counts
+    `checkpointing.checkpoint_must_save_by`: counted from the manager's creation, the limit left
+    out the data's loading and tokenization before it (40 s of a 60 s limit in an audit), and the
+    last save came after the scheduler's kill. (time.monotonic is one clock for the whole system,
+    so the job a supervisor forks keeps it.)"""
+    global _run_start
+    _run_start = time.monotonic()
+
+
 def take_stop_at_once() -> str | None:
     """The signal of the last StopAtOnce since the previous call (None: none)."""
     global _last_stop_at_once
@@ -392,7 +408,9 @@ class CheckpointManager:
             self._lock()
         if cfg.enabled and cfg.start_fresh and self.dir.is_dir():
             self.moved_aside = self._move_aside()
-        self._started = time.monotonic()
+        global _run_start
+        # The command's start, once (a later run in this process, as tests make them, counts from its own).
+        self._started, _run_start = (_run_start if _run_start is not None else time.monotonic()), None
         self.save_deadline_s = _duration_s(cfg.checkpoint_must_save_by) if cfg.checkpoint_must_save_by else None
         self.stop_signal: str | None = None  # "SIGTERM"/"SIGINT" once received (stop_on_signals)
         self.time_limit_reached = False  # stop_reason stopped the run for checkpoint_must_save_by
@@ -426,15 +444,17 @@ class CheckpointManager:
         return self.cfg.enabled and (last or step % self.cfg.save_period == 0)
 
     def time_left_s(self) -> float | None:
-        """Seconds until `checkpointing.checkpoint_must_save_by` (counted from this manager's
-        creation), or None without a limit."""
+        """Seconds until `checkpointing.checkpoint_must_save_by` (counted from the command's start,
+        `mark_run_start`, else this manager's creation), or None without a limit."""
         return None if self.save_deadline_s is None else self.save_deadline_s - (time.monotonic() - self._started)
 
-    def stop_reason(self) -> str | None:
+    def stop_reason(self, last_step: bool = False) -> str | None:
         """Why the run must save a checkpoint and end cleanly after this step, or None: the process
         got SIGTERM or SIGINT (see `stop_on_signals`), or the job's time limit
-        (`checkpointing.checkpoint_must_save_by`, counted from this manager's creation) would pass
-        before the next step and its save end. Called once a step, before the step's save.
+        (`checkpointing.checkpoint_must_save_by`, counted as `time_left_s` says) would pass
+        before the next step and its save end. Called once a step, before the step's save; at the
+        run's `last_step` no time limit stops it (it ends anyway: a finished run reported as stopped
+        by the limit would be started again by a job loop that resubmits such runs).
 
         The next step is expected to take as long as the longest so far, validation and save
         included (as NeMo RL fits the last save into the limit): stopping only once the limit had
@@ -445,7 +465,7 @@ class CheckpointManager:
         self._last_check = now
         if self.stop_signal is not None:
             return f"{self.stop_signal} received"
-        if self.save_deadline_s is None:
+        if self.save_deadline_s is None or last_step:
             return None
         left = self.save_deadline_s - (now - self._started)
         self.time_limit_reached = left <= 0 or left < self._longest_step_s
@@ -731,6 +751,33 @@ class CheckpointManager:
             shutil.rmtree(replaced, ignore_errors=True)
         self._prune(latest=final)
         return final
+
+    def pending_validation(self, step: int) -> Path | None:
+        """The checkpoint of `step` (the one a run resumes from) when its validation is pending."""
+        path = self.dir / f"step_{step}"
+        try:
+            return path if step and self.load_info(path).get(VALIDATION_PENDING) else None
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def record_validation(self, path: Path, metrics: dict[str, float]) -> None:
+        """Give the checkpoint at `path`, saved with its validation pending (`VALIDATION_PENDING`:
+        a stop signal skipped it), the validation `metrics` ("val:<name>") measured after the
+        resume, and rank it again: left unmeasured, it ranked below every measured checkpoint,
+        and the top-k pruned what may be the run's best."""
+        info = self.load_info(path)
+        info.pop(VALIDATION_PENDING, None)
+        name = self.cfg.metric_name
+        if name and name.startswith("val:"):
+            value = metrics.get(name)
+            value = value if value is not None and math.isfinite(float(value)) else None
+            info["metric_value"] = value
+            info["best_step"], info["best_metric_value"] = self._best(extra=(info["step"], value))
+        tmp = path / f"{INFO_FILE}.tmp"
+        _write(tmp, json.dumps(info, indent=2, default=str))
+        os.replace(tmp, path / INFO_FILE)
+        _fsync_dir(path)
+        self._prune(latest=path)
 
     # ----------------------------------------------------------------- internals
 

@@ -205,6 +205,9 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
     (default: when `argv` is taken from sys.argv, i.e. run as the program), an algorithm's job
     runs in a child process of its own session under this one
     (`runtime.supervise_in_own_session`); otherwise in this process."""
+    from posttrain.checkpoint import mark_run_start, take_stop_at_once
+
+    mark_run_start()  # checkpointing.checkpoint_must_save_by counts from here
     if supervise is None:
         supervise = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -213,8 +216,6 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         top.print_help()
         sys.exit(0 if argv else EXIT_INPUT_ERROR)
     command, rest = argv[0], argv[1:]
-    from posttrain.checkpoint import take_stop_at_once
-
     take_stop_at_once()  # one an earlier run in this process stopped with is not this run's
     try:
         if command in MASTER_CONFIGS:

@@ -1250,11 +1250,13 @@ class CheckpointingConfig(Section):
     # Also write a Hugging Face export of the final policy into <logger.log_dir>/hf/ (a run a
     # stop signal ends skips it; the resumed run that finishes exports).
     export_hf_at_end: bool = False
-    # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts: the run saves a checkpoint
+    # NeMo RL's job time limit, "DD:HH:MM:SS" after the run starts (the `posttrain` command's start,
+    # data loading included; a run started from Python: its checkpoint manager's): the run saves a checkpoint
     # and ends cleanly by then (for schedulers that kill jobs): after the last step that leaves
     # time for one more as long as the longest so far, validation and save included; null = no limit.
     # A GRPO warm-up SFT (no checkpoint of its own) projected to end after it stops the run, saying so.
-    # The run still exports (checkpointing.export_hf_at_end) and exits 0; its result has stopped_by_time_limit.
+    # The run still exports (checkpointing.export_hf_at_end) and exits 0; its result has stopped_by_time_limit
+    # (not when the limit came in its last step: that run is done).
     checkpoint_must_save_by: str | None = Field(None, pattern=r"^\d+:\d{1,2}:\d{1,2}:\d{1,2}$")
 
 

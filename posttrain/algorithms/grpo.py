@@ -33,8 +33,9 @@ from posttrain.advantages import (
     overlong_filter_mask,
     scale_rewards,
 )
-from posttrain.algorithms.offline import log_data_stats, training_logger
-from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.algorithms.offline import log_data_stats, made_up_validation, training_logger
+from posttrain.checkpoint import (EXPORT_DIR, VALIDATION_PENDING, CheckpointManager, restore_rng_state, stop_message,
+                                  train_then_export)
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -568,6 +569,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     if g.val_at_start and s.start_step == 0:
         val_metrics = validate(s, 0)
         logger.log_metrics(val_metrics, step=0, prefix="val")
+    if (pending := s.checkpointer.pending_validation(s.start_step)) is not None:
+        val_metrics = made_up_validation(s.checkpointer, logger, pending, s.start_step,
+                                         lambda: _validate_current(s, pipeline, s.start_step))
+        val_step = s.start_step
     gbs = cfg.policy.train_global_batch_size
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
     pad_id = s.tokenizer.pad_token_id
@@ -772,11 +777,12 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         ], step=step)
 
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
-        stop = s.checkpointer.stop_reason()
+        stop = s.checkpointer.stop_reason(last_step=step == g.max_num_steps)
         if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
             # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
             # documented (policy.train's metrics alone lack them).
-            _save(s, step, last.train, last.val, loader_state=last.loader_state)
+            _save(s, step, last.train, last.val, loader_state=last.loader_state,
+                  validation_pending=bool(due) and not last.val)
             last.saved_step = step
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],
                                       **({"val_acc": val_metrics["accuracy"]} if "accuracy" in val_metrics else {})})
@@ -814,10 +820,11 @@ def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision
 
 
 def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float],
-          loader_state: dict | None = None) -> None:
+          loader_state: dict | None = None, validation_pending: bool = False) -> None:
     """A checkpoint after `step`, ranked by `train` and `val` metrics (checkpointing.metric_name
     "train:<name>" / "val:<name>"); `loader_state`: the data position to resume from when the
-    loader has run ahead of the trained steps (async GRPO's in-flight prompts)."""
+    loader has run ahead of the trained steps (async GRPO's in-flight prompts);
+    `validation_pending`: a stop signal skipped the step's validation, which a resume makes up."""
     metrics = {**{f"train:{k}": v for k, v in train.items()}, **{f"val:{k}": v for k, v in val.items()}}
     loader_state = loader_state or s.loader.state_dict()
     info = {
@@ -825,6 +832,7 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
         # Samples generated from the prompts drawn so far (dynamic sampling draws more than it trains).
         "consumed_samples": loader_state["served"] * s.cfg.grpo.num_generations_per_prompt,
         "dataloader": loader_state,
+        **({VALIDATION_PENDING: True} if validation_pending else {}),
     }
     with s.logger.timed_save(step):
         s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.checkpoint import (EXPORT_DIR, VALIDATION_PENDING, CheckpointManager, restore_rng_state, stop_message,
+                                  train_then_export)
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -163,10 +164,13 @@ def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loade
     return step
 
 
-def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float]) -> Path:
+def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float],
+         validation_pending: bool = False) -> Path:
     """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`); the plots
-    are redrawn with it, as GRPO's, so a run killed outright has its curves up to its last checkpoint."""
-    info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict()}
+    are redrawn with it, as GRPO's, so a run killed outright has its curves up to its last checkpoint.
+    `validation_pending`: a stop signal skipped the step's validation, which a resume makes up."""
+    info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict(),
+            **({VALIDATION_PENDING: True} if validation_pending else {})}
     with run.logger.timed_save(step):
         path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
     run.logger.plot()
@@ -361,6 +365,9 @@ def offline_train(
     if algo.val_at_start and s.start_step == 0:
         val_metrics = validate()
         logger.log_metrics(val_metrics, step=0, prefix="val")
+    if (pending := s.run.checkpointer.pending_validation(s.start_step)) is not None:
+        val_metrics = made_up_validation(s.run.checkpointer, logger, pending, s.start_step, validate)
+        val_step = s.start_step
     step = s.start_step
     while step < s.total_steps:
         timer.reset()
@@ -394,10 +401,11 @@ def offline_train(
         logger.log_metrics({**last, "step_time_s": time.monotonic() - step_start, **timer.metrics()}, step=step,
                            prefix="train")
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
-        stop = s.run.checkpointer.stop_reason()
+        stop = s.run.checkpointer.stop_reason(last_step=step == s.total_steps)
         if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
             save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                 **{f"val:{k}": v for k, v in measured.items()}})
+                                                 **{f"val:{k}": v for k, v in measured.items()}},
+                 validation_pending=bool(due) and not measured)
         logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
                                                            if show in val_metrics else {})})
         if stop:
@@ -406,6 +414,18 @@ def offline_train(
     logger.plot()
     return {"step": step, **{f"train/{k}": v for k, v in last.items()},
             **{f"val/{k}": v for k, v in val_metrics.items()}, **({"val/step": val_step} if val_metrics else {})}
+
+
+def made_up_validation(checkpointer: CheckpointManager, logger: Logger, path: Path, step: int,
+                       validate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The validation a stop signal skipped at `step`, whose checkpoint `path` the run resumed
+    from: measured now on the same weights, logged at that step, and given to the checkpoint
+    to rank it (it ranked below every measured one, and the top-k could prune the best)."""
+    logger.console(f"validating step {step}, which the stop skipped before its checkpoint")
+    metrics = validate()
+    logger.log_metrics(metrics, step=step, prefix="val")
+    checkpointer.record_validation(path, {f"val:{k}": v for k, v in metrics.items()})
+    return metrics
 
 
 def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:

@@ -7,10 +7,16 @@ checkpoint needs to continue at the exact next row.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import random
+from functools import cached_property
 from typing import Any, Iterator, Sequence
 
 from posttrain.config import InputError
+
+log = logging.getLogger(__name__)
 
 
 class RowLoader:
@@ -110,9 +116,18 @@ class RowLoader:
         self.served += size
         return [self.rows[i] for i in idx]
 
-    def state_dict(self) -> dict[str, int]:
+    @cached_property
+    def rows_digest(self) -> str:
+        """A digest of the rows (their tokens, labels, texts): a resume checks the data is the one
+        the checkpoint's run read, beyond its row count. Once per run (~0.1 s per 10^4 rows)."""
+        h = hashlib.sha256()
+        for row in self.rows:
+            h.update(json.dumps(row, sort_keys=True, default=str).encode())
+        return h.hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "num_rows": len(self.rows), "seed": self.seed,
-                "shuffle": self.shuffle, "served": self.served}
+                "shuffle": self.shuffle, "served": self.served, "rows_digest": self.rows_digest}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_rows") not in (None, len(self.rows)):
@@ -120,6 +135,12 @@ class RowLoader:
                 f"the checkpoint's data loader saw {state['num_rows']} rows but the dataset now has "
                 f"{len(self.rows)}: resuming would not continue where the run stopped"
             )
+        if state.get("rows_digest") not in (None, self.rows_digest):
+            # Not refused: a file mended since (a typo fixed) is a reason to go on. But the position
+            # is an index into the old rows' order, which the rest of the epoch follows.
+            log.warning("the training rows differ from those the checkpoint's run read (the same %d rows in number, "
+                        "other contents or order): the run continues at its position, so in the current epoch some "
+                        "rows may come twice and others not at all", len(self.rows))
         shuffle, seed = state.get("shuffle", self.shuffle), state.get("seed", self.seed)
         # The position is an index into the epoch's order: another order would repeat some rows of
         # the epoch and skip others (without shuffling, the seed orders nothing).

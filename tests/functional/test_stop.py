@@ -32,10 +32,11 @@ def _train_steps(log_dir: Path) -> list[int]:
     return [r["step"] for r in read_metrics(path) if r["prefix"] == "train"]
 
 
-def _grpo(tmp_path: Path, steps: int) -> list[str]:
+def _grpo(tmp_path: Path, steps: int, val_period: int = 0) -> list[str]:
     return [str(EXE), "grpo", "--config", "examples/configs/grpo_quickstart.yaml",
             "policy.model_name=embedded:tiny", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-            "grpo.warmup_sft_steps=0", "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
+            "grpo.warmup_sft_steps=0", "grpo.val_at_start=false", f"grpo.val_period={val_period}",
+            "grpo.val_at_end=false", "data.max_val_samples=8",
             "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=16",
             f"grpo.max_num_steps={steps}", "checkpointing.save_period=1000", "checkpointing.export_hf_at_end=true",
             "logger.tensorboard_enabled=false", "cluster.cpus_per_worker=1",
@@ -91,7 +92,7 @@ def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, 
     # in a session of its own (with the Ray node it starts): the group's signal must reach the job
     # through it alone, the Ray node must outlive the checkpoint, and a SIGKILLed supervisor must
     # still leave one (the job then gets SIGTERM).
-    proc = subprocess.Popen(_grpo(tmp_path, 1000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_grpo(tmp_path, 1000, val_period=1), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = _signal_when(proc, lambda: len(_train_steps(tmp_path / "logs")) >= 2, sig, to_group)
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig.value), out
@@ -107,10 +108,14 @@ def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, 
 
     if sig != signal.SIGTERM or not to_group:
         return  # the same checkpoint as the group's SIGTERM, whose run resumes below (~20 s saved each)
-    resumed = subprocess.run(_grpo(tmp_path, last + 1), cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)
+    resumed = subprocess.run(_grpo(tmp_path, last + 1, val_period=1), cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _train_steps(tmp_path / "logs") == list(range(1, last + 2))  # only the next step ran
+    # Every step validated once: the one the stop skipped (unless the signal came during it) at the resume.
+    val_steps = [r["step"] for r in read_metrics(tmp_path / "logs" / "metrics.jsonl") if r["prefix"] == "val"]
+    assert val_steps == list(range(1, last + 2)), val_steps
+    assert "validation_pending" not in json.loads((tmp_path / "ckpt" / f"step_{last}" / "training_info.json").read_text())
 
 
 def test_sft_honours_the_job_time_limit(ray_session, tmp_path):

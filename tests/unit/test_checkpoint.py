@@ -421,6 +421,24 @@ def test_checkpoint_must_save_by_stops_when_the_next_step_would_not_end_in_time(
     assert mgr.stop_reason() == "checkpointing.checkpoint_must_save_by=00:00:01:40 reached"
 
 
+def test_checkpoint_must_save_by_counts_from_the_commands_start_and_never_stops_the_last_step(tmp_path, monkeypatch):
+    # Counted from the manager's creation, the limit left out the data's loading before it (40 s of
+    # a 60-s limit in an audit); and a run whose limit passed in its last step, done, was reported
+    # as stopped by it ("stopped_by_time_limit": a job loop resubmitted the finished run).
+    import posttrain.checkpoint as ckpt
+
+    clock = [1000.0]
+    monkeypatch.setattr(ckpt.time, "monotonic", lambda: clock[0])
+    ckpt.mark_run_start()
+    clock[0] += 50  # loading and tokenizing the data
+    mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:01:00")
+    assert mgr.time_left_s() == 10
+    assert _mgr(tmp_path / "next", checkpoint_must_save_by="00:00:01:00").time_left_s() == 60  # a later run's own
+    clock[0] += 20
+    assert mgr.stop_reason(last_step=True) is None and not mgr.time_limit_reached
+    assert mgr.stop_reason() == "checkpointing.checkpoint_must_save_by=00:00:01:00 reached" and mgr.time_limit_reached
+
+
 def test_checkpoint_must_save_by(tmp_path):
     mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:00:00")
     assert mgr.save_deadline_s == 0
@@ -656,19 +674,21 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
 
 def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_first(tmp_path):
     """A scheduler kills the job a grace period after its SIGTERM: a long validation due at the
-    step must not run before the save (the validation of a step without a signal still runs)."""
+    step must not run before the save (the validation of a step without a signal still runs).
+    The resumed run makes it up, logged at that step and ranking its checkpoint, before it trains:
+    it was never run, and the top-k pruned the checkpoint, which may have been the best."""
     from types import SimpleNamespace
 
     from posttrain.algorithms import offline
     from posttrain.config import load_config
     from posttrain.data.loader import RowLoader
 
-    mgr = _mgr(tmp_path)
-    validated = []
+    mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=1)
+    validated, logged = [], []
 
     class Policy(_Policy):
         def train(self, batch, loss_fn):
-            if len(validated) == 1:  # step 2: the signal arrives while it trains
+            if len(validated) == 1 and mgr.stop_signal is None and not logged:  # step 2: the signal arrives
                 mgr.stop_signal = "SIGTERM"
             return {"loss": 1.0, "num_tokens": 8.0}
 
@@ -685,6 +705,20 @@ def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_fir
                                    show="loss")
     assert result["step"] == 2 and len(validated) == 1  # step 1 validated; step 2 saved at once
     assert _steps(mgr) == [2]
+    info = mgr.load_info(tmp_path / "ckpt" / "step_2")
+    assert info["validation_pending"] and info["metric_value"] is None
+    # The resume (a new manager, as a new process has): step 2's validation first, then the steps.
+    mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=1)
+    logger.log_metrics = lambda m, step, prefix: logged.append((prefix, step, dict(m)))
+    s.run.checkpointer, s.start_step, s.total_steps = mgr, 2, 3
+    losses = iter([0.5, 0.9])  # step 2's made-up validation, then step 3's
+    result = offline.offline_train(s, cfg.sft, lambda rows: rows, lambda: {"loss": next(losses)}, show="loss")
+    assert [(p, step) for p, step, _ in logged] == [("val", 2), ("val", 3), ("train", 3)]
+    info = mgr.load_info(tmp_path / "ckpt" / "step_2")
+    assert "validation_pending" not in info and info["metric_value"] == 0.5 and info["best_step"] == 2
+    # The top-1 keeps step 2, the best, beside the latest (unmeasured, it was pruned by step 3's save).
+    assert result["val/step"] == 3 and _steps(mgr) == [2, 3]
+    assert mgr.load_info(tmp_path / "ckpt" / "step_3")["best_step"] == 2
 
 
 def test_a_model_in_the_runs_own_final_export_is_refused_before_anything_moves_it(tmp_path):

@@ -87,6 +87,19 @@ def test_resume_refuses_another_row_order():
     RowLoader(ROWS, 4, seed=3).load_state_dict({"epoch": 0, "index": 4, "num_rows": 10, "seed": 3})
 
 
+def test_resume_warns_when_the_rows_changed_but_not_their_number(caplog):
+    # Only the row count was compared: a file re-sorted or rewritten since resumed without a word,
+    # and the rest of the epoch repeated some rows and skipped others.
+    first = RowLoader(ROWS, 4, seed=3)
+    next(first)
+    RowLoader([dict(r) for r in ROWS], 4, seed=3).load_state_dict(first.state_dict())  # the same rows
+    assert "differ" not in caplog.text
+    for changed in (ROWS[::-1], [{**r, "extra": 1} for r in ROWS]):
+        caplog.clear()
+        RowLoader(changed, 4, seed=3).load_state_dict(first.state_dict())
+        assert "the training rows differ from those the checkpoint's run read (the same 10 rows" in caplog.text
+
+
 def test_resume_refuses_a_position_past_a_lowered_max_epochs_but_not_a_used_up_last_epoch():
     first = RowLoader(ROWS, 2, max_epochs=3)
     for _ in range(12):
