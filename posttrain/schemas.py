@@ -1307,7 +1307,8 @@ class AsyncGRPOConfig(Section):
     # Generate the next steps' rollouts on the separate generation workers (in a driver thread)
     # while this step trains; each step then trains on rollouts of older weights than its own,
     # which loss_fn.use_importance_sampling_correction corrects for. Needs
-    # policy.generation.colocated.enabled=false.
+    # policy.generation.colocated.enabled=false, that correction, grpo.prev_logprobs_from_generation=false
+    # and grpo.use_dynamic_sampling=false.
     enabled: bool = False
     # Updates between the weights that generate a trajectory and the weights that train on it, at
     # most: as many steps' rollouts are queued ahead. 1 overlaps one step's generation with the

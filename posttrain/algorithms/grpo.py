@@ -500,8 +500,12 @@ class _RolloutPipeline:
     def loader_state(self) -> dict | None:
         return self._queue[0].loader_state if self._queue else None
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Drop the batches not started; `wait` for the one in generation (else it is left to fail
+        when the run shuts its workers down: after a stop or an error its rollouts are thrown
+        away, and waiting for them took a whole batch's time past the checkpoint, or past a
+        second signal's "stop at once")."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
@@ -511,11 +515,16 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
     return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
 
 
-def _validate_current(s: GRPOSetup, pipeline: _RolloutPipeline | None, step: int) -> dict[str, float]:
-    """`validate` the weights after `step` updates (async: not the queued rollouts' older ones)."""
+def _validate_current(s: GRPOSetup, pipeline: _RolloutPipeline | None, step: int,
+                      refit_metrics: dict[str, float] | None = None) -> dict[str, float]:
+    """`validate` the weights after `step` updates (async: not the queued rollouts' older ones,
+    refit to these first; the refit's seconds are added into `refit_metrics`, the step's: the
+    next queued batch then needs none, and no step logged the refit)."""
     if pipeline is not None:
         pipeline.wait()
-        _refit_generation(s, step)
+        for k, v in _refit_generation(s, step).items():
+            if refit_metrics is not None:
+                refit_metrics[k] = refit_metrics.get(k, 0.0) + v
         pipeline.queued_version = step
     return validate(s, step)
 
@@ -543,8 +552,11 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     a = s.cfg.grpo.async_grpo
     pipeline = _RolloutPipeline(a.max_trajectory_age_steps, s.generation.version) if a.enabled else None
     last = _LastComplete(s.start_step, s.start_step, s.loader.state_dict())
+    finished = False
     try:
-        return _grpo_loop(s, pipeline, last)
+        result = _grpo_loop(s, pipeline, last)
+        finished = s.checkpointer.stop_signal is None and not s.checkpointer.time_limit_reached
+        return result
     except EnvironmentFailure:
         # The policy is the last complete step's (an environment fails before an update, in the
         # rollouts or a validation): keep the steps since the last checkpoint for a resume once
@@ -555,7 +567,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         raise
     finally:
         if pipeline is not None:
-            pipeline.close()
+            pipeline.close(wait=finished)
 
 
 def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastComplete) -> dict[str, float]:
@@ -751,7 +763,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         due = (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
         if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
-                val_metrics = _validate_current(s, pipeline, step)
+                val_metrics = _validate_current(s, pipeline, step, refit_metrics=rollout_metrics)
             val_step = step
             logger.log_metrics(val_metrics, step=step, prefix="val")
             last.val = val_metrics
