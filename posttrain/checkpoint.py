@@ -590,11 +590,15 @@ class CheckpointManager:
                               f"train nothing. Raise {key} above {step} to continue the run. {_WAYS_OUT}")
 
     @classmethod
-    def resume_message(cls, path: str | Path, step: int, config_yaml: str, last_step: int) -> str:
+    def resume_message(cls, path: str | Path, step: int, config_yaml: str, last_step: int,
+                       ends_by: str | None = None) -> str:
         """The console line of a resume from `path`: where from, `config_changes`, and whether
-        steps are left before `last_step` (a rerun of a finished run trains nothing)."""
+        steps are left before `last_step` (a rerun of a finished run trains nothing), which
+        `ends_by` sets when it is not max_num_steps (the epochs of the data: raising the steps
+        alone trains nothing more)."""
         changes = cls.config_changes(path, config_yaml)
-        done = "" if step < last_step else " (the run's last step: nothing left to train)"
+        done = "" if step < last_step else (
+            f" (the run's last step: nothing left to train{f'; {ends_by} ends it' if ends_by else ''})")
         if not changes:
             return f"resumed from {path} at step {step}{done}"
         return (f"resumed from {path} at step {step}{done}, with {len(changes)} config change(s) since that "

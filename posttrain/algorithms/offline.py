@@ -160,7 +160,10 @@ def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loade
     run.policy.load_checkpoint(latest / "policy")
     restore_rng_state(run.checkpointer.load_rng_state(latest))
     # The run's last step counts the epochs left too: a rerun of a run whose data ran out trains nothing.
-    run.logger.console(run.checkpointer.resume_message(latest, step, to_yaml(cfg), total_steps(max_steps, step, loader)))
+    last = total_steps(max_steps, step, loader)
+    algorithm = run.checkpointer.signature.get("algorithm", "")
+    ends = f"{algorithm}.max_num_epochs={loader.max_epochs}" if last < max_steps else None
+    run.logger.console(run.checkpointer.resume_message(latest, step, to_yaml(cfg), last, ends_by=ends))
     return step
 
 

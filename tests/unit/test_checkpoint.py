@@ -659,7 +659,7 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
     first = RowLoader(rows, 2, max_epochs=1)
     for _ in range(5):  # the one epoch, well before sft.max_num_steps=50
         next(first)
-    mgr = _mgr(tmp_path)
+    mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")), {**SIG, "algorithm": "sft"})
     path = _save(mgr, 5, dataloader=first.state_dict())
     lines = []
     run = SimpleNamespace(checkpointer=mgr, policy=SimpleNamespace(load_checkpoint=lambda p: None),
@@ -669,7 +669,9 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
         loader = RowLoader(rows, 2, max_epochs=max_epochs)
         loader.load_state_dict(first.state_dict())
         assert offline.resume(run, path, cfg, 50, loader) == 5
-        assert ("at step 5 (the run's last step: nothing left to train)" in lines[-1]) == note, lines[-1]
+        # named for what ends it: raising sft.max_num_steps alone would train nothing more
+        assert ("at step 5 (the run's last step: nothing left to train; sft.max_num_epochs=1 ends it)"
+                in lines[-1]) == note, lines[-1]
 
 
 def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_first(tmp_path):
