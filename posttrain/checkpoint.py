@@ -219,8 +219,11 @@ def _state_layout_changes(saved: dict[str, Any], policy: PolicyConfig) -> list[s
     old = saved.get("policy") or {}
     old_lora, new_lora = old.get("lora") or {}, policy.lora.model_dump(mode="json")
     keys = ["enabled"] + (["rank", "target_modules"] if old_lora.get("enabled") and new_lora["enabled"] else [])
+    def same_set(value: Any) -> Any:  # target_modules ["q_proj", "v_proj"] adapts what ["v_proj", "q_proj"] does
+        return sorted(set(value)) if isinstance(value, list) else value
+
     changes = [f"policy.lora.{k}: {_shown(old_lora.get(k, _NOT_SET))} -> {_shown(new_lora[k])}"
-               for k in keys if old_lora.get(k, _NOT_SET) != new_lora[k]]
+               for k in keys if same_set(old_lora.get(k, _NOT_SET)) != same_set(new_lora[k])]
     old_name = (old.get("optimizer") or {}).get("name", _NOT_SET)
     try:
         same = optimizer_class(old_name) is optimizer_class(policy.optimizer.name)  # "adamw" is torch.optim.AdamW

@@ -197,10 +197,11 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
 
     # transformers warns of a missing score head with a table ("LOAD REPORT ... MISSING ...
     # Consider training on your downstream task") on every `posttrain rm` start, which is how
-    # the run begins; held back here, it is still shown when it reports anything else.
+    # the run begins, and when a reward model's LoRA adapter folder loads its base (the adapter
+    # then brings the trained head); held back here, it is still shown when it reports anything else.
     hf_log = logging.getLogger("transformers.modeling_utils")
     held = _HeldLoadReport()
-    if new_head:
+    if new_head or adapter_base(path) is not None:
         hf_log.addFilter(held)
     try:
         model, info = model_class(model_kind).from_pretrained(path, output_loading_info=True, **kwargs)

@@ -60,7 +60,10 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
 
     tied = {key.rsplit(".", 1)[0] for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items()
             for key in pair}
-    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    # A reward model's score head is trained in full (peft's modules_to_save), never adapted.
+    head = {"score", "classifier"} if type(model).__name__.endswith("ForSequenceClassification") else set()
+    linear = [name for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in head]
 
     def targets_error(what: str) -> InputError:
         return InputError(f"policy.lora.target_modules={cfg.target_modules!r}: {what} in {type(model).__name__}; "
@@ -71,13 +74,23 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
     if isinstance(cfg.target_modules, list):
         # peft fails only when no name matches (a misspelt one beside a valid one would silently
         # adapt less), and with a module's whole repr for one it cannot adapt (self_attn).
-        unknown = [t for t in cfg.target_modules if not any(n == t or n.endswith("." + t) for n in linear)]
+        # The score head named beside layers is harmless (trained in full either way); alone, nothing is adapted.
+        layers = [t for t in cfg.target_modules if t not in head]
+        if cfg.target_modules and not layers:
+            raise targets_error(f"names only the score head ({', '.join(cfg.target_modules)}), which is trained in "
+                                "full, not adapted: name the layers to adapt")
+        unknown = [t for t in layers if not any(n == t or n.endswith("." + t) for n in linear)]
         if unknown or not cfg.target_modules:
             raise targets_error(f"no linear layer named {', '.join(unknown) or '(an empty list)'}")
     try:
         wrapped = get_peft_model(model, _peft_config(cfg, model))
     except NoMatchingPeftModuleError:
         raise targets_error("matches no module") from None
+    except ValueError as e:  # a regular expression matching a module peft cannot adapt (self_attn, mlp)
+        if "is not supported" not in str(e):
+            raise
+        matched = str(e).split("Target module ", 1)[-1].split("(", 1)[0].strip() or "a module"
+        raise targets_error(f"matches a {matched}, not a linear layer") from None
     adapted = [name.removeprefix(_PEFT_PREFIX) for name, module in wrapped.named_modules() if hasattr(module, "lora_A")]
     # The merge (export, generation refit) computes W + scale * B @ A for torch Linear weights
     # [out, in]: an embedding, or transformers' Conv1D (GPT-2; weight [in, out]) would fail there

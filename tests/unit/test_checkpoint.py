@@ -178,6 +178,17 @@ def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_
     msg = str(e.value)
     assert "policy.lora.enabled: false -> true; policy.optimizer.name: \"adamw\" -> \"sgd\"" in msg
     assert "put them back to resume" in msg and "checkpointing.start_fresh=true" in msg
+    # LoRA target modules listed in another order adapt the same layers: they resume (they were refused).
+    lora = ["policy.lora.enabled=true", "policy.lora.target_modules=[q_proj,v_proj]"]
+    tmp = _mgr(tmp_path / "lora").begin_save(2)
+    _write_policy(tmp / "policy")
+    _mgr(tmp_path / "lora").finish_save(tmp, 2, {"epoch": 0}, to_yaml(load_config("grpo", None, lora)), None)
+    again = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "lora" / "ckpt")), SIG,
+                              policy("policy.lora.enabled=true", "policy.lora.target_modules=[v_proj,q_proj]"))
+    assert again.latest().name == "step_2"
+    with pytest.raises(ConfigError, match=r'policy.lora.target_modules: \["q_proj", ?"v_proj"\] -> \["q_proj"\]'):
+        CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "lora" / "ckpt")), SIG,
+                          policy("policy.lora.enabled=true", "policy.lora.target_modules=[q_proj]")).latest()
 
 
 def test_start_fresh_moves_old_checkpoints_aside(tmp_path):

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import safetensors.torch
+import torch
 
 from posttrain.config import InputError
 from posttrain.policy.hf_io import load_pretrained
@@ -47,3 +48,27 @@ def test_a_load_report_of_more_than_the_new_head_is_shown(tiny_model_path, tmp_p
                     num_labels=1)
     assert any("LOAD REPORT" in m and "stray.weight" in m and "score.weight" in m for m in hf_reports), hf_reports
     assert not logging.getLogger("transformers.modeling_utils").filters  # the hold is removed
+
+
+def test_a_reward_models_adapter_folder_loads_without_a_load_report_of_its_head(tiny_model_path, tmp_path,
+                                                                                  hf_reports):
+    # The base loads first, without a trained head, and transformers printed its "newly initialized:
+    # train it" table; the adapter then brings the head, so the folder scores as trained.
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.policy.lora import maybe_apply_lora, save_adapter
+    from posttrain.schemas import LoraConfig
+
+    lora = LoraConfig(enabled=True, rank=2, alpha=4.0)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_path, num_labels=1)
+    base.config.pad_token_id = 0
+    model = maybe_apply_lora(base, lora)
+    with torch.no_grad():
+        model.base_model.model.score.modules_to_save["default"].weight.fill_(0.5)  # the trained head
+    save_adapter(model.state_dict(), lora, tmp_path / "rm-adapter", base_model_name_or_path=tiny_model_path,
+                 model=model)
+    hf_reports.clear()
+    loaded = load_pretrained("sequence_classification", str(tmp_path / "rm-adapter"), "env.reward_model.cfg.model_name",
+                             "rm-adapter", num_labels=1)
+    assert torch.all(loaded.score.weight == 0.5)
+    assert not [m for m in hf_reports if "LOAD REPORT" in m]

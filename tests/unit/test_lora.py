@@ -1,7 +1,7 @@
 """LoRA: only adapter weights train; merged and adapter-only exports reproduce the trained model."""
 
 import json
-
+import re
 from pathlib import Path
 
 import pytest
@@ -173,6 +173,15 @@ def test_target_modules_the_model_lacks_fail_before_any_worker_starts():
         check(["lm_head"])
     # Checked on the model of the run's kind: a reward model has a score head, a causal LM none.
     check(["q_proj", "score"], model_kind="sequence_classification")
+    # The head alone adapts nothing (it is trained in full), and is no layer to suggest.
+    with pytest.raises(InputError, match=r"names only the score head \(score\), which is trained in full") as e:
+        check(["score"], model_kind="sequence_classification")
+    assert "score" not in str(e.value).split("its linear layers are ")[1].split(" (")[0]
+    # A regular expression matching a module that is no linear layer: the key named, not peft's traceback.
+    for pattern in (r".*self_attn", r".*mlp", r"model\.layers\.0"):
+        with pytest.raises(InputError, match=rf"target_modules={re.escape(repr(pattern))}: matches a \w+, not a "
+                                             r"linear layer in LlamaForCausalLM"):
+            check(pattern)
     with pytest.raises(InputError, match="no linear layer named score in LlamaForCausalLM"):
         check(["q_proj", "score"])
 
