@@ -367,7 +367,9 @@ class GenerationConfig(Section):
 
 
 class LoraConfig(Section):
-    # Train LoRA adapters (peft) instead of all weights.
+    # Train LoRA adapters (peft) instead of all weights. The reference (DPO, KTO, GRPO's KL), unless
+    # policy.reference_model_name names another model, is the policy with its adapters off: no second
+    # copy of the base is loaded.
     enabled: bool = False
     # Adapter rank r.
     rank: int = Field(8, ge=1)
@@ -1677,8 +1679,8 @@ class _MasterBase(Section):
                              "no reference model to update (GRPO loads one with a KL penalty > 0; SimPO and ORPO are "
                              "reference-free); turn the sync off")
         if self.policy.lora.enabled:
-            # The reference of a LoRA policy is the frozen base model (a copy of its own, loaded beside
-            # the adapted one): the adapters' weights have nothing to be mixed into.
+            # The reference of a LoRA policy is its base model, the policy with its adapters off:
+            # the adapters' weights have nothing to be mixed into.
             raise ValueError("policy.reference_sync.enabled=true with policy.lora.enabled=true: the reference is "
                              "the base model under the adapters, which do not train it; turn one of them off")
         if getattr(getattr(self, "grpo", None), "adv_estimator", None) == "on_policy_distillation":

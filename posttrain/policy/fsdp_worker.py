@@ -253,6 +253,7 @@ class FSDPPolicyWorker:
         self._temperature = cfg.generation.temperature or 1.0
         self._model_tokens = 0  # positions through the model in the current train step
         self._twin: LowPrecisionTwin | None = None  # one rank in bf16/fp16 (see LowPrecisionTwin)
+        self._reference_is_base = False  # a LoRA policy's reference: its own forward with the adapters off
         self._skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, up to now
 
     # ------------------------------------------------------------------ setup
@@ -268,6 +269,11 @@ class FSDPPolicyWorker:
         (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference,
                                                            model_kind=self.model_kind)
         ref_path, ref_config = reference or (None, None)
+        # A LoRA policy's reference is its own base model: its forward with the adapters off (as
+        # TRL's), not a second full copy of the base beside it.
+        self._reference_is_base = reference is not None and cfg.lora.enabled and cfg.reference_model_name is None
+        if self._reference_is_base:
+            ref_path, ref_config = None, None
         self.model_path, self.hf_config = path, hf_config
         self.generation_config = load_generation_config(path)  # for the export and the checkpoints
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
@@ -746,12 +752,14 @@ class FSDPPolicyWorker:
     @torch.no_grad()
     def get_logprobs(self, shard: BatchedDataDict, reference: bool = False) -> BatchedDataDict:
         """`logprobs` (or `reference_logprobs`) `[b, S]` of the rows of `shard`."""
-        model = self.reference if reference else self._compute_model()
+        base = reference and self._reference_is_base
+        model = self.reference if reference and not base else self._compute_model()
         if model is None:
             raise RuntimeError("get_reference_logprobs: this Policy was built with init_reference=False")
         key = "reference_logprobs" if reference else "logprobs"
         out = torch.zeros(shard["input_ids"].shape, dtype=torch.float32)
-        return BatchedDataDict({key: self._inference(model, shard, out)})
+        with model.disable_adapter() if base else contextlib.nullcontext():
+            return BatchedDataDict({key: self._inference(model, shard, out)})
 
     @torch.no_grad()
     def get_scores(self, shard: BatchedDataDict) -> BatchedDataDict:

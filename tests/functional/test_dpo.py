@@ -71,6 +71,20 @@ def test_step0_loss_matches_independent_computation(ray_session, stories260k, sh
     assert result["train/sft_loss"] == pytest.approx((-policy[0::2]).mean().item(), abs=1e-4)
 
 
+def test_lora_dpo_takes_the_policy_with_its_adapters_off_as_its_reference(ray_session, stories260k, shared_data,
+                                                                           tmp_path):
+    # No second copy of the base is loaded: the reference pass is the policy's own with the adapters
+    # off. At step 0 (lora_B = 0) the two passes agree to the bit, in bf16 (the low-precision twin)
+    # too; after training the reference stays the base while the policy moves.
+    result = dpo.run(_cfg(tmp_path, stories260k, shared_data, "policy.lora.enabled=true", "policy.precision=bfloat16",
+                          "policy.optimizer.kwargs={lr: 1.0e-2, weight_decay: 0.0}", "dpo.max_num_steps=3",
+                          "dpo.val_period=3", "checkpointing.enabled=false"))
+    val = [r for r in map(json.loads, open(tmp_path / "logs" / "metrics.jsonl")) if r["prefix"] == "val"]
+    assert [r["step"] for r in val] == [0, 3]
+    assert val[0]["loss"] == pytest.approx(0.693147, abs=1e-6) and val[0]["reward_margin"] == 0
+    assert result["val/rewards_chosen_mean"] != 0 and result["val/loss"] != pytest.approx(0.693147, abs=1e-4)
+
+
 def test_orpo_step0_loss_matches_independent_computation(ray_session, stories260k, shared_data, tmp_path):
     # ORPO: the chosen responses' NLL plus lambda (beta) times -log sigmoid of the log odds ratio, no
     # reference model loaded.

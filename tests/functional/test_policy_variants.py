@@ -56,7 +56,7 @@ def policies(ray_session, no_pad_model_path, two_eos_model_path):
             # Dropout on the adapters' input: training draws random masks (eval-mode logprobs do not).
             cfg = PolicyConfig(**{**BASE, "model_name": two_eos_model_path},
                                lora={"enabled": True, "rank": 4, "alpha": 8, "dropout": 0.5})
-            return cluster, Policy(cluster, cfg, init_reference=False, name_prefix="lora")
+            return cluster, Policy(cluster, cfg, name_prefix="lora")  # its reference: the base, adapters off
         cfg = PolicyConfig(**{**BASE, "model_name": no_pad_model_path})
         return cluster, Policy(cluster, cfg, init_reference=False, model_kind="sequence_classification",
                                name_prefix="rm")
@@ -79,6 +79,10 @@ def test_lora_trains_adapters_and_exports_merged(policies, tiny_model_path, tmp_
                                atol=2e-5, rtol=0)
     before = base.state_dict()
     policy.train(batch, NLLLoss())
+    # The reference is the base: the policy's forward with the adapters off (no second copy loaded).
+    reference = policy.get_reference_logprobs(batch)["reference_logprobs"]
+    torch.testing.assert_close(reference, reference_logprobs(base, batch), atol=2e-5, rtol=0)
+    assert (policy.get_logprobs(batch)["logprobs"] - reference).abs().max() > 1e-3  # the adapters are back on
     merged = ray.get(policy.full_state_dict_ref())
     assert set(merged) == set(before)  # base-model keys: adapters merged in
     assert torch.equal(merged["model.embed_tokens.weight"], before["model.embed_tokens.weight"])  # frozen
