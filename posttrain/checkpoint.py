@@ -632,13 +632,16 @@ class CheckpointManager:
     # ----------------------------------------------------------------- saving
 
     def save(self, step: int, policy: Any, training_info: dict[str, Any], config_yaml: str,
-             metrics: dict[str, float]) -> Path:
+             metrics: dict[str, float], validation_pending: bool = False) -> Path:
         """Checkpoint `step` of a run: `policy.save_checkpoint(<tmp>/policy)` (model, optimizer,
         scheduler), then the metadata (`finish_save`). `metrics` are keyed "train:<name>" /
         "val:<name>"; `checkpointing.metric_name` picks the one that ranks checkpoints. A metric
         this step did not measure (a val: metric before the first validation, or a misspelt name)
         does not fail the run: the checkpoint is saved, ranked below every measured one, and a
-        warning lists the names of its kind there are."""
+        warning lists the names of its kind there are. `validation_pending`: a stop signal skipped
+        the step's validation, which the resumed run makes up (`pending_validation`)."""
+        if validation_pending:
+            training_info = {**training_info, VALIDATION_PENDING: True}
         name = self.cfg.metric_name
         if name and name not in metrics:
             # The names of its own kind (val: or train:) catch a misspelt one; a step that did not

@@ -736,6 +736,12 @@ REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 _FLOAT32_SQRT_MAX = 1.8e19
 
 
+def sft_loss_weight_of(loss_name: str, weight: float | None) -> float:
+    """dpo.sft_loss_weight as the loss applies it: null is ORPO's NLL term at weight 1 (half of its
+    loss), and no SFT term for the other losses."""
+    return (1.0 if loss_name == "orpo" else 0.0) if weight is None else weight
+
+
 class DPOLossConfig(Section):
     # Selected by name (posttrain.losses.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo" and
     # "orpo" (reference-free), "robust" (rDPO: unbiased under label_smoothing's flips), "hinge" (SLiC-HF).
@@ -1507,8 +1513,7 @@ class DPOConfig(SFTConfig):
         if self.preference_average_log_probs is False and self.loss.name in REFERENCE_FREE_LOSSES:
             raise ValueError(f"dpo.preference_average_log_probs=false: dpo.loss.name={self.loss.name} always "
                              "averages the sequence logprobs; unset it")
-        sft_weight = self.sft_loss_weight if self.sft_loss_weight is not None else float(self.loss.name == "orpo")
-        if self.preference_loss_weight == 0 and sft_weight == 0:
+        if self.preference_loss_weight == 0 and sft_loss_weight_of(self.loss.name, self.sft_loss_weight) == 0:
             raise ValueError("dpo.preference_loss_weight=0 with no dpo.sft_loss_weight: the loss is 0 and the run "
                              "trains nothing; set one of them above 0")
         if self.loss.name == "ipo" and not 1 / (2 * self.reference_policy_kl_penalty) < _FLOAT32_SQRT_MAX:

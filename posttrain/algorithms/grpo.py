@@ -34,8 +34,7 @@ from posttrain.advantages import (
     scale_rewards,
 )
 from posttrain.algorithms.offline import log_data_stats, made_up_validation, training_logger
-from posttrain.checkpoint import (EXPORT_DIR, VALIDATION_PENDING, CheckpointManager, restore_rng_state, stop_message,
-                                  train_then_export)
+from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -844,10 +843,9 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
         # Samples generated from the prompts drawn so far (dynamic sampling draws more than it trains).
         "consumed_samples": loader_state["served"] * s.cfg.grpo.num_generations_per_prompt,
         "dataloader": loader_state,
-        **({VALIDATION_PENDING: True} if validation_pending else {}),
     }
     with s.logger.timed_save(step):
-        s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics)
+        s.checkpointer.save(step, s.policy, info, to_yaml(s.cfg), metrics, validation_pending)
     s.logger.plot()
 
 

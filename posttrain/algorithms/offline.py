@@ -18,8 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import (EXPORT_DIR, VALIDATION_PENDING, CheckpointManager, restore_rng_state, stop_message,
-                                  train_then_export)
+from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -172,10 +171,9 @@ def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[
     """Checkpoint `step`: policy, data position, RNGs, config (`CheckpointManager.save`); the plots
     are redrawn with it, as GRPO's, so a run killed outright has its curves up to its last checkpoint.
     `validation_pending`: a stop signal skipped the step's validation, which a resume makes up."""
-    info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict(),
-            **({VALIDATION_PENDING: True} if validation_pending else {})}
+    info = {"epoch": loader.epoch, "consumed_samples": loader.served, "dataloader": loader.state_dict()}
     with run.logger.timed_save(step):
-        path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics)
+        path = run.checkpointer.save(step, run.policy, info, to_yaml(cfg), metrics, validation_pending)
     run.logger.plot()
     return path
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from posttrain.data.batch import BatchedDataDict
 from posttrain.losses.utils import masked_mean
-from posttrain.schemas import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, PreferenceLossName
+from posttrain.schemas import PREFERENCE_LOSSES, REFERENCE_FREE_LOSSES, PreferenceLossName, sft_loss_weight_of
 
 
 def sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
@@ -135,8 +135,7 @@ class DPOLoss:
         self.average_log_probs = average_log_probs or name in REFERENCE_FREE_LOSSES
         self.sft_average_log_probs = self.average_log_probs if sft_average_log_probs is None else sft_average_log_probs
         self.preference_loss_weight = preference_loss_weight
-        # None: ORPO's NLL term at weight 1 (half of its loss), no SFT term for the others.
-        self.sft_loss_weight = (1.0 if name == "orpo" else 0.0) if sft_loss_weight is None else sft_loss_weight
+        self.sft_loss_weight = sft_loss_weight_of(name, sft_loss_weight)
         self.simpo_gamma = simpo_gamma
 
     @classmethod

@@ -193,7 +193,7 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
     reward model's folder loaded as a causal LM (its LM head not tied to the embedding), or a
     causal LM's as a reward model to score with, would compute noise. `new_head`: a sequence
     classifier's head may be missing (`posttrain rm` starts it from a causal LM)."""
-    from posttrain.policy.lora import merge_loaded_adapter
+    from posttrain.policy.lora import SCORE_HEADS, merge_loaded_adapter
 
     # transformers warns of a missing score head with a table ("LOAD REPORT ... MISSING ...
     # Consider training on your downstream task") on every `posttrain rm` start, which is how
@@ -210,12 +210,11 @@ def load_pretrained(model_kind: str, path: str, key: str, name: str, *, new_head
         raise
     finally:
         hf_log.removeFilter(held)
-    heads = ("score", "classifier")
-    if (any(k.split(".")[0] not in heads for k in info["missing_keys"])
+    if (any(k.split(".")[0] not in SCORE_HEADS for k in info["missing_keys"])
             or any(k.split(".")[0] != "lm_head" for k in info["unexpected_keys"]) or info["mismatched_keys"]):
         held.release(hf_log)  # more than the new head (a causal LM's LM head is left out of a reward model)
     model = merge_loaded_adapter(model)  # a LoRA adapter's folder: its base + adapter, as plain weights
-    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in heads))
+    missing = sorted(k for k in info["missing_keys"] if not (new_head and k.split(".")[0] in SCORE_HEADS))
     if missing:
         raise InputError(f"{key}={name!r}: {path} has no weights for {', '.join(missing[:3])}"
                          f"{', ...' if len(missing) > 3 else ''} of {type(model).__name__} (a reward model's folder "

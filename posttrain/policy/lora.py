@@ -27,12 +27,20 @@ _PEFT_PREFIX = "base_model.model."
 _ADAPTER = "default"  # peft's name for the one adapter maybe_apply_lora adds
 
 
+# A sequence classifier's head: freshly initialised, trained in full (peft's modules_to_save), never adapted.
+SCORE_HEADS = ("score", "classifier")
+
+
+def _is_classifier(model: Any) -> bool:
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
 def _peft_config(cfg: LoraConfig, model: Any):
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType
 
     # Sequence classification: peft also trains (and saves) the freshly initialised score head.
-    is_cls = type(model).__name__.endswith("ForSequenceClassification")
+    is_cls = _is_classifier(model)
     return PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
@@ -60,8 +68,7 @@ def maybe_apply_lora(model: Any, cfg: LoraConfig) -> Any:
 
     tied = {key.rsplit(".", 1)[0] for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items()
             for key in pair}
-    # A reward model's score head is trained in full (peft's modules_to_save), never adapted.
-    head = {"score", "classifier"} if type(model).__name__.endswith("ForSequenceClassification") else set()
+    head = set(SCORE_HEADS) if _is_classifier(model) else set()
     linear = [name for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in head]
 
