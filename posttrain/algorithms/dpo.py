@@ -29,7 +29,7 @@ from posttrain.schemas import DPOMasterConfig
 
 def setup(cfg: DPOMasterConfig) -> OfflineSetup:
     loss_fn = DPOLoss.from_config(cfg.dpo)
-    return offline_setup(cfg, "dpo", cfg.dpo, process_preference_rows, collate_pairs, loss_fn,
+    return offline_setup(cfg, "dpo", process_preference_rows, collate_pairs, loss_fn,
                          pair_policy_config(cfg.policy), init_reference=loss_fn.needs_reference)
 
 

@@ -195,7 +195,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                          add_generation_prompt=cfg.data.add_generation_prompt)
     loader = RowLoader(train_rows, g.num_prompts_per_step * g.batch_multiplier, shuffle=cfg.data.shuffle,
                        seed=g.seed, max_epochs=g.max_num_epochs,
-                       batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)")
+                       batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)", section="grpo")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name},
                                      cfg.policy)
     latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
@@ -580,7 +580,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     if g.val_at_start and s.start_step == 0:
         val_metrics = validate(s, 0)
         logger.log_metrics(val_metrics, step=0, prefix="val")
-    if (pending := s.checkpointer.pending_validation(s.start_step)) is not None:
+    # Unless the resumed config turned validation off: then nothing would be compared with it.
+    if (g.val_period or g.val_at_end) and (pending := s.checkpointer.pending_validation(s.start_step)) is not None:
         val_metrics = made_up_validation(s.checkpointer, logger, pending, s.start_step,
                                          lambda: _validate_current(s, pipeline, s.start_step))
         val_step = s.start_step

@@ -37,7 +37,7 @@ _KL_KEYS = ("input_ids", "input_lengths", "token_mask")
 def setup(cfg: KTOMasterConfig) -> OfflineSetup:
     max_len = max_sequence_length(cfg)
     with labelled_rows():  # rows keep their desirable / undesirable label
-        s = offline_setup(cfg, "kto", cfg.kto, process_kto_rows, lambda ex, pad: collate_kto(ex, pad, max_len),
+        s = offline_setup(cfg, "kto", process_kto_rows, lambda ex, pad: collate_kto(ex, pad, max_len),
                           KTOLoss.from_config(cfg.kto), cfg.policy, init_reference=True)
     _say_weight_balance(s)
     return s

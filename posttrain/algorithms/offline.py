@@ -278,12 +278,13 @@ class OfflineData:
     # examples: SFT rows split by turn)
 
 
-def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callable) -> OfflineData:
+def offline_data(cfg: Any, algorithm: str, process_rows: Callable, collate_fn: Callable) -> OfflineData:
     """Tokenizer, training loader and validation batches; fails on bad data with an InputError.
 
-    `algo`: the algorithm's config section; `process_rows(rows, tokenizer, data_cfg, max_len)`
+    `algorithm`: the name of the algorithm's config section ("sft"); `process_rows(rows, tokenizer, data_cfg, max_len)`
     tokenizes and counts; `collate_fn(examples, pad_id)` makes a batch.
     """
+    algo = getattr(cfg, algorithm)
     tokenizer = load_policy_tokenizer(cfg.policy)
     max_len = max_sequence_length(cfg)
     examples, stats, rows_of = {}, {}, {}
@@ -300,7 +301,8 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
                    for c in chunks(examples["val"], algo.val_global_batch_size)[: algo.val_batches]]
     try:
         loader = RowLoader(examples["train"], cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle,
-                           seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size")
+                           seed=algo.seed, max_epochs=algo.max_num_epochs, batch_key="policy.train_global_batch_size",
+                           section=algorithm)
     except InputError as e:
         # Fewer rows than a batch: the counts that say why are logged only once the run starts, and
         # "add data" is the wrong advice when the context length left most of the file out.
@@ -317,7 +319,6 @@ def offline_data(cfg: Any, algo: Any, process_rows: Callable, collate_fn: Callab
 def offline_setup(
     cfg: Any,
     algorithm: str,
-    algo: Any,
     process_rows: Callable,
     collate_fn: Callable,
     loss_fn: Any,
@@ -326,8 +327,9 @@ def offline_setup(
 ) -> OfflineSetup:
     """Data first (`offline_data`: a bad file fails before any worker starts), then logger,
     workers, resume. `policy_kwargs` go to `start_run` (model_kind, init_reference)."""
+    algo = getattr(cfg, algorithm)
     torch.manual_seed(algo.seed)
-    data = offline_data(cfg, algo, process_rows, collate_fn)
+    data = offline_data(cfg, algorithm, process_rows, collate_fn)
     check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False),
                           max_len=max_sequence_length(cfg))
     run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
@@ -366,7 +368,8 @@ def offline_train(
     if algo.val_at_start and s.start_step == 0:
         val_metrics = validate()
         logger.log_metrics(val_metrics, step=0, prefix="val")
-    if (pending := s.run.checkpointer.pending_validation(s.start_step)) is not None:
+    # Unless the resumed config turned validation off: then nothing would be compared with it.
+    if (algo.val_period or algo.val_at_end) and (pending := s.run.checkpointer.pending_validation(s.start_step)):
         val_metrics = made_up_validation(s.run.checkpointer, logger, pending, s.start_step, validate)
         val_step = s.start_step
     step = s.start_step

@@ -45,7 +45,7 @@ def reward_model_kind(policy: PolicyConfig) -> tuple[str, type]:
 
 def setup(cfg: RMMasterConfig) -> OfflineSetup:
     model_kind, loss_class = reward_model_kind(cfg.policy)
-    return offline_setup(cfg, "rm", cfg.rm, process_preference_rows, collate_pairs, loss_class(),
+    return offline_setup(cfg, "rm", process_preference_rows, collate_pairs, loss_class(),
                          pair_policy_config(cfg.policy), model_kind=model_kind)
 
 

@@ -22,7 +22,7 @@ from posttrain.schemas import SFTMasterConfig
 
 
 def setup(cfg: SFTMasterConfig) -> OfflineSetup:
-    return offline_setup(cfg, "sft", cfg.sft, process_sft_rows, collate, NLLLoss(), cfg.policy)
+    return offline_setup(cfg, "sft", process_sft_rows, collate, NLLLoss(), cfg.policy)
 
 
 def validate(s: OfflineSetup) -> dict[str, float]:

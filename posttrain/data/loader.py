@@ -38,8 +38,11 @@ class RowLoader:
         seed: int = 0,
         max_epochs: int | None = None,
         batch_key: str = "the batch size",
+        section: str | None = None,
     ):
-        """`batch_key`: the config key that sets `batch_size`, named in the errors."""
+        """`batch_key`: the config key that sets `batch_size`; `section`: the algorithm's config
+        section ("grpo"), whose `seed` and `max_num_epochs` set `seed` and `max_epochs`: all named
+        in the errors."""
         if batch_size < 1:
             raise InputError(f"{batch_key} must be >= 1, got {batch_size}")
         if len(rows) < batch_size:
@@ -52,6 +55,7 @@ class RowLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.max_epochs = max_epochs
+        self._section = f"{section}." if section else ""
         self.epoch = 0
         self.index = 0  # position of the next row within the current epoch's order
         # Rows handed out since the run began, over epochs and resumes (the checkpoints'
@@ -148,15 +152,16 @@ class RowLoader:
             raise InputError(
                 f"the checkpoint's data loader ordered its rows with shuffle={shuffle}, seed={seed} but this run's "
                 f"has shuffle={self.shuffle}, seed={self.seed}: resuming would repeat some rows of the current "
-                "epoch and skip others; put data.shuffle and the algorithm's seed back"
+                f"epoch and skip others; put data.shuffle and {self._section}seed back"
             )
         epoch, index = int(state["epoch"]), int(state["index"])
         # Inside an epoch past the limit (max_num_epochs lowered since): the resume would train
         # nothing and end as if the run were done. At index 0 the previous epoch was just used up.
         if self.max_epochs is not None and (epoch, index) > (self.max_epochs, 0):
             raise InputError(
-                f"the checkpoint's data loader is in epoch {epoch + 1}, past this run's max_num_epochs="
-                f"{self.max_epochs}: resuming would train nothing; raise max_num_epochs above {epoch} to continue"
+                f"the checkpoint's data loader is in epoch {epoch + 1}, past this run's "
+                f"{self._section}max_num_epochs={self.max_epochs}: resuming would train nothing; raise "
+                f"{self._section}max_num_epochs above {epoch} to continue"
             )
         self.epoch, self.index = epoch, index
         # Checkpoints from before the count: whole epochs of whole batches, the best estimate.

@@ -34,7 +34,7 @@ def test_example_keeps_rows_in_every_split(name, stories260k, monkeypatch):
     path = Path(cfg.data.dataset_name)
     if path.suffix and not path.exists():
         pytest.skip(f"{name}: {path} is not beside the project (../shared/data elsewhere?)")
-    data = offline_data(cfg, getattr(cfg, algorithm), process_rows, collate_fn)
+    data = offline_data(cfg, algorithm, process_rows, collate_fn)
     for split, counts in data.stats.items():
         assert counts["kept"] > 0, (split, counts)
     assert data.val_batches and data.val_batches[0].size > 0

@@ -110,7 +110,7 @@ def test_packing_checks_the_mismatched_pairs_kto_can_draw(tmp_path):
                           f"policy.sequence_packing.train_mb_tokens={budget}",
                           f"policy.sequence_packing.logprob_mb_tokens={budget}", "policy.train_global_batch_size=4")
         with labelled_rows():
-            data = offline.offline_data(cfg, cfg.kto, process_kto_rows, lambda ex, pad: collate_kto(ex, pad, 512))
+            data = offline.offline_data(cfg, "kto", process_kto_rows, lambda ex, pad: collate_kto(ex, pad, 512))
         longest_row = max(len(ex["input_ids"]) for ex in data.loader.rows)
         offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=True, max_len=512)
         return longest_row

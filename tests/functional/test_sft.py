@@ -168,11 +168,11 @@ def test_packing_checks_only_the_validation_rows_validation_runs_on(tmp_path):
                  "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
                  "policy.sequence_packing.logprob_mb_tokens=64", "sft.val_global_batch_size=2"]
     cfg = _cfg(tmp_path, "embedded:tiny", *overrides, "sft.val_batches=1")
-    data = offline.offline_data(cfg, cfg.sft, process_sft_rows, collate)
+    data = offline.offline_data(cfg, "sft", process_sft_rows, collate)
     assert [b.size for b in data.val_batches] == [2]
     offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=False, max_len=512)
     # Validated, the long row still fails before any worker starts.
     cfg = _cfg(tmp_path, "embedded:tiny", *overrides, "sft.val_batches=2")
-    data = offline.offline_data(cfg, cfg.sft, process_sft_rows, collate)
+    data = offline.offline_data(cfg, "sft", process_sft_rows, collate)
     with pytest.raises(InputError, match=r"logprob_mb_tokens=64 is less than the longest val row, \d+ tokens"):
         offline.check_packing_budgets(cfg.policy, data, logprobs_of_train=False, max_len=512)

@@ -107,6 +107,11 @@ def test_resume_refuses_a_position_past_a_lowered_max_epochs_but_not_a_used_up_l
     for max_epochs in (2, 1):  # lowered since: it would train nothing and end as if done
         with pytest.raises(ValueError, match=r"in epoch 3, past this run's max_num_epochs=" + str(max_epochs)):
             RowLoader(ROWS, 2, max_epochs=max_epochs).load_state_dict(first.state_dict())
+    # A loader made by an algorithm names its section's key, the one to raise.
+    with pytest.raises(ValueError, match=r"past this run's sft.max_num_epochs=2: .* raise sft.max_num_epochs above 2"):
+        RowLoader(ROWS, 2, max_epochs=2, section="sft").load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match=r"put data.shuffle and grpo.seed back"):
+        RowLoader(ROWS, 2, max_epochs=3, seed=7, section="grpo").load_state_dict(first.state_dict())
     resumed = RowLoader(ROWS, 2, max_epochs=3)
     resumed.load_state_dict(first.state_dict())
     assert resumed.batches_left == 3
