@@ -1377,10 +1377,10 @@ class GRPOConfig(Section):
     val_greedy: bool = True
     # DAPO overlong filtering: truncated samples stay in the baseline but get sample_mask 0.
     overlong_filtering: bool = False
-    # Samples whose environment raised or timed out (scored 0, counted in env_errors) stay in
-    # their group's baseline but get sample_mask 0: a crashed verifier is no evidence against the
-    # answer, which would otherwise be trained as a wrong one. false: trained with their 0. Not
-    # under on_policy_distillation, which trains on the teacher's logprobs, not on the reward.
+    # Samples whose environment raised or timed out (scored 0, counted in env_errors) get
+    # sample_mask 0 and leave their group's baseline and std: a crashed verifier is no evidence
+    # against the answer, which would otherwise be trained as a wrong one. false: trained with
+    # their 0. Not under on_policy_distillation, which trains on the teacher's logprobs, not on the reward.
     mask_env_error_samples: bool = True
     # DAPO dynamic sampling: drop groups whose rewards are all equal and generate more
     # batches (at most dynamic_sampling_max_gen_batches per step) to fill the batch.

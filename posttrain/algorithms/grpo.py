@@ -407,12 +407,17 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
                                                 rs.overlong_buffer_penalty)
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
-    if _masks_env_errors(g):  # likewise in the baseline with their 0, out of the loss
-        batch["sample_mask"] = batch["sample_mask"] * (~batch["env_errors"]).float()
+    # A sample whose environment failed has no verdict: its placeholder 0 leaves the loss and the
+    # baseline and std of its group, where it would push the others' advantages up (a 0/1
+    # verifier) or, for an unbounded score such as a reward model's, anywhere.
+    scored = None
+    if _masks_env_errors(g):
+        scored = (~batch["env_errors"]).float()
+        batch["sample_mask"] = batch["sample_mask"] * scored
     if g.adv_estimator == "on_policy_distillation":
         return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
-    adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"],
-                             leave_one_out=g.use_leave_one_out_baseline, normalize=g.normalize_rewards)
+    adv = compute_advantages(g.adv_estimator, rewards, batch["group_ids"], leave_one_out=g.use_leave_one_out_baseline,
+                             normalize=g.normalize_rewards, valid_mask=scored)
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
 
 
@@ -445,10 +450,19 @@ def _no_sample_in_the_loss(g, batch: BatchedDataDict) -> str | None:
 
 def _distillation_advantages(batch: BatchedDataDict) -> float:
     """On-policy distillation's per-token advantages, written into `batch`; returns the reverse KL
-    to the teacher (mean over the trained tokens of log pi - log pi_teacher, at the sampled tokens)."""
+    of the student to the teacher: the mean over the trained tokens of log pi - log pi_teacher.
+
+    The tokens come from the sampler, which is not the student whose KL this is when async GRPO
+    generated them with older weights, or top-k/top-p renormalised its distribution (a plain mean
+    then went negative). Each token is weighted by pi / pi_sampler (self-normalised importance
+    sampling, as the loss corrects the gradient), which is 1 when they are the same."""
     adv = on_policy_distillation_advantages(batch["reference_logprobs"], batch["prev_logprobs"], batch["token_mask"])
     batch["advantages"] = adv
-    return -float(masked_mean(adv, batch["token_mask"] * batch["sample_mask"][:, None]))
+    weights = batch["token_mask"] * batch["sample_mask"][:, None]
+    if "generation_logprobs" in batch:
+        log_ratio = (batch["prev_logprobs"].float() - batch["generation_logprobs"].float()).clamp(-20.0, 20.0)
+        weights = weights * torch.exp(log_ratio)
+    return -float((adv * weights).sum() / weights.sum().clamp(min=1e-30))
 
 
 @dataclass

@@ -7,9 +7,10 @@ frog."); the reward is how often the continuation keeps that animal in the story
     reward = min(mentions, min_mentions) / min_mentions
 
 where `mentions` counts whole-word, case-insensitive occurrences of the animal (or its
-plural) in the model's continuation. Base stories260K mentions the animal about once in
-40 tokens on average (mean reward ~0.3 with min_mentions=3), so every group has reward
-variance and GRPO gets a dense signal; a model that stays on topic scores 1. That is also
+plural) in the model's continuation. Base stories260K mentions it about once in two stories
+of 40 tokens (0.45 mentions, mean reward ~0.15 with min_mentions=3; two thirds mention it not
+at all), so most groups of 8 have reward variance (23 of the 24 validation prompts' groups) and
+GRPO gets a signal; a model that stays on topic scores 1. That is also
 the verdict (`CORRECT_KEY`): a story is correct when it reaches `min_mentions`; fewer
 mentions earn partial reward but count as wrong in accuracy and pass@k.
 

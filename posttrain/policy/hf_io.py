@@ -154,6 +154,10 @@ def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
     try:
         ref_vocab = AutoTokenizer.from_pretrained(ref_path).get_vocab()
     except (OSError, ValueError):  # no tokenizer saved with the reference: the sizes are all there is
+        if ref_config.vocab_size != config.vocab_size:
+            log.warning("policy.reference_model_name=%r has no tokenizer, and a vocabulary of %d tokens where the "
+                        "policy has %d: only the sizes could be checked; it must share the policy's tokenizer "
+                        "(a larger embedding of the same one)", name, ref_config.vocab_size, config.vocab_size)
         return
     vocab = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg)).get_vocab()
     differ = sorted((i, t) for t, i in vocab.items() if ref_vocab.get(t) != i)

@@ -4,6 +4,7 @@ distillation, and the checks that stop a bad setup. (Split from test_grpo.py so 
 halves run in parallel under pytest-xdist's loadfile.)"""
 
 import json
+import logging
 import math
 import shutil
 
@@ -387,7 +388,7 @@ def test_on_policy_distillation_advantages_are_against_the_policy_not_the_sample
     assert r["num_optimizer_steps"] == 1 and "timing/logprobs/prev" in r
 
 
-def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tmp_path, monkeypatch):
+def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tmp_path, monkeypatch, caplog):
     from transformers import LlamaConfig
 
     from posttrain.algorithms import grpo
@@ -427,6 +428,12 @@ def test_reference_model_with_another_vocabulary_is_refused_before_ray_starts(tm
     cfg = load_config("grpo", QUICKSTART, tiny_overrides(
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={padded}"))
     assert load_model_configs(cfg.policy, with_reference=True)[1][1].vocab_size == 128
+    # Without its tokenizer only the sizes say anything: accepted, with a warning that says so.
+    for f in padded.glob("tokenizer*"):
+        f.unlink()
+    with caplog.at_level(logging.WARNING, logger="posttrain.policy.hf_io"):
+        load_model_configs(cfg.policy, with_reference=True)
+    assert "has no tokenizer, and a vocabulary of 128 tokens where the policy has 104" in caplog.text
     missing = tmp_path / "no_teacher"
     cfg = load_config("grpo", QUICKSTART, tiny_overrides(
         tmp_path, "grpo.adv_estimator=on_policy_distillation", f"policy.reference_model_name={missing}"))

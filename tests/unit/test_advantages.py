@@ -248,6 +248,52 @@ def test_on_policy_distillation_trains_the_samples_whose_verification_failed():
     assert mask("grpo") == [1.0, 0.0]  # mask_env_error_samples: no evidence against the answer
 
 
+def test_the_logged_teacher_reverse_kl_is_the_students_not_the_samplers():
+    # Student [.5, .5], teacher [.9, .1], the sampler (older weights in async GRPO) [.9, .1]: of
+    # 10 one-token samples 9 are token 0. Their plain mean of log pi - log pi_teacher is -0.372,
+    # a negative "KL"; weighted by pi / pi_sampler it is KL(student || teacher) = 0.511.
+    from posttrain.algorithms.grpo import _distillation_advantages
+    from posttrain.data.batch import BatchedDataDict
+
+    def batch(sampler: list[float]) -> BatchedDataDict:
+        tokens = [0] * 9 + [1]
+        column = lambda p: torch.tensor([[0.0, math.log(p[t])] for t in tokens])  # noqa: E731
+        return BatchedDataDict(prev_logprobs=column([0.5, 0.5]), reference_logprobs=column([0.9, 0.1]),
+                               generation_logprobs=column(sampler), token_mask=torch.tensor([[0.0, 1.0]] * 10),
+                               sample_mask=torch.ones(10))
+
+    kl = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert _distillation_advantages(batch([0.9, 0.1])) == approx(kl)
+    b = batch([0.5, 0.5])  # the sampler is the student: the plain mean
+    assert _distillation_advantages(b) == approx(-float(b["advantages"].sum()) / 10)
+    assert b["advantages"][:, 1].tolist() == approx([math.log(0.9 / 0.5)] * 9 + [math.log(0.1 / 0.5)])
+
+
+def test_a_sample_whose_environment_failed_leaves_its_groups_baseline():
+    # Reward-model scores -4, -4.5, -3.5 and a too-long fourth sample's placeholder 0: kept in the
+    # baseline, the 0 made every scored answer look bad (-0.65, -0.98, -0.33 with the group std).
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    def run(**kw) -> BatchedDataDict:
+        batch = BatchedDataDict(rewards=torch.tensor([-4.0, -4.5, -3.5, 0.0]), response_lengths=torch.full((4,), 2.0),
+                                truncated=torch.zeros(4, dtype=torch.bool),
+                                env_errors=torch.tensor([False, False, False, True]),
+                                group_ids=torch.zeros(4, dtype=torch.long), token_mask=torch.ones(4, 1))
+        _rewards_to_advantages(GRPOConfig(use_leave_one_out_baseline=False, **kw), batch, max_new_tokens=4)
+        return batch
+
+    batch = run()
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert batch["advantages"][:3, 0].tolist() == approx([0.0, -1.0, 1.0])  # mean -4, std 0.5
+    # Trained as a wrong answer instead: in the baseline and the loss.
+    unmasked = run(mask_env_error_samples=False)
+    assert unmasked["sample_mask"].tolist() == [1.0] * 4
+    sigma = math.sqrt((1 + 1.5**2 + 0.5**2 + 3**2) / 3)  # about the mean -3
+    assert unmasked["advantages"][:, 0].tolist() == approx([-1 / sigma, -1.5 / sigma, -0.5 / sigma, 3 / sigma])
+
+
 def test_a_step_without_a_sample_in_the_loss_says_why():
     # Every response truncated under overlong filtering: the step trains nothing, which its metrics
     # said only as num_valid_samples 0, step after step.
