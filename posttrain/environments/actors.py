@@ -93,6 +93,10 @@ def _contract_violation(ret: Any, n: int) -> str | None:
         # A reward in the verdict's place would count partial credit as correct again.
         if m is not None and not is_verdict(m.get(CORRECT_KEY)):
             return f"metadata[{i}][{CORRECT_KEY!r}] = {m[CORRECT_KEY]!r:.80}, not True, False or None"
+    # Checked by the generation backend at the next turn, where a wrong one stopped the run.
+    for i, stops in enumerate(ret.next_stop_strings):
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+            return f"next_stop_strings[{i}] = {stops!r:.80}, not None or a list of non-empty strings"
     terminateds = ret.terminateds.tolist()
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
         if not terminateds[i] and not (_is_message(obs) or (
@@ -147,9 +151,13 @@ def slice_time_limit(cfg: EnvWorkerConfig, message_logs: list[list[dict]]) -> fl
     return cfg.timeout_s * len(message_logs) + calls * ((cfg.tool_timeout_s or 0) + _TOOL_CHILD_RESTART_S) + 30.0
 
 
-def _creation_error(err: Exception) -> str:
-    """The exception an actor's constructor raised and where, from Ray's error (whose text is
-    Ray's framing, the traceback and terminal colour codes): "OSError: ... (file.py:12, in __init__)"."""
+def _actor_error(err: Exception) -> str:
+    """The exception an actor's method raised and where, from Ray's error (whose text is Ray's
+    framing, the traceback and terminal colour codes): "OSError: ... (file.py:12, in __init__)"."""
+    from ray.exceptions import RayError
+
+    if not isinstance(err, RayError):  # raised here, not in the actor
+        return f"{type(err).__name__}: {err}"
     lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(err)).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
@@ -197,7 +205,7 @@ class EnvironmentGroup:
             ray.get(starting)
         except Exception as e:
             self.shutdown()
-            raise EnvironmentFailure(f"environment {self.name!r} failed to start: {_creation_error(e)}") from e
+            raise EnvironmentFailure(f"environment {self.name!r} failed to start: {_actor_error(e)}") from e
 
     def step(self, message_logs: list[list[dict]], metadata: list[dict]) -> EnvironmentReturn:
         """`EnvironmentInterface.step` over the actors; failed slices score 0 (module docstring)."""
@@ -235,7 +243,8 @@ class EnvironmentGroup:
                 error = f"environment {self.name!r} actor {i} died: {e}"
                 self._count_failure(i, error)
             except Exception as e:  # noqa: BLE001 - the environment's step raised: the slice scores 0
-                error = f"environment {self.name!r} step failed: {type(e).__name__}: {e}"
+                # Its own exception and where, not Ray's framing, traceback and colour codes.
+                error = f"environment {self.name!r} step failed: {_actor_error(e)}"
             log.warning("%s; %d samples score 0", error, hi - lo)
             parts.append(EnvironmentReturn.failed(metadata[lo:hi], error))
         ret = EnvironmentReturn.concat(parts)
@@ -243,9 +252,16 @@ class EnvironmentGroup:
         return ret
 
     def _count_failed_step(self, ret: EnvironmentReturn) -> None:
+        """Counts the calls in a row in which every sample failed. Only a sample the environment
+        ended without an error ends the streak: one it merely continued (a tool call's result)
+        says nothing of its scoring, and a reward function that raised on every answer never
+        stopped a run whose answers came after a tool call."""
         errors = [m.get(ENV_ERROR_KEY) if m else None for m in ret.metadata]
-        if not errors or not all(errors):
-            self._failed_steps = 0
+        if not errors:
+            return
+        if not all(errors):
+            if any(done and not e for done, e in zip(ret.terminateds.tolist(), errors)):
+                self._failed_steps = 0
             return
         self._failed_steps += 1
         limit = self.cfg.max_failed_steps

@@ -55,8 +55,8 @@ Not guaranteed: this is not a security sandbox against malicious code. The progr
 the user running posttrain, with that user's files (the data set's tests among them), network
 and processes: it can kill them (this run included), and, as root or where that user may
 ptrace its processes, read another process's memory, the parent's nonce included, and so
-forge a result; as root it can start processes, and one in a session of its own outlives the
-kill. Train on untrusted tasks, or with a policy that might find such a way, inside a
+forge a result; as root it can start processes, and one that leaves its parent (a daemon's
+double fork) outlives the kill. Train on untrusted tasks, or with a policy that might find such a way, inside a
 container or sandbox that confines each program.
 """
 
@@ -389,7 +389,7 @@ def run_tests(program: str, tests: list[str], *, setup: str = "", timeout_s: flo
                     except subprocess.TimeoutExpired:
                         pass
             finally:
-                _kill_group(proc)  # the program's interpreter, and whatever it left running in the group
+                _kill_all(proc)  # the program's interpreter, and whatever it left running
     finally:
         _remove_tree(tmp)
     if failure is not None:
@@ -435,7 +435,21 @@ def _exchange(proc: subprocess.Popen, data: bytes, timeout_s: float) -> tuple[by
     return bytes(out), None
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_all(proc: subprocess.Popen) -> None:
+    """Kill the tests' interpreter's descendants, then its process group. The program's
+    interpreter may leave the group (`os.setsid()`, no privilege needed) and so outlived a kill of
+    the group alone, asleep past every CPU limit; it is still the tests' interpreter's child."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

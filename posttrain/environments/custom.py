@@ -247,6 +247,8 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                     continue
             else:
                 value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
+                if inspect.iscoroutine(value):  # an `async def` function, awaited as a TRL one is
+                    value = asyncio.run(value)
             number = _real(value)
             if number is None:
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "

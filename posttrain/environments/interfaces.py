@@ -168,7 +168,12 @@ class PerSampleEnvironment(EnvironmentInterface):
     def _score(self, i: int, messages: list[dict[str, str]], meta: dict[str, Any] | None) -> StepResult:
         meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
         try:
-            return self.step_one(messages, meta)
+            result = self.step_one(messages, meta)
+            # Read whole into the batch's return after every sample: a wrong type failed every sample of the slice.
+            if not isinstance(result, StepResult):
+                raise TypeError(f"step_one returned {result!r:.80}, not a StepResult")
+            float(result.reward)
+            return result
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
             error = f"{type(e).__name__}: {e}"
             log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)

@@ -106,6 +106,10 @@ def trl_integer(completions, answer, log_metric, **kwargs):
     log_metric("scored", len(completions))
     return [float(int(c[-1]["content"]) == int(a)) for c, a in zip(completions, answer)]
 
+async def async_exact(response, metadata):
+    # A per-sample one that awaits a judge: it scored every sample 0 as "returned <coroutine>".
+    return float(response.strip() == str(metadata["answer"]))
+
 async def trl_async_exact(completions, answer, **kwargs):
     # TRL awaits an async reward function (one that calls a judge over the network, say).
     return [float(c[-1]["content"].strip() == str(a)) for c, a in zip(completions, answer)]
@@ -604,6 +608,9 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     metrics = summarize_rollouts(convs)
     assert metrics["reward/trl_prompt_length"] == 1.0 and metrics["reward/trl_exact"] == pytest.approx(2 / 3)
     cfg = _cfg(f"{rewards_file}:trl_async_exact")
+    ret = resolve_env("trl", cfg)(cfg).step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
+    assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    cfg = _cfg(f"{rewards_file}:async_exact")
     ret = resolve_env("trl", cfg)(cfg).step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
     assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
     broken = _cfg(f"{rewards_file}:trl_wrong_count")

@@ -12,6 +12,7 @@ import torch
 
 from posttrain.environments import (
     ENVIRONMENTS,
+    EnvironmentFailure,
     EnvironmentGroup,
     EnvironmentReturn,
     PerSampleEnvironment,
@@ -589,6 +590,14 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
             return EnvironmentReturn(["try again"] * n, metadata, [None] * n, torch.zeros(n),
                                      torch.tensor([m[-1]["content"] == "end" for m in message_logs]), [None] * n)
 
+    class Stops(Sloppy):
+        def step(self, message_logs, metadata):
+            n = len(message_logs)
+            ended = [m[-1]["content"] == "end" for m in message_logs]
+            return EnvironmentReturn([{"role": "user", "content": "go on"}] * n, metadata,
+                                     [None if e else "</a>" for e in ended], torch.zeros(n), torch.tensor(ended),
+                                     [None] * n)
+
     # A reward column [B, 1] and a metadata entry that is no dict passed the check, then stopped
     # the driver: concatenating the slices, reading the metadata.
     class Column(Sloppy):
@@ -607,6 +616,8 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
         ("named", Named, ["1", "1"], "metadata[0] = 'done', not a dict"),
         ("texts", Texts, ["end", "more"],
          "observations[1] = 'try again', not a message {'role': ..., 'content': ...} or a list of them"),
+        # The generation backend refused it at the next turn, stopping the run.
+        ("stops", Stops, ["more", "more"], "next_stop_strings[0] = '</a>', not None or a list of non-empty strings"),
     ]:
         group = EnvironmentGroup(name, env_cls, EnvWorkerConfig(num_workers=1))
         try:
@@ -614,9 +625,64 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
             assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
             assert ret.metadata[0]["env_error"].startswith(f"environment {name!r} step returned {error}")
             ret = group.step([convo("end"), convo("end")], [{}] * 2)
-            assert (ret.num_errors == 0) is (name == "texts")  # conversations that end: no observation shown
+            # Conversations that end: no observation shown, no next turn to stop.
+            assert (ret.num_errors == 0) is (name in ("texts", "stops"))
         finally:
             group.shutdown()
+
+
+def test_a_raising_step_is_named_in_one_line_and_a_wrong_step_one_return_fails_its_sample(ray_session):
+    class Raising(PerSampleEnvironment):
+        def __init__(self, cfg):
+            pass
+
+        def step(self, message_logs, metadata):
+            raise RuntimeError("reward service down")
+
+        def step_one(self, messages, metadata):
+            raise AssertionError("not called")
+
+    group = EnvironmentGroup("raising", Raising, EnvWorkerConfig(num_workers=1))
+    try:
+        ret = group.step([convo("1")], [{}])
+        # Not Ray's framing, traceback, pid and colour codes, which made every step's text differ.
+        line = Raising.step.__code__.co_firstlineno + 1
+        assert ret.metadata[0]["env_error"] == (f"environment 'raising' step failed: RuntimeError: reward service "
+                                                f"down ({__file__}:{line}, in step)")
+    finally:
+        group.shutdown()
+
+    class Forgetful(PerSampleEnvironment):  # a step_one without its return on one path
+        def step_one(self, messages, metadata):
+            if messages[-1]["content"] == "1":
+                return StepResult("ok", 1.0, True, metadata)
+
+    ret = Forgetful().step([convo("1"), convo("2")], [{}, {}])
+    assert ret.rewards.tolist() == [1.0, 0.0]
+    assert ret.metadata[1]["env_error"] == "TypeError: step_one returned None, not a StepResult"
+
+
+def test_the_failed_step_streak_counts_scored_samples_not_continued_ones(ray_session):
+    # A reward function that raises on every answer after a tool call: the tool turns succeed,
+    # and ended the streak, so max_failed_steps never stopped a run that trained on nothing.
+    class Tooled(PerSampleEnvironment):
+        def __init__(self, cfg):
+            pass
+
+        def step_one(self, messages, metadata):
+            if messages[-1]["content"] == "call":
+                return StepResult("tool result", 0.0, False, metadata)
+            raise ConnectionError("reward service down")
+
+    group = EnvironmentGroup("tooled", Tooled, EnvWorkerConfig(num_workers=1, max_failed_steps=2))
+    try:
+        group.step([convo("call")], [{}])
+        group.step([convo("answer")], [{}])  # 1
+        group.step([convo("call")], [{}])  # goes on: still 1
+        with pytest.raises(EnvironmentFailure, match=r"every sample failed in 2 steps in a row"):
+            group.step([convo("answer")], [{}])
+    finally:
+        group.shutdown()
 
 
 def test_environment_return_tensors():
@@ -807,6 +873,31 @@ def test_code_hang_is_killed_with_what_it_started(tmp_path):
     assert time.monotonic() - start < 2.5
     time.sleep(3.5)
     assert not marker.exists()  # the grandchild died with the program's process group
+
+
+def test_code_hang_that_left_the_process_group_is_killed_too(tmp_path):
+    # os.setsid() needs no privilege or fork: the program's interpreter left the group the kill
+    # reached and slept on (no CPU limit fires in a sleep).
+    pid_file = tmp_path / "pid"
+    program = f"import os, time\nos.setsid()\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)"
+    env = _code_env()
+    env.timeout_s = 1.0
+    ret = env.step([_answer(program)], [{"tests": ADD_TESTS}])
+    assert "timed out after 1 s" in ret.observations[0]["content"]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_code_row_without_tests_is_an_env_error():
