@@ -162,6 +162,10 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
         from posttrain.runtime import supervise_in_own_session
 
         supervise_in_own_session()
+    from posttrain.checkpoint import stop_at_once_on_sigterm
+
+    # A SIGTERM while the data loads ended the job with no word of what was stopped or kept.
+    stop_at_once_on_sigterm()
     import importlib
 
     from posttrain.runtime import single_threaded_driver

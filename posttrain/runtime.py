@@ -132,6 +132,13 @@ def supervise_in_own_session() -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, forward)
     _, status = os.waitpid(child, 0)
+    # What the job left in its process group: the processes of the Ray node it was starting when
+    # a signal stopped it inside `ray.init`, before it could shut them down (the raylet's agents
+    # stayed behind, orphaned). A job that ended normally left nothing there.
+    try:
+        os.killpg(child, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     code = os.waitstatus_to_exitcode(status)  # -N when a signal N killed it
     if code < 0 and -code not in forwarded:
         # Killed by a signal it could not handle (the kernel's OOM killer sends SIGKILL): the job

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from posttrain.checkpoint import stop_at_once_on_sigterm
+from posttrain.checkpoint import StopAtOnce, stop_at_once_on_sigterm
 from posttrain.config import InputError
 from posttrain.schemas import ClusterConfig
 
@@ -57,10 +58,21 @@ def init_ray(cfg: ClusterConfig) -> None:
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     apply_ray_env_defaults()
-    if address:
-        ray.init(address=address, include_dashboard=False)
-    else:
-        ray.init(include_dashboard=False)
+    try:
+        if address:
+            ray.init(address=address, include_dashboard=False)
+        else:
+            ray.init(include_dashboard=False)
+    except (SystemExit, KeyboardInterrupt) as e:
+        # A stop signal while Ray starts: its own SIGTERM handler (set first thing in `ray.init`)
+        # exits with status 15, which skipped the CLI's message and left the node's processes
+        # started so far running. Stop them, and stop as a SIGTERM anywhere else in the setup does.
+        try:
+            ray.shutdown()
+        finally:
+            if isinstance(e, SystemExit) and e.code == signal.SIGTERM:
+                raise StopAtOnce("SIGTERM") from None
+        raise
     stop_at_once_on_sigterm()
 
 
