@@ -46,6 +46,9 @@ def _policy_dir(checkpoint: Path) -> Path:
 
 def _model_source(policy_dir: Path, config_path: str | None) -> str:
     if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
+        if config_path is not None:
+            log.warning("--config %s is not read: the checkpoint carries its model's config and tokenizer (%s/)",
+                        config_path, HF_CONFIG_DIR)
         return str(policy_dir / HF_CONFIG_DIR)
     candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
     for c in candidates:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Console
@@ -41,7 +42,8 @@ def compact_line(metrics: dict[str, float], step: int, prefix: str, total_steps:
         shown = list(plain)
     parts = [f"[bold]{escape(prefix)}[/bold] step {step}" + (f"/{total_steps}" if total_steps else "")]
     parts += [f"{escape(k)} {plain[k]:.4g}" for k in shown[:_MAX_SHOWN]]
-    step_time = sum(v for k, v in metrics.items() if k.startswith("timing/") and k.count("/") == 1)
+    step_time = sum(v for k, v in metrics.items()
+                    if k.startswith("timing/") and k.count("/") == 1 and math.isfinite(v))  # not "time nans"
     if step_time:
         parts.append(f"time {step_time:.3g}s")
     return " | ".join(parts)
@@ -89,11 +91,13 @@ class ConsoleBackend:
         fields = {"summary": escape("  ".join(f"{k} {v:.4g}" for k, v in summary.items()))} if summary is not None else {}
         self._progress.update(self._task, completed=max(done, step), **fields)
 
+    # soft_wrap: one line per step and per message whatever the width. Written to a file or a pipe,
+    # rich took 80 columns and broke them, and `grep 'train step' log | grep grad_norm` missed values.
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, markup=False)
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def log_metrics(self, metrics: dict[str, float], step: int, prefix: str) -> None:
-        self.console.print(compact_line(metrics, step, prefix, self._total), highlight=False)
+        self.console.print(compact_line(metrics, step, prefix, self._total), highlight=False, soft_wrap=True)
         self.update_progress(step)
 
     def log_hparams(self, hparams: dict[str, Any]) -> None:

@@ -29,6 +29,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
 _MAX_SERIES = 8
 # From this many steps on, a curve is drawn with its running mean over 1/50 of them.
 _SMOOTH_FROM = 500
+# Up to this many steps the step-time breakdown is a stacked bar a step, beyond it a stacked area.
+_BARS_UP_TO = 30
 _META = ("step", "prefix", "time")
 
 
@@ -81,6 +83,9 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
             on, style = (twin, "--") if key in right else (ax, "-")
             steps = sorted(series[key])
             values = [series[key][s] for s in steps]
+            if not any(map(math.isfinite, values)):  # it draws nothing: the legend says why
+                on.plot([], [], style, color=next(colors), label=f"{key} (no finite values)")
+                continue
             if len(steps) < _SMOOTH_FROM:
                 on.plot(steps, values, style, color=next(colors), marker="." if len(steps) < 50 else None, label=key)
                 continue
@@ -99,8 +104,15 @@ def plot_history(records: list[dict[str, Any]], out_dir: Path, own_step_axes: tu
         fig = Figure(figsize=(7, 4), dpi=100)
         ax = fig.add_subplot()
         # A phase a step did not run (validation, checkpoint) took no time in it.
-        ax.stackplot(steps, [[_or_zero(series[k].get(s, 0.0)) for s in steps] for k in timing],
-                     labels=[k.split("timing/", 1)[1] for k in timing])
+        phases = [[_or_zero(series[k].get(s, 0.0)) for s in steps] for k in timing]
+        labels = [k.split("timing/", 1)[1] for k in timing]
+        if len(steps) <= _BARS_UP_TO:  # a stacked area over one step has no width: a short run's was blank
+            bottom = [0.0] * len(steps)
+            for values, label in zip(phases, labels):
+                ax.bar(steps, values, bottom=bottom, label=label, width=0.8)
+                bottom = [b + v for b, v in zip(bottom, values)]
+        else:
+            ax.stackplot(steps, phases, labels=labels)
         _finish(ax, "step time breakdown", "seconds")
         written.append(_save(FigureCanvasAgg(fig), fig, out_dir / "timing.png"))
     return written
@@ -188,8 +200,14 @@ def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step", twin: Any = 
 
     ax.set_title(title, fontsize="medium")
     ax.set_xlabel(xlabel)
-    # Steps and k count: a short run's axis read 0, 0.25, ..., 2 (steps that do not exist).
+    # Steps and k count: a short run's axis read 0, 0.25, ..., 2 (steps that do not exist). Over
+    # less than two steps' width the locator has too few integers and falls back to fractions
+    # (one step: 0.945, 0.96, ...): widened to the step's neighbours.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:
+        middle = round((lo + hi) / 2)
+        ax.set_xlim(middle - 1, middle + 1)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()

@@ -134,6 +134,9 @@ def test_hf_export_reloads_with_identical_logits(policies, tmp_path, caplog):
     (tmp_path / "other.yaml").write_text("policy:\n  model_name: embedded:small\n")
     with pytest.raises(InputError, match=r"does not fit the model of embedded:small .*pass the run's own config"):
         dcp_to_hf(tmp_path / "foreign", tmp_path / "converted", str(tmp_path / "other.yaml"))
+    (tmp_path / "broken.yaml").write_text("policy: [\n")  # the checkpoint's own hf_config/: not read, and said
+    dcp_to_hf(tmp_path / "step_1", tmp_path / "converted", str(tmp_path / "broken.yaml"))
+    assert f"--config {tmp_path / 'broken.yaml'} is not read: the checkpoint carries its model's config" in caplog.text
     with pytest.raises(SystemExit) as done:
         cli_main(["convert", "dcp-to-hf", "--checkpoint", str(tmp_path / "step_1"),
                   "--output", str(tmp_path / "converted")])

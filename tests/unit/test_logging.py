@@ -387,6 +387,23 @@ def test_no_progress_bar_frames_in_a_piped_log_with_forced_colour(tmp_path):
     assert text.count("step ") == 20 and "steps" not in text  # one line per step, no bar frame
 
 
+def test_a_step_line_and_a_message_stay_one_line_in_a_narrow_log(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from posttrain.logging.console import ConsoleBackend
+
+    out = io.StringIO()
+    backend = ConsoleBackend(Console(file=out, width=80))  # rich's width for a file or a pipe
+    metrics = {f"metric_{i}": i / 7 for i in range(12)}
+    backend.log_metrics({**metrics, "timing/generation": 1.5, "timing/validation": math.nan}, 3, "train")
+    backend.message("resumed from step 3 with 2 config changes since that checkpoint: " + "x" * 80)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train step 3 | ") and len(lines[0]) > 80, lines
+    assert lines[0].endswith(" | time 1.5s")  # a phase timed NaN is left out, not "time nans"
+
+
 def test_samples_print_as_the_model_wrote_them(tmp_path):
     from rich.console import Console
 
@@ -673,6 +690,28 @@ def test_a_short_runs_plots_tick_whole_steps(tmp_path, monkeypatch):
         ticks = [t for t in fig.axes[0].get_xticks() if 0 <= t <= 2]
         # Matplotlib's default put ticks at 0.25, 0.5, ...: steps a run does not have.
         assert ticks and all(t == int(t) for t in ticks), ticks
+
+
+def test_a_one_step_runs_plots_show_its_step_and_its_time(tmp_path, monkeypatch):
+    from posttrain.logging import plots
+
+    figures = {}
+    monkeypatch.setattr(plots, "_save", lambda canvas, fig, path: (figures.update({path.name: (canvas, fig)}), path)[1])
+    records = [{"step": 1, "prefix": "train", "reward": 0.5, "loss": math.nan, "timing/generation": 1.0,
+                "timing/training": 2.0}]
+    plots.plot_history(records, tmp_path)
+    assert sorted(figures) == ["loss.png", "reward.png", "timing.png"]
+    for canvas, fig in figures.values():
+        canvas.draw()
+        # One step: the locator fell back to fractions (0.945, 0.96, ...) around it.
+        ticks = [t for t in fig.axes[0].get_xticks() if fig.axes[0].get_xlim()[0] <= t <= fig.axes[0].get_xlim()[1]]
+        assert 1 in ticks and all(t == int(t) for t in ticks), ticks
+    # The time breakdown of one step was a stacked area of no width: blank. Now a bar per phase.
+    bars = [(p.get_y(), p.get_height()) for p in figures["timing.png"][1].axes[0].patches]
+    assert bars == [(0.0, 1.0), (1.0, 2.0)]
+    # A curve with no finite value draws nothing: its legend entry says so.
+    labels = [t.get_text() for t in figures["loss.png"][1].axes[0].get_legend().get_texts()]
+    assert labels == ["train/loss (no finite values)"]
 
 
 def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch):
