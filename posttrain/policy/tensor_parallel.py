@@ -10,7 +10,7 @@ over the data-parallel dimension of the (dp, tp) mesh.
 
 With `policy.dtensor_cfg.sequence_parallel` (Megatron's sequence parallelism), the activations
 between the attention and MLP blocks are split too, by sequence position: each rank keeps 1/tp
-of the positions through the two RMSNorms and the residual adds of every layer; each block
+of the positions through the norms (every one of the layer's, Gemma2's four too) and the residual adds of every layer; each block
 all-gathers its input once and its row-parallel projection reduce-scatters its output (instead
 of all-reducing it). The same bytes cross the group; the norms' saved activations and work
 shrink by tp (benchmarks/results/sequence_parallel_memory.md). The first layer takes its rank's
@@ -59,8 +59,22 @@ def check_tensor_parallel(config, tp: int, key: str = "policy.model_name") -> No
                          + ", ".join(f"{k}={v}" for k, v in bad.items()))
 
 
-# The decoder layer's norms that sequence parallelism runs on the rank's positions (Llama's names).
-_SEQUENCE_NORMS = ("input_layernorm", "post_attention_layernorm")
+def _sequence_norms(layer: Any, blocks: list[str]) -> list[str]:
+    """The norms of decoder `layer` (its children with parameters besides the plan's `blocks`),
+    which sequence parallelism runs on the rank's positions. Read from the layer, not a list of
+    Llama's two names: Gemma2's pre/post-feedforward norms were left plain, so each rank's
+    gradient of their weights covered its own positions only and the ranks' copies diverged.
+    A child with parameters that is no norm may not work position by position: refused."""
+    norms, others = [], []
+    for name, child in layer.named_children():
+        if name in blocks or next(child.parameters(), None) is None:
+            continue
+        (norms if "norm" in type(child).__name__.lower() else others).append(f"{name} ({type(child).__name__})")
+    if others:
+        raise InputError(f"policy.dtensor_cfg.sequence_parallel: decoder layer {type(layer).__name__} has modules with "
+                         f"weights outside its attention and MLP that are not norms ({', '.join(others)}); "
+                         "sequence parallelism splits only norms by position: set it to false")
+    return [n.partition(" ")[0] for n in norms]
 
 
 def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_parallel: bool = False) -> None:
@@ -82,18 +96,16 @@ def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_pa
     styles = {"colwise": ColwiseParallel,
               "rowwise": (lambda: RowwiseParallel(output_layouts=Shard(1))) if sequence_parallel else RowwiseParallel}
     blocks = sorted({name.rpartition(".")[0] for name, style in plan.items() if style == "colwise"})
-    names = [*plan, *(_SEQUENCE_NORMS if sequence_parallel else ())]
     for layer in decoder_layers:
         try:
-            for name in names:
+            for name in plan:
                 layer.get_submodule(name)
         except AttributeError as e:
             raise InputError(f"tensor parallelism: decoder layer {type(layer).__name__} lacks a module its "
-                             f"config's plan{' or sequence parallelism' if sequence_parallel else ''} names: {e}") \
-                from None
+                             f"config's plan names: {e}") from None
         layer_plan = {name: styles[style]() for name, style in plan.items()}
         if sequence_parallel:
-            layer_plan.update({name: SequenceParallel(use_local_output=True) for name in _SEQUENCE_NORMS})
+            layer_plan.update({name: SequenceParallel(use_local_output=True) for name in _sequence_norms(layer, blocks)})
         parallelize_module(layer, tp_mesh, layer_plan)
         if sequence_parallel:
             for block in blocks:

@@ -9,6 +9,7 @@ SGD step (lr 0.5) 5e-6 absolute (the row-parallel sums add in another order).
 
 import math
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -125,6 +126,48 @@ def test_sequence_parallel_layers_hold_half_of_the_positions(tiny_model_path):
         assert not [w for w in warned if "sequential" in w], (rank, warned)
         assert norm_replicated, rank
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=2e-5, rtol=0)
+
+
+def _gemma2_rank(rank: int, model_path: str) -> tuple:
+    """Rank `rank` of two policy workers under sequence parallelism: one SGD step on make_batch()
+    of a Gemma2 model, then the full values of every decoder layer's norm weights."""
+    from posttrain.policy.fsdp_worker import FSDPPolicyWorker, _decoder_layers
+
+    worker = FSDPPolicyWorker(_cfg(model_name=model_path, attn_implementation="eager",
+                                   make_sequence_length_divisible_by=2,
+                                   dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}),
+                              init_reference=False)
+    worker.setup()
+    worker.train(make_batch(), NLLLoss(), 4)
+    norms = {f"model.layers.{i}.{name}": p.full_tensor().tolist()
+             for i, layer in enumerate(_decoder_layers(worker.model))
+             for name, p in layer.named_parameters() if "norm" in name}
+    return rank, norms
+
+
+def test_sequence_parallel_trains_every_norm_of_the_layer(tmp_path, tiny_model_path):
+    # Gemma2's decoder layer has four norms on the residual stream, not Llama's two: the two
+    # left plain saw their rank's positions only, and each rank's copy went its own way.
+    import shutil
+
+    from transformers import Gemma2Config
+
+    from posttrain.distributed.local_ranks import run_local_ranks
+
+    torch.manual_seed(0)
+    model_path = tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(Gemma2Config(
+        vocab_size=104, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=7, pad_token_id=0)).save_pretrained(model_path)
+    for f in Path(tiny_model_path).iterdir():
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, model_path)
+    _, _, expected = sgd_step_reference(str(model_path), make_batch(), LR)
+    got = run_local_ranks(_gemma2_rank, 2, str(model_path), timeout_s=300)
+    for rank, norms in got:
+        assert len(norms) == 8 and any("pre_feedforward_layernorm" in k for k in norms)
+        for k, v in norms.items():
+            torch.testing.assert_close(torch.tensor(v), expected[k], atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
 def test_a_checkpoint_resumes_under_another_tensor_parallel_size(ray_session, tmp_path):
