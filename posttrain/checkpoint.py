@@ -37,6 +37,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -402,6 +403,9 @@ class CheckpointManager:
         self.dir = Path(cfg.checkpoint_dir)
         self.signature = json.loads(json.dumps(signature, default=str))
         self.policy = policy
+        # Names the run in its checkpoints and its log folder (`adopt_run_id`): another run's logs
+        # in the same logger.log_dir are told apart from the resumed run's own.
+        self.run_id = uuid.uuid4().hex
         self.moved_aside: Path | None = None
         self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
         self._lock_fd: int | None = None
@@ -738,6 +742,7 @@ class CheckpointManager:
             "best_metric_value": best_value,
             "timestamp": time.time(),
             "signature": self.signature,
+            "run_id": self.run_id,
         }
         _write(tmp / INFO_FILE, json.dumps(info, indent=2, default=str))
         _write(tmp / CONFIG_FILE, config_yaml)
@@ -762,6 +767,16 @@ class CheckpointManager:
             shutil.rmtree(replaced, ignore_errors=True)
         self._prune(latest=final)
         return final
+
+    def adopt_run_id(self, latest: Path | None) -> str | None:
+        """The run id of the run resumed from checkpoint `latest` (None: a fresh run's new one),
+        which this manager's saves then carry on; None for a checkpoint saved before run ids."""
+        if latest is None:
+            return self.run_id
+        stored = self.load_info(latest).get("run_id")
+        if stored is not None:
+            self.run_id = str(stored)
+        return stored
 
     def pending_validation(self, step: int) -> Path | None:
         """The checkpoint of `step` (the one a run resumes from) when its validation is pending."""

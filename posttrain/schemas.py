@@ -1190,8 +1190,9 @@ class LoggerConfig(Section):
     # cannot delete a logged value, keep it beside the steps logged again) and logs into the
     # stopped run's W&B and MLflow runs (ids in tracker_runs.json); a run that starts over (no
     # checkpoint to resume) first moves an earlier run's metrics.jsonl, samples.jsonl,
-    # config.yaml, plots/, tensorboard/, tracker_runs.json and final export hf/ into
-    # log_dir/previous-<time>/.
+    # config.yaml, plots/, tensorboard/, tracker_runs.json, run_id and final export hf/ into
+    # log_dir/previous-<time>/; so does a resumed run that finds another run's logs there (run_id
+    # differs from its checkpoint's: a run with other checkpoints in the same log_dir).
     log_dir: str = "logs"
     _log_dir_is_a_folder = field_validator("log_dir")(output_folder)
     # Validation samples (prompt, response, reward) printed to the console at each validation.

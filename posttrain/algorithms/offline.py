@@ -124,7 +124,8 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     check_export_is_not_an_input(cfg, fresh=latest is None)
     logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
                     also_move=(EXPORT_DIR,), exclusive=True,
-                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"])
+                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"],
+                    run_id=None if checkpointer is None else checkpointer.adopt_run_id(latest))
     if checkpointer is not None:
         logger.metric_checks.append(checkpointer.check_metric_name)
     if checkpointer is not None and checkpointer.moved_aside is not None:  # said as the logs' move is

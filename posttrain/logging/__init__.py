@@ -42,8 +42,10 @@ _log = _stdlib_logging.getLogger("posttrain")
 # The W&B and MLflow run ids of this run dir, so that a resumed run logs into the same
 # tracker runs instead of starting new ones beside them.
 _TRACKER_RUNS = "tracker_runs.json"
+# The id of the run whose logs the run dir holds (CheckpointManager.run_id).
+_RUN_ID = "run_id"
 # What a run writes into its run dir that a later run would append to or mix with its own.
-_RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard", _TRACKER_RUNS)
+_RUN_LOGS = ("metrics.jsonl", "samples.jsonl", "config.yaml", "plots", "tensorboard", _TRACKER_RUNS, _RUN_ID)
 # Prefixes whose steps count something else than the run's steps: the warm-up SFT's, which only
 # a fresh run logs. A resume keeps them whole, whatever step its checkpoint is at.
 _OWN_STEP_AXES = ("warmup_sft",)
@@ -102,6 +104,14 @@ def _drop_after(path: Path, step: int | None) -> list[dict[str, Any]]:
     return kept
 
 
+def _read_run_id(path: Path) -> str | None:
+    """The run id in `path` (None: no such file, from before run ids)."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _check_writable(run_dir: Path) -> None:
     """Create `run_dir` and write in it, or fail naming logger.log_dir (a permission error from deep
     inside the logger was a traceback; root passes os.access on a read-only or immutable folder)."""
@@ -117,7 +127,7 @@ def _check_writable(run_dir: Path) -> None:
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None,
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = False, run_id: str | None = None) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
@@ -129,12 +139,20 @@ class Logger:
         rather than new ones started; their stores cannot delete a logged value, so the steps the
         stopped run logged after the checkpoint stay there beside the ones logged again.
         `exclusive`: hold `run_dir`'s lock until `close` (a training run's logger.log_dir): a second
-        live run there moved the first's logs aside and replaced its final export."""
+        live run there moved the first's logs aside and replaced its final export.
+        `run_id`: the run's (CheckpointManager.run_id), kept in `run_dir`. A resumed run that finds
+        another run's logs there (a run with other checkpoints, the same logger.log_dir) moves
+        them aside as a fresh start does, instead of cutting them at its step and continuing
+        them: its own earlier logs were moved aside by that run (the message says where)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         _check_writable(self.run_dir)
         self._lock_fd = lock_beside(self.run_dir, "logger.log_dir", cfg.log_dir) if exclusive else -1
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        logged_by = _read_run_id(self.run_dir / _RUN_ID)
+        another_runs = resumed_from is not None and None not in (run_id, logged_by) and logged_by != run_id
+        if another_runs:
+            fresh, resumed_from = True, None
         # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with
         # this run's at the same steps (and its later steps would stay in this run's plots).
         self.moved_aside = move_aside(self.run_dir, [self.run_dir / n for n in dict.fromkeys((*_RUN_LOGS, *also_move))
@@ -190,7 +208,14 @@ class Logger:
 
             self._gpu_monitor = GpuMonitor(cfg.gpu_monitoring)
 
-        if self.moved_aside is not None:
+        if run_id is not None:
+            (self.run_dir / _RUN_ID).write_text(run_id + "\n")
+        if another_runs:
+            own = [d for d in sorted(self.run_dir.glob("previous-*")) if _read_run_id(d / _RUN_ID) == run_id]
+            self.console(f"the logs in {self.run_dir} were another run's (run {logged_by}; this one is {run_id}): "
+                         f"moved to {self.moved_aside}; this run's own logs up to its checkpoint "
+                         + (f"are in {own[-1]}" if own else "are not there") + "; it logs its next steps here")
+        elif self.moved_aside is not None:
             self.console(f"the earlier run's logs in {self.run_dir} were moved to {self.moved_aside}")
         if hparams:
             (self.run_dir / "config.yaml").write_text(to_yaml(hparams), encoding="utf-8")

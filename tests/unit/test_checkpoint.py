@@ -804,3 +804,18 @@ def test_a_misspelt_metric_name_fails_when_the_run_first_logs_its_kind(tmp_path)
     for name in ("val:bleu", "val:accuracy"):
         check = _mgr(tmp_path, metric_name=name).check_metric_name
         check({"accuracy": 0.9}, "val")
+
+
+def test_a_resumed_run_keeps_its_run_id_in_the_checkpoints_it_saves(tmp_path):
+    first = _mgr(tmp_path)
+    assert first.adopt_run_id(None) == first.run_id  # a fresh run: its own new id
+    _save(first, 1)
+    assert first.load_info(tmp_path / "ckpt" / "step_1")["run_id"] == first.run_id
+    resumed = _mgr(tmp_path)
+    assert resumed.run_id != first.run_id and resumed.adopt_run_id(resumed.latest()) == first.run_id
+    _save(resumed, 2)
+    assert resumed.load_info(tmp_path / "ckpt" / "step_2")["run_id"] == first.run_id
+    # A checkpoint from before run ids names none: the logs it finds are taken as its own.
+    info_file = tmp_path / "ckpt" / "step_2" / "training_info.json"
+    info_file.write_text(json.dumps({k: v for k, v in json.loads(info_file.read_text()).items() if k != "run_id"}))
+    assert _mgr(tmp_path).adopt_run_id(tmp_path / "ckpt" / "step_2") is None

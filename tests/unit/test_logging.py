@@ -714,6 +714,41 @@ def test_a_one_step_runs_plots_show_its_step_and_its_time(tmp_path, monkeypatch)
     assert labels == ["train/loss (no finite values)"]
 
 
+def test_a_resumed_run_sets_another_runs_logs_aside_instead_of_cutting_and_continuing_them(tmp_path, monkeypatch):
+    # Run A (checkpoints in one folder) stops at step 4; run B (other checkpoints, the same
+    # logger.log_dir) starts fresh and logs 6 steps; A resumes at 4. A cut B's metrics at step 4
+    # (B's steps 5-6 were lost) and continued them with its own steps 5-8.
+    from posttrain.logging.jsonl import read_metrics
+
+    said = []
+    monkeypatch.setattr(Logger, "console", lambda self, text: said.append(text))
+    cfg = _cfg(jsonl_enabled=True)
+
+    def run(run_id: str, steps: range, resumed_from=None) -> Logger:
+        logger = Logger(cfg, tmp_path, fresh=resumed_from is None, resumed_from=resumed_from, run_id=run_id)
+        for step in steps:
+            logger.log_metrics({"loss": float(step), "run": 1.0 if run_id == "a" else 2.0}, step)
+        logger.close()
+        return logger
+
+    run("a", range(1, 5))
+    b = run("b", range(1, 7))
+    a_logs = b.moved_aside
+    resumed = run("a", range(5, 9), resumed_from=4)
+    assert [(r["step"], r["run"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(s, 1.0) for s in range(5, 9)]
+    b_logs = resumed.moved_aside
+    assert [r["step"] for r in read_metrics(b_logs / "metrics.jsonl")] == list(range(1, 7))  # nothing of B's lost
+    assert said[-1] == (f"the logs in {tmp_path} were another run's (run b; this one is a): moved to {b_logs}; this "
+                        f"run's own logs up to its checkpoint are in {a_logs}; it logs its next steps here")
+    # Its own logs (the same run id) it continues, cut at its checkpoint.
+    run("a", range(7, 9), resumed_from=6)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [5, 6, 7, 8]
+    # Logs from before run ids, or a run without one (no checkpoint manager): continued as before.
+    (tmp_path / "run_id").unlink()
+    run("c", range(9, 10), resumed_from=8)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [5, 6, 7, 8, 9]
+
+
 def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch):
     # It said where the logs went and not the checkpoints, which left the checkpoint folder too.
     from posttrain.algorithms.offline import training_logger
