@@ -73,14 +73,15 @@ def check_supported(model, context: int | None = None) -> None:
     A sliding window at least as long as the context never slides (each position sees all
     earlier ones), as Mistral 7B v0.1's 4,096 does at the usual RL contexts."""
     mt = getattr(model.config, "model_type", None)
-    context = context or model.config.max_position_embeddings
     problem = None
-    if mt not in SUPPORTED_MODEL_TYPES:
+    if mt not in SUPPORTED_MODEL_TYPES:  # first: another family's config may lack what is read below
         problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
     elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         problem = "the model does not have the `model.layers` / `lm_head` layout"
-    elif (window := sliding_window(model.config)) is not None and window < context:
-        problem = f"sliding-window attention (window {window}, shorter than the {context}-token context) is not supported"
+    elif (window := sliding_window(model.config)) is not None and window < (
+            context or model.config.max_position_embeddings):
+        problem = (f"sliding-window attention (window {window}, shorter than the "
+                   f"{context or model.config.max_position_embeddings}-token context) is not supported")
     if problem:
         raise UnsupportedModelError(
             f"the torch generation engine cannot run this model: {problem}; use "

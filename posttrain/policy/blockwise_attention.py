@@ -174,10 +174,21 @@ def _register() -> None:
 
 def sliding_window(config) -> int | None:
     """The attention window of a model config that applies one (Mistral's `sliding_window`, Qwen2's
-    with `use_sliding_window`, Gemma's sliding layers), else None. A row no longer than it attends
-    as under full causal attention; shared-prefix masks and blocks are full causal attention."""
-    window = getattr(config, "sliding_window", None)
-    return window if window and getattr(config, "use_sliding_window", True) else None
+    with `use_sliding_window`, Gemma's sliding layers, Llama 4's `attention_chunk_size`), else
+    None. A row no longer than it attends as under full causal attention; shared-prefix masks
+    and blocks are full causal attention. Read from the text model's config: a multimodal
+    model (Gemma 3 4B as AutoModelForCausalLM loads it) keeps its window there, and a window
+    not seen gave rows longer than it full attention.
+
+    GPT-Neo's local layers (`window_size`) mask by the position in the packed row, not in the
+    sequence, so no packed row is safe from them: 0, which every row is longer than."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(c, "window_size", None) and "local" in (getattr(c, "attention_layers", None) or ()):
+        return 0
+    window = getattr(c, "sliding_window", None)
+    window = window if window and getattr(c, "use_sliding_window", True) else None
+    chunk = getattr(c, "attention_chunk_size", None)
+    return min(w for w in (window, chunk) if w) if (window or chunk) else None
 
 
 def base_implementation(model: torch.nn.Module) -> str | None:

@@ -113,3 +113,31 @@ def test_blockwise_attention_setting_per_device(setting, device, expected):
     assert worker._wants_blockwise() is expected
     worker.model_kind = "sequence_classification"
     assert worker._wants_blockwise() is False
+
+
+def test_the_window_that_keeps_a_row_from_sharing_its_prompt_is_found_where_each_model_keeps_it():
+    # Gemma 3 4B loads as the multimodal class, its window in text_config; Llama 4 attends in
+    # chunks; GPT-Neo's local layers mask by the position in the packed row (0: never shared).
+    # Missed, they gave rows longer than the window full attention.
+    from transformers import Gemma3Config, GPTNeoConfig, Llama4TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    from posttrain.policy.blockwise_attention import sliding_window
+
+    assert sliding_window(LlamaConfig()) is None
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
+    assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    assert sliding_window(Gemma3Config(text_config={"sliding_window": 512})) == 512
+    assert sliding_window(Llama4TextConfig(attention_chunk_size=64)) == 64
+    assert sliding_window(GPTNeoConfig(window_size=256, attention_types=[[["global", "local"], 1]], num_layers=2)) == 0
+    assert sliding_window(GPTNeoConfig(window_size=256, attention_types=[[["global"], 2]], num_layers=2)) is None
+
+
+def test_another_familys_config_is_told_unsupported_before_its_attributes_are_read():
+    # A Mamba or multimodal Gemma 3 config has no max_position_embeddings: reading it first
+    # raised AttributeError out of the policy's set-up instead of "not supported".
+    from types import SimpleNamespace
+
+    from posttrain.generation.torch_engine import UnsupportedModelError, check_supported
+
+    with pytest.raises(UnsupportedModelError, match="model_type 'mamba' is not one of"):
+        check_supported(SimpleNamespace(config=SimpleNamespace(model_type="mamba")))
