@@ -243,9 +243,9 @@ class SchedulerEntry(Section):
 
 class ColocatedResources(Section):
     # Separate generation workers: GPUs per node (null: cluster.gpus_per_node).
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = Field(None, ge=0)
     # Separate generation workers: nodes (null: 1).
-    num_nodes: int | None = None
+    num_nodes: int | None = Field(None, ge=1)
 
 
 class ColocatedConfig(Section):

@@ -42,6 +42,7 @@ from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
 from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
+from posttrain.distributed.worker_group import WorkerError
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
 from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import mean_pass_at_k
@@ -525,7 +526,11 @@ def _refit_generation(s: GRPOSetup, version: int) -> dict[str, float]:
     """Separate generation workers to the policy's current weights (`version` = updates so far)."""
     if s.generation.version == version:
         return {}
-    return s.generation.update_weights(s.policy.full_state_dict_ref(), version=version)
+    start = time.perf_counter()
+    weights = s.policy.full_state_dict_ref()  # the gather, as the colocated refit_s counts it
+    gathered_s = time.perf_counter() - start
+    metrics = s.generation.update_weights(weights, version=version)
+    return {**metrics, "refit_s": metrics["refit_s"] + gathered_s}
 
 
 def _validate_current(s: GRPOSetup, pipeline: _RolloutPipeline | None, step: int,
@@ -574,13 +579,25 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         # The policy is the last complete step's (an environment fails before an update, in the
         # rollouts or a validation): keep the steps since the last checkpoint for a resume once
         # the environment is mended.
-        if last.step > last.saved_step and s.cfg.checkpointing.enabled:
-            _save(s, last.step, last.train, last.val, loader_state=last.loader_state)
-            s.logger.console(f"an environment failed: saved step {last.step}, the last complete one, before stopping")
+        _save_last_complete(s, last, "an environment failed")
+        raise
+    except WorkerError as e:
+        # A separate generation worker died (in a refit or the rollouts): the policy workers hold
+        # the last complete step, which was lost with it when no save was due.
+        if s.generation is not s.policy and e.group == s.generation.workers.name:
+            _save_last_complete(s, last, "a generation worker died")
         raise
     finally:
         if pipeline is not None:
             pipeline.close(wait=finished)
+
+
+def _save_last_complete(s: GRPOSetup, last: _LastComplete, why: str) -> None:
+    """Save `last` (the last complete step) if no checkpoint holds it yet, saying `why` the run stops."""
+    if last.step > last.saved_step and s.cfg.checkpointing.enabled:
+        _save(s, last.step, last.train, last.val, loader_state=last.loader_state)
+        last.saved_step = last.step
+        s.logger.console(f"{why}: saved step {last.step}, the last complete one, before stopping")
 
 
 def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastComplete) -> dict[str, float]:
@@ -761,16 +778,19 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             train_metrics = policy.train(passes[0] if len(passes) == 1 else BatchedDataDict.from_batches(passes),
                                          s.loss_fn)
 
+        step += 1
+        # The step is complete: its update is in the policy, which a failure of the generation
+        # workers from here on leaves intact (grpo_train then saves it). The data position before
+        # the next step's prompts (async: before the oldest queued ones).
+        last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
+        last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
+
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
         # async ones before each queued batch, in the pipeline's thread)
         if s.generation is not policy and pipeline is None:
             with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async runs log
-                rollout_metrics.update(_refit_generation(s, step + 1))
-        step += 1
+                rollout_metrics.update(_refit_generation(s, step))
         policy.sync_reference_if_due(step)  # policy.reference_sync (the KL reference)
-        # The data position before the next step's prompts (async: before the oldest queued ones).
-        last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
-        last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
 
         # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
         # grace period, which a long validation before the save would spend)

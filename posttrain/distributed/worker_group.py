@@ -153,9 +153,14 @@ class _WorkerHost:
 
 
 class WorkerError(RunStopped):
-    """A worker process died; the message names it and shows its last log lines."""
+    """A worker process died; the message names it and shows its last log lines. `group`: the
+    name of its worker group (RayWorkerGroup.name)."""
 
     after = "The checkpoints saved before stay: the same command resumes from the latest."
+
+    def __init__(self, message: str, group: str | None = None):
+        super().__init__(message)
+        self.group = group
 
 
 class WorkerGroupBroken(RunStopped):
@@ -312,7 +317,7 @@ class RayWorkerGroup:
         self._remove_logs_at_shutdown = False
         return WorkerError(
             f"{self.name} worker rank {rank} (pid {info['pid']}, node {info['node']}) died: {reason}\n"
-            f"last lines of its log {self.log_paths[rank]}:\n{self.tail_log(rank)}"
+            f"last lines of its log {self.log_paths[rank]}:\n{self.tail_log(rank)}", group=self.name,
         )
 
     def tail_log(self, rank: int, lines: int = 20) -> str:

@@ -42,17 +42,24 @@ class GenerationWorker:
                  precision: str, device: str, attn_implementation: str):
         from transformers import AutoTokenizer
 
-        from posttrain.generation import build_generation
+        from posttrain.generation import build_generation, load_model_and_tokenizer
         from posttrain.policy.hf_io import attention_kernel
         from posttrain.runtime import resolve_device
 
         device = resolve_device(device)
-        self.engine = build_generation(backend, model_path=model_path,
-                                       tokenizer=AutoTokenizer.from_pretrained(tokenizer_path), cfg=cfg,
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        kernel = attention_kernel(attn_implementation, max_total_sequence_length, device.type)
+        source = {"model_path": model_path}
+        if backend != "vllm":
+            # The refits' weights arrive in float32 (the trainer's masters) into this copy, which the
+            # engine then takes in its own precision (torch_cfg.precision), as the colocated copy
+            # does: loaded in policy.precision, a float32 engine computed with bf16-rounded weights.
+            model, tokenizer = load_model_and_tokenizer(model_path, "float32", tokenizer, kernel)
+            source = {"model": model.to(device) if backend == "hf" else model}
+        self.engine = build_generation(backend, **source, tokenizer=tokenizer, cfg=cfg,
                                        max_total_sequence_length=max_total_sequence_length, precision=precision,
                                        device=device, rank=int(os.environ.get("RANK", "0")),
-                                       attn_implementation=attention_kernel(attn_implementation,
-                                                                            max_total_sequence_length, device.type))
+                                       attn_implementation=kernel)
         self.version = 0
         freeze_setup_objects()
 

@@ -86,3 +86,17 @@ def test_mixed_versions_fail_loudly(setup):
         group.generate(make_batch(tok))
     group.update_weights(model.state_dict(), version=100)  # every worker agrees again
     assert group.generate(make_batch(tok), greedy=True)["output_ids"].shape[0] == 6
+
+
+def test_a_float32_engine_of_a_bfloat16_policy_generates_with_the_float32_weights(setup, tiny_model_path):
+    # The worker loaded its copy in policy.precision: each refit's float32 weights were rounded
+    # to bfloat16 before the float32 engine widened them back (token_mult_prob_error 1.02).
+    from posttrain.generation.workers import GenerationWorker
+
+    model, tok, _, _ = setup
+    cfg = GenerationConfig(max_new_tokens=16, torch_cfg={"precision": "float32"})
+    worker = GenerationWorker("torch", tiny_model_path, tiny_model_path, cfg, CTX, "bfloat16", "cpu", "auto")
+    worker.update_weights(model.state_dict(), version=1)
+    batch = make_batch(tok, repeat=2)
+    out = worker.generate(batch, greedy=False, expected_version=1)
+    assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.001

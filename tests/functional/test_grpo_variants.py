@@ -148,6 +148,36 @@ def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_sessio
     assert 0 < first["refit_load_s"] <= first["refit_s"] <= first["timing/refit"]
 
 
+def test_a_generation_worker_that_dies_in_the_refit_leaves_the_step_just_trained_saved(ray_session, tmp_path):
+    # The refit ran before the step counted as complete, and only an environment's failure saved
+    # it: step 3 (no save due, save_period=2) was lost with the generation worker.
+    import ray
+
+    from posttrain.algorithms import grpo
+    from posttrain.distributed.worker_group import WorkerError
+
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "policy.generation.colocated.enabled=false", "grpo.warmup_sft_steps=0", "grpo.max_num_steps=5",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false"))
+    s = grpo.setup(cfg)
+    try:
+        train, calls = s.policy.train, []
+
+        def train_then_kill(*args, **kwargs):
+            out = train(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 3:
+                ray.kill(s.generation.workers.actors[0], no_restart=True)
+            return out
+
+        s.policy.train = train_then_kill
+        with pytest.raises(WorkerError, match="generation worker rank 0 .* died"):
+            grpo.grpo_train(s)
+    finally:
+        s.shutdown()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2", "step_3"]
+
+
 def test_colocated_generation_with_the_hf_backend_runs_a_model_the_torch_engine_cannot(ray_session, tmp_path):
     # The torch engine's error for such a model says "use policy.generation.backend=hf"; the
     # policy workers built the torch engine whatever the backend, so that failed the same way.

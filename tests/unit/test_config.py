@@ -412,6 +412,16 @@ def test_bounds_of_values_that_would_silently_misbehave():
     assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
 
 
+def test_separate_generation_resources_are_bounded_at_load():
+    # -1 failed after Ray started with "Bundles must be a non-empty list"; 0 nodes ran on 1.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.generation.colocated.resources.num_nodes=0",
+                                   "policy.generation.colocated.resources.gpus_per_node=-1"])
+    msg = str(e.value)
+    assert "policy.generation.colocated.resources.num_nodes: got 0, expected greater than or equal to 1" in msg
+    assert "policy.generation.colocated.resources.gpus_per_node: got -1, expected greater than or equal to 0" in msg
+
+
 def test_a_generation_engine_precision_that_is_no_dtype_fails_at_load():
     # It was any string, and "bf16" failed at the engine's start with a bare KeyError: 'bf16'.
     with pytest.raises(ConfigError) as e:
