@@ -170,10 +170,13 @@ def _attention_score_cost(config) -> float:
     matmul rate (measured on CPU: a 30M model's shared-prefix rows of 522 tokens were slower
     than the plain rows of 74 despite 12% fewer tokens)."""
     c = getattr(config, "text_config", config)
-    h, layers, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    h, layers, heads = c.hidden_size, c.num_hidden_layers, getattr(c, "num_attention_heads", None)
+    if not heads:  # no attention (Mamba): nothing to share a prompt through (`_check_rows_stay_apart`)
+        return 0.0
     hd = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
-    inter = getattr(c, "intermediate_size", 4 * h)
+    # Named otherwise, or left unset (None: GPT-Neo, GPT-2's n_inner) for the usual 4 x hidden.
+    inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "ffn_dim", None) or 4 * h
     per_token = 2 * (layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter) + h * c.vocab_size)
     return 2 * 4 * heads * hd * layers / per_token
 
@@ -317,6 +320,7 @@ class FSDPPolicyWorker:
                     compile_layers(model, cfg.compile)
         if self.reference is not None and cfg.reference_sync.enabled:
             self._synced_pairs()  # a reference of another architecture fails here, not at the first sync
+        self._check_rows_stay_apart()
         freeze_setup_objects()
         positions = {"policy.model_name": getattr(hf_config, "max_position_embeddings", None)}
         if ref_config is not None and cfg.reference_model_name is not None:
@@ -474,7 +478,7 @@ class FSDPPolicyWorker:
             values = token_logprobs(logits, packed.input_ids, self.cfg.logprob_chunk_size, self._temperature,
                                     entropy=entropy)
             values = [unpack_token_values(v, packed, seq_len) for v in (values if entropy else [values])]
-        elif self.cfg.prefix_sharing.enabled and first is not None:
+        elif self._shares_prefixes and first is not None:
             values = self._forward_shared_prefixes(model, ids, lengths, first, entropy)
         if values is None:
             values = self._forward_rows(model, ids, lengths, first, entropy)
@@ -482,6 +486,54 @@ class FSDPPolicyWorker:
             trained_on = torch.arange(seq_len, device=values[0].device)[None] >= first.to(values[0].device)[:, None]
             values = [v * trained_on for v in values]
         return tuple(values) if entropy else values[0]
+
+    def _check_rows_stay_apart(self) -> None:
+        """Prefix sharing and sequence packing run several sequences in one row, kept apart by the
+        attention mask and restarting positions alone. A model that mixes positions elsewhere (a
+        convolution or recurrent layer: LFM2, Mamba, Qwen3-Next's linear attention) or builds its
+        mask without the position ids (OPT, Bloom) computed other logprobs and gradients, without
+        a word. So one forward of each layout is checked against the plain rows here: prefix
+        sharing (on by default) is turned off for such a model with a warning, and packing (asked
+        for) refused. Every rank runs the same forwards (FSDP's and tensor parallelism's collectives)."""
+        cfg = self.cfg
+        self._shares_prefixes = cfg.prefix_sharing.enabled and self.model_kind == "causal_lm"
+        packs = cfg.sequence_packing.enabled and self.model_kind == "causal_lm"
+        if not (self._shares_prefixes or packs):
+            return
+        # Two rows of 11 random tokens that share their first 6 (a prompt), trained after it.
+        vocab = self.hf_config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+        ids[1, :6] = ids[0, :6]
+        mb = BatchedDataDict(input_ids=ids, input_lengths=torch.full((2,), 11),
+                             token_mask=(torch.arange(11) >= 6).float().expand(2, 11).clone())
+        # The plain module in float32 where there is one; FSDP2 computes in policy.precision.
+        tolerance = 1e-3 if self._single_rank_plain() or cfg.precision == "float32" else 0.1
+        model, was_training = self.model, self.model.training
+        model.eval()
+        mixed = {}
+        with torch.no_grad():
+            sharing, self._shares_prefixes = self._shares_prefixes, False
+            plain = self._forward(model, mb, None)
+            if packs:
+                mixed["sequence packing"] = self._forward(model, mb, [2])
+            if sharing:  # at no cost for its scores, the two rows share their prompt
+                self._shares_prefixes, cost, self._score_cost = True, self._score_cost, 0.0
+                mixed["prefix sharing"] = self._forward(model, mb, None)
+                self._score_cost = cost
+        model.train(was_training)
+        _reshard(model)
+        wrong = {k: d for k, v in mixed.items() if not (d := float((v - plain).abs().max())) <= tolerance}
+        name = type(self.hf_config).__name__.removesuffix("Config")
+        if "sequence packing" in wrong:
+            raise ConfigError(f"policy.sequence_packing.enabled=true: {name} models mix the sequences packed in one "
+                              f"row (logprobs off by up to {wrong['sequence packing']:.3g} against each sequence "
+                              "alone: a layer other than masked attention, or a mask built without position ids); "
+                              "set it to false")
+        if "prefix sharing" in wrong:
+            self._shares_prefixes = False
+            log.warning("policy.prefix_sharing: off for %s models, which mix the completions packed after a shared "
+                        "prompt (logprobs off by up to %.3g against the plain rows); each row runs on its own",
+                        name, wrong["prefix sharing"])
 
     def _forward_rows(self, model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
                       first: torch.Tensor | None, entropy: bool) -> list[torch.Tensor]:
