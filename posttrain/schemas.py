@@ -145,7 +145,8 @@ class DynamicBatchingConfig(Section):
 
 
 class SequencePackingConfig(Section):
-    # Pack several sequences per row (position ids restart, no cross-sequence attention).
+    # Pack several sequences per row (position ids restart, no cross-sequence attention). A model
+    # whose packed sequences would mix (LFM2, Mamba, OPT, Bloom: checked when the policy starts) is refused.
     enabled: bool = False
     # Token budget of one packed training micro-batch; holds whole sequences, so at least the
     # longest row (GRPO: policy.max_total_sequence_length, checked at load).
@@ -166,7 +167,9 @@ class PrefixSharingConfig(Section):
     # packed row: the prompt once, then each completion attending to it and to itself. Exact
     # (same logprobs and gradients); fewer tokens through the model. Applies to batches with a
     # token_mask (the prompt is what precedes the first trained token) and sdpa/eager attention,
-    # not to micro-batches with a row longer than the model's sliding window (Mistral's, Gemma's).
+    # not to micro-batches with a row longer than the model's sliding window (Mistral's, Gemma's),
+    # nor to a model that mixes positions outside masked attention (LFM2, Mamba: checked against
+    # the plain rows when the policy starts, and turned off with a warning).
     enabled: bool = True
     # Longest packed row in tokens; a group that does not fit continues in a new packed row
     # (a dense attention mask is rows x this^2).
