@@ -63,8 +63,17 @@ def keep_freed_memory() -> bool:
     per step by default, 58k with the threshold at its 32 MiB maximum, and 10k with no mmap and no
     trimming, which this sets (about 0.3 s of system time a step; benchmarks/results/grpo_vs_trl.md).
     The process then holds its peak heap between steps, as a GPU caching allocator holds device
-    memory: peak RSS was unchanged (4.2 GB in both). Skipped (False) off glibc, and when the
-    environment already chooses: MALLOC_* tunables or an LD_PRELOADed allocator (jemalloc, tcmalloc)."""
+    memory. The price is a higher peak: freed blocks stay in the heap, and a later step's blocks
+    do not always fit the holes they leave, so the heap grows past the live peak. Peak RSS per
+    worker with it vs glibc's defaults (benchmarks/results/memory_check.md): 2-worker FSDP2 SFT of
+    a 58.5M fp32 model, 2 x 128 tokens, 1.94-2.12 vs 1.23 GiB; 1 worker, 8 x 512 tokens, 4.36-4.60
+    vs 3.82 GiB; 4 GRPO steps of a 30M bf16 model 4.00 vs 3.29 GiB (the memory check counts 0.5 GiB
+    for it, `hf_io.ALLOCATOR_SLACK_BYTES`). Kept for the speed: in that SFT run 0.6 vs 3.0 million
+    page faults and 1.8 vs 5.5 s of system time per worker, 2.5 vs 3.7 s a step; in the GRPO run
+    1.0 vs 17.1 million faults and 2.1 vs 25.8 s. A fixed 32 MiB mmap threshold without trimming
+    did not lower the peak (1.68-1.83 GiB), nor did one malloc arena (1.89-1.98 GiB).
+    Skipped (False) off glibc, and when the environment already chooses: MALLOC_* tunables or an
+    LD_PRELOADed allocator (jemalloc, tcmalloc)."""
     if not sys.platform.startswith("linux") or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):

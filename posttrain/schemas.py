@@ -302,7 +302,8 @@ class VllmConfig(Section):
 class TorchEngineConfig(Section):
     # Slots decoded together; a finished sequence's slot is refilled by a waiting prompt.
     max_batch_size: int = Field(256, ge=1)
-    # Upper bound on KV-cache tokens held at once (memory bound); null = max_batch_size * context.
+    # Upper bound on KV-cache tokens held at once (memory bound), at least policy.max_total_sequence_length
+    # (one sequence); null = max_batch_size * context.
     max_tokens_in_flight: int | None = Field(None, ge=1)
     precision: Precision | None = None  # defaults to policy.precision
 
@@ -528,7 +529,9 @@ class PolicyConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     # NeMo RL's reward-model section: whether the policy is a reward model (set by the command).
     reward_model_cfg: RewardModelCfg = Field(default_factory=RewardModelCfg)
-    # Refuse to load a model whose weights need more than this fraction of available memory.
+    # Refuse to start when a policy worker's estimated peak memory (training state, a micro-batch's
+    # logits and activations, the full copy it loads; on GPUs, its own GPU's and the host's) is more
+    # than this fraction of the memory available; 1 = all of it (see docs/architecture.md).
     max_memory_fraction: float = Field(0.8, gt=0, le=1)
 
     @field_validator("scheduler")
@@ -575,6 +578,13 @@ class PolicyConfig(Section):
                             f"micro-batch, e.g. {self.max_total_sequence_length * self.train_micro_batch_size})")
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("policy.sequence_packing and policy.dynamic_batching are alternatives: enable one")
+        # A torch-engine slot holds one sequence, up to max_total_sequence_length tokens: a smaller
+        # budget failed in the engine at the first long prompt, after the setup and any warm-up.
+        budget, longest = self.generation.torch_cfg.max_tokens_in_flight, self.max_total_sequence_length
+        if self.generation.backend == "torch" and budget is not None and budget < longest:
+            raise ValueError(f"policy.generation.torch_cfg.max_tokens_in_flight ({budget}) is less than "
+                             f"policy.max_total_sequence_length ({longest}), the longest a sequence can get: "
+                             f"raise it to at least {longest} (or null: max_batch_size sequences)")
         d = self.dtensor_cfg
         if not d.enabled:
             raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")

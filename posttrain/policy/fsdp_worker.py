@@ -42,9 +42,9 @@ from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
-from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, disable_dropout,
-                                   exported_chat_template, load_generation_config, load_model_configs, load_pretrained,
-                                   model_class, resolve_tokenizer_path, save_hf, writing_folder)
+from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, check_generation_fits,
+                                   disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
+                                   load_pretrained, model_class, resolve_tokenizer_path, save_hf, writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -264,14 +264,15 @@ class FSDPPolicyWorker:
     def setup(self) -> dict[str, Any]:
         cfg = self.cfg
         self.device = resolve_device(cfg.device)
-        # The policy's attention kernel: its models, and the generation engine's copy, load with it.
-        self.attn_kernel = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, self.device.type)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
         (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference,
                                                            model_kind=self.model_kind)
         ref_path, ref_config = reference or (None, None)
+        # The policy's attention kernel: its models, and the generation engine's copy, load with it.
+        self.attn_kernel = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, self.device.type,
+                                            hf_config)
         # A LoRA policy's reference is its own base model: its forward with the adapters off (as
         # TRL's), not a second full copy of the base beside it.
         self._reference_is_base = reference is not None and cfg.lora.enabled and cfg.reference_model_name is None
@@ -281,11 +282,9 @@ class FSDPPolicyWorker:
         self.generation_config = load_generation_config(path)  # for the export and the checkpoints
         if cfg.prefix_sharing.enabled and self.model_kind == "causal_lm":
             self._score_cost = _attention_score_cost(hf_config)  # prefix sharing's cost model, once
-        n_params = check_fits_in_memory(
-            cfg.model_name, hf_config, model_kind=self.model_kind, device=self.device,
-            world_size=self.world_size, workers_on_device=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-            reference_config=ref_config, max_memory_fraction=cfg.max_memory_fraction, lora=cfg.lora,
-        )
+        n_params = check_fits_in_memory(cfg.model_name, hf_config, cfg, model_kind=self.model_kind, device=self.device,
+                                        world_size=self.world_size, local_workers=self._local_workers(),
+                                        reference_config=ref_config)
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -412,6 +411,11 @@ class FSDPPolicyWorker:
         if not ps.enabled or self.model_kind != "causal_lm":
             return False
         return ps.blockwise_attention == "on" or (ps.blockwise_attention == "auto" and self.device.type == "cpu")
+
+    @staticmethod
+    def _local_workers() -> int:
+        """The policy workers on this node (each loads its own full copy into the node's RAM)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     def _single_rank_plain(self) -> bool:
         """One rank without CPU offload keeps the plain module instead of FSDP2."""
@@ -1011,6 +1015,8 @@ class FSDPPolicyWorker:
             # engine does (it is the backend for architectures the torch engine cannot run). vLLM
             # loads its own model: colocated vLLM is not implemented, and GRPO's config refuses it.
             # With the policy's attention kernel: the torch engine's prefill computes as it does.
+            check_generation_fits(self.cfg.model_name, self.hf_config, self.cfg, device=self.device,
+                                  world_size=self.world_size, local_workers=self._local_workers())
             copy = model_class("causal_lm").from_pretrained(self.model_path, dtype=torch.float32,
                                                             attn_implementation=self.attn_kernel)
             self.gen_engine = build_generation(

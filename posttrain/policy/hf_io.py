@@ -11,12 +11,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
 from posttrain.config import InputError
 from posttrain.embedded import model_load_error, resolve_model_path
+
+if TYPE_CHECKING:
+    from posttrain.schemas import PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Bytes of training state per parameter, in units of the master-weight size: fp32 weights,
 # fp32 grads, and Adam's two fp32 moments.
 TRAIN_STATE_COPIES = 4
+# The memory check's other constants (`estimate_memory`), calibrated against the peak RSS of CPU
+# policy workers (benchmarks/results/memory_check.md). Copies of a micro-batch's [T, V] float32
+# logits alive at once at the peak of its forward + backward (measured 2.7; made are the logits,
+# logsumexp's exp, and the gradients of the gathered logprobs, a scatter into zeros, and of the logits).
+LOGITS_COPIES = 3
+# Elements a decoder layer saves per token for its backward: ~10 of the hidden size (norms, q/k/v,
+# rotary, attention output, residuals), 4 of the MLP size (gate, up, SiLU, their product), and
+# under eager attention one per head and key position (the softmax's output).
+ACT_PER_HIDDEN, ACT_PER_MLP, ACT_PER_SCORE = 10, 4, 1
+# A policy worker's resident memory before its model loads: Python, torch, transformers, Ray, gloo.
+WORKER_RUNTIME_BYTES = 0.5 * 2**30
+# What a CPU worker's heap holds beyond its live peak, freed but kept for reuse by
+# runtime.keep_freed_memory: 0.5-0.9 GiB more than with glibc's defaults in the measured runs.
+ALLOCATOR_SLACK_BYTES = 0.5 * 2**30
 
 
 def load_hf_config(model_name: str, key: str = "policy.model_name"):
@@ -172,14 +189,28 @@ def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
 _CPU_EAGER_MAX_TOKENS = 256
 
 
-def attention_kernel(setting: str, max_total_sequence_length: int, device_type: str) -> str:
+def attention_kernel(setting: str, max_total_sequence_length: int, device_type: str, config: Any = None) -> str:
     """The transformers attention implementation of `policy.attn_implementation` = `setting` on
-    `device_type` ("auto": see the key's comment in schemas.py for the measurements). The policy
-    workers load their model with it, and the torch generation engine's model copy too (its
-    prefill then computes as the policy's forward does)."""
+    `device_type` ("auto": see the key's comment in schemas.py for the measurements) for the
+    model of `config`. The policy workers load their model with it, and the torch generation
+    engine's model copy too (its prefill then computes as the policy's forward does). "auto" never
+    picks sdpa for a model class that lacks it (Gemma 2, GPT-Neo, Bloom): their set-up failed with
+    transformers' "does not support scaled_dot_product_attention", where from_pretrained loads them."""
     if setting != "auto":
         return setting
-    return "eager" if device_type == "cpu" and max_total_sequence_length <= _CPU_EAGER_MAX_TOKENS else "sdpa"
+    if device_type == "cpu" and max_total_sequence_length <= _CPU_EAGER_MAX_TOKENS:
+        return "eager"
+    return "sdpa" if config is None or _supports_sdpa(config) else "eager"
+
+
+def _supports_sdpa(config: Any) -> bool:
+    """Whether transformers' causal LM class of `config` runs sdpa (unknown classes: assumed so)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True))
+    except KeyError:
+        return True
 
 
 def model_class(model_kind: str):
@@ -299,7 +330,14 @@ def check_lora(config, lora, model_kind: str) -> None:
     _meta_model(config, model_kind, lora)
 
 
+class InsufficientMemoryError(InputError, MemoryError):
+    """The memory check's refusal: bad input for this machine (a model, batch or sequence length
+    too large, or policy.max_memory_fraction), so the CLI prints the message alone (exit 2) even
+    when a Ray worker raises it; a MemoryError for code that catches those."""
+
+
 def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device`: the GPU's own (each policy worker has one), or the host's RAM."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -308,38 +346,175 @@ def available_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def check_fits_in_memory(model_name: str, config, *, model_kind: str, device: torch.device, world_size: int,
-                         workers_on_device: int, reference_config: Any, max_memory_fraction: float,
-                         lora=None) -> int:
-    """Raise MemoryError before loading when the model's training state cannot fit; returns the param count.
+class MemoryEstimate(NamedTuple):
+    """`estimate_memory`'s answer: one worker's bytes by what holds them, what each term is, and
+    the parameter count."""
 
-    Estimate for one device (the node's RAM on CPU, which its `workers_on_device` workers share):
-    the fp32 training state (weights + grads + 2 Adam moments = 4 x 4 bytes per trained parameter;
-    with `lora` enabled, the frozen base's weights alone, 4 bytes) sharded over `world_size`
-    workers, plus the frozen reference model of `reference_config` (None: none; a distillation
-    teacher may be far larger than the policy) at 4 bytes per parameter, sharded, plus one
-    unsharded fp32 copy per worker while it loads before sharding.
+    terms: dict[str, float]
+    labels: dict[str, str]
+    parameters: int
+
+    def total(self, names: Sequence[str]) -> float:
+        return sum(self.terms[name] for name in names)
+
+    def describe(self, names: Sequence[str]) -> str:
+        return ", ".join(f"{self.labels[k]} {self.terms[k] / 2**30:,.2f}" for k in names if self.terms[k]) + " GiB"
+
+
+def estimate_memory(config, cfg: PolicyConfig, *, model_kind: str, device_type: str, world_size: int,
+                    reference_config: Any) -> MemoryEstimate:
+    """One policy worker's memory in bytes, by term (`check_fits_in_memory` adds them up).
+
+    With n parameters (t trained; with `cfg.lora`, the adapters), n_ref those of `reference_config`
+    (None: no reference), W = `world_size` workers, T tokens in a training micro-batch
+    (policy.train_micro_batch_size x policy.max_total_sequence_length, or the packing or dynamic
+    batching budget), b bytes per element in the compute precision, and the model's vocabulary V,
+    L layers, hidden size h, MLP size i and H attention heads:
+
+        state       = 4 (n + 3 t + n_ref) / W     fp32 weights, grads and 2 Adam moments, reference weights
+        load        = 4 max(n, n_ref)             the full fp32 copy a worker loads before sharding
+                                                  (one CPU worker keeps it as its state: 0 then)
+        twin        = b (n + t)                   one worker in bf16/fp16: its low-precision weights + grads
+        logits      = LOGITS_COPIES 4 T V         float32 logits, log-softmax and their gradients
+        activations = b T L (A_h h + A_i i + A_s H S)   saved for the backward, A_* = ACT_PER_*; S: the
+                                                  sequence length under eager attention, else 0. With
+                                                  activation checkpointing: b T L h (layer inputs) + one layer
+        runtime     = WORKER_RUNTIME_BYTES        Python, torch, transformers, Ray and gloo (on the CPU
+                                                  + ALLOCATOR_SLACK_BYTES: freed memory malloc keeps)
     """
-    n, trained = count_parameters(config, model_kind, lora)
+    n, trained = count_parameters(config, model_kind, cfg.lora)
     n_ref = count_parameters(reference_config, model_kind)[0] if reference_config is not None else 0
-    per_param = 4  # fp32 master weights, whatever the compute precision
-    sharded = n + (TRAIN_STATE_COPIES - 1) * trained + n_ref
-    need = per_param * (sharded * workers_on_device / world_size + max(n, n_ref) * workers_on_device)
+    c = getattr(config, "text_config", config)
+    b = DTYPES[cfg.precision].itemsize  # the masters stay fp32 (FSDP2's mixed precision, LowPrecisionTwin)
+    single = world_size == 1 and not cfg.dtensor_cfg.cpu_offload  # the plain module (fsdp_worker)
+    batching = next((s for s in (cfg.sequence_packing, cfg.dynamic_batching) if s.enabled), None)
+    tokens = batching.train_mb_tokens if batching else cfg.train_micro_batch_size * cfg.max_total_sequence_length
+    eager = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, device_type, config) == "eager"
+    heads = getattr(c, "num_attention_heads", None) or 0  # none: Mamba
+    scores = heads * min(cfg.max_total_sequence_length, tokens) if eager else 0
+    # Named n_inner (GPT-2; None: 4 x hidden) or ffn_dim (OPT) by some, unset by others (GPT-Neo).
+    mlp = (getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "ffn_dim", None)
+           or 4 * c.hidden_size)
+    layer = b * tokens * (ACT_PER_HIDDEN * c.hidden_size + ACT_PER_MLP * mlp + ACT_PER_SCORE * scores)
+    layers = c.num_hidden_layers
+    terms = {
+        "state": 4 * (n + (TRAIN_STATE_COPIES - 1) * trained + n_ref) / world_size,
+        "load": 0 if single and device_type == "cpu" else 4 * max(n, n_ref),
+        "twin": b * (n + trained) if single and b < 4 else 0,
+        "logits": LOGITS_COPIES * 4 * tokens * c.vocab_size if model_kind == "causal_lm" else 0,
+        "activations": b * tokens * c.hidden_size * layers + layer if cfg.dtensor_cfg.activation_checkpointing
+        else layer * layers,
+        "runtime": WORKER_RUNTIME_BYTES + (ALLOCATOR_SLACK_BYTES if device_type == "cpu" else 0),
+    }
+    labels = {
+        "state": "fp32 weights + grads + 2 Adam states"
+        + (f" of {trained / 1e6:,.1f}M trained" if trained < n else "")
+        + (f" + a {n_ref / 1e6:,.1f}M-parameter reference" if n_ref else "")
+        + (f" (sharded over {world_size} workers)" if world_size > 1 else ""),
+        "load": "a full fp32 copy while loading",
+        "twin": f"{cfg.precision} weights + grads",
+        "logits": f"logits of a {tokens:,}-token micro-batch",
+        "activations": "activations",
+        "runtime": "worker runtime" + (" + freed memory malloc keeps" if device_type == "cpu" else ""),
+    }
+    return MemoryEstimate(terms, labels, n)
+
+
+def check_fits_in_memory(model_name: str, config, cfg: PolicyConfig, *, model_kind: str, device: torch.device,
+                         world_size: int, local_workers: int, reference_config: Any) -> int:
+    """Raise InsufficientMemoryError before loading when a policy worker's peak cannot fit in
+    policy.max_memory_fraction of the memory available now; returns the parameter count.
+
+    With the terms of `estimate_memory`: on the CPU the node's `local_workers` workers share its
+    RAM, and the load copy is freed before training (the logits and activations reuse its memory):
+
+        local_workers x (runtime + state + twin + max(load, logits + activations))  <=  RAM
+
+    On a GPU each worker has its own; every worker first loads the full fp32 model on the host,
+    shards it, then moves its shard to the GPU (with policy.dtensor_cfg.cpu_offload the shard stays
+    on the host):
+
+        state + twin + logits + activations      <=  the worker's GPU  (no state with cpu_offload)
+        local_workers x (runtime + load)         <=  RAM               (+ state with cpu_offload)
+
+    The constants are calibrated against measured peaks (benchmarks/results/memory_check.md).
+    Colocated generation's copy of the weights is checked when it is made (`check_generation_fits`).
+    """
+    est = estimate_memory(config, cfg, model_kind=model_kind, device_type=device.type, world_size=world_size,
+                          reference_config=reference_config)
+    t, offload = est.terms, cfg.dtensor_cfg.cpu_offload
+    if device.type == "cuda":
+        _refuse_unless_fits(model_name, est, ("twin", "logits", "activations", *(() if offload else ("state",))),
+                            device, 1, cfg)
+        _refuse_unless_fits(model_name, est, ("runtime", "load", *(("state",) if offload else ())),
+                            torch.device("cpu"), local_workers, cfg)
+    else:
+        transient = ("load",) if t["load"] > t["logits"] + t["activations"] else ("logits", "activations")
+        _refuse_unless_fits(model_name, est, ("runtime", "state", "twin", *transient), device, local_workers, cfg)
+    return est.parameters
+
+
+def check_generation_fits(model_name: str, config, cfg: PolicyConfig, *, device: torch.device, world_size: int,
+                          local_workers: int) -> None:
+    """Raise InsufficientMemoryError before a policy worker makes its colocated generation copy
+    (at the first `generate`) when the copy cannot fit beside the training: a second fp32 model
+    loaded from the folder (4 n), the torch engine's decode weights (fused QKV and gate/up
+    matrices, or all of them in a bf16 engine: at most n elements of its precision), and the full
+    state dict gathered for every refit when the weights are sharded (4 n); plus what the
+    training's estimated peak (`check_fits_in_memory`'s) needs beyond what the worker holds now
+    (before its first step: the logits and activations; after a warm-up, nothing). The KV cache
+    is bounded by policy.generation.torch_cfg.max_tokens_in_flight and not counted."""
+    est = estimate_memory(config, cfg, model_kind="causal_lm", device_type=device.type, world_size=world_size,
+                          reference_config=None)
+    t, n, gen = est.terms, est.parameters, cfg.generation
+    engine = DTYPES[gen.torch_cfg.precision or cfg.precision].itemsize if gen.backend == "torch" else 0
+    if device.type == "cuda":
+        peak, held = est.total(("state", "twin", "logits", "activations")), torch.cuda.memory_reserved(device)
+    else:
+        import psutil
+
+        peak = est.total(("runtime", "state", "twin")) + max(t["load"], t["logits"] + t["activations"])
+        held = psutil.Process().memory_info().rss
+    t.update(generation=(4 + engine) * n, gathered=4 * n if t["load"] else 0, training=max(0, peak - held))
+    est.labels.update(generation=f"the generation copy of the weights ({gen.backend} backend)",
+                      gathered="the gathered full state dict",
+                      training=f"the rest of the training's peak ({peak / 2**30:,.2f} GiB, "
+                               f"{held / 2**30:,.2f} held now)")
+    _refuse_unless_fits(model_name, est, ("generation", "gathered", "training"), device,
+                        1 if device.type == "cuda" else local_workers, cfg)
+
+
+def _refuse_unless_fits(model_name: str, est: MemoryEstimate, names: Sequence[str], device: torch.device,
+                        workers: int, cfg: PolicyConfig) -> None:
+    per_worker = est.total(names)
+    need = workers * per_worker
     avail = available_memory_bytes(device)
-    budget = avail * max_memory_fraction
-    if need > budget:
-        gib = 2**30
-        raise MemoryError(
-            f"model {model_name!r} ({n / 1e6:,.1f}M parameters) needs about {need / gib:,.1f} GiB on this "
-            f"{device.type} ({workers_on_device} of {world_size} workers: fp32 weights + grads + 2 Adam states"
-            f"{f' of {trained / 1e6:,.1f}M trained' if trained < n else ''}"
-            f"{f' + a {n_ref / 1e6:,.1f}M-parameter reference' if n_ref else ''}, plus a full copy while "
-            f"loading), but only "
-            f"{budget / gib:,.1f} GiB is allowed ({avail / gib:,.1f} GiB available x "
-            f"policy.max_memory_fraction={max_memory_fraction}); use more workers/nodes"
-            f"{' or a smaller model' if trained < n else ', a smaller model, or LoRA'}"
-        )
-    return n
+    budget = avail * cfg.max_memory_fraction
+    if need <= budget:
+        return
+    gib = 2**30
+    where = "the worker's own GPU" if device.type == "cuda" else "this node's RAM"
+    each = f"{workers} workers on this node x {per_worker / gib:,.2f} GiB: " if workers > 1 else ""
+    fixes = []
+    if {"logits", "activations", "training"} & set(names):
+        fixes.append("a smaller policy.train_micro_batch_size or policy.max_total_sequence_length")
+        if not cfg.dtensor_cfg.activation_checkpointing:
+            fixes.append("policy.dtensor_cfg.activation_checkpointing=true")
+    if device.type == "cuda" and "state" in names:
+        fixes.append("more GPUs (the state is sharded over them) or policy.dtensor_cfg.cpu_offload=true")
+    if workers > 1:
+        # More workers on one node would not help: each adds its own copy while loading.
+        holds = " and holds its own logits and activations" if "logits" in names else ""
+        fixes.append(f"fewer workers on this node (cluster.workers_per_node: each loads its own full copy{holds}) "
+                     "or more nodes")
+    fixes.append("a smaller model" if cfg.lora.enabled else "a smaller model or LoRA (policy.lora.enabled=true)")
+    raise InsufficientMemoryError(
+        f"model {model_name!r} ({est.parameters / 1e6:,.1f}M parameters) needs about {need / gib:,.1f} GiB of "
+        f"{where} ({each}{est.describe(names)}), but only {budget / gib:,.1f} GiB is allowed "
+        f"({avail / gib:,.1f} GiB available x policy.max_memory_fraction={cfg.max_memory_fraction}). To fit: "
+        f"{'; '.join(fixes)}; or, if the estimate is too cautious for this run, raise policy.max_memory_fraction "
+        "(at most 1)"
+    )
 
 
 _EOS_AFTER = "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}"

@@ -62,6 +62,11 @@ def test_auto_attention_kernel_is_eager_for_short_cpu_sequences_only():
     assert kernel("cpu", max_total_sequence_length=257) == "sdpa"  # eager's length^2 scores cost more
     assert kernel("cuda", max_total_sequence_length=64) == "sdpa"
     assert kernel("cpu", max_total_sequence_length=4096, attn_implementation="eager") == "eager"
+    # Never sdpa for a class without it: Gemma 2's set-up failed where from_pretrained loads it.
+    from transformers import Gemma2Config, LlamaConfig
+
+    assert attention_kernel("auto", 4096, "cpu", Gemma2Config()) == "eager"
+    assert attention_kernel("auto", 4096, "cuda", LlamaConfig()) == "sdpa"
 
 
 def test_disable_dropout_zeroes_layers_and_attention_rates_but_not_the_config():
