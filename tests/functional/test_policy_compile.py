@@ -39,8 +39,9 @@ def _graphs() -> int:
 
 
 def test_compiled_layers_compute_what_eager_ones_do(make_worker):
-    eager, compiled = make_worker(False), make_worker(True)
-    counters.clear()
+    eager = make_worker(False)
+    counters.clear()  # the compiled worker's set-up runs its layers too (the rows-stay-apart check)
+    compiled = make_worker(True)
     plain = prompt_batch([9, 6, 11, 7], [20, 14, 17, 12], shared=False)
     shared = prompt_batch([9, 9, 9, 9], [20, 14, 17, 12], shared=True)  # one packed row, blockwise attention
     for b in (plain, shared):

@@ -760,9 +760,9 @@ def test_env_metrics_average_the_samples_that_report_a_number():
 
 
 @pytest.mark.parametrize("mask", [True, False])
-def test_a_sample_whose_environment_failed_stays_in_the_baseline_and_leaves_the_loss(tok, mask):
-    # It scores 0 and is counted; by default its 0 is no evidence against the answer, so it only
-    # lowers its group's baseline (as DAPO's overlong filtering keeps a truncated sample there).
+def test_a_sample_whose_environment_failed_leaves_the_loss_and_the_baseline(tok, mask):
+    # It scores 0 and is counted; by default its 0 is no evidence against the answer, so it
+    # leaves the loss and its group's baseline (grpo.mask_env_error_samples=false: a wrong answer).
     import torch
 
     from posttrain.algorithms.grpo import _rewards_to_advantages
@@ -787,8 +787,9 @@ def test_a_sample_whose_environment_failed_stays_in_the_baseline_and_leaves_the_
                                    "grpo.use_leave_one_out_baseline=false"]).grpo
     _rewards_to_advantages(g, batch, max_new_tokens=8)
     assert batch["sample_mask"].tolist() == ([1.0, 0.0, 1.0, 1.0] if mask else [1.0] * 4)
-    # Baseline 0.5 over all four, the failed sample's 0 included.
-    assert batch["advantages"].max(dim=1).values.tolist()[::3] == [0.5, 0.5]
+    # Baseline 2/3 over the three scored samples; 0.5 over all four with the failed sample's 0.
+    expected = 1 - 2 / 3 if mask else 0.5
+    assert batch["advantages"].max(dim=1).values.tolist()[::3] == pytest.approx([expected, expected])
 
 
 # Correctness is the environment's verdict, not reward > 0: each case's first row earns partial
