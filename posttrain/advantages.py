@@ -266,18 +266,24 @@ def overlong_filter_mask(truncated: torch.Tensor, sample_mask: torch.Tensor | No
     return keep if sample_mask is None else keep * sample_mask.float()
 
 
-def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor,
+                          valid_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO dynamic sampling: indices `[K]` (ascending) of the samples whose group's rewards are
     not all equal. Such groups have zero advantage under every group baseline and only dilute
     the batch; the loop generates more batches (up to `grpo.dynamic_sampling_max_gen_batches`)
-    until enough groups are kept.
+    until enough groups are kept. `valid_mask` `[N]`: only those samples' rewards count (those
+    the baseline is over: an environment's failure's placeholder 0 made a group of equal scored
+    rewards look varied, and it trained nothing).
 
     Metrics: dynamic_sampling/groups, /groups_kept, /zero_variance_fraction.
     """
     r = rewards.float()
-    inverse, _, n_groups = _groups(r, group_ids, None)
-    hi = torch.full((n_groups,), float("-inf"), device=r.device).scatter_reduce(0, inverse, r, reduce="amax")
-    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, inverse, r, reduce="amin")
+    inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    scored = valid > 0
+    hi = torch.full((n_groups,), float("-inf"), device=r.device).scatter_reduce(
+        0, inverse, torch.where(scored, r, float("-inf")), reduce="amax")
+    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(
+        0, inverse, torch.where(scored, r, float("inf")), reduce="amin")
     varied = hi > lo
     keep = torch.nonzero(varied[inverse]).flatten()
     kept = int(varied.sum())

@@ -132,7 +132,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
-    from posttrain.policy.hf_io import attention_kernel, load_hf_config
+    from posttrain.policy.hf_io import named_model_attention_kernel
     from posttrain.rollouts import check_tool_turns
     from posttrain.runtime import keep_freed_memory, resolve_device
 
@@ -159,9 +159,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     generation = build_generation(
         gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,
         max_total_sequence_length=cfg.policy.max_total_sequence_length, precision=cfg.policy.precision,
-        device=device, attn_implementation=attention_kernel(cfg.policy.attn_implementation,
-                                                            cfg.policy.max_total_sequence_length, device.type,
-                                                            load_hf_config(cfg.policy.model_name)[1]),
+        device=device, attn_implementation=named_model_attention_kernel(
+            cfg.policy.attn_implementation, cfg.policy.max_total_sequence_length, device.type, cfg.policy.model_name),
     )
     # Environments last: nothing after them can fail and leave their actors running.
     init_ray(cfg.cluster)

@@ -694,7 +694,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             groups_so_far += len(prompts)
             if g.use_dynamic_sampling:
                 with timer.time("advantages"):
-                    keep, ds_metrics = dynamic_sampling_keep(batch["rewards"], batch["group_ids"])
+                    keep, ds_metrics = dynamic_sampling_keep(
+                        batch["rewards"], batch["group_ids"], (~batch["env_errors"]) if _masks_env_errors(g) else None)
                 rollout_metrics.update(ds_metrics)
                 batch = batch.select_indices(keep)
             parts.append(batch)
@@ -789,7 +790,9 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # async ones before each queued batch, in the pipeline's thread)
         if s.generation is not policy and pipeline is None:
             with timer.time("refit"):  # refit_s / refit_load_s in the step's metrics, as colocated and async runs log
-                rollout_metrics.update(_refit_generation(s, step))
+                refit = _refit_generation(s, step)
+            rollout_metrics.update(refit)
+            last.train.update(refit)
         policy.sync_reference_if_due(step)  # policy.reference_sync (the KL reference)
 
         # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a

@@ -122,10 +122,14 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     logs there; started over, it first moves an earlier run's logs and its final export (hf/,
     which this run's would overwrite) aside."""
     check_export_is_not_an_input(cfg, fresh=latest is None)
+    # Before the Logger reads checkpointer.run_id: a resumed run's is its checkpoint's (None: one
+    # saved before run ids, which its logs cannot be compared with).
+    named = checkpointer is not None and checkpointer.adopt_run_id(latest) is not None
     logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
                     also_move=(EXPORT_DIR,), exclusive=True,
                     resumed_from=None if latest is None else checkpointer.load_info(latest)["step"],
-                    run_id=None if checkpointer is None else checkpointer.adopt_run_id(latest))
+                    run_id=None if checkpointer is None else checkpointer.run_id,
+                    compare_run_id=named)
     if checkpointer is not None:
         logger.metric_checks.append(checkpointer.check_metric_name)
     if checkpointer is not None and checkpointer.moved_aside is not None:  # said as the logs' move is

@@ -43,13 +43,12 @@ class GenerationWorker:
         from transformers import AutoTokenizer
 
         from posttrain.generation import build_generation, load_model_and_tokenizer
-        from posttrain.policy.hf_io import attention_kernel, load_hf_config
+        from posttrain.policy.hf_io import named_model_attention_kernel
         from posttrain.runtime import resolve_device
 
         device = resolve_device(device)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        kernel = attention_kernel(attn_implementation, max_total_sequence_length, device.type,
-                                  load_hf_config(model_path)[1])
+        kernel = named_model_attention_kernel(attn_implementation, max_total_sequence_length, device.type, model_path)
         source = {"model_path": model_path}
         if backend != "vllm":
             # The refits' weights arrive in float32 (the trainer's masters) into this copy, which the

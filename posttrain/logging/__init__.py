@@ -127,7 +127,7 @@ def _check_writable(run_dir: Path) -> None:
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None,
-                 exclusive: bool = False, run_id: str | None = None) -> None:
+                 exclusive: bool = False, run_id: str | None = None, compare_run_id: bool = True) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
@@ -143,14 +143,17 @@ class Logger:
         `run_id`: the run's (CheckpointManager.run_id), kept in `run_dir`. A resumed run that finds
         another run's logs there (a run with other checkpoints, the same logger.log_dir) moves
         them aside as a fresh start does, instead of cutting them at its step and continuing
-        them: its own earlier logs were moved aside by that run (the message says where)."""
+        them: its own earlier logs were moved aside by that run (the message says where).
+        `compare_run_id` False: a checkpoint from before run ids, whose run cannot be told apart;
+        its logs are continued and take `run_id`, which its next saves carry."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         _check_writable(self.run_dir)
         self._lock_fd = lock_beside(self.run_dir, "logger.log_dir", cfg.log_dir) if exclusive else -1
         self.metrics_path = self.run_dir / "metrics.jsonl"
         logged_by = _read_run_id(self.run_dir / _RUN_ID)
-        another_runs = resumed_from is not None and None not in (run_id, logged_by) and logged_by != run_id
+        another_runs = (compare_run_id and resumed_from is not None and None not in (run_id, logged_by)
+                        and logged_by != run_id)
         if another_runs:
             fresh, resumed_from = True, None
         # Appended to, the earlier run's metrics, samples and TensorBoard events would mix with

@@ -496,8 +496,9 @@ class FSDPPolicyWorker:
         attention mask and restarting positions alone. A model that mixes positions elsewhere (a
         convolution or recurrent layer: LFM2, Mamba, Qwen3-Next's linear attention) or builds its
         mask without the position ids (OPT, Bloom) computed other logprobs and gradients, without
-        a word. So one forward of each layout is checked against the plain rows here: prefix
-        sharing (on by default) is turned off for such a model with a warning, and packing (asked
+        a word. So one forward of each layout is checked against the plain rows here, for the
+        policy and a reference or teacher of its own (its logprobs take the same paths): prefix
+        sharing (on by default) is turned off when either mixes, with a warning, and packing (asked
         for) refused. Every rank runs the same forwards (FSDP's and tensor parallelism's collectives)."""
         cfg = self.cfg
         self._shares_prefixes = cfg.prefix_sharing.enabled and self.model_kind == "causal_lm"
@@ -505,39 +506,44 @@ class FSDPPolicyWorker:
         if not (self._shares_prefixes or packs):
             return
         # Two rows of 11 random tokens that share their first 6 (a prompt), trained after it.
-        vocab = self.hf_config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, self.hf_config.get_text_config().vocab_size, (2, 11),
+                            generator=torch.Generator().manual_seed(0))
         ids[1, :6] = ids[0, :6]
         mb = BatchedDataDict(input_ids=ids, input_lengths=torch.full((2,), 11),
                              token_mask=(torch.arange(11) >= 6).float().expand(2, 11).clone())
         # The plain module in float32 where there is one; FSDP2 computes in policy.precision.
         tolerance = 1e-3 if self._single_rank_plain() or cfg.precision == "float32" else 0.1
-        model, was_training = self.model, self.model.training
-        model.eval()
-        mixed = {}
-        with torch.no_grad():
-            sharing, self._shares_prefixes = self._shares_prefixes, False
-            plain = self._forward(model, mb, None)
-            if packs:
-                mixed["sequence packing"] = self._forward(model, mb, [2])
-            if sharing:  # at no cost for its scores, the two rows share their prompt
-                self._shares_prefixes, cost, self._score_cost = True, self._score_cost, 0.0
-                mixed["prefix sharing"] = self._forward(model, mb, None)
-                self._score_cost = cost
-        model.train(was_training)
-        _reshard(model)
-        wrong = {k: d for k, v in mixed.items() if not (d := float((v - plain).abs().max())) <= tolerance}
-        name = type(self.hf_config).__name__.removesuffix("Config")
-        if "sequence packing" in wrong:
-            raise ConfigError(f"policy.sequence_packing.enabled=true: {name} models mix the sequences packed in one "
-                              f"row (logprobs off by up to {wrong['sequence packing']:.3g} against each sequence "
-                              "alone: a layer other than masked attention, or a mask built without position ids); "
-                              "set it to false")
-        if "prefix sharing" in wrong:
-            self._shares_prefixes = False
-            log.warning("policy.prefix_sharing: off for %s models, which mix the completions packed after a shared "
-                        "prompt (logprobs off by up to %.3g against the plain rows); each row runs on its own",
-                        name, wrong["prefix sharing"])
+        sharing = self._shares_prefixes
+        models = [("policy.model_name", self.model, self.hf_config)]
+        if self.reference is not None:
+            models.append(("policy.reference_model_name", self.reference, self.reference.config))
+        for key, model, config in models:
+            was_training, mixed = model.training, {}
+            model.eval()
+            with torch.no_grad():
+                self._shares_prefixes = False
+                plain = self._forward(model, mb, None)
+                if packs:
+                    mixed["sequence packing"] = self._forward(model, mb, [2])
+                if sharing:  # at no cost for its scores, the two rows share their prompt
+                    self._shares_prefixes, cost, self._score_cost = True, self._score_cost, 0.0
+                    mixed["prefix sharing"] = self._forward(model, mb, None)
+                    self._score_cost = cost
+            model.train(was_training)
+            _reshard(model)
+            wrong = {k: d for k, v in mixed.items() if not (d := float((v - plain).abs().max())) <= tolerance}
+            name = type(config).__name__.removesuffix("Config")
+            if "sequence packing" in wrong:
+                raise ConfigError(f"policy.sequence_packing.enabled=true: {name} models ({key}) mix the sequences "
+                                  f"packed in one row (logprobs off by up to {wrong['sequence packing']:.3g} against "
+                                  "each sequence alone: a layer other than masked attention, or a mask built without "
+                                  "position ids); set it to false")
+            if "prefix sharing" in wrong and sharing:
+                sharing = False
+                log.warning("policy.prefix_sharing: off for %s models (%s), which mix the completions packed after a "
+                            "shared prompt (logprobs off by up to %.3g against the plain rows); each row runs on its "
+                            "own", name, key, wrong["prefix sharing"])
+        self._shares_prefixes = sharing
 
     def _forward_rows(self, model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
                       first: torch.Tensor | None, entropy: bool) -> list[torch.Tensor]:

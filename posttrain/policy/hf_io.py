@@ -203,6 +203,16 @@ def attention_kernel(setting: str, max_total_sequence_length: int, device_type: 
     return "sdpa" if config is None or _supports_sdpa(config) else "eager"
 
 
+def named_model_attention_kernel(setting: str, max_total_sequence_length: int, device_type: str,
+                                 model_name: str) -> str:
+    """`attention_kernel` for the model `model_name` names (for a LoRA adapter folder: its base),
+    whose config is read only when `setting` is "auto"."""
+    if setting != "auto":
+        return setting
+    config = load_hf_config(adapter_base(model_name) or model_name)[1]
+    return attention_kernel(setting, max_total_sequence_length, device_type, config)
+
+
 def _supports_sdpa(config: Any) -> bool:
     """Whether transformers' causal LM class of `config` runs sdpa (unknown classes: assumed so)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

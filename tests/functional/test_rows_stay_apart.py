@@ -36,7 +36,7 @@ def _model(tmp_path: Path, tiny_model_path: str, name: str, config) -> str:
 def _worker(path: str, **policy) -> FSDPPolicyWorker:
     worker = FSDPPolicyWorker(PolicyConfig(model_name=path, precision="float32", max_total_sequence_length=64,
                                            logprob_batch_size=8, attn_implementation="eager", **policy),
-                              init_reference=False)
+                              init_reference="reference_model_name" in policy)
     worker.setup()
     return worker
 
@@ -51,8 +51,8 @@ def test_a_model_that_mixes_positions_outside_attention_runs_each_row_on_its_own
     with caplog.at_level(logging.WARNING, logger="posttrain.policy.fsdp_worker"):
         worker = _worker(lfm2)
     assert not worker._shares_prefixes
-    assert "policy.prefix_sharing: off for Lfm2 models, which mix the completions packed after a shared prompt" \
-        in caplog.text
+    assert ("policy.prefix_sharing: off for Lfm2 models (policy.model_name), which mix the completions packed after "
+            "a shared prompt") in caplog.text
     batch = prompt_batch([6] * 4, [16, 12, 14, 10], shared=True)  # 4 samples of one prompt (GRPO)
     plain = reference_logprobs(AutoModelForCausalLM.from_pretrained(lfm2, dtype=torch.float32).eval(), batch)
     trained = batch["token_mask"] > 0
@@ -62,9 +62,17 @@ def test_a_model_that_mixes_positions_outside_attention_runs_each_row_on_its_own
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, max_position_embeddings=128,
         word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **common))
     for path, name in ((lfm2, "Lfm2"), (opt, "OPT")):
-        with pytest.raises(ConfigError, match=rf"policy.sequence_packing.enabled=true: {name} models mix the "
-                                              r"sequences packed in one row \(logprobs off by up to"):
+        with pytest.raises(ConfigError, match=rf"policy.sequence_packing.enabled=true: {name} models "
+                                              r"\(policy.model_name\) mix the sequences packed in one row"):
             _worker(path, prefix_sharing={"enabled": False}, sequence_packing=PACKING)
+    # A teacher (or KL reference) of such a kind takes the same paths: its logprobs were the wrong ones.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.policy.fsdp_worker"):
+        worker = _worker(tiny_model_path, reference_model_name=lfm2)
+    assert not worker._shares_prefixes
+    assert "off for Lfm2 models (policy.reference_model_name)" in caplog.text
+    torch.testing.assert_close(worker.get_logprobs(batch, reference=True)["reference_logprobs"][trained],
+                               plain[trained], atol=2e-5, rtol=0)
 
 
 def test_a_model_whose_rows_stay_apart_keeps_both(tiny_model_path, single_rank_worker_env):

@@ -174,6 +174,14 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance():
     }
     keep, metrics = dynamic_sampling_keep(torch.ones(4), torch.tensor([0, 0, 1, 1]))
     assert keep.tolist() == [] and metrics["dynamic_sampling/zero_variance_fraction"] == 1.0
+    # Scored rewards 1, 1, 1 beside a failed environment's 0 (out of the baseline): no signal,
+    # dropped; so is a group with one scored sample. Group 2 varies among its scored samples.
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    scored = torch.tensor([1, 1, 1, 0, 1, 0, 1, 1, 0])
+    assert dynamic_sampling_keep(rewards, groups)[0].tolist() == list(range(9))
+    keep, metrics = dynamic_sampling_keep(rewards, groups, scored)
+    assert keep.tolist() == [6, 7, 8] and metrics["dynamic_sampling/groups_kept"] == 1.0
 
 
 def test_on_policy_distillation_advantages_are_teacher_minus_own_logprobs_on_generated_tokens():

@@ -747,6 +747,12 @@ def test_a_resumed_run_sets_another_runs_logs_aside_instead_of_cutting_and_conti
     (tmp_path / "run_id").unlink()
     run("c", range(9, 10), resumed_from=8)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [5, 6, 7, 8, 9]
+    # A checkpoint from before run ids (nothing to compare) continues the logs there and names
+    # them with the id its next saves carry, so that its next resume finds them its own.
+    Logger(cfg, tmp_path, resumed_from=9, run_id="d", compare_run_id=False).close()
+    assert (tmp_path / "run_id").read_text().strip() == "d"
+    run("d", range(10, 11), resumed_from=9)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [5, 6, 7, 8, 9, 10]
 
 
 def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch):

@@ -126,6 +126,10 @@ def test_posttrain_eval_takes_an_adapter_folder(tiny_model_path, tmp_path):
     bad = load_config("eval", None, [f"policy.model_name={tmp_path / 'adapter'}", "policy.generation.stop_token_ids=[100000]"])
     with pytest.raises(ValueError, match=r"stop_token_ids: \[100000\] are not token ids"):  # its base's vocabulary
         load_policy_tokenizer(bad.policy)
+    # The attention kernel of "auto" reads the base's config (the folder has none).
+    from posttrain.policy.hf_io import named_model_attention_kernel
+
+    assert named_model_attention_kernel("auto", 4096, "cpu", str(tmp_path / "adapter")) == "sdpa"
 
 
 def test_an_adapter_folder_loads_as_plain_merged_weights(tiny_model_path, tmp_path):
