@@ -152,6 +152,17 @@ class _WorkerHost:
         return getattr(self.worker, method)(*args, **kwargs)
 
 
+def ranks_by_node(node_of: dict[int, Any], world_size: int) -> list[int]:
+    """The placement group bundle of each rank: a node's bundles take consecutive ranks, the
+    nodes in the order of their first bundle (bundle 0, where the rendezvous listens, is rank 0).
+    SPREAD placement alternates nodes between bundles, and rank r on bundle r put the two ranks of
+    a tensor-parallel group (consecutive ranks) on two nodes, its every collective across them."""
+    first = {}
+    for b in range(world_size):
+        first.setdefault(node_of[b], b)
+    return sorted(range(world_size), key=lambda b: (first[node_of[b]], b))
+
+
 class WorkerError(RunStopped):
     """A worker process died; the message names it and shows its last log lines. `group`: the
     name of its worker group (RayWorkerGroup.name)."""
@@ -200,11 +211,12 @@ class RayWorkerGroup:
         threads = max(1, int(cluster.cfg.cpus_per_worker))
         host_cls = ray.remote(_WorkerHost)
         self.log_paths = [os.path.join(self.log_dir, f"rank{r}.log") for r in range(self.world_size)]
-        # Local ranks from where Ray actually put each bundle (SPREAD gives no fixed order).
+        # Ranks and local ranks from where Ray actually put each bundle (SPREAD gives no fixed order).
         node_of = placement_group_table(pg)["bundles_to_node_id"]
+        bundle_of = ranks_by_node(node_of, self.world_size)
         self.actors = []
-        for rank in range(self.world_size):
-            same_node = [b for b in range(self.world_size) if node_of[b] == node_of[rank]]
+        for rank, bundle in enumerate(bundle_of):
+            same_node = [r for r, b in enumerate(bundle_of) if node_of[b] == node_of[bundle]]
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world_size),
@@ -218,7 +230,7 @@ class RayWorkerGroup:
             actor = host_cls.options(
                 num_cpus=cluster.cfg.cpus_per_worker,
                 num_gpus=1 if cluster.use_gpus else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
                 name=f"{name_prefix}-{uuid.uuid4().hex[:6]}-rank{rank}",
                 runtime_env=runtime_env,
             ).remote(env, self.log_paths[rank], threads, worker_cls, args, kwargs)

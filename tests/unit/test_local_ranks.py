@@ -33,3 +33,13 @@ def test_ranks_form_one_job_and_return_in_rank_order():
 def test_a_failing_rank_is_named(how, message):
     with pytest.raises(RuntimeError, match=message):
         run_local_ranks(_second_rank_fails, 2, how, timeout_s=120)
+
+
+def test_ranks_follow_the_nodes_so_a_tensor_parallel_group_stays_on_one():
+    # SPREAD placement alternates nodes between bundles: rank r on bundle r put ranks 0 and 1 (one
+    # tensor-parallel group) on nodes a and b.
+    from posttrain.distributed.worker_group import ranks_by_node
+
+    assert ranks_by_node({0: "a", 1: "b", 2: "a", 3: "b"}, 4) == [0, 2, 1, 3]
+    assert ranks_by_node({0: "b", 1: "a", 2: "a", 3: "b"}, 4) == [0, 3, 1, 2]  # bundle 0 stays rank 0
+    assert ranks_by_node({0: "a", 1: "a"}, 2) == [0, 1]  # one node: rank r on bundle r, as before
