@@ -122,8 +122,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     dcp = sub.add_parser("dcp-to-hf", help="a posttrain step_N checkpoint (torch.distributed.checkpoint) -> HF folder")
     dcp.add_argument("--checkpoint", required=True, help="a step_N directory (or its policy/ folder)")
     dcp.add_argument("--output", required=True, help="output folder (a model folder there is replaced)")
-    dcp.add_argument("--config", default=None, help="the run's config, read only for a checkpoint without hf_config/ (default: the "
-                     "checkpoint's config.yaml)")
+    dcp.add_argument("--config", default=None, help="the run's config, read only for a checkpoint without "
+                     "hf_config/ (default: the checkpoint's config.yaml)")
     l2c = sub.add_parser("llama2c-to-hf", help="a llama2.c .bin model + sentencepiece tokenizer -> HF Llama folder")
     l2c.add_argument("--model", required=True, help="llama2.c checkpoint (.bin)")
     l2c.add_argument("--tokenizer", required=True, help="sentencepiece model (e.g. tok512.model)")

@@ -392,6 +392,12 @@ def _masks_env_errors(g) -> bool:
     return g.mask_env_error_samples and g.adv_estimator != "on_policy_distillation"
 
 
+def _scored(g, batch: BatchedDataDict) -> torch.Tensor | None:
+    """1 for the samples that have a verdict (`[N]` float; None: all count): under
+    grpo.mask_env_error_samples, those whose environment did not fail."""
+    return (~batch["env_errors"]).float() if _masks_env_errors(g) else None
+
+
 def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> None:
     """Scaling, shaping, overlong filtering and advantages, written into `batch` in place."""
     rewards = batch["rewards"]
@@ -411,9 +417,8 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
     # A sample whose environment failed has no verdict: its placeholder 0 leaves the loss and the
     # baseline and std of its group, where it would push the others' advantages up (a 0/1
     # verifier) or, for an unbounded score such as a reward model's, anywhere.
-    scored = None
-    if _masks_env_errors(g):
-        scored = (~batch["env_errors"]).float()
+    scored = _scored(g, batch)
+    if scored is not None:
         batch["sample_mask"] = batch["sample_mask"] * scored
     if g.adv_estimator == "on_policy_distillation":
         return  # token-level, from the teacher's logprobs: after the logprob phase (_distillation_advantages)
@@ -694,8 +699,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             groups_so_far += len(prompts)
             if g.use_dynamic_sampling:
                 with timer.time("advantages"):
-                    keep, ds_metrics = dynamic_sampling_keep(
-                        batch["rewards"], batch["group_ids"], (~batch["env_errors"]) if _masks_env_errors(g) else None)
+                    keep, ds_metrics = dynamic_sampling_keep(batch["rewards"], batch["group_ids"], _scored(g, batch))
                 rollout_metrics.update(ds_metrics)
                 batch = batch.select_indices(keep)
             parts.append(batch)

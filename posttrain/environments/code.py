@@ -56,8 +56,8 @@ the user running posttrain, with that user's files (the data set's tests among t
 and processes: it can kill them (this run included), and, as root or where that user may
 ptrace its processes, read another process's memory, the parent's nonce included, and so
 forge a result; as root it can start processes, and one that leaves its parent (a daemon's
-double fork) outlives the kill. Train on untrusted tasks, or with a policy that might find such a way, inside a
-container or sandbox that confines each program.
+double fork) outlives the kill. Train on untrusted tasks, or with a policy that might find such
+a way, inside a container or sandbox that confines each program.
 """
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ def check_supported(model, context: int | None = None) -> None:
         problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
     elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
         problem = "the model does not have the `model.layers` / `lm_head` layout"
-    elif (window := sliding_window(model.config)) is not None and window < (
-            context or model.config.max_position_embeddings):
-        problem = (f"sliding-window attention (window {window}, shorter than the "
-                   f"{context or model.config.max_position_embeddings}-token context) is not supported")
+    elif (window := sliding_window(model.config)) is not None:
+        context = context or model.config.max_position_embeddings
+        if window < context:
+            problem = f"sliding-window attention (window {window}, shorter than the {context}-token context) is not supported"
     if problem:
         raise UnsupportedModelError(
             f"the torch generation engine cannot run this model: {problem}; use "

@@ -187,8 +187,7 @@ def sliding_window(config) -> int | None:
         return 0
     window = getattr(c, "sliding_window", None)
     window = window if window and getattr(c, "use_sliding_window", True) else None
-    chunk = getattr(c, "attention_chunk_size", None)
-    return min(w for w in (window, chunk) if w) if (window or chunk) else None
+    return min((w for w in (window, getattr(c, "attention_chunk_size", None)) if w), default=None)
 
 
 def base_implementation(model: torch.nn.Module) -> str | None:

@@ -44,7 +44,8 @@ from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementat
                                                  sliding_window)
 from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, check_generation_fits,
                                    disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
-                                   load_pretrained, model_class, resolve_tokenizer_path, save_hf, writing_folder)
+                                   load_pretrained, mlp_size, model_class, resolve_tokenizer_path, save_hf,
+                                   writing_folder)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
@@ -175,8 +176,7 @@ def _attention_score_cost(config) -> float:
         return 0.0
     hd = getattr(c, "head_dim", None) or h // heads
     kv = getattr(c, "num_key_value_heads", None) or heads
-    # Named otherwise, or left unset (None: GPT-Neo, GPT-2's n_inner) for the usual 4 x hidden.
-    inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "ffn_dim", None) or 4 * h
+    inter = mlp_size(c)
     per_token = 2 * (layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter) + h * c.vocab_size)
     return 2 * 4 * heads * hd * layers / per_token
 

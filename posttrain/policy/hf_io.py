@@ -356,6 +356,14 @@ def available_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def mlp_size(text_config: Any) -> int:
+    """The MLP width of a (text) model config: named n_inner (GPT-2; None there means 4 x hidden)
+    or ffn_dim (OPT) by some, left unset by others (GPT-Neo), for the usual 4 x hidden."""
+    c = text_config
+    return (getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "ffn_dim", None)
+            or 4 * c.hidden_size)
+
+
 class MemoryEstimate(NamedTuple):
     """`estimate_memory`'s answer: one worker's bytes by what holds them, what each term is, and
     the parameter count."""
@@ -402,10 +410,7 @@ def estimate_memory(config, cfg: PolicyConfig, *, model_kind: str, device_type: 
     eager = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, device_type, config) == "eager"
     heads = getattr(c, "num_attention_heads", None) or 0  # none: Mamba
     scores = heads * min(cfg.max_total_sequence_length, tokens) if eager else 0
-    # Named n_inner (GPT-2; None: 4 x hidden) or ffn_dim (OPT) by some, unset by others (GPT-Neo).
-    mlp = (getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or getattr(c, "ffn_dim", None)
-           or 4 * c.hidden_size)
-    layer = b * tokens * (ACT_PER_HIDDEN * c.hidden_size + ACT_PER_MLP * mlp + ACT_PER_SCORE * scores)
+    layer = b * tokens * (ACT_PER_HIDDEN * c.hidden_size + ACT_PER_MLP * mlp_size(c) + ACT_PER_SCORE * scores)
     layers = c.num_hidden_layers
     terms = {
         "state": 4 * (n + (TRAIN_STATE_COPIES - 1) * trained + n_ref) / world_size,

@@ -65,16 +65,14 @@ def _sequence_norms(layer: Any, blocks: list[str]) -> list[str]:
     Llama's two names: Gemma2's pre/post-feedforward norms were left plain, so each rank's
     gradient of their weights covered its own positions only and the ranks' copies diverged.
     A child with parameters that is no norm may not work position by position: refused."""
-    norms, others = [], []
-    for name, child in layer.named_children():
-        if name in blocks or next(child.parameters(), None) is None:
-            continue
-        (norms if "norm" in type(child).__name__.lower() else others).append(f"{name} ({type(child).__name__})")
+    weighted = {name: type(child).__name__ for name, child in layer.named_children()
+                if name not in blocks and next(child.parameters(), None) is not None}
+    others = [f"{name} ({kind})" for name, kind in weighted.items() if "norm" not in kind.lower()]
     if others:
         raise InputError(f"policy.dtensor_cfg.sequence_parallel: decoder layer {type(layer).__name__} has modules with "
                          f"weights outside its attention and MLP that are not norms ({', '.join(others)}); "
                          "sequence parallelism splits only norms by position: set it to false")
-    return [n.partition(" ")[0] for n in norms]
+    return list(weighted)
 
 
 def apply_tensor_parallel(model: Any, decoder_layers: list, tp_mesh, sequence_parallel: bool = False) -> None:

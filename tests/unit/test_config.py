@@ -396,12 +396,18 @@ def test_gpu_monitoring_is_off_in_a_run_whose_workers_take_no_gpu():
 def test_bounds_of_values_that_would_silently_misbehave():
     # A negative max_grad_norm flips the gradients (clip scales them by max_norm / norm), a
     # negative KL clamp makes clamp(min=v, max=-v) a constant, a chunk size < 1 fails mid-run, a
-    # negative overlong penalty (read as "a negative reward") rewards overlong responses.
+    # negative overlong penalty (read as "a negative reward") rewards overlong responses; separate
+    # generation resources of -1 failed after Ray started ("Bundles must be a non-empty list"), and
+    # 0 nodes ran on 1.
     with pytest.raises(ConfigError) as e:
         load_config("grpo", None, ["policy.max_grad_norm=-1", "policy.logprob_chunk_size=0",
                                    "loss_fn.kl_input_clamp_value=-1", "loss_fn.kl_output_clamp_value=0",
-                                   "data.max_input_seq_length=-5", "grpo.reward_shaping.overlong_buffer_penalty=-1"])
+                                   "data.max_input_seq_length=-5", "grpo.reward_shaping.overlong_buffer_penalty=-1",
+                                   "policy.generation.colocated.resources.num_nodes=0",
+                                   "policy.generation.colocated.resources.gpus_per_node=-1"])
     msg = str(e.value)
+    assert "policy.generation.colocated.resources.num_nodes: got 0, expected greater than or equal to 1" in msg
+    assert "policy.generation.colocated.resources.gpus_per_node: got -1, expected greater than or equal to 0" in msg
     assert "grpo.reward_shaping.overlong_buffer_penalty: got -1, expected greater than or equal to 0" in msg
     assert "policy.max_grad_norm: got -1, expected greater than 0" in msg
     assert "policy.logprob_chunk_size: got 0, expected greater than or equal to 1" in msg
@@ -410,16 +416,6 @@ def test_bounds_of_values_that_would_silently_misbehave():
     assert "data.max_input_seq_length: got -5, expected greater than or equal to 1" in msg
     cfg = load_config("grpo", None, ["policy.max_grad_norm=null", "loss_fn.kl_input_clamp_value=null"])
     assert cfg.policy.max_grad_norm is None and cfg.loss_fn.kl_input_clamp_value is None
-
-
-def test_separate_generation_resources_are_bounded_at_load():
-    # -1 failed after Ray started with "Bundles must be a non-empty list"; 0 nodes ran on 1.
-    with pytest.raises(ConfigError) as e:
-        load_config("grpo", None, ["policy.generation.colocated.resources.num_nodes=0",
-                                   "policy.generation.colocated.resources.gpus_per_node=-1"])
-    msg = str(e.value)
-    assert "policy.generation.colocated.resources.num_nodes: got 0, expected greater than or equal to 1" in msg
-    assert "policy.generation.colocated.resources.gpus_per_node: got -1, expected greater than or equal to 0" in msg
 
 
 def test_a_generation_engine_precision_that_is_no_dtype_fails_at_load():
