@@ -797,7 +797,9 @@ class CheckpointManager:
         if name and name.startswith("val:"):
             value = metrics.get(name)
             value = value if value is not None and math.isfinite(float(value)) else None
-            info["metric_value"] = value
+            # With its name: one changed at the resume left the stopped run's, and `_metric_of`
+            # read the checkpoint as unmeasured, so the next save pruned the best one.
+            info["metric_name"], info["metric_value"] = name, value
             info["best_step"], info["best_metric_value"] = self._best(extra=(info["step"], value))
         tmp = path / f"{INFO_FILE}.tmp"
         _write(tmp, json.dumps(info, indent=2, default=str))

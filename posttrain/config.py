@@ -310,7 +310,26 @@ def _parse_value(text: str, override: str) -> Any:
         if node is None or isinstance(node, yaml.ScalarNode):
             fix = f"quote the value: {override.split('=', 1)[0]}={text.strip()!r}"
         raise ConfigError(f"override {override!r}: YAML reads {dropped!r} as a comment; {fix}")
+    if (glued := _glued_mapping_key(node)) is not None:
+        # Hydra's grammar reads `{a:b}` as {a: b}; YAML as the key "a:b" without a value, which
+        # the schema then named as an unknown key or a None, not why.
+        key, _, value = glued.partition(":")
+        raise ConfigError(f"override {override!r}: YAML reads {glued!r} as a key without a value; write "
+                          f"{{{key}: {value}}} (a space after ':')")
     return value
+
+
+def _glued_mapping_key(node: Any) -> str | None:
+    """The first key of a flow mapping in `node` written `a:b` with no value (`{a:b}`), or None."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if (isinstance(key, yaml.ScalarNode) and not key.style and ":" in key.value
+                    and isinstance(value, yaml.ScalarNode) and value.value == "" and not value.style):
+                return key.value
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        return next((g for g in map(_glued_mapping_key, children) if g is not None), None)
+    return None
 
 
 _PLACEHOLDER = "__posttrain_interpolation_{}__"

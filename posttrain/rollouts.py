@@ -75,6 +75,11 @@ class Conversation:
     # The environment's verdict of its last step (CORRECT_KEY): True, False, None (not judged).
     correct: bool | None = None
     done: bool = False
+    # Why it ended (samples.jsonl): "environment" (terminated), "max_turns", "max_new_tokens" (the
+    # answer cut at the token limit), "context" (the context is full: in a turn, or the next
+    # observation does not fit, which the environment was not told: `ROLLOUT_KEY`'s tokens_left),
+    # "observation_error" (the chat template cannot write the observation).
+    stop_reason: str = ""
     truncated: bool = False
     prompt_truncated: bool = False  # the engine cut its prompt from the left (overlong_prompt=truncate)
     turns: int = 0
@@ -215,6 +220,27 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
             # writes before it (Llama 2's space in " </s>") the model did not: the rest follows it.
             closing = closing[closing.index(written) + len(written):]
     return closing
+
+
+@functools.lru_cache(maxsize=16)
+def _written_before_end(tokenizer, end_token: int) -> str:
+    """The text a chat template writes between an assistant message's content and `end_token`,
+    the special token (EOS) a turn ended with: an answer's text ends with it, as the model was
+    trained to write it ("\n\n" of a template whose turns end "{{ content }}\n\n", EOS after it).
+    It is no part of the message: rendered again (a reward model's template, the logs' conversation)
+    the template writes it a second time. "" for a token that is text, or no such text."""
+    if tokenizer.decode([end_token], skip_special_tokens=True) != "":
+        return ""
+    try:
+        probe = render_chat(tokenizer, [{"role": "user", "content": "x"},
+                                        {"role": "assistant", "content": _CONTENT_SENTINEL}], add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that wants more than this: the text stays as generated
+        return ""
+    closing = probe[probe.rfind(_CONTENT_SENTINEL) + len(_CONTENT_SENTINEL):] if _CONTENT_SENTINEL in probe else ""
+    written = tokenizer.decode([end_token], skip_special_tokens=False)
+    # The token in the template (ChatML's <|im_end|>): the text before it; else (EOS added after the
+    # template's text in training) the whole closing.
+    return closing[: closing.index(written)] if written and written in closing else closing
 
 
 def _next_turn_tokens(tokenizer, c: Conversation, observation: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -385,7 +411,10 @@ def run_rollouts(
             c.generation_logprobs += lps[j][a:b]
             c.response_tokens += n
             c.turns += 1
-            c.messages.append({"role": "assistant", "content": texts[j]})
+            text = texts[j]
+            if n and not truncated[j] and (end := _written_before_end(tokenizer, news[j][-1])) and text.endswith(end):
+                text = text[: -len(end)]  # the template's, not the answer's: see _written_before_end
+            c.messages.append({"role": "assistant", "content": text})
             if truncated[j]:
                 c.truncated = True
 
@@ -401,7 +430,8 @@ def run_rollouts(
                                     # A truncated answer ends the conversation too (below): an environment
                                     # holding the score for a later turn must score it now.
                                     ROLLOUT_KEY: {"completion_ids": c.tokens[c.prompt_length:], **progress,
-                                                  "last_turn": last_turn or c.truncated}}
+                                                  "last_turn": last_turn or c.truncated,
+                                                  "tokens_left": max_seq_len - len(c.tokens)}}
                                    for c in group])
             # As lists once: a tensor indexed per sample cost ~1.2 ms for 512 samples.
             rewards, terminateds = ret.rewards.tolist(), ret.terminateds.tolist()
@@ -421,6 +451,9 @@ def run_rollouts(
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 if terminateds[k] or last_turn or c.truncated:
                     c.done = True
+                    c.stop_reason = ("environment" if terminateds[k] else
+                                     "context" if c.truncated and len(c.tokens) >= max_seq_len else
+                                     "max_new_tokens" if c.truncated else "max_turns")
                     continue
                 obs = ret.observations[k]
                 obs = obs if isinstance(obs, list) else [obs]  # several: one tool result per call
@@ -438,10 +471,11 @@ def run_rollouts(
                     c.metadata[ENV_ERROR_KEY] = error
                     c.env_errors += 1
                     c.reward = 0.0
-                    c.done = True
+                    c.done, c.stop_reason = True, "observation_error"
                     continue
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
+                    c.stop_reason = "context"
                     continue
                 c.messages += obs
                 c.tokens += obs_tokens

@@ -820,7 +820,8 @@ class DataMixtureEntry(Section):
 
 class DataConfig(Section):
     # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
-    # name ("gsm8k", "math500", "squad", ...), a local .jsonl/.json/.parquet path, a folder of
+    # name ("gsm8k", "math500", "squad", "alpaca", LLaMA-Factory's "dpo_en_demo", "kto_en_demo",
+    # "glaive_toolcall_en_demo", ...: files of $POSTTRAIN_SHARED_DATA), a local .jsonl/.json/.parquet path, a folder of
     # such files or one `save_to_disk` wrote, or a Hugging Face hub dataset.
     dataset_name: str = "arithmetic"
     # Training file (.jsonl/.json/.parquet) of dataset_name "local"; for the other file-based
@@ -953,7 +954,9 @@ class EnvWorkerConfig(Section):
 
     # Ray actors of this environment (the batch is split across them).
     num_workers: int = Field(1, ge=1)
-    # Seconds one verification may take before it scores 0 (counted in env_errors).
+    # Seconds one verification may take before it scores 0 (counted in env_errors): for the
+    # built-in environments and classes that read it; reward functions in `target` have no time
+    # limit per call (set for them, an error: step_timeout_s bounds them).
     timeout_s: float = Field(5.0, gt=0)
     # Seconds the driver waits for one actor's slice of a step before scoring the slice 0
     # (counted) and restarting the actor; null: timeout_s per sample in the slice + 30 s, and with
@@ -968,7 +971,7 @@ class EnvWorkerConfig(Section):
     max_failed_steps: int | None = Field(3, ge=1)
     # Settings of the environment itself, validated by its own section below
     # (MathEnvConfig, ArithmeticEnvConfig, SlidingPuzzleEnvConfig, CodeEnvConfig, StoryEnvConfig,
-    # RewardModelEnvConfig).
+    # RewardModelEnvConfig), or by an environment class's config_class; none for reward functions.
     cfg: dict[str, Any] = Field(default_factory=dict)
     # An environment of your own under this name: "module:attr" or "path/to/file.py:attr" of an
     # EnvironmentInterface subclass, or of a reward function fn(response, metadata) -> float for
@@ -1221,7 +1224,7 @@ class LoggerConfig(Section):
     # Log to MLflow (settings: logger.mlflow).
     mlflow_enabled: bool = False
     # PNGs of reward/accuracy, loss, KL, entropy, the step-time breakdown and the warm-up SFT loss
-    # in <log_dir>/plots.
+    # in <log_dir>/plots (without metrics.jsonl, their records in plots/history.jsonl, for a resumed run's).
     plots_enabled: bool = True
     # Log each GPU's utilisation and memory (nvidia-smi) with the training metrics; off in a run
     # whose workers take no GPU (cluster.gpus_per_node=0 and, for GRPO, no separate generation GPUs).

@@ -186,6 +186,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "reward": conv.reward,
         "correct": conv.correct,  # the environment's verdict; None: not judged (left out of the metrics)
         "truncated": conv.truncated,
+        "stop_reason": conv.stop_reason,  # posttrain.rollouts.Conversation.stop_reason
         "prompt_truncated": conv.prompt_truncated,  # cut from the left (overlong_prompt=truncate)
         "response_tokens": conv.response_tokens,
         "env_error": bool(conv.env_errors),

@@ -821,9 +821,12 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             "total_tokens_per_s": float(batch["input_lengths"].sum()) / step_time,
             "step_time_s": step_time,
         }
-        logger.log_metrics({**metrics, **timer.metrics(prefix="timing/")}, step=step, prefix="train")
+        # What ranks the checkpoint, as logged: checkpointing.metric_name may name any of it (train:step_time_s).
+        last.train = {**metrics, **timer.metrics(prefix="timing/")}
+        logger.log_metrics(last.train, step=step, prefix="train")
         logger.log_samples([
             {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
+             "stop_reason": c.stop_reason,
              **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
              **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]

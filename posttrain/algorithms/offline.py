@@ -405,10 +405,10 @@ def offline_train(
             logger.log_metrics(val_metrics, step=step, prefix="val")
         # ---- logging (before the checkpoint: a run killed once it is saved resumes after this step,
         # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
+        # As logged, the checkpoint's metrics: checkpointing.metric_name may name any of them (train:step_time_s).
         last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
-                "epoch": s.loader.epoch}
-        logger.log_metrics({**last, "step_time_s": time.monotonic() - step_start, **timer.metrics()}, step=step,
-                           prefix="train")
+                "epoch": s.loader.epoch, "step_time_s": time.monotonic() - step_start, **timer.metrics()}
+        logger.log_metrics(last, step=step, prefix="train")
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         stop = s.run.checkpointer.stop_reason(last_step=step == s.total_steps)
         if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):

@@ -385,6 +385,12 @@ def _shared(relative: str) -> Path:
     return shared_data_dir() / relative
 
 
+def _shared_files(train: str, val: str | None = None) -> Callable[[DataConfig, str], list[dict[str, Any]]]:
+    """The loader of a dataset of the shared data folder: its training file and validation file
+    (relative to it; None: a held-out fraction), read when called."""
+    return lambda cfg, split: _files(_shared(train), _shared(val) if val else None)(cfg, split)
+
+
 def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     from posttrain.data.arithmetic import make_arithmetic_rows
 
@@ -407,11 +413,14 @@ _GENERATED = ("arithmetic", "sliding_puzzle", "stories")
 # after import still applies.
 REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
     "arithmetic": _arithmetic,
-    "gsm8k": lambda cfg, split: _files(_shared("gsm8k/train.jsonl"), _shared("gsm8k/test.jsonl"))(cfg, split),
+    "gsm8k": _shared_files("gsm8k/train.jsonl", "gsm8k/test.jsonl"),
     # MATH-500 is a test set: RL on it and evaluation both read the same 500 problems.
-    "math500": lambda cfg, split: _files(_shared("math500/test.jsonl"), _shared("math500/test.jsonl"))(cfg, split),
-    "squad": lambda cfg, split: _files(_shared("squad/sample_v2_transformers_fixture.json"), None)(cfg, split),
-    "alpaca": lambda cfg, split: _files(_shared("llamafactory_demo/alpaca_en_demo.json"), None)(cfg, split),
+    "math500": _shared_files("math500/test.jsonl", "math500/test.jsonl"),
+    "squad": _shared_files("squad/sample_v2_transformers_fixture.json"),
+    "alpaca": _shared_files("llamafactory_demo/alpaca_en_demo.json"),
+    # LLaMA-Factory's demo sets, by its names for them.
+    **{name: _shared_files(f"llamafactory_demo/{name}.json")
+       for name in ("dpo_en_demo", "kto_en_demo", "glaive_toolcall_en_demo")},
     "local": lambda cfg, split: _files(None, None)(cfg, split),
     "sliding_puzzle": lambda cfg, split: _sliding_puzzle(cfg, split),
     "stories": lambda cfg, split: _stories(cfg, split),
@@ -485,7 +494,8 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         ) from None
     if isinstance(splits, datasets.Dataset):
         splits = {"train": splits}
-    source = f"hub:{cfg.dataset_name}"
+    # How errors name the rows' source: a local folder read as one, not as "hub:" (which reads as a download).
+    source = str(folder) if folder.is_dir() else f"hub:{cfg.dataset_name}"
 
     def split_rows(name: str) -> list[dict[str, Any]]:
         # A folder of JSON files: its values as written, as read_file keeps them ("025" came back

@@ -159,7 +159,8 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
         "(`messages`), sharegpt (`conversations`), alpaca (`instruction`/`output`), prompt_completion "
         "(`prompt`/`completion`), squad (`context`/`question`/`answers`), preference (`chosen`/"
         "`rejected`), math (`question`|`problem`/`answer`), code (`test_list`, or `prompt`/`test`/"
-        "`entry_point`); or set data.format"
+        "`entry_point`); or set data.format, and rename the file's columns to those keys with "
+        "data.column_map={<column>: <key>, ...}"
     )
 
 
@@ -248,7 +249,9 @@ def _keys(row: dict[str, Any]) -> list[str]:
 
 def _require(row: dict[str, Any], key: str, loc: str, fmt: str) -> Any:
     if key not in row or row[key] is None:
-        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {_keys(row)})")
+        # A file's columns named otherwise (the first row's miss) are renamed by data.column_map.
+        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {_keys(row)}; columns named otherwise: "
+                              f"data.column_map={{<column>: {key}}})")
     return row[key]
 
 
@@ -469,8 +472,17 @@ def _tool_schemas(value: Any, loc: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- formats
 
 
+def _with_system(messages: list[dict], row: dict[str, Any], loc: str) -> list[dict]:
+    """`messages` after the row's `system` column (LLaMA-Factory's, TRL's) as a system message; a
+    conversation's own system turn wins over the column, as in LLaMA-Factory (both gave two system
+    messages, which many chat templates refuse)."""
+    if row.get("system") and (not messages or messages[0]["role"] != "system"):
+        messages.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
+    return messages
+
+
 def _from_messages(row: dict[str, Any], loc: str) -> dict[str, Any]:
-    messages = _messages(_require(row, "messages", loc, "messages"), loc, "messages")
+    messages = _with_system(_messages(_require(row, "messages", loc, "messages"), loc, "messages"), row, loc)
     # A file read through `datasets` gives every row every key: a row without one has task_name None.
     if row.get("task_name") is not None:
         # An RL/eval row (docs/architecture.md): the prompt, and the environment that scores it.
@@ -508,11 +520,8 @@ def _stop_strings(value: Any, loc: str) -> list[str]:
 
 
 def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
-    messages = _messages(_require(row, "conversations", loc, "sharegpt"), loc, "conversations")
-    # A conversation's own system turn wins over the column, as in LLaMA-Factory (both gave two
-    # system messages, which many chat templates refuse), as a preference row's does.
-    if row.get("system") and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
+    messages = _with_system(_messages(_require(row, "conversations", loc, "sharegpt"), loc, "conversations"), row,
+                            loc)
     _require_assistant(messages, loc, "conversations")
     return _with_tools({"messages": messages}, row, loc)
 
@@ -522,9 +531,7 @@ def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:
     extra = row.get("input") or ""
     _text(extra, loc, "input", allow_empty=True)
     output = _text(_require(row, "output", loc, "alpaca"), loc, "output")
-    messages: list[dict[str, str]] = []
-    if row.get("system"):
-        messages.append({"role": "system", "content": _text(row["system"], loc, "system")})
+    messages = _with_system([], row, loc)
     for i, turn in enumerate(row.get("history") or []):
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
             raise DataFormatError(f"{loc}: `history[{i}]` must be a [user, assistant] pair, got {turn!r:.80}")
@@ -571,11 +578,7 @@ def _from_squad(row: dict[str, Any], loc: str) -> dict[str, Any]:
 
 def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     for key in ("chosen", "rejected"):
-        if key not in row or row[key] is None:
-            raise DataFormatError(
-                f"{loc}: preference row is missing `{key}` (keys: {_keys(row)}); a preference row needs "
-                "both `chosen` and `rejected`"
-            )
+        _require(row, key, loc, "preference")  # a preference row needs both
     chosen = _response(row["chosen"], loc, "chosen")
     rejected = _response(row["rejected"], loc, "rejected")
     context_key = next((k for k in ("conversations", "prompt", "messages", "context") if row.get(k)), None)
@@ -596,15 +599,14 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
                                       f"does not end with `{context_key}`; give the responses alone, or no "
                                       f"`{context_key}`")
             prompt = shared
-    if row.get("system") and prompt[0]["role"] != "system":
-        prompt.insert(0, {"role": "system", "content": _text(row["system"], loc, "system")})
+    prompt = _with_system(prompt, row, loc)
     for key, resp in (("chosen", chosen), ("rejected", rejected)):
         if resp[0]["role"] != "assistant":
             raise DataFormatError(f"{loc}: `{key}` must start with an assistant message, got role {resp[0]['role']!r}")
     if chosen == rejected:
         # Its loss has no gradient, yet it counts in the batch's pairs and as a miss in the reward accuracy.
         raise DataFormatError(f"{loc}: `chosen` and `rejected` are the same response, so the pair prefers nothing")
-    return {"prompt_messages": prompt, "chosen": chosen, "rejected": rejected}
+    return _with_tools({"prompt_messages": prompt, "chosen": chosen, "rejected": rejected}, row, loc)
 
 
 def _split_shared_prefix(chosen: list[dict], rejected: list[dict], loc: str) -> tuple[list, list, list]:

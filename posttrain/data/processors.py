@@ -50,6 +50,9 @@ Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
 log = logging.getLogger(__name__)
 
 
+_TEMPLATE_REPLACED: set[str] = set()  # the model folders whose chat template a config's replaced (warned once)
+
+
 def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
     """The tokenizer named by `policy.tokenizer.name` (embedded names resolved), with the
     config's chat template applied and a pad token (EOS when the tokenizer has none); errors
@@ -64,6 +67,13 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
     except (OSError, ValueError) as e:
         raise model_load_error(key, cfg.name, path, "a tokenizer", e) from None
     if cfg.chat_template is not None:
+        if tok.chat_template not in (None, cfg.chat_template) and path not in _TEMPLATE_REPLACED:
+            # An export's own template (an SFT run's) replaced without a word: the model learned one
+            # layout and the run trains (and exports) another.
+            _TEMPLATE_REPLACED.add(path)
+            where = "policy.tokenizer" if key.startswith("policy.") else key.rsplit(".", 1)[0]
+            log.warning("%s.chat_template replaces the chat template of %s, which differs: the run trains, "
+                        "samples and exports with the config's", where, cfg.name)
         tok.chat_template = cfg.chat_template
     require_chat_template(tok)
     if tok.pad_token_id is None:
@@ -261,14 +271,23 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
     starts: list[int] = []  # where the text of each message begins in `rendered` (at the latest)
     marks: list[int] = []  # where its tokens begin in `ids` (messages from `first` on)
     first = 0  # the first message whose text this example adds itself (those before it: its prompt)
-    # A leading system message is not rendered alone (`first_user_message`): the messages before the
-    # first user message that get no loss are rendered with it, in one piece, as a generation prompt is.
+    # The messages before the first one that gets loss are rendered in one piece, as a generation
+    # prompt is (`render_prompt`): tokenized message by message, a BPE tokenizer cuts their text at
+    # other places ("\n\n###" as "\n\n" "###", where the whole prompt reads "\n" "\n###"), so the
+    # model would be trained on prompts it is never sampled on. Without a generation prompt to
+    # render them with, the rendering starts at the first user message (a leading system message
+    # alone is a conversation templates may refuse: `first_user_message`).
     first_user = first_user_message(messages) or 0
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_start]
+    lead = trained[0] if trained and add_generation_prompt else first_user
+    ahead = ""  # the text of the messages before `lead`, rendered for their `starts` only
     for i, msg in enumerate(messages):
-        starts.append(len(rendered))
+        starts.append(len(rendered or ahead))
         marks.append(len(ids))
         trains = msg["role"] == "assistant" and i >= loss_start
-        if i < first_user and not trains:
+        if i < lead:
+            if i >= first_user:
+                ahead = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
             continue
         full = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
         if ids and not full.startswith(rendered):
@@ -284,8 +303,17 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
             if not full.startswith(prompt):
                 prompt = None
             elif prompt.startswith(rendered):
+                if not ids:  # the text before may read otherwise with the generation prompt after it
+                    at = len(os.path.commonprefix([ahead, prompt]))
+                    starts = [min(s, at) for s in starts]
                 _extend(ids, mask, tokenizer, prompt[len(rendered):], 0)
                 rendered = prompt
+        if trains and i and not ids and prompt is None:
+            # The messages left for the generation prompt to render, which does not lead to this turn.
+            before = render_chat(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
+            if full.startswith(before):
+                _extend(ids, mask, tokenizer, before, 0)
+                rendered = before
         if not full.startswith(rendered):
             context = prompt if trains else full
             if context is None:

@@ -61,6 +61,7 @@ from posttrain.environments.interfaces import (
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
+    user_code_error,
 )
 from posttrain.environments.timeout import SubprocessRunner, import_cloudpickle
 from posttrain.environments.tool_calls import (
@@ -246,9 +247,12 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                     values[label] = None
                     continue
             else:
-                value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
-                if inspect.iscoroutine(value):  # an `async def` function, awaited as a TRL one is
-                    value = asyncio.run(value)
+                try:
+                    value = fn(response, metadata, **{k: context[k] for k in self.extras[label]})
+                    if inspect.iscoroutine(value):  # an `async def` function, awaited as a TRL one is
+                        value = asyncio.run(value)
+                except USER_CODE_ERRORS as e:  # noqa: BLE001 - the sample scores 0 (PerSampleEnvironment)
+                    raise user_code_error(f"reward function {label!r} of environment {self.name!r}", e, fn) from e
             number = _real(value)
             if number is None:
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
@@ -339,7 +343,7 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             if bad is not None:
                 raise TypeError(f"returned {bad!r}, not a number")
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it
-            error = RuntimeError(f"TRL reward function {label!r}: {type(e).__name__}: {e}")
+            error = user_code_error(f"TRL reward function {label!r}", e, fn)
             values = [error] * len(message_logs)
         for sample, value in zip(out, values):
             sample[label] = value
@@ -450,6 +454,17 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
                               f"{objs[0].__name__} judges its samples itself (posttrain.environments.CORRECT_KEY "
                               "in the metadata it returns)")
         return objs[0]
+    # Settings a built-in environment or a class reads, which nothing would read here: accepted,
+    # they promised a time limit per call (a hung function holds its slice to step_timeout_s) or
+    # settings the functions never see.
+    if "timeout_s" in cfg.model_fields_set:
+        raise ConfigError(f"env.{name}.timeout_s: reward functions run without a time limit per call (a hung one "
+                          f"scores its slice of the step 0 after env.{name}.step_timeout_s and restarts the actor); "
+                          f"set env.{name}.step_timeout_s instead")
+    if cfg.cfg:
+        raise ConfigError(f"env.{name}.cfg: reward functions get no settings ({sorted(cfg.cfg)}); give them in the "
+                          "rows' metadata, as module constants of the functions' file, or write an environment "
+                          "class with a config_class that reads them")
     fns: dict[str, Callable[..., float]] = {}
     for spec, obj in zip(specs, objs):
         label = spec.rpartition(":")[2]

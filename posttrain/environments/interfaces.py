@@ -23,6 +23,7 @@ none leaves the conversation unjudged.
 from __future__ import annotations
 
 import logging
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,11 @@ TOOL_CALLS_KEY = "tool_calls"
 # the GRPO steps done, "max_steps": grpo.max_num_steps (the steps are None outside GRPO),
 # "last_turn": whether the conversation ends after this step whatever the environment says
 # (grpo.max_rollout_turns reached, or the answer cut at the token limit): its last chance to
-# score}. TRL reward functions get the first three as `completion_ids` and `trainer_state`.
+# score; "tokens_left": the context's tokens after the model's turn (policy.max_total_sequence_length
+# less the conversation's): an observation that does not fit in them (its chat-template text
+# and the next generation prompt included) ends the conversation after this step too, which
+# `last_turn` cannot tell in advance}. TRL reward functions get the first three as
+# `completion_ids` and `trainer_state`.
 ROLLOUT_KEY = "_rollout"
 # Metadata keys of a sample's metrics ({name: number}, logged as env/<name> means over the
 # samples that have them) and of extra values shown with it in samples.jsonl ({column: value});
@@ -62,6 +67,26 @@ CORRECT_KEY = "env_correct"
 # code) may raise and fail only its sample: SystemExit too (`exit()`, `sys.exit()`), which would
 # end the environment's Ray actor, lose its whole slice and, repeated, stop the run.
 USER_CODE_ERRORS = (Exception, SystemExit)
+
+
+class UserCodeError(Exception):
+    """An error the user's code raised (a reward function), told as `user_code_error` tells it."""
+
+
+def user_code_error(what: str, e: BaseException, fn: Callable) -> UserCodeError:
+    """`e`, raised by the user's function `fn`, as an error naming `what` and the line of `fn`'s
+    file it was raised at (the innermost one: a helper in the same file is the line to look at):
+    "ValueError: boom" alone named neither the function of several nor where it failed."""
+    source = getattr(getattr(fn, "__code__", None) or getattr(type(fn).__call__, "__code__", None),
+                     "co_filename", None)
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == source), None)
+    at = f" at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}" if frame else ""
+    return UserCodeError(f"{what} raised {type(e).__name__}{at}: {e}")
+
+
+def _error_text(e: BaseException) -> str:
+    """How a sample's error reads in its metadata (`ENV_ERROR_KEY`) and the log."""
+    return str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -165,7 +190,8 @@ class PerSampleEnvironment(EnvironmentInterface):
     def step_one(self, messages: list[dict[str, str]], metadata: dict[str, Any]) -> StepResult:
         """One sample's turn: `messages` ends with the model's message."""
 
-    def _score(self, i: int, messages: list[dict[str, str]], meta: dict[str, Any] | None) -> StepResult:
+    def _score(self, messages: list[dict[str, str]], meta: dict[str, Any] | None) -> tuple[StepResult, BaseException | None]:
+        """The sample's result, and the error that scored it 0 (None)."""
         meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
         try:
             result = self.step_one(messages, meta)
@@ -173,11 +199,23 @@ class PerSampleEnvironment(EnvironmentInterface):
             if not isinstance(result, StepResult):
                 raise TypeError(f"step_one returned {result!r:.80}, not a StepResult")
             float(result.reward)
-            return result
+            return result, None
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
-            error = f"{type(e).__name__}: {e}"
-            log.warning("%s: sample %d scored 0: %s", type(self).__name__, i, error)
-            return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: error})
+            return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: _error_text(e)}), e
+
+    def _log_errors(self, errors: list[tuple[int, BaseException]], n: int, shown: int = 3) -> None:
+        """A warning per kind of error of a step's samples, `shown` kinds at most (a line per sample
+        was 512 lines a step for a reward function that always raises), the first with its traceback."""
+        kinds: dict[str, list[tuple[int, BaseException]]] = {}
+        for i, e in errors:
+            kinds.setdefault(_error_text(e), []).append((i, e))
+        for k, (text, failed) in enumerate(list(kinds.items())[:shown]):
+            more = f" and {len(failed) - 1} more with the same error" if len(failed) > 1 else ""
+            log.warning("%s: sample %d%s (of %d) scored 0: %s", type(self).__name__, failed[0][0], more, n, text,
+                        exc_info=failed[0][1] if k == 0 else None)
+        if len(kinds) > shown:
+            rest = sum(len(f) for f in list(kinds.values())[shown:])
+            log.warning("%s: %d more samples scored 0 with other errors", type(self).__name__, rest)
 
     def step(self, message_logs: list[list[dict[str, str]]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         if len(message_logs) != len(metadata):
@@ -185,9 +223,12 @@ class PerSampleEnvironment(EnvironmentInterface):
         n = len(message_logs)
         if self.parallel_samples > 1 and n > 1:
             with ThreadPoolExecutor(min(self.parallel_samples, n)) as pool:
-                results = list(pool.map(self._score, range(n), message_logs, metadata))
+                scored = list(pool.map(self._score, message_logs, metadata))
         else:
-            results = [self._score(i, m, meta) for i, (m, meta) in enumerate(zip(message_logs, metadata))]
+            scored = [self._score(m, meta) for m, meta in zip(message_logs, metadata)]
+        results = [r for r, _ in scored]
+        if errors := [(i, e) for i, (_, e) in enumerate(scored) if e is not None]:
+            self._log_errors(errors, n)
         return EnvironmentReturn(
             # A whole message is one observation too: iterated as a list, its keys became messages.
             observations=[_message(r.observation, r.observation_role) if isinstance(r.observation, (str, dict))

@@ -7,12 +7,17 @@ under math-verify (https://github.com/huggingface/Math-Verify), else 0; the verd
   is one number, "−3" or "-3" negative). No answer scores 0 (not an error).
 - Gold answer: the sample's metadata "answer"; a GSM8K solution "... #### 72" gives "72".
 - Equal strings score 1 at once; anything else is compared by math-verify (so 0.5 = \\frac{1}{2})
-  in a child process with a hard time limit of `env.math.timeout_s`: a check that runs over
-  scores 0 and is recorded as an error (see `posttrain.environments.timeout`).
+  in a child process with a hard time limit of `env.math.timeout_s`
+  (`posttrain.environments.timeout`). A check that runs over, or kills its process, is an
+  equality not shown: the answer is wrong (math-verify's own rule for its timeouts and errors),
+  logged as a warning and marked `VERIFY_FAILED_KEY` in the sample's metadata. Left out of the
+  metrics as an environment error, an answer that stalls the verifier raised eval accuracy, and
+  went untrained in GRPO (grpo.mask_env_error_samples).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from posttrain.environments.interfaces import CORRECT_KEY, PerSampleEnvironment, StepResult, last_assistant_text
@@ -24,6 +29,10 @@ from posttrain.environments.math_answers import (
 )
 from posttrain.environments.timeout import SubprocessRunner
 from posttrain.schemas import EnvWorkerConfig, MathEnvConfig
+
+log = logging.getLogger("posttrain.environments")
+
+VERIFY_FAILED_KEY = "verify_failed"  # metadata: why math-verify gave no verdict (the answer was scored wrong)
 
 
 class MathEnvironment(PerSampleEnvironment):
@@ -45,7 +54,11 @@ class MathEnvironment(PerSampleEnvironment):
         elif pred == gold:
             correct = True
         else:
-            correct = self._runner.run(math_verify_equal, (gold, pred, self.cfg.float_rounding), self.timeout_s)
+            try:
+                correct = self._runner.run(math_verify_equal, (gold, pred, self.cfg.float_rounding), self.timeout_s)
+            except (TimeoutError, ChildProcessError) as e:
+                log.warning("math: answer %.80r scored wrong, math-verify gave no verdict: %s", pred, e)
+                correct, metadata = False, {**metadata, VERIFY_FAILED_KEY: f"{type(e).__name__}: {e}"}
         return StepResult(
             observation="Environment: correct" if correct else "Environment: incorrect",
             reward=1.0 if correct else 0.0,

@@ -15,8 +15,17 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # thousands only before groups of three digits: "1,2,3" and "(3,4)" end in 3 and 4, not 123 and 34.
 _NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
-# An unboxed LaTeX fraction of integers, read as the "a/b" it is: "$\frac{3}{4}$" ended in 4.
-_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*\{\s*([-\u2212]?\d+)\s*\}\s*\{\s*(\d+)\s*\}")
+# An unboxed LaTeX fraction of integers, read as the "a/b" it is ("$\frac{3}{4}$" ended in 4), with
+# the sign before it by `_NUMBER`'s rule ("-\frac{3}{4}" read as 3/4 scored a wrong sign right) and
+# LaTeX's one-digit arguments without braces ("\frac34" was 34).
+_LATEX_FRACTION = re.compile(r"(?:(?<![\w.)\]}])([-\u2212])\s*)?\\[dt]?frac\s*"
+                             r"(?:\{\s*([-\u2212]?\d+)\s*\}|(\d))\s*(?:\{\s*(\d+)\s*\}|(\d))")
+
+
+def _as_slash_fraction(m: re.Match) -> str:
+    sign, numerator, denominator = m[1] or "", m[2] or m[3], m[4] or m[5]
+    return f" {sign}{numerator}/{denominator}"
+
 
 # A \boxed argument without braces: the word after the command, less the sentence's punctuation.
 _BARE_ARGUMENT = re.compile(r"[^\s$]*[^\s$.,;:!?]")
@@ -58,7 +67,7 @@ def extract_final_answer(text: str) -> str | None:
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed
-    numbers = _NUMBER.findall(_LATEX_FRACTION.sub(r" \1/\2", text))
+    numbers = _NUMBER.findall(_LATEX_FRACTION.sub(_as_slash_fraction, text))
     return _clean_number(numbers[-1]) if numbers else None
 
 

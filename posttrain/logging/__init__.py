@@ -150,7 +150,10 @@ class Logger:
         self.run_dir = Path(run_dir)
         _check_writable(self.run_dir)
         self._lock_fd = lock_beside(self.run_dir, "logger.log_dir", cfg.log_dir) if exclusive else -1
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        # The records a resumed run reads back for its plots to cover the stopped run's steps:
+        # metrics.jsonl, or without it (logger.jsonl_enabled=false) a file kept for the plots alone.
+        self.metrics_path = self.run_dir / ("plots/history.jsonl" if cfg.plots_enabled and not cfg.jsonl_enabled
+                                            else "metrics.jsonl")
         logged_by = _read_run_id(self.run_dir / _RUN_ID)
         another_runs = (compare_run_id and resumed_from is not None and None not in (run_id, logged_by)
                         and logged_by != run_id)
@@ -182,9 +185,10 @@ class Logger:
 
             self._console = ConsoleBackend()
             self._backends.append(self._console)
-        if cfg.jsonl_enabled:
+        if cfg.jsonl_enabled or cfg.plots_enabled:
             from posttrain.logging.jsonl import JsonlBackend
 
+            self.metrics_path.parent.mkdir(exist_ok=True)
             self._backends.append(JsonlBackend(self.metrics_path))
         if cfg.tensorboard_enabled:
             from posttrain.logging.tensorboard import TensorboardBackend

@@ -19,8 +19,10 @@ class TensorboardBackend:
         # A resumed run relogs the steps after its checkpoint: purge_step makes TensorBoard hide
         # the stopped run's events from there on, which would otherwise show twice per step. It
         # hides every tag's, so the warm-up's (steps 10..warmup_sft_steps) are written elsewhere.
-        self._writer = SummaryWriter(log_dir=str(log_dir),
-                                     purge_step=None if resumed_from is None else resumed_from + 1)
+        # A fresh run starts its session at step 0 too: TensorBoard's Python loader
+        # (--load_fast=false) takes the first session start it reads for the run's own, not a
+        # restart, and purged nothing at a resume after a run that wrote none.
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=0 if resumed_from is None else resumed_from + 1)
         self._first_step = 0 if resumed_from is None else resumed_from + 1
         self._own_step_axes = own_step_axes
         self._axis_writers: dict[str, SummaryWriter] = {}

@@ -532,7 +532,11 @@ def _refuse_unless_fits(model_name: str, est: MemoryEstimate, names: Sequence[st
     )
 
 
-_EOS_AFTER = "{% if not add_generation_prompt %}{{ eos_token }}{% endif %}"
+# After a conversation that ends with an assistant turn (what data.add_eos ends): after a prompt
+# without a generation prompt it broke the prompt's render extending the conversation's, which a
+# reward model environment with add_generation_prompt=false reads it by, and failed every sample.
+_EOS_AFTER = ("{% if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' %}"
+              "{{ eos_token }}{% endif %}")
 # What a template may put BOS in front with: a SentencePiece tokenizer (Llama 2's, stories260K's)
 # reads text after a special token without its leading-space marker, so "<s>Once" is not BOS +
 # the ids of "Once"; "<s> Once" is.

@@ -734,6 +734,52 @@ def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_fir
     assert mgr.load_info(tmp_path / "ckpt" / "step_3")["best_step"] == 2
 
 
+@pytest.mark.parametrize("name", ["train:step_time_s", "train:timing/training"])
+def test_every_logged_train_metric_can_rank_the_checkpoints(tmp_path, name):
+    # check_metric_name accepts what the run logs; the step time and the timings were logged but
+    # not saved with the checkpoint, which every save then called "not measured".
+    from types import SimpleNamespace
+
+    from posttrain.algorithms import offline
+    from posttrain.config import load_config
+    from posttrain.data.loader import RowLoader
+
+    mgr = _mgr(tmp_path, metric_name=name, higher_is_better=False, keep_top_k=1)
+
+    class Policy(_Policy):
+        def train(self, batch, loss_fn):
+            return {"loss": 1.0, "num_tokens": 8.0}
+
+        def sync_reference_if_due(self, step):
+            return False
+
+    logged = []
+    logger = SimpleNamespace(start_progress=lambda *a: None, update_progress=lambda *a: None, plot=lambda: None,
+                             console=lambda m: None, timed_save=lambda step: contextlib.nullcontext(),
+                             log_metrics=lambda m, step, prefix: logged.append(dict(m)))
+    cfg = load_config("sft", None, ["sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false"])
+    s = SimpleNamespace(run=SimpleNamespace(policy=Policy(), logger=logger, checkpointer=mgr), cfg=cfg,
+                        loader=RowLoader([{"i": i} for i in range(10)], 2), loss_fn=None, start_step=0, total_steps=2)
+    offline.offline_train(s, cfg.sft, lambda rows: rows, lambda: {}, show="loss")
+    info = mgr.load_info(tmp_path / "ckpt" / "step_2")
+    value = logged[-1][name.removeprefix("train:")]
+    assert value > 0 and info["metric_value"] == pytest.approx(value)
+
+
+def test_a_made_up_validation_ranks_by_the_metric_the_resumed_run_names(tmp_path):
+    # The stopped run ranked by val:loss; the resumed one by val:accuracy. Recorded under the old
+    # name, step 4's accuracy read as unmeasured and step 6's save pruned the best checkpoint.
+    mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=1)
+    mgr.save(2, _Policy(), {}, "a: 1\n", {"val:loss": 3.0})
+    mgr.save(4, _Policy(), {}, "a: 1\n", {}, validation_pending=True)
+    mgr = _mgr(tmp_path, metric_name="val:accuracy", higher_is_better=True, keep_top_k=1)
+    mgr.record_validation(tmp_path / "ckpt" / "step_4", {"val:accuracy": 0.9, "val:loss": 1.0})
+    mgr.save(6, _Policy(), {}, "a: 1\n", {"val:accuracy": 0.5})
+    assert _steps(mgr) == [4, 6] and mgr.load_info(tmp_path / "ckpt" / "step_6")["best_step"] == 4
+    # Back on val:loss, step 4's accuracy is no loss.
+    assert _mgr(tmp_path, metric_name="val:loss")._metric_of(tmp_path / "ckpt" / "step_4") is None
+
+
 def test_a_model_in_the_runs_own_final_export_is_refused_before_anything_moves_it(tmp_path):
     # The advice for a run folder given as a model is its hf/ export; with the same config, a fresh
     # start moved that folder aside and then failed to load "no such folder".

@@ -119,6 +119,17 @@ def test_an_override_value_that_yaml_reads_partly_as_a_comment_is_an_error():
     assert (cfg.description, cfg.logger.wandb.name, cfg.policy.max_grad_norm) == ("run #1", "exp#1", 0.5)
 
 
+def test_a_hydra_style_mapping_without_spaces_is_an_error_saying_how_to_write_it():
+    # Hydra reads {a:b} as {a: b}; YAML as the key "a:b" with no value, reported as a None.
+    with pytest.raises(ConfigError, match=r"override 'data.column_map=\{query:question,q:a\}': YAML reads "
+                                          r"'query:question' as a key without a value; write \{query: question\}"):
+        load_config("grpo", None, ["data.column_map={query:question,q:a}"])
+    with pytest.raises(ConfigError, match=r"YAML reads 'x:y' as a key"):
+        load_config("grpo", None, ["data.mixture=[{x:y}]"])
+    cfg = load_config("grpo", None, ["data.column_map={query: question, 'a:b': c}", "env.x.target=[a.py:f,b.py:g]"])
+    assert cfg.data.column_map == {"query": "question", "a:b": "c"}
+
+
 def test_an_override_value_that_is_not_yaml_is_one_line_naming_the_place():
     # PyYAML's own text spans five lines quoting `in "<unicode string>", line 1, column 6`,
     # which broke the one-line-per-problem list of the error.

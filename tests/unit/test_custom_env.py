@@ -310,6 +310,14 @@ def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
         resolve_env("math", _cfg(f"{rewards_file}:exact"))
     with pytest.raises(ConfigError, match=r"unknown environment 'chess'.*or your own .* env.chess.target"):
         resolve_env("chess", EnvWorkerConfig())
+    # Settings nothing reads for reward functions, which were accepted without a word: a time limit
+    # per call a hung function never met, and settings it never saw.
+    with pytest.raises(ConfigError, match=r"env.x.timeout_s: reward functions run without a time limit per call .* "
+                                          r"set env.x.step_timeout_s instead"):
+        resolve_env("x", _cfg(f"{rewards_file}:exact", timeout_s=1.0))
+    with pytest.raises(ConfigError, match=r"env.x.cfg: reward functions get no settings \(\['threshold'\]\)"):
+        resolve_env("x", _cfg(f"{rewards_file}:exact", cfg={"threshold": 2}))
+    resolve_env("x", _cfg(f"{rewards_file}:exact", step_timeout_s=9.0))
 
 
 def test_an_environment_with_nemo_rls_batch_hook_is_refused_naming_what_to_do_instead(tmp_path):
@@ -562,6 +570,12 @@ def test_the_step_time_limit_leaves_each_tool_call_its_own(rewards_file):
     assert slice_time_limit(untimed, [calls]) == 2.0 + 30
 
 
+def line(function: str) -> int:
+    """The line of my_rewards.py (`REWARDS`) that defines `function`."""
+    return textwrap.dedent(REWARDS).splitlines().index(next(
+        s for s in textwrap.dedent(REWARDS).splitlines() if s.startswith(f"def {function}("))) + 1
+
+
 def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
     # exit() in a tool (the model's own code), a reward function or a TRL one raises SystemExit:
     # it must fail its call or sample like any error, not end the environment's actor and its slice.
@@ -576,11 +590,14 @@ def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
         assert ret.num_errors == 0 and not ret.terminateds[0]
     env = resolve_env("f", _cfg(f"{rewards_file}:exits"))(EnvWorkerConfig())
     ret = env.step([convo("x"), convo("y")], [{}, {}])
-    assert ret.rewards.tolist() == [0.0, 0.0] and [m["env_error"] for m in ret.metadata] == ["SystemExit: bad x",
-                                                                                             "SystemExit: bad y"]
+    # Named with the function and the line of its file it failed at: "ValueError: boom" named neither.
+    assert ret.rewards.tolist() == [0.0, 0.0] and [m["env_error"] for m in ret.metadata] == [
+        f"reward function 'exits' of environment 'f' raised SystemExit at my_rewards.py:{line('exits') + 3} in exits: "
+        f"bad {x}" for x in "xy"]
     env = resolve_env("t", _cfg(f"{rewards_file}:trl_exits"))(EnvWorkerConfig())
     ret = env.step([convo("x")], [{}])
-    assert ret.num_errors == 1 and "TRL reward function 'trl_exits': SystemExit" in ret.metadata[0]["env_error"]
+    assert ret.num_errors == 1 and ret.metadata[0]["env_error"] == (
+        f"TRL reward function 'trl_exits' raised SystemExit at my_rewards.py:{line('trl_exits') + 1} in trl_exits: None")
     # A file that exits as it is imported (a script's argparse) is a config error naming the key.
     script = tmp_path / "script_rewards.py"
     script.write_text("import sys\nsys.exit(2)\ndef score(response, metadata):\n    return 1.0\n")
@@ -616,8 +633,8 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     broken = _cfg(f"{rewards_file}:trl_wrong_count")
     ret = resolve_env("trl", broken)(broken).step([convo("a"), convo("b")], [{}, {}])
     assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
-    assert "TRL reward function 'trl_wrong_count': ValueError: returned 1 values for 2 completions" in \
-        ret.metadata[0]["env_error"]
+    assert ret.metadata[0]["env_error"] == (  # posttrain's own check: no line of the function to name
+        "TRL reward function 'trl_wrong_count' raised ValueError: returned 1 values for 2 completions")
     assert all("_trl_reward_values" not in m for m in ret.metadata)  # failed samples do not keep them either
 
 

@@ -3,6 +3,7 @@ and the Ray facade (slicing, order, timeouts, crashes and restarts)."""
 
 import functools
 import importlib
+import logging
 import os
 import re
 import time
@@ -22,7 +23,7 @@ from posttrain.environments import (
 )
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.interfaces import CORRECT_KEY, ROLLOUT_KEY
-from posttrain.environments.math import MathEnvironment
+from posttrain.environments.math import VERIFY_FAILED_KEY, MathEnvironment
 from posttrain.environments.math_answers import extract_boxed, extract_final_answer, gold_answer
 from posttrain.environments.sliding_puzzle import (
     SlidingPuzzleEnvironment,
@@ -58,6 +59,9 @@ def test_answer_extraction():
     # An unboxed LaTeX fraction is one number, as "3/4" is: it ended in its denominator.
     assert extract_final_answer(r"so the share is $\frac{3}{4}$.") == "3/4"
     assert extract_final_answer(r"\dfrac{-3}{ 8 } of it") == "-3/8"
+    # Its sign goes with it (a wrong sign scored right), unless it follows a term; LaTeX's \frac34 is 3/4.
+    assert extract_final_answer(r"so $x = -\frac{3}{4}$.") == "-3/4" and extract_final_answer(r"$-\dfrac12$") == "-1/2"
+    assert extract_final_answer(r"x-\frac{1}{2}") == "1/2" and extract_final_answer(r"$\frac34$") == "3/4"
     assert extract_final_answer("no digits") is None
     # A fraction is one number, and a Unicode minus is a sign; a hyphen after a number is not.
     assert extract_final_answer("she ate 3/4 of it.") == "3/4"
@@ -92,6 +96,8 @@ def test_math_rewards(math_env):
         ("The answer is 3/4", r"\frac{3}{4}", 1.0),
         ("The answer is \u22123", "3", 0.0),  # not without its sign
         ("The answer is \u22123", "-3", 1.0),
+        (r"So $x = -\frac{3}{4}$.", r"\frac{3}{4}", 0.0),
+        (r"So $x = -\frac{3}{4}$.", r"-\frac{3}{4}", 1.0),
     ]
     ret = math_env.step([convo(a) for a, _, _ in cases], [{"answer": g} for _, g, _ in cases])
     assert ret.rewards.tolist() == [r for _, _, r in cases]
@@ -99,7 +105,7 @@ def test_math_rewards(math_env):
     assert ret.answers[:3] == [r"\frac{1}{2}", "1000", "72"] and ret.answers[4] is None
 
 
-def test_math_verification_that_hangs_scores_zero_and_the_next_one_works(math_env):
+def test_math_verification_that_hangs_is_a_wrong_answer_and_the_next_one_works(math_env):
     # sympy evaluates 9^(9^(9^9)) in C: only killing the child process stops it
     start = time.monotonic()
     ret = math_env.step(
@@ -107,8 +113,29 @@ def test_math_verification_that_hangs_scores_zero_and_the_next_one_works(math_en
     )
     assert time.monotonic() - start < 60
     assert ret.rewards.tolist() == [0.0, 1.0]
-    assert "time limit" in ret.metadata[0]["env_error"] and "env_error" not in ret.metadata[1]
-    assert ret.num_errors == 1
+    # An equality not shown in time is a verdict (math-verify's rule), not an environment error
+    # that eval leaves out of its accuracy and GRPO out of its loss.
+    assert [m[CORRECT_KEY] for m in ret.metadata] == [False, True] and ret.num_errors == 0
+    assert "time limit" in ret.metadata[0][VERIFY_FAILED_KEY] and VERIFY_FAILED_KEY not in ret.metadata[1]
+
+
+def test_failed_samples_are_logged_once_per_kind_of_error(caplog):
+    # A verifier that always raises wrote a line per sample: 512 lines a step at the quickstart's size.
+    from posttrain.environments import PerSampleEnvironment
+
+    class Fails(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            raise ValueError(f"boom {metadata['kind']}")
+
+    with caplog.at_level(logging.WARNING, logger="posttrain.environments"):
+        ret = Fails().step([convo("x")] * 50, [{"kind": 0}] * 45 + [{"kind": k} for k in range(1, 6)])
+    assert ret.num_errors == 50 and ret.metadata[49]["env_error"] == "ValueError: boom 5"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["Fails: sample 0 and 44 more with the same error (of 50) scored 0: ValueError: boom 0",
+                     "Fails: sample 45 (of 50) scored 0: ValueError: boom 1",
+                     "Fails: sample 46 (of 50) scored 0: ValueError: boom 2",
+                     "Fails: 3 more samples scored 0 with other errors"]
+    assert caplog.records[0].exc_info is not None and caplog.records[1].exc_info is None  # one traceback
 
 
 def test_math_missing_gold_is_an_error_not_a_crash(math_env):

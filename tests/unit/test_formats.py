@@ -30,6 +30,8 @@ def test_sharegpt_preference_sample(shared_data):
     train, val = load_rows(cfg, "train"), load_rows(cfg, "val")
     assert len(train) + len(val) == 300 and len(val) == 15  # 5% held out
     assert not {json.dumps(r) for r in train} & {json.dumps(r) for r in val}
+    # Registered by LLaMA-Factory's name, from $POSTTRAIN_SHARED_DATA wherever the run starts.
+    assert load_rows(_cfg("dpo_en_demo"), "train") == train
     raw = json.load(open(f"{shared_data}/llamafactory_demo/dpo_en_demo.json"))
     row = train[0]
     assert set(row) == {"prompt_messages", "chosen", "rejected"}
@@ -59,6 +61,28 @@ def test_sharegpt_system_column_beside_a_system_turn():
     assert [m["content"] for m in normalize_row(row, "sharegpt", "x row 1")["messages"]] == ["Own.", "hi", "yo"]
     row["conversations"] = row["conversations"][1:]
     assert [m["content"] for m in normalize_row(row, "sharegpt", "x row 1")["messages"]] == ["Column.", "hi", "yo"]
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "messages", "preference"])
+def test_a_system_column_is_the_conversations_system_message_in_every_layout(fmt):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    row = {"sharegpt": {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+           "messages": {"messages": turns, "label": True},  # KTO's layout, too
+           "preference": {"messages": turns[:1], "chosen": turns[1:], "rejected": [{"role": "assistant", "content": "no"}]},
+           }[fmt]
+    key = "prompt_messages" if fmt == "preference" else "messages"
+    assert normalize_row(row, fmt, "x row 1")[key][0]["role"] == "user"
+    got = normalize_row({**row, "system": "Be a pirate."}, fmt, "x row 1")[key]
+    assert got[0] == {"role": "system", "content": "Be a pirate."} and got[1]["content"] == "hi"
+    own = {"messages": [{"role": "system", "content": "Own."}, *turns], "system": "Column."}
+    assert [m["content"] for m in normalize_row(own, "messages", "x row 1")["messages"]] == ["Own.", "hi", "yo"]
+
+
+def test_preference_rows_keep_their_tools():
+    tools = [{"name": "search", "description": "Look it up.", "parameters": {"type": "object", "properties": {}}}]
+    row = {"prompt": "find x", "chosen": "found", "rejected": "lost", "tools": json.dumps(tools)}
+    assert normalize_row(row, "preference", "x row 1")["tools"] == [{"type": "function", "function": tools[0]}]
+    assert "tools" not in normalize_row({**row, "tools": None}, "preference", "x row 1")
 
 
 def test_sharegpt_toolcall_sample(shared_data):
@@ -615,7 +639,8 @@ def test_row_of_another_format_is_the_one_named(tmp_path):
     rows = [GOOD["prompt_completion"], GOOD["prompt_completion"], GOOD["messages"]]
     path = _write_jsonl(tmp_path / "mixed.jsonl", rows)
     with pytest.raises(DataFormatError, match=rf"{path} row 3: prompt_completion row is missing `prompt` "
-                                              r"\(keys: \['messages'\]\)"):
+                                              r"\(keys: \['messages'\]; columns named otherwise: "
+                                              r"data.column_map=\{<column>: prompt\}\)"):
         load_rows(_cfg(path), "train")
 
 
@@ -725,6 +750,10 @@ def test_save_to_disk_folder_is_read_with_its_splits(tmp_path):
     cfg = _cfg(str(tmp_path / "one"), val_split_fraction=0.25)
     train, val = load_rows(cfg, "train"), load_rows(cfg, "val")
     assert (len(train), len(val)) == (6, 2) and not set(map(str, train)) & set(map(str, val))
+    # Errors name the folder, not "hub:one" (which reads as a download).
+    with pytest.raises(InputError, match=rf"^{re.escape(str(tmp_path / 'one'))}\[train\]: data.column_map renames "
+                                         r"'nothere'"):
+        load_rows(_cfg(str(tmp_path / "one"), column_map={"nothere": "x"}), "train")
 
 
 def test_dataset_kwargs_no_dataset_reads_are_refused(tmp_path):

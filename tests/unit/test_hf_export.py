@@ -36,6 +36,12 @@ def test_the_exported_template_writes_the_bos_and_eos_the_data_put_around_it():
         assert render_prompt(exported, PROMPT, True) == prompt
         assert tokenize_messages(CONVERSATION, exported, add_bos=True, add_eos=True)["input_ids"] == row
         assert exported_chat_template(exported, bos=True, eos=eos) == exported.chat_template
+        # The EOS ends a conversation, not a prompt rendered without a generation prompt: a reward
+        # model environment reads conversations with add_generation_prompt=false by the prompt's
+        # render extending the conversation's, and failed every sample.
+        assert _rendered(exported, PROMPT)[-1] != trained.eos_token_id or template is None
+        assert tokenize_messages(CONVERSATION, exported, add_bos=True, add_eos=True,
+                                 add_generation_prompt=False)["input_ids"][-1] == trained.eos_token_id
 
 
 def test_the_exported_template_is_unchanged_where_nothing_is_put_around_it():

@@ -535,6 +535,37 @@ def test_a_cpu_run_of_a_gpu_monitoring_config_does_not_warn_about_nvidia_smi(tmp
     assert "nvidia-smi" not in caplog.text
 
 
+def test_a_resumed_runs_plots_cover_the_stopped_runs_steps_without_metrics_jsonl(tmp_path):
+    cfg = _cfg(jsonl_enabled=False, plots_enabled=True)
+    with Logger(cfg, tmp_path, hparams={}, fresh=True) as logger:
+        for step in range(1, 7):
+            logger.log_metrics({"loss": float(step)}, step)
+    with Logger(cfg, tmp_path, hparams={}, resumed_from=4) as logger:
+        logger.log_metrics({"loss": 105.0}, 5)
+        assert [(r["step"], r["loss"]) for r in logger._records] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0)]
+        assert [p.name for p in logger.plot()] == ["loss.png"]
+    assert not (tmp_path / "metrics.jsonl").exists()  # off, as configured
+
+
+def test_tensorboard_served_by_its_python_loader_shows_a_relogged_step_once(tmp_path):
+    # `tensorboard --load_fast=false` purges at a session start only, and took the first it read
+    # for the run's own: without one from the fresh run, the resumed run's purged nothing.
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    cfg = _cfg(tensorboard_enabled=True)
+    with Logger(cfg, tmp_path, hparams={}, fresh=True) as logger:
+        for step in range(1, 7):
+            logger.log_metrics({"loss": float(step)}, step)
+    with Logger(cfg, tmp_path, hparams={}, resumed_from=4) as logger:
+        for step in (5, 6, 7):
+            logger.log_metrics({"loss": 100.0 + step}, step)
+    served = plugin_event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    served.Reload()
+    assert [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in served.Tensors("train/loss")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0)]
+
+
 def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

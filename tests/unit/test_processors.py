@@ -182,9 +182,17 @@ def test_chat_template_override_and_eos(gpt2, shared_data):
     assert all(t.endswith("<|endoftext|>") and "Question" not in t for t in loss_texts)
 
 
-def test_load_tokenizer_applies_config_template(tiny_model_path):
-    t = load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}"))
+def test_load_tokenizer_applies_config_template(tiny_model_path, caplog, monkeypatch):
+    from posttrain.data import processors
+
+    monkeypatch.setattr(processors, "_TEMPLATE_REPLACED", set())  # another test's run warned already
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    with caplog.at_level(logging.WARNING):
+        t = load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=template), key="policy.model_name")
+        load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=template))
     assert t.apply_chat_template(CONVO[1:3], tokenize=False) == "1+1?|2|"
+    # The model's own template, replaced, is said once: an SFT export's, which the run no longer trains on.
+    assert caplog.text.count("policy.tokenizer.chat_template replaces the chat template of") == 1
 
 
 def test_gpt2_vocab_and_merges_folder_says_what_it_lacks(shared_data, tmp_path):
@@ -330,6 +338,36 @@ def test_preference_pairs_mask_responses_only(tok, shared_data):
     assert stats["rows"] == 20 and stats["truncated"] + stats["no_loss"] > 0
     assert stats["kept"] == len(pairs) == 20 - stats["no_loss"]
     assert all(len(ex["input_ids"]) <= 512 for pair in pairs for ex in pair)
+
+
+# An Alpaca-style plain-text template: "\n\n###" after a turn, which GPT-2's BPE cuts as "\n\n" "###"
+# when a turn's text ends there and as "\n" "\n###" inside one text.
+ALPACA_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n### Response:\n"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n\n{% else %}{{ m['content'] }}\n\n{% endif %}{% endfor %}"
+)
+
+
+def test_the_prompt_is_trained_as_the_tokens_the_model_is_sampled_on(gpt2, shared_data):
+    """The untrained turns before the first trained one are tokenized as `render_prompt` tokenizes
+    them for generation (DPO, KTO and RM read multi-turn prompts; SFT's first turn)."""
+    tok = _gpt2_bpe(shared_data, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.chat_template = ALPACA_TEMPLATE
+    cfg = DataConfig(dataset_name=f"{shared_data}/llamafactory_demo/dpo_en_demo.json", truncation="truncate")
+    rows = [r for r in load_rows(cfg, "train") if len(r["prompt_messages"]) >= 3][:10]
+    pairs, _ = process_preference_rows(rows, tok, cfg, max_len=100_000)
+    assert len(pairs) == 10
+    for row, (chosen, rejected) in zip(rows, pairs):
+        for ex in (chosen, rejected):
+            assert ex["input_ids"][: ex["loss_mask"].index(1)] == render_prompt(tok, row["prompt_messages"])
+    # Tokenized message by message, the same text is other tokens: what this test tells apart.
+    assert tok.encode("en\n\n") + tok.encode("### Instruction") != tok.encode("en\n\n### Instruction")
+    # Multi-turn SFT: the first prompt reads as sampled, the later turns follow the tokens before them.
+    convo = [{"role": "system", "content": "Be brief."}, *CONVO[1:]]
+    ex, = process_sft_rows([{"messages": convo}], tok, DataConfig(), max_len=1000)[0]
+    assert ex["input_ids"][: ex["loss_mask"].index(1)] == render_prompt(tok, convo[:2])
+    trained = tok.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    assert trained == "2\n\n4\n\n<|endoftext|>"
 
 
 def test_collate_contract(tok):

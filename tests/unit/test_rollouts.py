@@ -477,8 +477,9 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
     result = run_rollouts(gen, rows, {"t": Recording()}, tok, max_turns=2, max_seq_len=100, global_step=7, max_steps=9)
     first, second = (s[0] for s in seen)
-    assert first == {"completion_ids": tok.encode("12", add_special_tokens=False) + [tok.eos_token_id],
-                     "global_step": 7, "max_steps": 9, "last_turn": False}
+    answer = tok.encode("12", add_special_tokens=False) + [tok.eos_token_id]
+    assert first == {"completion_ids": answer, "global_step": 7, "max_steps": 9, "last_turn": False,
+                     "tokens_left": 100 - len(render_prompt(tok, rows[0]["messages"])) - len(answer)}
     # The second turn's ids run from the end of the prompt: the first answer, the observation, the second answer.
     (conv,) = result.conversations
     assert second["completion_ids"] == conv.tokens[conv.prompt_length:] and len(second["completion_ids"]) > 6
@@ -533,6 +534,57 @@ def test_an_answer_cut_at_the_token_limit_is_the_environments_last_turn(tok):
                           {"held": ScoresOnItsLastTurn()}, tok, max_turns=2, max_seq_len=200)
     (conv,) = result.conversations
     assert (conv.turns, conv.truncated, conv.reward) == (1, True, 0.5)
+
+
+def test_each_conversation_says_why_it_ended_and_environments_see_the_context_left(tok):
+    from posttrain.environments import PerSampleEnvironment, StepResult
+    from posttrain.environments.interfaces import ROLLOUT_KEY
+
+    seen = []
+
+    class Game(PerSampleEnvironment):  # ends at "stop"; otherwise a long observation
+        def step_one(self, messages, metadata):
+            seen.append(metadata[ROLLOUT_KEY]["tokens_left"])
+            done = messages[-1]["content"] == "stop"
+            return StepResult(observation="board " * metadata["obs_words"], reward=0.0, terminated=done,
+                              metadata=metadata)
+
+    def ended(reply, max_seq_len, obs_words=2, truncated=False):
+        rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "g", "metadata": {"obs_words": obs_words}}]
+        seen.clear()
+        conv, = run_rollouts(_EchoGeneration(tok, replies=[reply], truncated=truncated), rows, {"g": Game()}, tok,
+                             max_turns=3, max_seq_len=max_seq_len).conversations
+        return conv.stop_reason, conv.turns, conv.truncated
+
+    assert ended("stop", 200) == ("environment", 1, False)
+    assert ended("go on", 200) == ("max_turns", 3, False)
+    assert ended("go on", 200, truncated=True) == ("max_new_tokens", 1, True)
+    # The next observation does not fit: the environment was not told it was the last turn (it
+    # cannot be, before it answers), but it saw how much room was left.
+    reason, turns, truncated = ended("go on", 60, obs_words=30)
+    assert (reason, turns, truncated) == ("context", 1, True)
+    prompt = len(render_prompt(tok, [{"role": "user", "content": "go"}]))
+    assert seen == [60 - prompt - len(tok.encode("go on", add_special_tokens=False)) - 1]
+
+
+def test_an_answer_ended_with_eos_leaves_the_templates_closing_text_out_of_its_message():
+    # The model writes "{{ content }}\n\n" and EOS, as trained; kept in the message, the "\n\n" was
+    # written twice by every render of the conversation: a reward model scored text laid out
+    # unlike its training data.
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n\nA: "
+                         "{% else %}{{ m['content'] }}\n\n{% endif %}{% endfor %}")
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "task_name": "t"}]
+    for reply, eos, content in (("Hi there.\n\n", True, "Hi there."), ("Hi there.\n\n", False, "Hi there.\n\n"),
+                                ("Hi there.", True, "Hi there.")):
+        conv, = run_rollouts(_EchoGeneration(tok, replies=[reply], eos=eos), rows, {"t": _OneMoreTurnEnv(1)}, tok,
+                             max_turns=1, max_seq_len=200).conversations
+        assert conv.messages[-1] == {"role": "assistant", "content": content}  # a stop string's cut: as written
+        assert tok.decode(conv.tokens[conv.prompt_length:], skip_special_tokens=True) == reply  # trained as generated
+    # The embedded template's turn ends with its EOS itself: nothing to leave out.
+    conv, = run_rollouts(_EchoGeneration(build_tokenizer(), replies=["4\n"]), rows, {"t": _OneMoreTurnEnv(1)},
+                         build_tokenizer(), max_turns=1, max_seq_len=200).conversations
+    assert conv.messages[-1]["content"] == "4\n"
 
 
 def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_others(tok):
