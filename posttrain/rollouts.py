@@ -199,6 +199,22 @@ def _as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _CONTENT_SENTINEL = "\u2063posttrain-content\u2063"
 
 
+def _closing(tokenizer, before: list[dict[str, str]], tools: list[dict] | None) -> str | None:
+    """What the chat template writes after the content of `before`'s last (assistant) message,
+    found with a stand-in for the content; None for a template that rewrites the content."""
+    stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": _CONTENT_SENTINEL}],
+                           add_generation_prompt=False, tools=tools)
+    at = stand_in.rfind(_CONTENT_SENTINEL)
+    return None if at < 0 else stand_in[at + len(_CONTENT_SENTINEL):]
+
+
+def _special_text(tokenizer, token: int) -> str | None:
+    """The text of `token` when it is a special token (EOS) that a decode skips; None for one of text."""
+    if tokenizer.decode([token], skip_special_tokens=True) != "":
+        return None
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
 def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tools: list[dict] | None) -> str:
     """What the chat template writes after the content of `before`'s last (assistant) message
     and the model has not generated: all of it after a stop string, the rest of it after the
@@ -207,18 +223,14 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
         return ""
     # Without the turn's `tool_calls`: a template that writes them after the content (Qwen2.5's)
     # would put a second copy of calls the model already wrote into the closing.
-    stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": _CONTENT_SENTINEL}],
-                           add_generation_prompt=False, tools=tools)
-    at = stand_in.rfind(_CONTENT_SENTINEL)
-    if at < 0:  # a template that rewrites the content: keep what was generated as it is
+    closing = _closing(tokenizer, before, tools)
+    if closing is None:  # a template that rewrites the content: keep what was generated as it is
         return ""
-    closing = stand_in[at + len(_CONTENT_SENTINEL):]
-    if tokenizer.decode([last_token], skip_special_tokens=True) == "":
-        written = tokenizer.decode([last_token], skip_special_tokens=False)
-        if written and written in closing:
-            # The special token that ended the turn is in the tokens already, and what the template
-            # writes before it (Llama 2's space in " </s>") the model did not: the rest follows it.
-            closing = closing[closing.index(written) + len(written):]
+    written = _special_text(tokenizer, last_token)
+    if written and written in closing:
+        # The special token that ended the turn is in the tokens already, and what the template
+        # writes before it (Llama 2's space in " </s>") the model did not: the rest follows it.
+        closing = closing[closing.index(written) + len(written):]
     return closing
 
 
@@ -229,15 +241,15 @@ def _written_before_end(tokenizer, end_token: int) -> str:
     trained to write it ("\n\n" of a template whose turns end "{{ content }}\n\n", EOS after it).
     It is no part of the message: rendered again (a reward model's template, the logs' conversation)
     the template writes it a second time. "" for a token that is text, or no such text."""
-    if tokenizer.decode([end_token], skip_special_tokens=True) != "":
+    written = _special_text(tokenizer, end_token)
+    if written is None:
         return ""
     try:
-        probe = render_chat(tokenizer, [{"role": "user", "content": "x"},
-                                        {"role": "assistant", "content": _CONTENT_SENTINEL}], add_generation_prompt=False)
+        closing = _closing(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}], None)
     except Exception:  # noqa: BLE001 - a template that wants more than this: the text stays as generated
         return ""
-    closing = probe[probe.rfind(_CONTENT_SENTINEL) + len(_CONTENT_SENTINEL):] if _CONTENT_SENTINEL in probe else ""
-    written = tokenizer.decode([end_token], skip_special_tokens=False)
+    if closing is None:
+        return ""
     # The token in the template (ChatML's <|im_end|>): the text before it; else (EOS added after the
     # template's text in training) the whole closing.
     return closing[: closing.index(written)] if written and written in closing else closing

@@ -278,8 +278,8 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
     # render them with, the rendering starts at the first user message (a leading system message
     # alone is a conversation templates may refuse: `first_user_message`).
     first_user = first_user_message(messages) or 0
-    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_start]
-    lead = trained[0] if trained and add_generation_prompt else first_user
+    first_trained = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_start), None)
+    lead = first_trained if first_trained is not None and add_generation_prompt else first_user
     ahead = ""  # the text of the messages before `lead`, rendered for their `starts` only
     for i, msg in enumerate(messages):
         starts.append(len(rendered or ahead))
@@ -309,8 +309,10 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
                 _extend(ids, mask, tokenizer, prompt[len(rendered):], 0)
                 rendered = prompt
         if trains and i and not ids and prompt is None:
-            # The messages left for the generation prompt to render, which does not lead to this turn.
-            before = render_chat(tokenizer, messages[:i], add_generation_prompt=False, tools=tools)
+            # The messages left for the generation prompt to render, which does not lead to this turn
+            # (`ahead` holds them once rendering has started, at the first user message).
+            before = ahead if i > first_user else render_chat(tokenizer, messages[:i], add_generation_prompt=False,
+                                                              tools=tools)
             if full.startswith(before):
                 _extend(ids, mask, tokenizer, before, 0)
                 rendered = before
