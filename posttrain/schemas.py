@@ -16,9 +16,11 @@ import importlib.util
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from posttrain.config import YAML_BOOLEANS, format_errors
+from posttrain.runtime import auto_precision
 
 
 # The compute dtypes a model (policy, generation engine) can run in.
@@ -466,9 +468,13 @@ class PolicyConfig(Section):
     # Longest prompt + response in tokens; longer training rows are an error, rollouts stop there.
     max_total_sequence_length: int = Field(512, ge=2)
     # Compute dtype; master weights, gradients and optimizer states stay float32. bfloat16 is
-    # 2-3x faster per training step than float32 on CPU (AMX) even for the 1M model, and the
-    # usual choice on GPUs (benchmarks/results/train_throughput.md).
-    precision: Precision = "bfloat16"
+    # 2-3x faster per training step than float32 on a CPU with native bf16 (AMX) even for the 1M
+    # model, and the usual choice on GPUs (benchmarks/results/train_throughput.md); a CPU without
+    # it (AVX2 only) emulates bf16 ~75x slower than float32. "auto", decided when the config is
+    # read: bfloat16 where the policy runs on GPUs (cluster.gpus_per_node > 0, or a CUDA device
+    # here) that have it, and on a CPU whose bf16 matmuls are at least 2x float32's (measured);
+    # float32 otherwise. config.yaml of the run records the choice.
+    precision: Literal[Precision, "auto"] = "auto"
     # Positions per chunk of the float32 log-softmax over the vocabulary when computing token
     # logprobs (bounds memory: positions x vocab); null: all positions at once.
     logprob_chunk_size: int | None = Field(None, ge=1)
@@ -533,6 +539,8 @@ class PolicyConfig(Section):
     # logits and activations, the full copy it loads; on GPUs, its own GPU's and the host's) is more
     # than this fraction of the memory available; 1 = all of it (see docs/architecture.md).
     max_memory_fraction: float = Field(0.8, gt=0, le=1)
+    # Whether `precision` was "auto" (resolved by _precision_for_the_hardware).
+    _auto_precision: bool = PrivateAttr(False)
 
     @field_validator("scheduler")
     @classmethod
@@ -551,6 +559,13 @@ class PolicyConfig(Section):
             raise ValueError(f"{named} schedulers: add an entry `milestones` with {named - 1} step(s) at which to "
                              f"switch (got {milestones[0] if milestones else None})")
         return entries
+
+    @model_validator(mode="after")
+    def _precision_for_the_hardware(self) -> "PolicyConfig":
+        if self.precision == "auto":
+            self.precision = auto_precision(self.device)
+            self._auto_precision = True  # a run on cluster GPUs overrides it (_MasterBase)
+        return self
 
     @property
     def tokenizer_name(self) -> str:
@@ -1641,6 +1656,13 @@ class _MasterBase(Section):
     def uses_gpus(self) -> bool:
         """Whether any worker of the run takes a GPU (the policy workers', cluster.gpus_per_node)."""
         return self.cluster.gpus_per_node > 0
+
+    @model_validator(mode="after")
+    def _auto_precision_on_gpus(self) -> "_MasterBase":
+        # The driver may see no GPU of its own while the workers take the cluster's.
+        if self.policy._auto_precision and self.uses_gpus():
+            self.policy.precision = auto_precision("cuda")
+        return self
 
     @model_validator(mode="after")
     def _no_gpu_monitoring_without_gpus(self) -> "_MasterBase":

@@ -45,8 +45,7 @@ def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokeni
     from transformers import AutoTokenizer
 
     from posttrain.embedded import resolve_model_path
-    from posttrain.generation.torch_engine import DTYPES
-    from posttrain.policy.hf_io import load_pretrained
+    from posttrain.policy.hf_io import DTYPES, load_pretrained
 
     path = resolve_model_path(model_path)
     kernel = {} if attn_implementation is None else {"attn_implementation": attn_implementation}

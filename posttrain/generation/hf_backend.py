@@ -31,7 +31,8 @@ from posttrain.generation.interfaces import (
 )
 from posttrain.generation.sampling import (GlobalRngSeeds, SamplingSettings, StopChecker, non_finite_error,
                                            sampling_logprobs, seen_tokens)
-from posttrain.generation.torch_engine import DTYPES, stop_token_ids
+from posttrain.generation.torch_engine import stop_token_ids
+from posttrain.policy.hf_io import DTYPES
 
 
 class HFGeneration:

@@ -38,6 +38,7 @@ from posttrain.generation.interfaces import (
 )
 from posttrain.generation.sampling import SamplingSettings, StopChecker, sample, seen_tokens, version_seed
 from posttrain.policy.blockwise_attention import base_implementation, sliding_window
+from posttrain.policy.hf_io import DTYPES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -57,9 +58,6 @@ _CACHE_ROUND = 16
 # When no prompt is waiting and at most this fraction of slots is still running, the cache
 # is compacted to the running slots so the tail does not pay for finished ones.
 _COMPACT_FRACTION = 0.5
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class UnsupportedModelError(ConfigError, NotImplementedError):
     """The torch engine cannot run this architecture: a choice of policy.generation.backend, so the

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The torch dtype of each `Precision` (schemas.py).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Bytes of training state per parameter, in units of the master-weight size: fp32 weights,

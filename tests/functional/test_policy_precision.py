@@ -1,6 +1,6 @@
-"""bfloat16 compute (the default precision) on real Ray workers: one worker computes in its
-`LowPrecisionTwin`, two workers under FSDP2's MixedPrecisionPolicy, and both must be the same
-training. Tolerances: bf16 logprobs 0.1 absolute against a float32 forward (8 mantissa bits);
+"""bfloat16 compute (policy.precision=auto on GPUs and AMX CPUs) on real Ray workers: one worker
+computes in its `LowPrecisionTwin`, two workers under FSDP2's MixedPrecisionPolicy, and both must
+be the same training. Tolerances: bf16 logprobs 0.1 absolute against a float32 forward (8 mantissa bits);
 twin vs FSDP2 after one SGD step (lr 0.5): loss and grad norm 1e-3 relative, parameters 1e-3
 absolute = two bf16 ulps of a ~0.25 gradient times the lr (the embedding's gradient sums many
 bf16 terms, whose rounding depends on the micro-batch shapes: one ulp, 4.9e-4, was seen); the

@@ -442,6 +442,28 @@ def test_a_generation_engine_precision_that_is_no_dtype_fails_at_load():
     assert cfg.policy.generation.vllm_cfg.precision is None
 
 
+def test_auto_precision_is_decided_when_the_config_is_read_and_recorded(monkeypatch):
+    # The default. bfloat16 everywhere made a CPU without native bf16 (AVX2 only), which emulates
+    # it ~75x slower than float32, miss the quickstart's 9 minutes in its warm-up.
+    from posttrain import runtime
+
+    monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda: 0.02)
+    cfg = load_config("grpo", None, [])
+    assert cfg.policy.precision == "float32"
+    assert "precision: float32" in to_yaml(cfg.model_dump(mode="json"))  # config.yaml says what ran
+    # Cluster GPUs: bfloat16 even when the driver computes nothing and sees no GPU; a set dtype stays.
+    assert load_config("grpo", None, ["cluster.gpus_per_node=1"]).policy.precision == "bfloat16"
+    assert load_config("grpo", None, ["cluster.gpus_per_node=1", "policy.precision=auto"]).policy.precision == \
+        "bfloat16"
+    assert load_config("grpo", None, ["cluster.gpus_per_node=1", "policy.precision=float32"]).policy.precision == \
+        "float32"
+    assert load_config("sft", None, ["policy.precision=bfloat16"]).policy.precision == "bfloat16"
+    monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda: 5.0)  # native bf16 (AMX): ~4-6x
+    assert load_config("sft", None, []).policy.precision == "bfloat16"
+    monkeypatch.setattr(runtime, "cpu_bf16_speedup", lambda: 1.5)  # not worth the twin's copies
+    assert load_config("eval", None, []).policy.precision == "float32"
+
+
 def test_a_negative_stop_token_id_fails_at_load():
     # No token has it: the torch engine never stopped on it, and HF generate then ignored every
     # EOS id ("should consist of positive integers"), running each batch to max_new_tokens.

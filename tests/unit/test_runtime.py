@@ -1,5 +1,6 @@
 """`posttrain.runtime`: process settings of the long-lived processes."""
 
+import contextlib
 import gc
 import re
 import signal
@@ -7,8 +8,9 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from pathlib import Path
 
-from posttrain.runtime import freeze_setup_objects
+from posttrain.runtime import _CPU_BF16_MIN_SPEEDUP, cpu_bf16_speedup, freeze_setup_objects
 
 
 class _Node:
@@ -122,3 +124,17 @@ def test_single_threaded_driver_restores_the_threads_even_after_an_error():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_bf16_speedup_tells_native_bf16_from_emulated():
+    # What policy.precision=auto decides by: AMX runs bf16 matmuls ~4-6x faster than float32; an
+    # x86 CPU with neither AMX nor AVX512-BF16 emulates them, ~75x slower on AVX2.
+    flags = set()
+    with contextlib.suppress(OSError):
+        flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    speedup = cpu_bf16_speedup()
+    assert speedup > 0
+    if "amx_bf16" in flags:
+        assert speedup >= _CPU_BF16_MIN_SPEEDUP
+    elif "avx2" in flags and "avx512_bf16" not in flags:
+        assert speedup < 1
