@@ -12,12 +12,12 @@ second, before torch, transformers or Ray are imported.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from posttrain.config import YAML_BOOLEANS, format_errors
 from posttrain.runtime import auto_precision
@@ -25,6 +25,8 @@ from posttrain.runtime import auto_precision
 
 # The compute dtypes a model (policy, generation engine) can run in.
 Precision = Literal["float32", "bfloat16", "float16"]
+# True while a run's config (_MasterBase) validates: it decides its policy's precision "auto".
+_RUN_CONFIG_DECIDES_PRECISION: contextvars.ContextVar[bool] = contextvars.ContextVar("run_config", default=False)
 
 
 class Section(BaseModel):
@@ -539,8 +541,6 @@ class PolicyConfig(Section):
     # logits and activations, the full copy it loads; on GPUs, its own GPU's and the host's) is more
     # than this fraction of the memory available; 1 = all of it (see docs/architecture.md).
     max_memory_fraction: float = Field(0.8, gt=0, le=1)
-    # Whether `precision` was "auto" (resolved by _precision_for_the_hardware).
-    _auto_precision: bool = PrivateAttr(False)
 
     @field_validator("scheduler")
     @classmethod
@@ -559,13 +559,6 @@ class PolicyConfig(Section):
             raise ValueError(f"{named} schedulers: add an entry `milestones` with {named - 1} step(s) at which to "
                              f"switch (got {milestones[0] if milestones else None})")
         return entries
-
-    @model_validator(mode="after")
-    def _precision_for_the_hardware(self) -> "PolicyConfig":
-        if self.precision == "auto":
-            self.precision = auto_precision(self.device)
-            self._auto_precision = True  # a run on cluster GPUs overrides it (_MasterBase)
-        return self
 
     @property
     def tokenizer_name(self) -> str:
@@ -625,6 +618,13 @@ class PolicyConfig(Section):
         if d.tensor_parallel_size > 1 and any(apart.values()):
             raise ValueError("policy.dtensor_cfg.tensor_parallel_size > 1 does not combine with "
                              + next(key for key, on in apart.items() if on))
+        return self
+
+    @model_validator(mode="after")
+    def _precision_for_the_hardware(self) -> "PolicyConfig":
+        # Last, after every check passed. Inside a run's config, _MasterBase decides instead.
+        if self.precision == "auto" and not _RUN_CONFIG_DECIDES_PRECISION.get():
+            self.precision = auto_precision(self.device)
         return self
 
 
@@ -1657,12 +1657,20 @@ class _MasterBase(Section):
         """Whether any worker of the run takes a GPU (the policy workers', cluster.gpus_per_node)."""
         return self.cluster.gpus_per_node > 0
 
-    @model_validator(mode="after")
-    def _auto_precision_on_gpus(self) -> "_MasterBase":
-        # The driver may see no GPU of its own while the workers take the cluster's.
-        if self.policy._auto_precision and self.uses_gpus():
-            self.policy.precision = auto_precision("cuda")
-        return self
+    @model_validator(mode="wrap")
+    @classmethod
+    def _auto_precision(cls, data: Any, handler: Any) -> "_MasterBase":
+        # Decided once the whole config is valid, so that a typo anywhere fails before torch is
+        # imported (to measure), and with the cluster known: a driver without a GPU of its own
+        # drives workers on the cluster's.
+        token = _RUN_CONFIG_DECIDES_PRECISION.set(True)
+        try:
+            cfg = handler(data)
+        finally:
+            _RUN_CONFIG_DECIDES_PRECISION.reset(token)
+        if cfg.policy.precision == "auto":
+            cfg.policy.precision = auto_precision("cuda" if cfg.uses_gpus() else cfg.policy.device)
+        return cfg
 
     @model_validator(mode="after")
     def _no_gpu_monitoring_without_gpus(self) -> "_MasterBase":
