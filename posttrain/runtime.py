@@ -8,9 +8,10 @@ import ctypes
 import functools
 import gc
 import os
+import re
 import signal
 import sys
-import time
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # mallopt(3) parameters, <malloc.h>.
@@ -104,43 +105,38 @@ def resolve_device(name: str):
     return torch.device("cpu")
 
 
-# `policy.precision: auto` takes bfloat16 on a CPU when its bf16 matmuls are at least this many
-# times as fast as float32's. With native bf16 (AMX) they were ~4-6x, and a GRPO step of the
-# quickstart 1.4x faster (0.22 vs 0.31 s); without it (AVX2 only, no AVX512-BF16 or AMX) torch
-# emulates bf16 at ~1/75 of float32's speed (1.35 vs 100 GFLOP/s), and the quickstart's warm-up
-# did not finish in its 9 minutes.
-_CPU_BF16_MIN_SPEEDUP = 2.0
+# The x86 CPU flags (Linux /proc/cpuinfo) of native bf16 matmuls, which `policy.precision: auto`
+# takes bfloat16 for. Measured (2 threads, benchmarks/results/train_throughput.md): with them bf16
+# matmuls ran 4-6x as fast as float32 (a GRPO step of the quickstart 0.22 vs 0.31 s on AMX);
+# without (AVX2 only) torch emulates bf16 at ~1/75 of float32's speed (1.35 vs 100 GFLOP/s), and
+# the quickstart's warm-up did not end in its 9 minutes.
+_NATIVE_BF16_FLAGS = {"amx_bf16", "avx512_bf16"}
 
 
 def auto_precision(device: str) -> str:
-    """The compute dtype `policy.precision: auto` stands for where `policy.device` points from
-    this process: bfloat16 on a CUDA GPU that has it (Ampere and later), float32 on older ones;
-    on the CPU bfloat16 only where its matmuls are fast (`cpu_bf16_speedup`), else float32."""
-    import torch
-
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        # A driver without a GPU of its own (policy.device=cuda, the GPUs on other nodes) cannot ask.
-        return "bfloat16" if not torch.cuda.is_available() or torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if cpu_bf16_speedup() >= _CPU_BF16_MIN_SPEEDUP else "float32"
+    """The compute dtype `policy.precision: auto` stands for when the policy runs on `device`
+    ("auto", "cpu" or "cuda"; what the driver decides for the workers): bfloat16 on CUDA GPUs
+    (Ampere and later have it) and on CPUs with native bf16 (`cpu_has_native_bf16`), float32 on
+    other CPUs. "auto" counts as the CPU: deciding it would import torch (below)."""
+    return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_bf16_speedup(n: int = 256, repeats: int = 3) -> float:
-    """How many times faster a bfloat16 n x n matmul is than a float32 one on this CPU (best of
-    `repeats` each, after one to warm up): ~0.1 s once per process on a CPU without native bf16."""
-    import torch
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matmul instructions (AMX-BF16 or AVX512-BF16); False where
+    /proc/cpuinfo does not say (not Linux, not x86).
 
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.matmul(a, b)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.matmul(a, b)
-            times.append(time.perf_counter() - start)
-        best[dtype] = min(times)
-    return best[torch.float32] / best[torch.bfloat16]
+    Read from the flags rather than measured with torch: the config is validated in the
+    `posttrain` command's process before it forks the job, and a torch matmul there started
+    OpenMP threads. Killing the command then sent the job its parent-death SIGTERM once per
+    thread that exited, so the job's second signal stopped it at once without its checkpoint;
+    and OpenMP is not fork-safe."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    found = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return found is not None and not _NATIVE_BF16_FLAGS.isdisjoint(found.group(1).split())
 
 
 def supervise_in_own_session() -> None:

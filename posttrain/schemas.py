@@ -473,9 +473,10 @@ class PolicyConfig(Section):
     # 2-3x faster per training step than float32 on a CPU with native bf16 (AMX) even for the 1M
     # model, and the usual choice on GPUs (benchmarks/results/train_throughput.md); a CPU without
     # it (AVX2 only) emulates bf16 ~75x slower than float32. "auto", decided when the config is
-    # read: bfloat16 where the policy runs on GPUs (cluster.gpus_per_node > 0, or a CUDA device
-    # here) that have it, and on a CPU whose bf16 matmuls are at least 2x float32's (measured);
-    # float32 otherwise. config.yaml of the run records the choice.
+    # read: bfloat16 where the policy runs on GPUs (cluster.gpus_per_node > 0, or policy.device=
+    # cuda) and on CPUs with AMX-BF16 or AVX512-BF16 (Linux's /proc/cpuinfo flags), float32
+    # otherwise (GPUs before Ampere have no bf16: set float32 there). config.yaml of the run
+    # records the choice.
     precision: Literal[Precision, "auto"] = "auto"
     # Positions per chunk of the float32 log-softmax over the vocabulary when computing token
     # logprobs (bounds memory: positions x vocab); null: all positions at once.
@@ -1660,9 +1661,7 @@ class _MasterBase(Section):
     @model_validator(mode="wrap")
     @classmethod
     def _auto_precision(cls, data: Any, handler: Any) -> "_MasterBase":
-        # Decided once the whole config is valid, so that a typo anywhere fails before torch is
-        # imported (to measure), and with the cluster known: a driver without a GPU of its own
-        # drives workers on the cluster's.
+        # Decided here, where the cluster is known: the workers may take GPUs the driver does not see.
         token = _RUN_CONFIG_DECIDES_PRECISION.set(True)
         try:
             cfg = handler(data)

@@ -378,7 +378,8 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
                  "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
                  "data.task_name=flaky", f"env.flaky.target={rewards}:flaky", "env.flaky.max_failed_steps=1")
     with pytest.raises(EnvironmentFailure, match=r"^environment 'flaky': every sample failed in 1 steps in a row "
-                                                 r"\(env.flaky.max_failed_steps=1\); the last error: .*ConnectionError: "
+                                                 r"\(env.flaky.max_failed_steps=1\); the last error: reward function 'flaky' of "
+                                                 r"environment 'flaky' raised ConnectionError at rewards.py:5 in flaky: "
                                                  r"reward service down"):
         run(load_config("grpo", QUICKSTART, args))
     # The two complete steps were saved (the first periodic save would have been step 10).

@@ -17,6 +17,9 @@ def tiny_overrides(tmp_path, *extra):
         "grpo.num_prompts_per_step=4",
         "grpo.num_generations_per_prompt=4",
         "grpo.warmup_sft_steps=2",
+        # A few steps of 4 prompts need few rows: the quickstart's 20,000 took ~7 s of every run to
+        # render and tokenize (prompts, then warm-up examples) on a slow 2-core VM.
+        "data.num_train=256",
         "grpo.max_val_samples=8",
         "grpo.val_batch_size=8",
         "grpo.val_period=2",
