@@ -66,6 +66,7 @@ def test_compiled_layers_compute_what_eager_ones_do(make_worker):
     assert _graphs() == graphs  # no recompile: the graphs take symbolic shapes
 
 
+@pytest.mark.extended  # compiled layers: test_compiled_layers_compute_what_eager_ones_do; FSDP2: test_policy.py
 def test_fsdp2_workers_take_the_plain_models_step_compiled(ray_session, tiny_model_path):
     from posttrain.distributed.cluster import RayVirtualCluster
     from posttrain.policy.lm_policy import Policy
