@@ -20,17 +20,15 @@ python="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
-# --no-compile: no .pyc for the thousands of modules never imported (mlflow's, wandb's, ...); Python
-# writes those it imports at their first import. The set-up took 151 instead of 270 s on a 2-core VM.
 pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${POSTTRAIN_TORCH:-torch==2.13.0}"
-  "${pip[@]}" install --no-compile "${POSTTRAIN_TORCH:-torch==2.13.0}" numpy 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${pip[@]}" install "${POSTTRAIN_TORCH:-torch==2.13.0}" numpy 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
 echo "torch==${torch_version}" > .venv/torch-constraint.txt
 
 echo "[setup] installing posttrain${extras} (torch kept at ${torch_version})"
-"${pip[@]}" install --no-compile -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+"${pip[@]}" install -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
 .venv/bin/python -c "import posttrain, torch; print(f'[setup] posttrain {posttrain.__version__} ready, torch {torch.__version__}')"

@@ -489,6 +489,7 @@ def test_failed_setup_stops_what_it_started(ray_session, tiny_model_path, tmp_pa
     assert alive == [], alive
 
 
+@pytest.mark.extended  # the sync itself: tests/functional/test_reference_sync.py
 def test_reference_sync_moves_the_kl_reference_to_the_policy_every_step(ray_session, tmp_path):
     # ProRL's reference reset (policy.reference_sync with mixup_alpha 1, every step): each step's KL
     # is measured before its one optimizer step, against a reference that the previous step's end

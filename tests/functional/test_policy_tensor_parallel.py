@@ -170,6 +170,7 @@ def test_sequence_parallel_trains_every_norm_of_the_layer(tmp_path, tiny_model_p
             torch.testing.assert_close(torch.tensor(v), expected[k], atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
+@pytest.mark.extended  # a tensor-parallel checkpoint and export: test_grpo.py::test_tensor_parallel_grpo
 def test_a_checkpoint_resumes_under_another_tensor_parallel_size(ray_session, tmp_path):
     # Before the module's 2-worker fixture starts (3 of the test cluster's 4 CPUs here). AdamW,
     # so the step after a resume depends on the moments resharded along with the weights. The

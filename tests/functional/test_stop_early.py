@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from stop_helpers import ROOT, grpo_command, ray_tmpdir, signal_when  # noqa: F401 (a fixture)
 
 from posttrain.algorithms import sft
@@ -61,6 +62,8 @@ def test_sft_honours_the_job_time_limit(ray_session, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
 
 
+# The check itself: test_grpo.py::test_a_warm_up_that_would_end_after_the_time_limit_stops_naming_it
+@pytest.mark.extended
 def test_a_warm_up_past_the_time_limit_stops_the_run_with_its_message(tmp_path, ray_tmpdir):
     # The warm-up saves nothing and did not look at the limit: a run whose limit passed inside it
     # saved its first checkpoint long after (a scheduler's kill there lost all of it).
