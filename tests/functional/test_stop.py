@@ -14,9 +14,11 @@ from stop_helpers import ROOT, grpo_command, ray_tmpdir, signal_when, train_step
 from posttrain.logging.jsonl import read_metrics
 
 
-# SIGINT-group is extended: the same handler as SIGTERM-group, with one more resume (~100 s).
+# Extended: SIGINT-group (the same handler as SIGTERM-group, with one more resume, ~100 s) and
+# SIGTERM-driver (the command forwards it as it does for SIGKILL-supervisor's job, ~50 s).
 @pytest.mark.parametrize("sig,to_group", [pytest.param(signal.SIGINT, True, marks=pytest.mark.extended),
-                                          (signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGKILL, False)],
+                                          pytest.param(signal.SIGTERM, False, marks=pytest.mark.extended),
+                                          (signal.SIGTERM, True), (signal.SIGKILL, False)],
                          ids=["SIGINT-group", "SIGTERM-driver", "SIGTERM-group", "SIGKILL-supervisor"])
 def test_a_stop_signal_saves_after_the_step_and_the_run_resumes_there(tmp_path, ray_tmpdir, sig, to_group):
     env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}  # console lines unwrapped
