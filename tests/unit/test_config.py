@@ -719,8 +719,9 @@ def test_to_yaml_roundtrip(tmp_path):
     assert load_config("sft", _write(tmp_path / "unicode.yaml", to_yaml(cfg))) == cfg
 
 
-@pytest.mark.parametrize("typo", ["policy.max_grad_nrom=1", "grpo.max_num_stepz=1"])
-def test_typo_fails_fast_without_heavy_imports(typo):
+@pytest.mark.parametrize("typo, meant", [("policy.max_grad_nrom=1", "policy.max_grad_norm"),
+                                         ("grpo.max_num_stepz=1", "grpo.max_num_steps")])
+def test_typo_fails_fast_without_heavy_imports(typo, meant):
     # The CLI validates before torch/transformers/ray are imported (also policy.precision=auto).
     code = (
         "import sys\n"
@@ -732,7 +733,7 @@ def test_typo_fails_fast_without_heavy_imports(typo):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "2 []", out.stdout + out.stderr
-    assert "did you mean " in out.stderr
+    assert f"did you mean {meant}?" in out.stderr
 
 
 def test_config_docs_up_to_date():
