@@ -31,4 +31,8 @@ echo "torch==${torch_version}" > .venv/torch-constraint.txt
 
 echo "[setup] installing posttrain${extras} (torch kept at ${torch_version})"
 "${pip[@]}" install -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+# posttrain's own modules compiled once: pip compiles what it installs but not an editable
+# source tree, and where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines) every
+# process (each Ray worker, each test) would compile them again at import, ~0.8 s each.
+.venv/bin/python -m compileall -q posttrain
 .venv/bin/python -c "import posttrain, torch; print(f'[setup] posttrain {posttrain.__version__} ready, torch {torch.__version__}')"

@@ -169,6 +169,9 @@ class Logger:
         # What every start logs (the data counts at step 0) a resumed run logs again: the stopped
         # run's records at those steps stand, so that each step is in every backend once.
         self._kept = set() if resumed_from is None else {(r.get("prefix"), r.get("step")) for r in self._records}
+        # The plots last drawn and how many records they show: the end of a run right after its
+        # last checkpoint's plots has nothing new to draw (~1 s of matplotlib per call).
+        self._drawn: tuple[int, list[Path]] = (-1, [])
         self.nonfinite_counts: dict[str, int] = {}
         # Called with (logged scalars, prefix) after each log_metrics (a check of a config key
         # that names metrics, such as checkpointing.metric_name).
@@ -316,8 +319,13 @@ class Logger:
             return []
         from posttrain.logging.plots import plot_history
 
+        drawn, paths = self._drawn
+        if drawn == len(self._records) and all(p.exists() for p in paths):
+            return paths
         try:
-            return plot_history(self._records, self.run_dir / "plots", _OWN_STEP_AXES)
+            paths = plot_history(self._records, self.run_dir / "plots", _OWN_STEP_AXES)
+            self._drawn = (len(self._records), paths)
+            return paths
         except OSError as e:
             _log.warning("the plots could not be written to %s: %s", self.run_dir / "plots", e)
             return []

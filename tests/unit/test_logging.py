@@ -468,6 +468,26 @@ def test_plots_are_pngs_and_survive_resume(tmp_path):
     assert not list((tmp_path / "plots").glob("*.tmp.png"))
 
 
+def test_plots_are_redrawn_only_when_there_is_something_new(tmp_path, monkeypatch):
+    # A run's end right after its last checkpoint plotted the same records twice (~1 s each).
+    import posttrain.logging.plots as plots
+
+    calls = []
+    draw = plots.plot_history
+    monkeypatch.setattr(plots, "plot_history", lambda *a, **k: calls.append(len(a[0])) or draw(*a, **k))
+    logger = Logger(_cfg(jsonl_enabled=True, plots_enabled=True), tmp_path)
+    logger.log_metrics({"loss": 1.0}, 1)
+    first = logger.plot()
+    assert logger.plot() == first and calls == [1]
+    logger.log_metrics({"loss": 0.5}, 2)
+    logger.plot()
+    assert calls == [1, 2]
+    (tmp_path / "plots" / "loss.png").unlink()  # a plot gone from the folder is drawn again
+    assert (tmp_path / "plots" / "loss.png") in logger.plot() and calls == [1, 2, 2]
+    logger.close()
+    assert (tmp_path / "plots" / "loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_a_run_that_fails_gets_its_plots_when_its_logger_closes(tmp_path):
     # The loops draw the plots at their end (and GRPO at each checkpoint): a crash mid-run left
     # a run with metrics.jsonl and no picture.
