@@ -22,8 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 from posttrain.config import ConfigError, InputError, MissingInputError, load_yaml_with_defaults
-from posttrain.policy.hf_io import (check_replaceable, config_for_kind, load_generation_config, load_hf_config,
-                                   model_class, save_hf)
+from posttrain.convert.output import check_replaceable
+from posttrain.policy.hf_io import config_for_kind, load_generation_config, load_hf_config, model_class, save_hf
 from posttrain.schemas import LoraConfig, PolicyConfig
 
 log = logging.getLogger(__name__)

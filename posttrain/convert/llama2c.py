@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from posttrain.config import InputError, MissingInputError
+from posttrain.convert.output import check_replaceable, writing_folder
 
 HEADER_INTS = 7
 # llama2.c's export.py --version 1 / 2 (fp32 / int8) files start with uint32 0x616b3432 ("ak42").
@@ -241,11 +242,6 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     existing `out_dir` is replaced when it is empty or a model folder, one with a config.json,
     and refused otherwise). Returns the folder path.
     """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    from posttrain.policy.hf_io import check_replaceable, writing_folder
-
     tok_path = Path(tokenizer_model_path)
     if not tok_path.is_file():
         raise MissingInputError(f"sentencepiece tokenizer model not found: {tok_path}")
@@ -253,6 +249,10 @@ def convert(bin_path: str | os.PathLike, tokenizer_model_path: str | os.PathLike
     check_replaceable(out, {"--model": bin_path, "--tokenizer": tok_path})
     hdr, arrays = read_llama2c(bin_path)
     sp = _read_sentencepiece(tok_path, hdr.vocab_size)
+    # Imported once the inputs are read: a wrong one fails before their ~7 s.
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
     with writing_folder(out) as tmp:
         config = LlamaConfig(
             vocab_size=hdr.vocab_size,

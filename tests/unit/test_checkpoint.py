@@ -601,7 +601,7 @@ def test_replacing_a_model_folder_keeps_the_new_model_when_the_old_cannot_be_del
     # written, was deleted too.
     import shutil
 
-    from posttrain.policy import hf_io
+    from posttrain.convert import output
 
     real_rmtree = shutil.rmtree
 
@@ -614,16 +614,16 @@ def test_replacing_a_model_folder_keeps_the_new_model_when_the_old_cannot_be_del
         if not ignore_errors:
             raise PermissionError(f"{path}/locked")
 
-    monkeypatch.setattr(hf_io.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree)
     out = tmp_path / "hf"
     out.mkdir()
     (out / "config.json").write_text("old")
     (out / "locked").write_text("")
-    with hf_io.writing_folder(out) as tmp:
+    with output.writing_folder(out) as tmp:
         (tmp / "config.json").write_text("new")
     assert sorted(os.listdir(out)) == ["config.json"] and (out / "config.json").read_text() == "new"
     # A write that fails leaves the earlier model as it was.
-    with pytest.raises(RuntimeError), hf_io.writing_folder(out) as tmp:
+    with pytest.raises(RuntimeError), output.writing_folder(out) as tmp:
         (tmp / "config.json").write_text("newer")
         raise RuntimeError("cut short")
     assert (out / "config.json").read_text() == "new"

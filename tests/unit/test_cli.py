@@ -272,8 +272,12 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     (runs / "run1" / "metrics.jsonl").write_text("{}\n")
     args = ["convert", "llama2c-to-hf", "--model", str(model / "stories260K.bin"), "--tokenizer",
             str(model / "tok512.model")]
-    out = _run(*args, "--output", str(runs))
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    # Refused before torch and transformers are imported (~7 s of the command's start).
+    probe = ("import sys\nfrom posttrain.cli import main\ntry:\n    main(sys.argv[1:], supervise=False)\n"
+             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, *args, "--output", str(runs)], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.stdout.split() == ["2", "False", "False"] and "Traceback" not in out.stderr, out
     assert f"--output {runs}: an existing folder that is not a model folder" in out.stderr
     assert (runs / "run1" / "metrics.jsonl").read_text() == "{}\n"  # nothing deleted
     # A model folder (an earlier conversion) is replaced, as documented.
