@@ -22,17 +22,17 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # --no-compile: the installed modules are compiled at the end on every core at once (pip compiles
 # them one by one, ~2 of the set-up's ~4.5 minutes on a 2-core machine).
-pip=(.venv/bin/python -m pip -q --disable-pip-version-check --no-compile)
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing ${POSTTRAIN_TORCH:-torch==2.13.0}"
-  "${pip[@]}" install "${POSTTRAIN_TORCH:-torch==2.13.0}" numpy 2>&1 | { grep -v "^WARNING: Location" || true; }
+  "${pip[@]}" install --no-compile "${POSTTRAIN_TORCH:-torch==2.13.0}" numpy 2>&1 | { grep -v "^WARNING: Location" || true; }
 fi
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
 echo "torch==${torch_version}" > .venv/torch-constraint.txt
 
 echo "[setup] installing posttrain${extras} (torch kept at ${torch_version})"
-"${pip[@]}" install -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
+"${pip[@]}" install --no-compile -c .venv/torch-constraint.txt -e ".${extras}" 2>&1 | { grep -v "^WARNING: Location" || true; }
 # Compiled once here, posttrain's own modules too (pip never compiles an editable source tree):
 # where PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, Python writes no .pyc,
 # and every process (each Ray worker, each test) compiled what it imported again (~0.8 s for
