@@ -112,6 +112,7 @@ def test_orpo_step0_loss_matches_independent_computation(ray_session, stories260
     assert result["train/loss"] == pytest.approx((odds_term + nll).item(), abs=1e-4)
 
 
+@pytest.mark.extended  # the sync itself: tests/functional/test_reference_sync.py
 def test_reference_sync_moves_the_reference_and_a_resumed_run_keeps_it(ray_session, stories260k, shared_data,
                                                                       tmp_path):
     # TR-DPO with alpha 1 every 2 steps: after step 2 the reference is the policy, so step 2's

@@ -29,7 +29,11 @@ def _cfg(tmp_path, model, shared_data, *overrides):
     )
 
 
+# Extended (~3.5 min on a 2-core AVX2 CPU): KTO's loss, reference point and run loop,
+# test_a_steps_loss_and_reference_point_match_an_independent_computation; an offline run that
+# learns, test_dpo.py::test_dpo_raises_heldout_preference_accuracy.
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kto_moves_held_out_responses_to_their_side(ray_session, stories260k, shared_data, tmp_path):
     result = kto.run(_cfg(tmp_path, stories260k, shared_data, "kto.max_num_epochs=3", "kto.max_num_steps=24",
                           "kto.val_period=24"))

@@ -66,6 +66,7 @@ def _assert_matches_plain_model(policy, tiny_model_path, logprob_batch, train_ba
         torch.testing.assert_close(state[k], v, atol=5e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
 
 
+@pytest.mark.extended  # TP: test_logprobs_and_one_training_step_match_the_plain_model; DP: test_policy.py
 def test_data_and_tensor_parallel_together(ray_session, tiny_model_path):
     # First in the module: the 2-worker fixture below must not hold CPUs yet (the test cluster has 4).
     # Four workers as a 2 x 2 mesh: FSDP2 shards over two data-parallel groups, each of which

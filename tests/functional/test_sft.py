@@ -100,6 +100,7 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch, 
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
 
 
+@pytest.mark.extended  # the same ranking for every loop: test_grpo.py's test of this name
 def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_data, tmp_path):
     # Validation at step 2 only: step 3's checkpoint was not measured. Ranked by step 2's loss (a
     # tie that the newer one wins), it displaced step 2, the one checkpoint the loss was measured on.
@@ -115,7 +116,8 @@ def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_da
     assert (info[1]["best_step"], info[1]["best_metric_value"]) == (2, info[0]["metric_value"])
 
 
-@pytest.mark.parametrize("val_at_end", [True, False])
+# Extended: True, the default, which the other SFT runs that validate take.
+@pytest.mark.parametrize("val_at_end", [pytest.param(True, marks=pytest.mark.extended), False])
 def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_path, val_at_end):
     # val_period=0: no periodic validation; sft.val_at_end alone decides whether the run ends
     # with one (as grpo.val_at_end does for GRPO).
