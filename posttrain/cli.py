@@ -195,11 +195,6 @@ def _run_convert(argv: Sequence[str]) -> int:
     for option, path in inputs.items():
         if path is not None and not os.path.exists(os.path.expanduser(path)):
             raise MissingInputError(f"{option} {path}: no such file or folder")
-    from pathlib import Path
-
-    from posttrain.convert.output import check_replaceable
-
-    check_replaceable(Path(args.output), inputs)  # so is an --output it must not replace
     import importlib
 
     _setup_logging()

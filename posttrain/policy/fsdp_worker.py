@@ -34,6 +34,7 @@ import torch.distributed as dist
 from posttrain.checkpoint import TRAINER_STATE_FILE
 from posttrain.config import ConfigError, InputError
 from posttrain.convert.dcp_to_hf import HF_CONFIG_DIR, META_FILE
+from posttrain.convert.output import writing_folder
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.packing import (dynamic_microbatches, pack_rows, packed_microbatches, round_up,
                                     share_prefixes, unpack_token_values)
@@ -42,7 +43,6 @@ from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
-from posttrain.convert.output import writing_folder
 from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, check_generation_fits,
                                    disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
                                    load_pretrained, mlp_size, model_class, resolve_tokenizer_path, save_hf)
