@@ -25,7 +25,7 @@ import traceback
 from typing import Any, Sequence
 
 from posttrain.config import InputError, RunStopped, load_config, to_yaml
-from posttrain.schemas import MASTER_CONFIGS
+from posttrain.schemas import MASTER_CONFIGS, DataConfig
 
 DOCS = "docs/config.md"
 EXIT_INPUT_ERROR = 2
@@ -159,6 +159,10 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
+    if isinstance(getattr(cfg, "data", None), DataConfig):
+        from posttrain.data.datasets import check_files
+
+        check_files(cfg.data)  # a data file that is not there fails here, in a second, not after the imports
     if supervise:  # so that a signal to our process group spares the Ray node (see its docstring)
         from posttrain.runtime import supervise_in_own_session
 

@@ -83,7 +83,7 @@ def stories260k(shared_data, tmp_path_factory):
 @pytest.fixture
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a torch.distributed rendezvous in this process."""
-    from posttrain.distributed.worker_group import free_port as find
+    from posttrain.distributed.ports import free_port as find
 
     return find("127.0.0.1")
 

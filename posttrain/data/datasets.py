@@ -31,7 +31,7 @@ import os
 import random
 import string
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from posttrain.config import InputError, MissingInputError
 from posttrain.data.formats import DataFormatError, SourcedRow, detect_format, normalize_row, where, with_fields
@@ -532,8 +532,7 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if cfg.mixture is not None:
         return _mixture_rows(cfg, split)
     name = cfg.dataset_name
-    local_file = name not in REGISTRY and (resolve_path(name).suffix.lower() in _FILE_SUFFIXES
-                                           or resolve_path(name).is_file())
+    local_file = _names_a_file(name)
     if cfg.dataset_kwargs and (local_file or name in REGISTRY) and name not in _READS_DATASET_KWARGS:
         # Left unread, keys meant to pick a file's columns or a subset changed nothing, and no error said so.
         raise InputError(
@@ -567,6 +566,36 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     return apply_prompts(rows, cfg)
 
 
+def _names_a_file(name: str) -> bool:
+    """Whether data.dataset_name `name` is a file of the user's (else a registered set or a hub one)."""
+    return name not in REGISTRY and (resolve_path(name).suffix.lower() in _FILE_SUFFIXES or resolve_path(name).is_file())
+
+
+def check_files(cfg: DataConfig) -> None:
+    """Raise the error `load_rows` would, naming the key, for a file of the user's that `cfg` names
+    and that is not there (a data file, data.prompt_file, data.system_prompt_file). Run before the
+    algorithm's setup, it fails in a second where loading the rows fails after torch and the
+    tokenizer have loaded (~7 s); the rows themselves are read and checked there."""
+    if cfg.mixture is not None:
+        for i, entry, sub in _mixture_entries(cfg):
+            try:
+                check_files(sub)
+            except InputError as e:
+                raise type(e)(f"data.mixture[{i}] ({entry.dataset_name}): {e}") from e
+        return
+    paths = {}
+    if _names_a_file(cfg.dataset_name) or cfg.dataset_name == "local":  # the ones that read data.*_data_path
+        if cfg.train_data_path or cfg.dataset_name == "local":
+            paths["data.train_data_path"] = cfg.train_data_path
+        else:
+            paths[f"data.dataset_name={cfg.dataset_name!r}"] = cfg.dataset_name
+        paths["data.val_data_path"] = cfg.val_data_path
+    paths |= {f"data.{key}": getattr(cfg, key) for key in ("prompt_file", "system_prompt_file")}
+    for key, path in paths.items():
+        if path:
+            _existing(path, key)
+
+
 def shared_rows_note(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> str | None:
     """A note when validation rows are also training rows (the same prompt, or the same whole
     row for preference data): MATH-500, a test set, is both splits of `math500`, and a file
@@ -583,6 +612,13 @@ def shared_rows_note(train: list[dict[str, Any]], val: list[dict[str, Any]]) -> 
             "fit to the training data, not generalization (set data.val_data_path to held-out rows)")
 
 
+def _mixture_entries(cfg: DataConfig) -> Iterator[tuple[int, Any, DataConfig]]:
+    """Each entry of data.mixture: its index, the entry, and `cfg` with the entry's keys (one dataset)."""
+    for i, entry in enumerate(cfg.mixture):
+        keys = {k: v for k, v in entry.model_dump(exclude={"weight"}).items() if v is not None}
+        yield i, entry, cfg.model_copy(update={"mixture": None, **keys})
+
+
 def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     """`data.mixture`: each dataset's rows as `load_rows` reads them under its own keys; training rows
     weighted (each row `int(weight)` times, plus a seeded share `weight % 1` of them once more),
@@ -591,9 +627,7 @@ def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     later entries unvalidated. Errors name the entry."""
     parts: list[list[dict[str, Any]]] = []
     counts = []
-    for i, entry in enumerate(cfg.mixture):
-        keys = {k: v for k, v in entry.model_dump(exclude={"weight"}).items() if v is not None}
-        sub = cfg.model_copy(update={"mixture": None, **keys})
+    for i, entry, sub in _mixture_entries(cfg):
         try:
             rows = load_rows(sub, split)
         except InputError as e:

@@ -11,7 +11,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from posttrain.distributed.worker_group import free_port
+from posttrain.distributed.ports import free_port
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results) -> None:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,44 +34,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.config import RunStopped
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
+from posttrain.distributed.ports import node_ip_and_free_port
 from posttrain.distributed.serialization import use_numpy_tensor_transport
 from posttrain.runtime import keep_freed_memory
-
-
-# Where rendezvous ports are drawn from: above Ray's worker ports (10002-19999 by default) and
-# below the kernel's ephemeral range (Linux: 32768 up). A port the kernel handed out as free
-# (bind to port 0) lies inside the ephemeral range, where it can become the local end of any
-# outgoing connection before the rendezvous binds it (Ray opens many while workers start):
-# a test run failed with EADDRINUSE that way.
-RENDEZVOUS_PORTS = (20000, 32768)
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port on `host` that no one listens on now, outside the ephemeral port range
-    (`RENDEZVOUS_PORTS`), so only a new listener, not an outgoing connection, can take it
-    before the torch.distributed store binds it."""
-    lo, hi = RENDEZVOUS_PORTS
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            hi = min(hi, int(f.read().split()[0]))
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random()  # not the global stream: seeding a run must not make runs collide
-    for _ in range(100):
-        port = rng.randrange(lo, hi)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the whole range taken: any free port
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _node_ip_and_free_port() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), free_port()
 
 
 def _tee_output(log_path: str):
@@ -204,7 +167,7 @@ class RayWorkerGroup:
         pg = cluster.placement_group
         # Port probe on the rank-0 bundle's node: that is where the rendezvous store listens.
         addr, port = ray.get(
-            ray.remote(num_cpus=0)(_node_ip_and_free_port)
+            ray.remote(num_cpus=0)(node_ip_and_free_port)
             .options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
             .remote()
         )

@@ -17,12 +17,11 @@ scoring zeros (GRPO then checkpoints its last complete step before it stops).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from posttrain.config import RunStopped
 from posttrain.environments.interfaces import (
@@ -33,7 +32,6 @@ from posttrain.environments.interfaces import (
     EnvironmentReturn,
     is_verdict,
 )
-from posttrain.distributed.serialization import use_numpy_tensor_transport
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
@@ -41,10 +39,10 @@ log = logging.getLogger("posttrain.environments")
 
 
 class EnvironmentActor:
-    """The Ray actor around one environment instance (its methods mirror the interface)."""
+    """The Ray actor around one environment instance (its methods mirror the interface). Nothing
+    here imports torch: an environment that needs it (the reward model) imports it itself."""
 
     def __init__(self, env_cls: type[EnvironmentInterface], cfg: EnvWorkerConfig):
-        use_numpy_tensor_transport()  # the rewards it sends back
         self.env = env_cls(cfg)
         freeze_setup_objects()
 
@@ -75,17 +73,11 @@ def _contract_violation(ret: Any, n: int) -> str | None:
     wrong = {k: v for k, v in sizes.items() if v != n}
     if wrong:
         return f"{wrong} entries for {n} samples"
-    # Checked here, where the slice can score 0 naming the environment: a list of rewards
-    # failed later as "'list' object has no attribute 'float'", and a text observation
+    # Checked here, where the slice can score 0 naming the environment: a text observation
     # (StepResult takes one, EnvironmentReturn does not) crashed the driver's rollout.
-    for field in ("rewards", "terminateds"):
-        value = getattr(ret, field)
-        if not isinstance(value, torch.Tensor):
-            return f"{field} as a {type(value).__name__}, not a torch.Tensor"
-        # One value per sample: a [B, 1] reward column passed the count above, then failed to
-        # concatenate with the other actors' slices and stopped the driver's rollout.
-        if value.dim() != 1:
-            return f"{field} of shape {list(value.shape)}, not [{n}]"
+    for field, kind in (("rewards", float), ("terminateds", bool)):
+        if (problem := _not_values(field, getattr(ret, field), n, kind)) is not None:
+            return problem
     # The rollout reads each sample's metadata as a dict (None keeps what it had).
     for i, m in enumerate(ret.metadata):
         if m is not None and not isinstance(m, dict):
@@ -97,7 +89,7 @@ def _contract_violation(ret: Any, n: int) -> str | None:
     for i, stops in enumerate(ret.next_stop_strings):
         if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
             return f"next_stop_strings[{i}] = {stops!r:.80}, not None or a list of non-empty strings"
-    terminateds = ret.terminateds.tolist()
+    terminateds = _values(ret.terminateds, bool)
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
         if not terminateds[i] and not (_is_message(obs) or (
                 isinstance(obs, list) and obs and all(map(_is_message, obs)))):
@@ -111,19 +103,41 @@ def _is_message(obs: Any) -> bool:
     return isinstance(obs, dict) and "content" in obs
 
 
-def _zero_non_finite_rewards(ret: EnvironmentReturn, name: str) -> EnvironmentReturn:
-    """A NaN or infinite reward would poison its whole group's advantages (and the loss): such a
-    sample scores 0 and records the error, like a verifier that raised."""
-    bad = (~torch.isfinite(ret.rewards.float())).nonzero().flatten().tolist()
-    if not bad:
-        return ret
-    rewards = ret.rewards.float().clone()
-    metadata = list(ret.metadata)
+def _not_values(field: str, value: Any, n: int, kind: type) -> str | None:
+    """What keeps `value` (the return's `field`) from being `n` values of `kind` (float or bool),
+    one per sample: a list or tuple of Python or NumPy scalars, or a 1-D NumPy array or torch
+    tensor (None: nothing)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        # One value per sample: a [B, 1] reward column passed the count check, then failed to
+        # concatenate with the other actors' slices and stopped the driver's rollout.
+        return None if len(shape) == 1 else f"{field} of shape {list(shape)}, not [{n}]"
+    if not isinstance(value, (list, tuple)):
+        return f"{field} as a {type(value).__name__}, not a list"
+    for i, v in enumerate(value):
+        # A number per sample (a bool is one too); a string "1.0" or a nested [r] is not.
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+            return f"{field}[{i}] = {v!r:.80}, not a {kind.__name__}"
+    return None
+
+
+def _values(value: Any, kind: type) -> list:
+    """`value`, checked by `_not_values`, as a list of Python floats or bools."""
+    return [kind(v) for v in (value.tolist() if hasattr(value, "tolist") else value)]
+
+
+def _as_lists(ret: EnvironmentReturn, name: str) -> EnvironmentReturn:
+    """`ret` (checked by `_contract_violation`) with its rewards and terminateds as lists, a NaN or
+    infinite reward scored 0: it would poison its whole group's advantages (and the loss), so
+    the sample records the error, like a verifier that raised."""
+    rewards, metadata = _values(ret.rewards, float), list(ret.metadata)
+    bad = [j for j, r in enumerate(rewards) if not math.isfinite(r)]
     for j in bad:
-        metadata[j] = {**(metadata[j] or {}), ENV_ERROR_KEY: f"environment {name!r} returned reward {rewards[j].item()}"}
+        metadata[j] = {**(metadata[j] or {}), ENV_ERROR_KEY: f"environment {name!r} returned reward {rewards[j]}"}
         rewards[j] = 0.0
-    log.warning("environment %r returned %d non-finite rewards; they score 0", name, len(bad))
-    return replace(ret, rewards=rewards, metadata=metadata)
+    if bad:
+        log.warning("environment %r returned %d non-finite rewards; they score 0", name, len(bad))
+    return replace(ret, rewards=rewards, terminateds=_values(ret.terminateds, bool), metadata=metadata)
 
 
 # Seconds a tool call's child process takes to start again after it was killed at its time limit.
@@ -179,7 +193,6 @@ class EnvironmentGroup:
         config_class = getattr(env_cls, "config_class", None)
         if config_class is not None:  # fail on the driver, naming the key, before any actor starts
             validate(cfg.cfg, config_class, source=f"env.{name}.cfg")
-        use_numpy_tensor_transport()
         self.name = name
         self.cfg = cfg
         remote_cls = ray.remote(EnvironmentActor).options(
@@ -232,7 +245,7 @@ class EnvironmentGroup:
                 ret = ray.get(ref, timeout=max(0.0, started + limit - time.monotonic()))
                 problem = _contract_violation(ret, hi - lo)
                 if problem is None:
-                    parts.append(_zero_non_finite_rewards(ret, self.name))
+                    parts.append(_as_lists(ret, self.name))
                     continue
                 error = f"environment {self.name!r} step returned {problem}"
             except GetTimeoutError:
@@ -260,7 +273,7 @@ class EnvironmentGroup:
         if not errors:
             return
         if not all(errors):
-            if any(done and not e for done, e in zip(ret.terminateds.tolist(), errors)):
+            if any(done and not e for done, e in zip(ret.terminateds, errors)):
                 self._failed_steps = 0
             return
         self._failed_steps += 1

@@ -30,8 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 log = logging.getLogger("posttrain.environments")
 
 ENV_ERROR_KEY = "env_error"
@@ -98,8 +96,11 @@ class EnvironmentReturn:
     metadata: list[dict[str, Any]]  # per sample; passed to the next step of a multi-turn conversation
     # Stop strings of the next generation turn, besides policy.generation.stop_strings (None: the row's own).
     next_stop_strings: list[list[str] | None]
-    rewards: torch.Tensor  # [B] float
-    terminateds: torch.Tensor  # [B] bool
+    # One per sample, as plain lists: an environment actor imports no torch (~3 s of CPU and ~200 MB
+    # per actor). A user's environment may return a 1-D NumPy array or torch tensor instead; the
+    # driver (`EnvironmentGroup.step`) turns it into a list.
+    rewards: list[float]
+    terminateds: list[bool]
     answers: list[str | None]  # the answer the environment extracted (for logs), None if none
     # Per sample, the tool calls the environment read from the model's last turn, in the OpenAI
     # message format ({"id", "type": "function", "function": {"name", "arguments"}}), or None.
@@ -118,8 +119,8 @@ class EnvironmentReturn:
             observations=[o for p in parts for o in p.observations],
             metadata=[m for p in parts for m in p.metadata],
             next_stop_strings=[s for p in parts for s in p.next_stop_strings],
-            rewards=torch.cat([p.rewards.float() for p in parts]) if parts else torch.zeros(0),
-            terminateds=torch.cat([p.terminateds.bool() for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
+            rewards=[float(r) for p in parts for r in p.rewards],
+            terminateds=[bool(t) for p in parts for t in p.terminateds],
             answers=[a for p in parts for a in p.answers],
             tool_calls=([c for p in parts for c in (p.tool_calls or [None] * len(p.metadata))]
                         if any(p.tool_calls for p in parts) else None),
@@ -133,8 +134,8 @@ class EnvironmentReturn:
             observations=[{"role": "environment", "content": "Environment error."} for _ in range(n)],
             metadata=[{**m, ENV_ERROR_KEY: error} for m in metadata],
             next_stop_strings=[None] * n,
-            rewards=torch.zeros(n),
-            terminateds=torch.ones(n, dtype=torch.bool),
+            rewards=[0.0] * n,
+            terminateds=[True] * n,
             answers=[None] * n,
         )
 
@@ -235,8 +236,8 @@ class PerSampleEnvironment(EnvironmentInterface):
                           else [_message(o, r.observation_role) for o in r.observation] for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
-            rewards=torch.tensor([float(r.reward) for r in results], dtype=torch.float32),
-            terminateds=torch.tensor([bool(r.terminated) for r in results], dtype=torch.bool),
+            rewards=[float(r.reward) for r in results],
+            terminateds=[bool(r.terminated) for r in results],
             answers=[r.answer for r in results],
             tool_calls=[r.tool_calls for r in results] if any(r.tool_calls for r in results) else None,
         )

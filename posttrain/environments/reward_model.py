@@ -106,7 +106,7 @@ class RewardModelEnvironment(EnvironmentInterface):
             observations=[{"role": "environment", "content": f"Reward model score: {float(r):.3f}"} for r in rewards],
             metadata=metadata,
             next_stop_strings=[None] * len(message_logs),
-            rewards=rewards,
-            terminateds=torch.ones(len(message_logs), dtype=torch.bool),
+            rewards=rewards.tolist(),
+            terminateds=[True] * len(message_logs),
             answers=answers,
         )

@@ -289,7 +289,7 @@ def test_rendezvous_ports_lie_outside_the_ephemeral_range():
     # between the probe and the rendezvous (EADDRINUSE); free_port draws from below it.
     import socket
 
-    from posttrain.distributed.worker_group import RENDEZVOUS_PORTS, free_port
+    from posttrain.distributed.ports import RENDEZVOUS_PORTS, free_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])

@@ -168,7 +168,7 @@ def test_answers_an_environment_gives_as_numbers_are_voted_on_as_text():
         [[{"role": "assistant", "content": c}] for c in ("ab", "xyz", "cd", "")], [{}] * 4)
     answers = [m[ANSWER_KEY] for m in ret.metadata]
     assert answers == ["2", "3", "2", None]
-    assert aggregate([answers], [[r > 0 for r in ret.rewards.tolist()]])["cons@4"] == 1.0  # "2" wins, 2 of 4
+    assert aggregate([answers], [[r > 0 for r in ret.rewards]])["cons@4"] == 1.0  # "2" wins, 2 of 4
 
 
 def test_a_blank_answer_is_counted_as_no_answer():

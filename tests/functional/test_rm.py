@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from posttrain.algorithms import rm
 from posttrain.config import load_config
@@ -86,12 +87,12 @@ def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_p
         out = env.step(convs, [{} for _ in convs])
     finally:
         env.shutdown()
-    r = out.rewards[:-1].view(-1, 2)
+    r = torch.tensor(out.rewards[:-1]).view(-1, 2)
     # 200 fresh pairs: chance is 0.5 +- 0.035; the RM's validation accuracy above is >= 0.7.
     env_accuracy = float((r[:, 0] > r[:, 1]).float().mean())
     assert env_accuracy >= 0.65, env_accuracy
     assert out.rewards[-1] == 0 and "no assistant message" in out.metadata[-1]["env_error"]
-    assert out.terminateds.all() and out.answers[0] == probs[0]["chosen"]
+    assert all(out.terminateds) and out.answers[0] == probs[0]["chosen"]
 
 
 @pytest.mark.parametrize("config_pad", [None, 0], ids=["no-pad-token", "config-pad-not-the-tokenizers"])

@@ -18,6 +18,14 @@ def _run(*args, **kw):
     return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=60, cwd=ROOT, **kw)
 
 
+def _run_probed(*args):
+    """`posttrain *args` in this interpreter's process, its stdout the exit status and whether torch
+    and transformers were imported by then ("2 False False")."""
+    probe = ("import sys\nfrom posttrain.cli import main\ntry:\n    main(sys.argv[1:], supervise=False)\n"
+             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    return subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
 def test_help_lists_algorithms_sections_and_docs():
     out = _run("--help")
     assert out.returncode == 0
@@ -57,11 +65,22 @@ def test_config_error_exits_2_without_traceback():
 
 def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_path):
     missing = tmp_path / "missing.jsonl"
-    out = _run("sft", f"data.dataset_name={missing}")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    # A file that is not there fails before torch and transformers are imported (~7 s of the start).
+    out = _run_probed("sft", f"data.dataset_name={missing}")
+    assert out.stdout.split() == ["2", "False", "False"] and "Traceback" not in out.stderr, out
     assert f"posttrain sft: data.dataset_name='{missing}': file not found" in out.stderr
-    out = _run("sft", "data.dataset_name=local", f"data.train_data_path={missing}")
-    assert out.returncode == 2 and f"data.train_data_path: file not found: {missing}" in out.stderr
+    out = _run_probed("sft", "data.dataset_name=local", f"data.train_data_path={missing}")
+    assert out.stdout.split() == ["2", "False", "False"], out
+    assert f"data.train_data_path: file not found: {missing}" in out.stderr
+    prompt = tmp_path / "prompt.txt"
+    out = _run_probed("grpo", f"data.val_data_path={missing}", "data.dataset_name=local",
+                      f"data.train_data_path={missing}")
+    assert out.stdout.split() == ["2", "False", "False"] and f"data.train_data_path: file not found" in out.stderr
+    out = _run_probed("grpo", f"data.prompt_file={prompt}")
+    assert out.stdout.split() == ["2", "False", "False"] and f"data.prompt_file: file not found: {prompt}" in out.stderr
+    out = _run_probed("grpo", f"data.mixture=[{{dataset_name: arithmetic}}, {{dataset_name: {missing}}}]")
+    assert out.stdout.split() == ["2", "False", "False"], out
+    assert f"data.mixture[1] ({missing}): data.dataset_name='{missing}': file not found" in out.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                    '{"messages": 5}\n')
@@ -273,10 +292,7 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     args = ["convert", "llama2c-to-hf", "--model", str(model / "stories260K.bin"), "--tokenizer",
             str(model / "tok512.model")]
     # Refused before torch and transformers are imported (~7 s of the command's start).
-    probe = ("import sys\nfrom posttrain.cli import main\ntry:\n    main(sys.argv[1:], supervise=False)\n"
-             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe, *args, "--output", str(runs)], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    out = _run_probed(*args, "--output", str(runs))
     assert out.stdout.split() == ["2", "False", "False"] and "Traceback" not in out.stderr, out
     assert f"--output {runs}: an existing folder that is not a model folder" in out.stderr
     assert (runs / "run1" / "metrics.jsonl").read_text() == "{}\n"  # nothing deleted

@@ -224,23 +224,23 @@ def test_reward_function_and_class_run_inside_ray_actors(ray_session, rewards_fi
     group = create_env("exact", _cfg(f"{rewards_file}:exact", num_workers=2))
     try:
         ret = group.step([convo(" 42"), convo("41"), convo("7")], [{"answer": "42"}, {"answer": 42}, {"answer": "7"}])
-        assert ret.rewards.tolist() == [1.0, 0.0, 1.0] and ret.terminateds.all() and ret.num_errors == 0
+        assert ret.rewards == [1.0, 0.0, 1.0] and all(ret.terminateds) and ret.num_errors == 0
         assert ret.answers == [" 42", "41", "7"]
     finally:
         group.shutdown()
     group = create_env("trl", _cfg(f"{rewards_file}:trl_exact", num_workers=2))  # a batch per actor
     try:
         ret = group.step([convo("42"), convo("41"), convo("7")], [{"answer": "42"}, {"answer": 42}, {"answer": "7"}])
-        assert ret.rewards.tolist() == [1.0, 0.0, 1.0] and ret.num_errors == 0
+        assert ret.rewards == [1.0, 0.0, 1.0] and ret.num_errors == 0
     finally:
         group.shutdown()
     group = create_env("echo", _cfg(f"{rewards_file}:Echo", cfg={"scale": 0.5}))
     try:
         first = group.step([convo("ab")], [{}])
-        assert first.rewards.tolist() == [0.0] and not first.terminateds[0]
+        assert first.rewards == [0.0] and not first.terminateds[0]
         assert first.observations[0]["content"] == "once more"
         second = group.step([convo("ab") + [first.observations[0], {"role": "assistant", "content": "abcd"}]], [{}])
-        assert second.rewards.tolist() == [2.0] and second.terminateds[0]
+        assert second.rewards == [2.0] and second.terminateds[0]
     finally:
         group.shutdown()
 
@@ -261,7 +261,7 @@ def test_a_reward_file_imports_the_modules_beside_it_also_in_the_actors(ray_sess
     group = create_env("beside", _cfg(f"{folder / 'scored.py'}:exact"))  # the actor's path has no such folder
     try:
         ret = group.step([convo(" 042"), convo("41")], [{"answer": "42"}, {"answer": "42"}])
-        assert ret.rewards.tolist() == [2.0, 0.0] and ret.num_errors == 0
+        assert ret.rewards == [2.0, 0.0] and ret.num_errors == 0
     finally:
         group.shutdown()
 
@@ -269,20 +269,20 @@ def test_a_reward_file_imports_the_modules_beside_it_also_in_the_actors(ray_sess
 def test_reward_function_failures_score_zero_and_are_recorded(rewards_file):
     env = resolve_env("f", _cfg(f"{rewards_file}:not_a_number"))(EnvWorkerConfig())
     ret = env.step([convo("x")], [{}])
-    assert ret.rewards.tolist() == [0.0] and ret.num_errors == 1
+    assert ret.rewards == [0.0] and ret.num_errors == 1
     assert "returned 'high', not a number" in ret.metadata[0]["env_error"]
     env = resolve_env("g", _cfg(f"{rewards_file}:exact"))(EnvWorkerConfig())
     ret = env.step([convo("1"), convo("1")], [{}, {"answer": "1"}])  # the first row has no answer: KeyError
-    assert ret.rewards.tolist() == [0.0, 1.0] and ret.num_errors == 1
+    assert ret.rewards == [0.0, 1.0] and ret.num_errors == 1
     env = resolve_env("h", _cfg(f"{rewards_file}:long_enough"))(EnvWorkerConfig())
-    assert env.step([convo("a"), convo("abc")], [{}, {}]).rewards.tolist() == [0.0, 1.0]
+    assert env.step([convo("a"), convo("abc")], [{}, {}]).rewards == [0.0, 1.0]
 
 
 def test_module_path_target_from_the_working_directory(tmp_path, monkeypatch):
     (tmp_path / "cwd_rewards_mod.py").write_text("def score(response, metadata):\n    return 0.25\n")
     monkeypatch.chdir(tmp_path)
     env = resolve_env("cwd", _cfg("cwd_rewards_mod:score"))(EnvWorkerConfig())
-    assert env.step([convo("x")], [{}]).rewards.tolist() == [0.25]
+    assert env.step([convo("x")], [{}]).rewards == [0.25]
 
 
 def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
@@ -356,7 +356,7 @@ def test_relative_file_falls_back_to_the_project_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     env = resolve_env("digits", _cfg("examples/rewards/arithmetic.py:digits_right"))(EnvWorkerConfig())
     ret = env.step([convo("035"), convo("045"), convo("45")], [{"answer": "045"}] * 3)
-    assert ret.rewards.tolist() == pytest.approx([2 / 3, 1.0, 0.0]) and ret.num_errors == 0
+    assert ret.rewards == pytest.approx([2 / 3, 1.0, 0.0]) and ret.num_errors == 0
 
 
 def test_a_weighted_list_of_reward_functions(rewards_file):
@@ -366,10 +366,10 @@ def test_a_weighted_list_of_reward_functions(rewards_file):
                reward_weights=[1.0, 0.5, 2.0])
     env = resolve_env("mix", cfg)(cfg)
     ret = env.step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
-    assert ret.rewards.tolist() == [3.5, 0.0]  # 1 + 0.5 + 2 for "42"; "7" is short and wrong
+    assert ret.rewards == [3.5, 0.0]  # 1 + 0.5 + 2 for "42"; "7" is short and wrong
     assert ret.metadata[0]["reward_components"] == {"exact": 1.0, "long_enough": 1.0, "exact_2": 1.0}
     convs = [Conversation(messages=[], metadata=m, task_name="mix", tokens=[], prompt_length=0, reward=float(r))
-             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+             for m, r in zip(ret.metadata, ret.rewards)]
     metrics = summarize_rollouts(convs)
     assert metrics["reward"] == 1.75 and metrics["reward/exact"] == 0.5 and metrics["reward/long_enough"] == 0.5
     assert "accuracy" not in metrics  # without correct_at_least the functions judge nothing
@@ -389,7 +389,7 @@ def test_reward_functions_that_name_prompt_or_messages_receive_them(rewards_file
                          ("context_keys", [1 + 20, 6 + 50])]:  # len(prompt) + 10 x len(messages)
         env = resolve_env("c", _cfg(f"{rewards_file}:{fn}"))(EnvWorkerConfig())
         ret = env.step([convo("x"), two_turns], [{}, {}])
-        assert ret.rewards.tolist() == expected and ret.num_errors == 0, fn
+        assert ret.rewards == expected and ret.num_errors == 0, fn
 
 
 def _call(name, **arguments):
@@ -405,11 +405,11 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     (call,) = ret.tool_calls[0]
     assert call == {"id": call["id"], "type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}
     assert ret.observations == [[{"role": "tool", "content": "42", "name": "add", "tool_call_id": call["id"]}]]
-    assert ret.rewards.tolist() == [0.0]
+    assert ret.rewards == [0.0]
     assert not ret.terminateds[0] and ret.metadata[0]["tool_calls"] == 1 and ret.num_errors == 0
     final = first + [*ret.observations[0], {"role": "assistant", "content": "42"}]
     ret = env.step([final], ret.metadata)
-    assert ret.rewards.tolist() == [1.0] and ret.terminateds[0]  # no call: the final answer, scored
+    assert ret.rewards == [1.0] and ret.terminateds[0]  # no call: the final answer, scored
     # What goes wrong in a call is the model's to see; it is no environment error.
     bad = convo(_call("divide", a=1, b=0) + _call("mul", a=2, b=3) + "<tool_call>{oops</tool_call>"
                 + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>'
@@ -430,7 +430,7 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     assert json.loads(ret.observations[0][0]["content"]) == {"mean": 1.5, "count": 2, "values": [1, 2]}
     # After max_tool_calls turns with calls the next answer is final, calls or not.
     ret = env.step([convo(_call("add", a=1, b=1))], [{"answer": "2", "tool_calls": 2}])
-    assert ret.terminateds[0] and ret.rewards.tolist() == [0.0] and ret.observations[0]["role"] == "environment"
+    assert ret.terminateds[0] and ret.rewards == [0.0] and ret.observations[0]["role"] == "environment"
     assert ret.tool_calls is None
 
 
@@ -591,7 +591,7 @@ def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
     env = resolve_env("f", _cfg(f"{rewards_file}:exits"))(EnvWorkerConfig())
     ret = env.step([convo("x"), convo("y")], [{}, {}])
     # Named with the function and the line of its file it failed at: "ValueError: boom" named neither.
-    assert ret.rewards.tolist() == [0.0, 0.0] and [m["env_error"] for m in ret.metadata] == [
+    assert ret.rewards == [0.0, 0.0] and [m["env_error"] for m in ret.metadata] == [
         f"reward function 'exits' of environment 'f' raised SystemExit at my_rewards.py:{line('exits') + 3} in exits: "
         f"bad {x}" for x in "xy"]
     env = resolve_env("t", _cfg(f"{rewards_file}:trl_exits"))(EnvWorkerConfig())
@@ -612,7 +612,7 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     long_prompt = [{"role": "user", "content": "what is 6*7?"}, {"role": "assistant", "content": "42"}]
     ret = env.step([convo("42"), convo("7"), long_prompt], [{"answer": "42"}, {"answer": "8"}, {"answer": 42}])
     # trl_exact + 0.5 x len("q") (None for the long prompt: adds nothing) + 2 x exact
-    assert ret.rewards.tolist() == [1 + 0.5 + 2, 0.5, 1 + 0 + 2] and ret.num_errors == 0
+    assert ret.rewards == [1 + 0.5 + 2, 0.5, 1 + 0 + 2] and ret.num_errors == 0
     assert ret.metadata[0]["reward_components"] == {"trl_exact": 1.0, "trl_prompt_length": 1.0, "exact": 1.0}
     assert ret.metadata[2]["reward_components"] == {"trl_exact": 1.0, "trl_prompt_length": None, "exact": 1.0}
     assert all("_trl_reward_values" not in m for m in ret.metadata)
@@ -621,18 +621,18 @@ def test_trl_reward_functions_run_unchanged_once_per_batch(rewards_file):
     from posttrain.rollouts import Conversation, summarize_rollouts
 
     convs = [Conversation(messages=[], metadata=m, task_name="trl", tokens=[], prompt_length=0, reward=float(r))
-             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+             for m, r in zip(ret.metadata, ret.rewards)]
     metrics = summarize_rollouts(convs)
     assert metrics["reward/trl_prompt_length"] == 1.0 and metrics["reward/trl_exact"] == pytest.approx(2 / 3)
     cfg = _cfg(f"{rewards_file}:trl_async_exact")
     ret = resolve_env("trl", cfg)(cfg).step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
-    assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    assert ret.rewards == [1.0, 0.0] and ret.num_errors == 0
     cfg = _cfg(f"{rewards_file}:async_exact")
     ret = resolve_env("trl", cfg)(cfg).step([convo("42"), convo("7")], [{"answer": "42"}, {"answer": "8"}])
-    assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    assert ret.rewards == [1.0, 0.0] and ret.num_errors == 0
     broken = _cfg(f"{rewards_file}:trl_wrong_count")
     ret = resolve_env("trl", broken)(broken).step([convo("a"), convo("b")], [{}, {}])
-    assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
+    assert ret.rewards == [0.0, 0.0] and ret.num_errors == 2
     assert ret.metadata[0]["env_error"] == (  # posttrain's own check: no line of the function to name
         "TRL reward function 'trl_wrong_count' raised ValueError: returned 1 values for 2 completions")
     assert all("_trl_reward_values" not in m for m in ret.metadata)  # failed samples do not keep them either
@@ -646,7 +646,7 @@ def test_trl_reward_functions_get_completion_ids_trainer_state_and_logging(rewar
     meta = [{"answer": "1", ROLLOUT_KEY: {"completion_ids": ids, "global_step": 3, "max_steps": 4}}
             for ids in ([5, 6], [7, 8, 9, 10])]
     ret = env.step([convo("ab"), convo("abcd")], meta)
-    assert ret.rewards.tolist() == [0.75 - 2, 0.75 - 4] and ret.num_errors == 0
+    assert ret.rewards == [0.75 - 2, 0.75 - 4] and ret.num_errors == 0
     assert [m["env_metrics"] for m in ret.metadata] == [{"mean_tokens": 3.0}] * 2
     assert [m["log_extra"] for m in ret.metadata] == [{"tokens": 2}, {"tokens": 4}]
 
@@ -659,8 +659,8 @@ def test_trl_reward_functions_with_tools_score_only_final_answers(rewards_file):
     env = resolve_env("trl", cfg)(cfg)
     call = convo('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
     ret = env.step([convo("3"), call, convo("4")], [{"answer": "3"}] * 3)
-    assert ret.rewards.tolist() == [1.0, 0.0, 0.0] and ret.num_errors == 0
-    assert ret.terminateds.tolist() == [True, False, True]
+    assert ret.rewards == [1.0, 0.0, 0.0] and ret.num_errors == 0
+    assert ret.terminateds == [True, False, True]
     assert ret.observations[1][0]["content"] == "3"
     # log_metric counted the two final answers, not the call.
     assert [m.get("env_metrics") for m in ret.metadata] == [{"scored": 2.0}, None, {"scored": 2.0}]
@@ -674,7 +674,7 @@ def test_numpy_and_torch_scalars_are_numbers(rewards_file):
     cfg = _cfg([f"{rewards_file}:close_enough", f"{rewards_file}:half_as_tensor", f"{rewards_file}:trl_close_enough"])
     env = resolve_env("numeric", cfg)(cfg)
     ret = env.step([convo("3.0"), convo("4")], [{"answer": "3"}, {"answer": "3"}])
-    assert ret.rewards.tolist() == [2.5, 0.5] and ret.num_errors == 0
+    assert ret.rewards == [2.5, 0.5] and ret.num_errors == 0
     assert ret.metadata[0]["reward_components"] == {"close_enough": 1.0, "half_as_tensor": 0.5,
                                                     "trl_close_enough": 1.0}
     assert all(type(v) is float for v in ret.metadata[0]["reward_components"].values())
@@ -698,10 +698,10 @@ def test_a_non_finite_value_scores_its_sample_0_without_reaching_the_logged_comp
     cfg = _cfg([f"{rewards_file}:exact", f"{rewards_file}:trl_nan_for_short"])
     env = resolve_env("mix", cfg)(cfg)
     ret = env.step([convo("42"), convo("4")], [{"answer": "42"}, {"answer": "4"}])
-    assert ret.rewards.tolist() == [2.0, 0.0] and ret.num_errors == 1
+    assert ret.rewards == [2.0, 0.0] and ret.num_errors == 1
     assert ret.metadata[1]["env_error"] == "ValueError: reward function 'trl_nan_for_short' of environment 'mix' returned nan"
     convs = [Conversation(messages=[], metadata=m, task_name="mix", tokens=[], prompt_length=0, reward=float(r))
-             for m, r in zip(ret.metadata, ret.rewards.tolist())]
+             for m, r in zip(ret.metadata, ret.rewards)]
     metrics = summarize_rollouts(convs)
     assert metrics["reward/trl_nan_for_short"] == 1.0 and metrics["reward/exact"] == 1.0 and metrics["reward"] == 1.0
 
@@ -715,7 +715,7 @@ def test_correct_at_least_judges_by_the_named_functions(rewards_file):
                correct_at_least={"exact": 1.0})
     env = resolve_env("mix", cfg)(cfg)
     ret = env.step([convo("41"), convo("7"), convo("42")], [{"answer": "42"}, {"answer": "7"}, {"answer": "42"}])
-    assert ret.rewards.tolist() == [0.5, 1.0, 1.5]
+    assert ret.rewards == [0.5, 1.0, 1.5]
     assert [verdict(m) for m in ret.metadata] == [False, True, True]
     with pytest.raises(ConfigError, match=r"correct_at_least names \['format'\], which are not reward functions.*"
                                           r"they are: exact, long_enough"):

@@ -9,6 +9,7 @@ import re
 import time
 
 import pytest
+import ray
 import torch
 
 from posttrain.environments import (
@@ -100,8 +101,8 @@ def test_math_rewards(math_env):
         (r"So $x = -\frac{3}{4}$.", r"-\frac{3}{4}", 1.0),
     ]
     ret = math_env.step([convo(a) for a, _, _ in cases], [{"answer": g} for _, g, _ in cases])
-    assert ret.rewards.tolist() == [r for _, _, r in cases]
-    assert ret.terminateds.all() and ret.num_errors == 0
+    assert ret.rewards == [r for _, _, r in cases]
+    assert all(ret.terminateds) and ret.num_errors == 0
     assert ret.answers[:3] == [r"\frac{1}{2}", "1000", "72"] and ret.answers[4] is None
 
 
@@ -112,7 +113,7 @@ def test_math_verification_that_hangs_is_a_wrong_answer_and_the_next_one_works(m
         [convo(r"\boxed{9^{9^{9^{9}}}}"), convo(r"\boxed{\frac{6}{4}}")], [{"answer": "1"}, {"answer": "1.5"}]
     )
     assert time.monotonic() - start < 60
-    assert ret.rewards.tolist() == [0.0, 1.0]
+    assert ret.rewards == [0.0, 1.0]
     # An equality not shown in time is a verdict (math-verify's rule), not an environment error
     # that eval leaves out of its accuracy and GRPO out of its loss.
     assert [m[CORRECT_KEY] for m in ret.metadata] == [False, True] and ret.num_errors == 0
@@ -140,7 +141,7 @@ def test_failed_samples_are_logged_once_per_kind_of_error(caplog):
 
 def test_math_missing_gold_is_an_error_not_a_crash(math_env):
     ret = math_env.step([convo("5"), convo("5")], [{}, {"answer": "5"}])
-    assert ret.rewards.tolist() == [0.0, 1.0]
+    assert ret.rewards == [0.0, 1.0]
     assert "answer" in ret.metadata[0]["env_error"]
 
 
@@ -155,14 +156,14 @@ def test_math_on_real_gsm8k_and_math500_answers(math_env, shared_data):
     # GSM8K reference solutions end with "#### N": as responses their last number is N
     gsm = read("gsm8k/test.jsonl", 200)
     ret = math_env.step([convo(r["answer"]) for r in gsm], [{"answer": r["answer"]} for r in gsm])
-    assert ret.rewards.mean().item() == 1.0 and ret.num_errors == 0
+    assert set(ret.rewards) == {1.0} and ret.num_errors == 0
     off_by_one = [convo(f"The answer is {int(gold_answer(r['answer'])) + 1}.") for r in gsm[:20]]
-    assert math_env.step(off_by_one, [{"answer": r["answer"]} for r in gsm[:20]]).rewards.sum().item() == 0.0
+    assert math_env.step(off_by_one, [{"answer": r["answer"]} for r in gsm[:20]]).rewards == [0.0] * 20
     # MATH-500 fractions written as \dfrac: equal only under math-verify
     rows = [r for r in read("math500/test.jsonl", 500) if "\\frac" in r["answer"]][:25]
     responses = [convo("So \\boxed{" + r["answer"].replace("\\frac", "\\dfrac") + "}.") for r in rows]
     ret = math_env.step(responses, [{"answer": r["answer"]} for r in rows])
-    assert len(rows) == 25 and ret.rewards.mean().item() == 1.0 and ret.num_errors == 0
+    assert len(rows) == 25 and set(ret.rewards) == {1.0} and ret.num_errors == 0
 
 
 def test_subprocess_runner_recovers_after_a_timeout():
@@ -197,11 +198,11 @@ def test_arithmetic_exact_match():
     env = ArithmeticEnvironment(EnvWorkerConfig())
     responses = ["46", " 46\n", "046", "46.", "4 6", ""]
     ret = env.step([convo(r, "12+34=") for r in responses], [{"answer": "46"}] * len(responses))
-    assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert ret.rewards == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     strict = ArithmeticEnvironment(EnvWorkerConfig(cfg={"strip_response": False}))
-    assert strict.step([convo("46 "), convo("46")], [{"answer": "46"}] * 2).rewards.tolist() == [0.0, 1.0]
+    assert strict.step([convo("46 "), convo("46")], [{"answer": "46"}] * 2).rewards == [0.0, 1.0]
     ret = env.step([convo("-4")], [{"answer": "-4", "operation": "-"}])
-    assert ret.rewards.tolist() == [1.0] and ret.metadata[0]["operation"] == "-"
+    assert ret.rewards == [1.0] and ret.metadata[0]["operation"] == "-"
 
 
 def test_a_raising_verifier_scores_zero_for_that_sample_only():
@@ -215,9 +216,9 @@ def test_a_raising_verifier_scores_zero_for_that_sample_only():
         [convo("fine"), convo("boom"), [{"role": "user", "content": "no answer yet"}], convo("fine")],
         [{"i": 0}, {"i": 1, "env_error": "stale error from an earlier turn"}, {"i": 2}, {"i": 3}],
     )
-    assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert ret.rewards == [1.0, 0.0, 1.0, 1.0]
     assert ret.metadata[1]["env_error"] == "RuntimeError: verifier exploded" and ret.metadata[1]["i"] == 1
-    assert ret.terminateds.tolist() == [True] * 4 and ret.num_errors == 1
+    assert ret.terminateds == [True] * 4 and ret.num_errors == 1
 
 
 def test_step_one_observations_as_texts_messages_or_lists_of_them():
@@ -298,8 +299,8 @@ def test_sliding_puzzle_game_is_won_turn_by_turn():
         ret = env.step([messages], [meta])
         meta = ret.metadata[0]
         last = k == len(moves) - 1
-        assert ret.rewards.tolist() == [1.0 if last else 0.0]
-        assert ret.terminateds.tolist() == [last] and meta["moves"] == k + 1
+        assert ret.rewards == [1.0 if last else 0.0]
+        assert ret.terminateds == [last] and meta["moves"] == k + 1
         if not last:
             assert ret.next_stop_strings == [["</action>"]]
             assert ret.observations[0]["content"] == "Board:\n" + render_board(meta["board"])
@@ -376,21 +377,21 @@ def test_sliding_puzzle_invalid_moves_and_move_limit():
     start_meta = {"board": [[1, 0], [3, 2]], "moves": 0}  # one "down" from solved
     env = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg={"max_moves": 2}))
     ret = env.step([convo("<action>up</action>"), convo("go down"), convo("<action>down</action>")], [start_meta] * 3)
-    assert ret.rewards.tolist() == [0.0, 0.0, 1.0]
-    assert ret.terminateds.tolist() == [True, True, True]  # off the board / no tag: invalid ends the game
+    assert ret.rewards == [0.0, 0.0, 1.0]
+    assert ret.terminateds == [True, True, True]  # off the board / no tag: invalid ends the game
     assert ret.observations[0]["content"].startswith("Invalid move.")
     lenient = SlidingPuzzleEnvironment(EnvWorkerConfig(cfg={"max_moves": 2, "terminate_on_invalid": False}))
     ret = lenient.step([convo("nothing")], [start_meta])
-    assert ret.terminateds.tolist() == [False] and ret.metadata[0]["moves"] == 1
+    assert ret.terminateds == [False] and ret.metadata[0]["moves"] == 1
     assert ret.metadata[0]["board"] == [[1, 0], [3, 2]]
     ret = lenient.step([convo("<action>left</action>")], [ret.metadata[0]])  # second move: the limit
-    assert ret.terminateds.tolist() == [True] and ret.rewards.tolist() == [0.0]
+    assert ret.terminateds == [True] and ret.rewards == [0.0]
     assert ret.observations[0]["content"].startswith("Out of moves.")
     # a seed alone is enough: the board is rebuilt from it
     seeded = env.step([convo("<action>up</action>")], [{"seed": 11}])
     assert seeded.metadata[0]["moves"] == 1 and "board" in seeded.metadata[0]
     bad = env.step([convo("<action>up</action>")], [{"moves": 0}])
-    assert bad.rewards.tolist() == [0.0] and "seed" in bad.metadata[0]["env_error"]
+    assert bad.rewards == [0.0] and "seed" in bad.metadata[0]["env_error"]
 
 
 # --------------------------------------------------------------------------- Ray facade
@@ -481,12 +482,21 @@ def test_env_group_splits_and_keeps_order(ray_session):
         answers = ["1", "2", "3", "4", "5"]
         responses = ["1", "x", "3", "4", "y"]
         ret = group.step([convo(r) for r in responses], [{"answer": a, "i": i} for i, a in enumerate(answers)])
-        assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
+        assert ret.rewards == [1.0, 0.0, 1.0, 1.0, 0.0]
         assert [m["i"] for m in ret.metadata] == [0, 1, 2, 3, 4] and ret.num_errors == 0
         # The rollout's own entry goes in (environments read it) but not back out; the rest comes back.
         ret = group.step([convo("1")], [{"answer": "1", "i": 9, ROLLOUT_KEY: {"completion_ids": [5, 6]}}])
         assert ret.metadata == [{"answer": "1", "i": 9, CORRECT_KEY: True}]
-        assert group.step([convo("7")], [{"answer": "7"}]).rewards.tolist() == [1.0]  # fewer samples than actors
+        assert group.step([convo("7")], [{"answer": "7"}]).rewards == [1.0]  # fewer samples than actors
+
+        def loaded(actor_self, *names):  # local, so cloudpickle sends it by value, importing nothing
+            import sys
+
+            return [name for name in names if name in sys.modules]
+
+        # Environment actors import no torch (~3 s of CPU and ~200 MB each): rewards travel as lists.
+        assert ray.get([a.__ray_call__.remote(loaded, "torch", "posttrain.environments.actors")
+                        for a in group._actors]) == [["posttrain.environments.actors"]] * 2
     finally:
         group.shutdown()
 
@@ -496,7 +506,7 @@ def test_math_env_runs_math_verify_inside_a_ray_actor(ray_session):
     group = create_env("math", {"timeout_s": 10.0})
     try:
         ret = group.step([convo(r"\boxed{\frac{1}{2}}"), convo("it is 3")], [{"answer": "0.5"}, {"answer": "#### 4"}])
-        assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+        assert ret.rewards == [1.0, 0.0] and ret.num_errors == 0
     finally:
         group.shutdown()
 
@@ -506,10 +516,10 @@ def test_env_group_multi_turn_puzzle(ray_session):
     try:
         meta = [{"board": [[1, 2], [0, 3]], "moves": 0}, {"board": [[1, 0], [3, 2]], "moves": 0}]
         ret = group.step([convo("<action>up</action>"), convo("<action>down</action>")], meta)
-        assert ret.rewards.tolist() == [0.0, 1.0] and ret.terminateds.tolist() == [False, True]
+        assert ret.rewards == [0.0, 1.0] and ret.terminateds == [False, True]
         ret = group.step([convo("<action>down</action>")], [ret.metadata[0]])  # undo, board as at start
         ret = group.step([convo("<action>right</action>")], [ret.metadata[0]])
-        assert ret.rewards.tolist() == [1.0] and ret.metadata[0]["moves"] == 3
+        assert ret.rewards == [1.0] and ret.metadata[0]["moves"] == 3
     finally:
         group.shutdown()
 
@@ -539,14 +549,14 @@ def test_stuck_and_crashing_actors_score_zero_and_are_restarted(ray_session):
         start = time.monotonic()
         ret = group.step([convo("ok"), convo("hang"), convo("boom"), convo("ok")], [{}] * 4)
         assert time.monotonic() - start < 30
-        assert ret.rewards.tolist() == [0.0, 0.0, 0.0, 1.0] and ret.num_errors == 3
+        assert ret.rewards == [0.0, 0.0, 0.0, 1.0] and ret.num_errors == 3
         assert "did not answer within 5 s" in ret.metadata[0]["env_error"]
         assert "bad verifier" in ret.metadata[2]["env_error"]
         # the killed actor was restarted: the next step works on both actors
-        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards.tolist() == [1.0, 1.0]
+        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards == [1.0, 1.0]
         ret = group.step([convo("crash"), convo("ok")], [{}] * 2)
-        assert ret.rewards.tolist() == [0.0, 1.0] and "died" in ret.metadata[0]["env_error"]
-        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards.tolist() == [1.0, 1.0]
+        assert ret.rewards == [0.0, 1.0] and "died" in ret.metadata[0]["env_error"]
+        assert group.step([convo("ok"), convo("ok")], [{}] * 2).rewards == [1.0, 1.0]
         # actor 0 has failed twice (max_restarts=2): a third failure stops the run loudly
         with pytest.raises(RuntimeError, match="max_restarts=2"):
             group.step([convo("crash"), convo("ok")], [{}] * 2)
@@ -576,6 +586,10 @@ def test_an_environment_that_cannot_start_is_named_and_stopped(ray_session):
 
 
 def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_session):
+    import numpy as np
+
+    # One environment (one actor) whose `step` builds its return as the first sample's "mode" says,
+    # the ways a user's own `step` may build it.
     class Sloppy(PerSampleEnvironment):
         def __init__(self, cfg):
             pass
@@ -583,79 +597,54 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
         def step_one(self, messages, metadata):
             return StepResult("ok", float(messages[-1]["content"]), True, metadata)
 
-    class Short(Sloppy):
         def step(self, message_logs, metadata):
+            mode, n = metadata[0].get("mode"), len(message_logs)
+            ended = [m[-1]["content"] == "end" for m in message_logs]
+            if mode == "texts":  # a text observation (StepResult takes one; the rollout needs messages)
+                return EnvironmentReturn(["try again"] * n, metadata, [None] * n, [0.0] * n, ended, [None] * n)
+            if mode == "stops":  # the generation backend refused it at the next turn, stopping the run
+                return EnvironmentReturn([{"role": "user", "content": "go on"}] * n, metadata,
+                                         [None if e else "</a>" for e in ended], [0.0] * n, ended, [None] * n)
             ret = super().step(message_logs, metadata)
-            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards[:-1]})  # one reward missing
+            change = {
+                "short": {"rewards": ret.rewards[:-1]},  # one reward missing
+                # NeMo RL's environments return tensors, and NumPy arrays are as good: read as lists.
+                "tensors": {"rewards": torch.tensor(ret.rewards), "terminateds": torch.tensor(ret.terminateds)},
+                "numpy": {"rewards": np.array(ret.rewards), "terminateds": np.array(ret.terminateds)},
+                "strings": {"rewards": [str(r) for r in ret.rewards]},
+                # A reward column [B, 1] and a metadata entry that is no dict passed the check, then
+                # stopped the driver: concatenating the slices, reading the metadata.
+                "column": {"rewards": torch.tensor(ret.rewards)[:, None]},
+                "named": {"metadata": ["done"] * n},
+            }.get(mode, {})
+            return type(ret)(**{**ret.__dict__, **change})
 
-    group = EnvironmentGroup("sloppy", Sloppy, EnvWorkerConfig(num_workers=1))
+    # max_failed_steps off: every sample of most steps below fails, one step after the other.
+    group = EnvironmentGroup("sloppy", Sloppy, EnvWorkerConfig(num_workers=1, max_failed_steps=None))
     try:
         ret = group.step([convo("1"), convo("nan"), convo("inf"), convo("0.5")], [{}] * 4)
-        assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 0.5] and ret.num_errors == 2
+        assert ret.rewards == [1.0, 0.0, 0.0, 0.5] and ret.num_errors == 2
         assert ret.metadata[1]["env_error"] == "environment 'sloppy' returned reward nan"
+        for mode in ("tensors", "numpy"):
+            ret = group.step([convo("1"), convo("nan"), convo("0.5")], [{"mode": mode}] * 3)
+            assert ret.rewards == [1.0, 0.0, 0.5] and ret.terminateds == [True] * 3 and ret.num_errors == 1
+            assert [type(r) for r in ret.rewards + ret.terminateds] == [float] * 3 + [bool] * 3
+        for mode, answers, error in [
+            ("short", ["1", "1"], "{'rewards': 1} entries for 2 samples"),
+            ("strings", ["1", "1"], "rewards[0] = '1.0', not a float"),
+            ("column", ["1", "1"], "rewards of shape [2, 1], not [2]"),
+            ("named", ["1", "1"], "metadata[0] = 'done', not a dict"),
+            ("texts", ["end", "more"],
+             "observations[1] = 'try again', not a message {'role': ..., 'content': ...} or a list of them"),
+            ("stops", ["more", "more"], "next_stop_strings[0] = '</a>', not None or a list of non-empty strings"),
+        ]:
+            ret = group.step([convo(a) for a in answers], [{"mode": mode}] * 2)
+            assert ret.rewards == [0.0, 0.0] and ret.num_errors == 2, mode
+            assert ret.metadata[0]["env_error"].startswith(f"environment 'sloppy' step returned {error}")
+            if mode in ("texts", "stops"):  # conversations that end: no observation shown, no next turn to stop
+                assert group.step([convo("end"), convo("end")], [{"mode": mode}] * 2).num_errors == 0
     finally:
         group.shutdown()
-    group = EnvironmentGroup("short", Short, EnvWorkerConfig(num_workers=1))
-    try:
-        ret = group.step([convo("1"), convo("1")], [{}] * 2)
-        assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
-        assert ret.metadata[0]["env_error"] == "environment 'short' step returned {'rewards': 1} entries for 2 samples"
-    finally:
-        group.shutdown()
-
-    # Returns of the wrong types, as a user's own `step` may build them: a list of rewards, and a
-    # text observation for a conversation that goes on (StepResult takes texts; the rollout
-    # needs messages). One that ends never shows its observation: anything goes there.
-    class Listed(Sloppy):
-        def step(self, message_logs, metadata):
-            ret = super().step(message_logs, metadata)
-            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards.tolist()})
-
-    class Texts(Sloppy):
-        def step(self, message_logs, metadata):
-            n = len(message_logs)
-            return EnvironmentReturn(["try again"] * n, metadata, [None] * n, torch.zeros(n),
-                                     torch.tensor([m[-1]["content"] == "end" for m in message_logs]), [None] * n)
-
-    class Stops(Sloppy):
-        def step(self, message_logs, metadata):
-            n = len(message_logs)
-            ended = [m[-1]["content"] == "end" for m in message_logs]
-            return EnvironmentReturn([{"role": "user", "content": "go on"}] * n, metadata,
-                                     [None if e else "</a>" for e in ended], torch.zeros(n), torch.tensor(ended),
-                                     [None] * n)
-
-    # A reward column [B, 1] and a metadata entry that is no dict passed the check, then stopped
-    # the driver: concatenating the slices, reading the metadata.
-    class Column(Sloppy):
-        def step(self, message_logs, metadata):
-            ret = super().step(message_logs, metadata)
-            return type(ret)(**{**ret.__dict__, "rewards": ret.rewards[:, None]})
-
-    class Named(Sloppy):
-        def step(self, message_logs, metadata):
-            ret = super().step(message_logs, metadata)
-            return type(ret)(**{**ret.__dict__, "metadata": ["done"] * len(message_logs)})
-
-    for name, env_cls, answers, error in [
-        ("listed", Listed, ["1", "1"], "rewards as a list, not a torch.Tensor"),
-        ("column", Column, ["1", "1"], "rewards of shape [2, 1], not [2]"),
-        ("named", Named, ["1", "1"], "metadata[0] = 'done', not a dict"),
-        ("texts", Texts, ["end", "more"],
-         "observations[1] = 'try again', not a message {'role': ..., 'content': ...} or a list of them"),
-        # The generation backend refused it at the next turn, stopping the run.
-        ("stops", Stops, ["more", "more"], "next_stop_strings[0] = '</a>', not None or a list of non-empty strings"),
-    ]:
-        group = EnvironmentGroup(name, env_cls, EnvWorkerConfig(num_workers=1))
-        try:
-            ret = group.step([convo(a) for a in answers], [{}] * 2)
-            assert ret.rewards.tolist() == [0.0, 0.0] and ret.num_errors == 2
-            assert ret.metadata[0]["env_error"].startswith(f"environment {name!r} step returned {error}")
-            ret = group.step([convo("end"), convo("end")], [{}] * 2)
-            # Conversations that end: no observation shown, no next turn to stop.
-            assert (ret.num_errors == 0) is (name in ("texts", "stops"))
-        finally:
-            group.shutdown()
 
 
 def test_a_raising_step_is_named_in_one_line_and_a_wrong_step_one_return_fails_its_sample(ray_session):
@@ -685,7 +674,7 @@ def test_a_raising_step_is_named_in_one_line_and_a_wrong_step_one_return_fails_i
                 return StepResult("ok", 1.0, True, metadata)
 
     ret = Forgetful().step([convo("1"), convo("2")], [{}, {}])
-    assert ret.rewards.tolist() == [1.0, 0.0]
+    assert ret.rewards == [1.0, 0.0]
     assert ret.metadata[1]["env_error"] == "TypeError: step_one returned None, not a StepResult"
 
 
@@ -712,9 +701,10 @@ def test_the_failed_step_streak_counts_scored_samples_not_continued_ones(ray_ses
         group.shutdown()
 
 
-def test_environment_return_tensors():
-    ret = ArithmeticEnvironment(EnvWorkerConfig()).step([convo("1")], [{"answer": "1"}])
-    assert ret.rewards.dtype == torch.float32 and ret.terminateds.dtype == torch.bool
+def test_environment_return_lists():
+    ret = ArithmeticEnvironment(EnvWorkerConfig()).step([convo("1"), convo("2")], [{"answer": "1"}] * 2)
+    assert ret.rewards == [1.0, 0.0] and ret.terminateds == [True, True]
+    assert [type(v) for v in ret.rewards + ret.terminateds] == [float, float, bool, bool]
 
 
 # --------------------------------------------------------------------------- code
@@ -748,13 +738,13 @@ def test_code_rewards_passing_tests_all_or_fraction():
     half = "```python\ndef add(a, b):\n    return a + b if a > 0 else 99\n```"  # passes tests 0 and 2
     env = _code_env()
     ret = env.step([_answer(right), _answer(half)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS}])
-    assert ret.rewards.tolist() == [1.0, 0.0] and ret.num_errors == 0
+    assert ret.rewards == [1.0, 0.0] and ret.num_errors == 0
     assert ret.observations[0]["content"] == "Environment: 3/3 tests passed"
     assert ret.observations[1]["content"].startswith("Environment: 2/3 tests passed; test 1 (assert add(-1, 1) == 0) "
                                                      "failed: AssertionError")
     assert ret.metadata[1]["tests_passed"] == 2 and ret.answers[0] == "def add(a, b):\n    return a + b\n"
     ret = _code_env(reward="fraction").step([_answer(half)], [{"tests": ADD_TESTS, "setup": "import math"}])
-    assert ret.rewards.tolist() == [pytest.approx(2 / 3)]
+    assert ret.rewards == [pytest.approx(2 / 3)]
 
 
 def test_code_wrong_programs_score_0_without_stopping_or_counting_as_env_errors():
@@ -767,7 +757,7 @@ def test_code_wrong_programs_score_0_without_stopping_or_counting_as_env_errors(
     }
     env = _code_env(memory_mb=256)
     ret = env.step([_answer(c) for c in cases.values()], [{"tests": ADD_TESTS} for _ in cases])
-    assert ret.rewards.tolist() == [0.0] * len(cases) and ret.num_errors == 0
+    assert ret.rewards == [0.0] * len(cases) and ret.num_errors == 0
     obs = dict(zip(cases, (o["content"] for o in ret.observations)))
     assert "SyntaxError" in obs["syntax"] and "RuntimeError: boom" in obs["raises"]
     assert "ended the interpreter (exit status 3)" in obs["exits"] and "MemoryError" in obs["memory"]
@@ -804,7 +794,7 @@ def test_code_programs_that_forge_passing_tests_score_0():
     for reward in ("all", "fraction"):
         ret = _code_env(reward=reward).step([_answer(p) for p in REWARD_HACKS.values()],
                                             [{"tests": tests} for _ in REWARD_HACKS])
-        got = dict(zip(REWARD_HACKS, ret.rewards.tolist()))
+        got = dict(zip(REWARD_HACKS, ret.rewards))
         assert got == dict.fromkeys(REWARD_HACKS, 0.0) and ret.num_errors == 0, (
             got, [o["content"] for o in ret.observations])
     obs = dict(zip(REWARD_HACKS, (o["content"] for o in ret.observations)))
@@ -849,7 +839,7 @@ def words(s):
              "def check(candidate):\n    assert candidate(1.0, 4.0) == 0.25\ncheck(div)",
              "assert Pair(1, 2)"]  # no truth value for the program's object: the one failing test
     ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
-    assert ret.rewards.tolist() == [pytest.approx(7 / 8)], ret.observations[0]["content"]
+    assert ret.rewards == [pytest.approx(7 / 8)], ret.observations[0]["content"]
     assert ret.observations[0]["content"].endswith("test 7 (assert Pair(1, 2)) failed: TypeError: the program's Pair is "
                                                    "not plain data: a test cannot compare it or take its truth")
 
@@ -863,7 +853,7 @@ def test_code_large_top_level_tables_stay_in_the_program():
     env = _code_env(reward="fraction", memory_mb=2048)
     env.timeout_s = 2.0
     ret = env.step([_answer(program)], [{"tests": tests}])
-    assert ret.rewards.tolist() == [0.75], ret.observations[0]["content"]
+    assert ret.rewards == [0.75], ret.observations[0]["content"]
     assert "the program's list of 10000000 items (not copied to the tests) is not plain data" in \
         ret.observations[0]["content"]
 
@@ -896,7 +886,7 @@ def test_code_hang_is_killed_with_what_it_started(tmp_path):
     env.timeout_s = 1.0
     start = time.monotonic()
     ret = env.step([_answer(program)], [{"tests": ADD_TESTS}])
-    assert ret.rewards.tolist() == [0.0] and "timed out after 1 s" in ret.observations[0]["content"]
+    assert ret.rewards == [0.0] and "timed out after 1 s" in ret.observations[0]["content"]
     assert time.monotonic() - start < 2.5
     time.sleep(3.5)
     assert not marker.exists()  # the grandchild died with the program's process group
@@ -929,7 +919,7 @@ def _running(pid: int) -> bool:
 
 def test_code_row_without_tests_is_an_env_error():
     ret = _code_env().step([_answer("def add(a, b): return a + b")], [{}])
-    assert ret.rewards.tolist() == [0.0] and ret.num_errors == 1
+    assert ret.rewards == [0.0] and ret.num_errors == 1
     assert "has no 'tests'" in ret.metadata[0]["env_error"]
 
 
@@ -939,7 +929,7 @@ def test_code_setup_is_a_string_or_a_list_of_lines():
     ret = _code_env().step([program] * 3, [{"tests": tests, "setup": "from math import sqrt"},
                                            {"tests": tests, "setup": ["import math", "from math import sqrt"]},
                                            {"tests": tests, "setup": {"imports": "math"}}])
-    assert ret.rewards.tolist() == [1.0, 1.0, 0.0] and ret.num_errors == 1
+    assert ret.rewards == [1.0, 1.0, 0.0] and ret.num_errors == 1
     assert ret.metadata[2]["env_error"] == ("ValueError: code: the sample's metadata 'setup' is a dict, not Python "
                                             "code (a string, or a list of lines)")
 
@@ -949,7 +939,7 @@ def test_code_env_runs_programs_inside_a_ray_actor(ray_session):
     try:
         right, wrong = "def add(a, b):\n    return a + b", "def add(a, b):\n    return a - b"
         ret = group.step([_answer(p) for p in (right, wrong, wrong, right)], [{"tests": ADD_TESTS}] * 4)
-        assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 1.0] and ret.num_errors == 0
+        assert ret.rewards == [1.0, 0.0, 0.0, 1.0] and ret.num_errors == 0
     finally:
         group.shutdown()
 
@@ -966,23 +956,23 @@ def test_code_a_passing_program_scores_1_whatever_it_leaves_behind_or_the_row_ca
     env = CodeEnvironment(EnvWorkerConfig(timeout_s=30.0))  # 1,200 mkdirs in time on a loaded machine too
     deep = "import os\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\ndef add(a, b):\n    return a + b"
     ret = env.step([_answer(deep)], [{"tests": ADD_TESTS}])
-    assert ret.rewards.tolist() == [1.0] and ret.num_errors == 0
+    assert ret.rewards == [1.0] and ret.num_errors == 0
     assert not list(tmp_path.glob("posttrain-code-*"))
     ret = env.step([_answer("def add(a, b):\n    return a + b")], [{"tests": ADD_TESTS, "score": 0.7, "attempt": "x"}])
-    assert ret.rewards.tolist() == [1.0] and ret.num_errors == 0
+    assert ret.rewards == [1.0] and ret.num_errors == 0
 
 
 def test_code_failing_attempt_comes_back_until_max_attempts():
     env = _code_env(max_attempts=2)
     wrong, right = "def add(a, b):\n    return a - b", "def add(a, b):\n    return a + b"
     first = env.step([_answer(wrong), _answer(right)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS}])
-    assert first.terminateds.tolist() == [False, True] and first.rewards.tolist() == [0.0, 1.0]
+    assert first.terminateds == [False, True] and first.rewards == [0.0, 1.0]
     assert first.observations[0]["content"].endswith("Fix the program and answer with all of it again.")
     again = _answer(wrong) + [{"role": "user", "content": first.observations[0]["content"]},
                               {"role": "assistant", "content": right}]
     second = env.step([again, _answer(wrong) + again[2:3] + [{"role": "assistant", "content": wrong}]],
                       [first.metadata[0], first.metadata[0]])
-    assert second.terminateds.tolist() == [True, True] and second.rewards.tolist() == [1.0, 0.0]
+    assert second.terminateds == [True, True] and second.rewards == [1.0, 0.0]
     assert [m["code_attempt"] for m in second.metadata] == [2, 2]
 
 
@@ -994,13 +984,13 @@ def test_code_turn_rewards_add_up_to_the_last_attempts_score_wherever_the_conver
     half = "def add(a, b):\n    return a + b if a < 2 else 0"  # add(2, 2) fails
     worse, right = "def add(a, b):\n    return None", "def add(a, b):\n    return a + b"
     first = env.step([_answer(half)], [{"tests": ADD_TESTS}])
-    assert first.terminateds.tolist() == [False] and first.rewards.tolist() == [pytest.approx(2 / 3)]
+    assert first.terminateds == [False] and first.rewards == [pytest.approx(2 / 3)]
     totals = []
     for program in (worse, right):
         convo = _answer(half) + [{"role": "user", "content": first.observations[0]["content"]},
                                  {"role": "assistant", "content": program}]
         second = env.step([convo], [first.metadata[0]])
-        totals.append(first.rewards[0].item() + second.rewards[0].item())
+        totals.append(first.rewards[0] + second.rewards[0])
         assert second.metadata[0]["code_attempt"] == 2
     assert totals == [pytest.approx(0.0, abs=1e-6), pytest.approx(1.0)]  # the last attempt's score: 0/3, 3/3
 
@@ -1033,8 +1023,8 @@ def test_code_format_rows_are_solved_by_their_references_and_not_by_a_wrong_prog
     env = _code_env(parallel_runs=2)
     metadata = [r["metadata"] for r in rows]
     ret = env.step(right, metadata)
-    assert ret.rewards.tolist() == [1.0] * 21 and ret.num_errors == 0, [o["content"] for o in ret.observations]
-    assert env.step(wrong, metadata).rewards.tolist() == [0.0] * 21
+    assert ret.rewards == [1.0] * 21 and ret.num_errors == 0, [o["content"] for o in ret.observations]
+    assert env.step(wrong, metadata).rewards == [0.0] * 21
 
 
 def test_reward_model_scores_padded_rows_as_each_alone(tiny_model_path, tmp_path):
@@ -1055,8 +1045,8 @@ def test_reward_model_scores_padded_rows_as_each_alone(tiny_model_path, tmp_path
     env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path), "add_eos": False}))
     convs = [[{"role": "user", "content": "1+1="}, {"role": "assistant", "content": answer}]
              for answer in ("2", "two, as one and one make two")]
-    together = env.step(convs, [{}, {}]).rewards
-    alone = torch.cat([env.step([c], [{}]).rewards for c in convs])
+    together = torch.tensor(env.step(convs, [{}, {}]).rewards)
+    alone = torch.tensor([r for c in convs for r in env.step([c], [{}]).rewards])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
 
 
@@ -1156,7 +1146,7 @@ def test_code_verdict_is_whether_every_test_of_the_last_attempt_passes(mode):
     env = _code_env(max_attempts=3, reward=mode)
     half = "def add(a, b):\n    return a + b if a < 2 else 0"
     first = env.step([_answer(half)], [{"tests": ADD_TESTS}])
-    assert first.rewards.item() == pytest.approx(2 / 3 if mode == "fraction" else 0.0)
+    assert first.rewards[0] == pytest.approx(2 / 3 if mode == "fraction" else 0.0)
     assert verdict(first.metadata[0]) is False
     verdicts = []
     for program in ("def add(a, b):\n    return a + b", "def add(a, b):\n    return None"):
@@ -1188,7 +1178,7 @@ def test_a_verdict_that_is_not_a_bool_fails_the_slice_naming_it():
 
     def ret(value):
         return EnvironmentReturn(observations=[{"role": "environment", "content": ""}], metadata=[{CORRECT_KEY: value}],
-                                 next_stop_strings=[None], rewards=torch.ones(1), terminateds=torch.ones(1, dtype=torch.bool),
+                                 next_stop_strings=[None], rewards=[1.0], terminateds=[True],
                                  answers=[None])
 
     assert "['env_correct'] = 0.5, not True, False or None" in _contract_violation(ret(0.5), 1)
@@ -1207,7 +1197,7 @@ def test_code_numpy_scalars_reach_the_tests_as_their_values():
              "assert positive(1.5) is True",
              "assert doubled([1]) == [2]"]  # an array stays the program's: no truth value, as in NumPy itself
     ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
-    assert ret.rewards.tolist() == [pytest.approx(3 / 4)], ret.observations[0]["content"]
+    assert ret.rewards == [pytest.approx(3 / 4)], ret.observations[0]["content"]
     assert ret.observations[0]["content"].endswith("test 3 (assert doubled([1]) == [2]) failed: TypeError: the "
                                                    "program's ndarray is not plain data: a test cannot compare it or "
                                                    "take its truth")

@@ -153,15 +153,13 @@ class _OneMoreTurnEnv:
         self.turns = turns
 
     def step(self, message_logs, metadata):
-        import torch
-
         from posttrain.environments.interfaces import EnvironmentReturn
 
         done = [sum(m["role"] == "assistant" for m in log) >= self.turns for log in message_logs]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": "again"} for _ in message_logs],
             metadata=[{} for _ in message_logs], next_stop_strings=[None for _ in message_logs],
-            rewards=torch.zeros(len(message_logs)), terminateds=torch.tensor(done),
+            rewards=[0.0] * len(message_logs), terminateds=list(done),
             answers=[None for _ in message_logs],
         )
 
@@ -470,8 +468,8 @@ def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "again"}] * n,
                 metadata=[{**m, ENV_METRICS_KEY: {"turn": float(len(seen))}} for m in metadata],
-                next_stop_strings=[None] * n, rewards=torch.zeros(n),
-                terminateds=torch.tensor([len(seen) == 2] * n), answers=[None] * n)
+                next_stop_strings=[None] * n, rewards=[0.0] * n,
+                terminateds=[len(seen) == 2] * n, answers=[None] * n)
 
     gen = _EchoGeneration(tok, replies=["12", "3"])
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
@@ -598,7 +596,7 @@ def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_oth
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "again"}] * n, metadata=metadata,
                 next_stop_strings=[["</b>"] if m["name"] == "b" else None for m in metadata],
-                rewards=torch.zeros(n), terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+                rewards=[0.0] * n, terminateds=[False] * n, answers=[None] * n)
 
     gen = _EchoGeneration(tok)
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "stop_strings": ["</a>"],
@@ -627,8 +625,8 @@ def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(t
                     else list(metadata) if echo else [None] * n)
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "again"}] * n, metadata=meta,
-                next_stop_strings=[None] * n, rewards=torch.zeros(n),
-                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+                next_stop_strings=[None] * n, rewards=[0.0] * n,
+                terminateds=[False] * n, answers=[None] * n)
 
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
     result = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsOnTurnOne()}, tok, max_turns=3, max_seq_len=200)
@@ -653,8 +651,8 @@ def test_a_failed_verification_scores_the_sample_0_whatever_its_earlier_turns_ea
             meta = [dict(m) for m in metadata] if self.turn == 1 else [{**m, ENV_ERROR_KEY: "boom"} for m in metadata]
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "again"}] * n, metadata=meta,
-                next_stop_strings=[None] * n, rewards=torch.full((n,), 0.5 if self.turn == 1 else 0.0),
-                terminateds=torch.full((n,), self.turn > 1), answers=[None] * n)
+                next_stop_strings=[None] * n, rewards=[0.5 if self.turn == 1 else 0.0] * n,
+                terminateds=[self.turn > 1] * n, answers=[None] * n)
 
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
     result = run_rollouts(_EchoGeneration(tok), rows, {"t": HalfThenCrash()}, tok, max_turns=3, max_seq_len=200)
@@ -672,8 +670,8 @@ def test_an_observation_the_chat_template_cannot_write_scores_0_and_the_rollout_
             n = len(metadata)
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": content if m["i"] == 0 else "again"} for m in metadata],
-                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=torch.ones(n),
-                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=[1.0] * n,
+                terminateds=[False] * n, answers=[None] * n)
 
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "metadata": {"i": i}} for i in range(2)]
     result = run_rollouts(_EchoGeneration(tok), rows, {"t": OddContent()}, tok, max_turns=2, max_seq_len=200)
@@ -695,8 +693,8 @@ def test_an_observation_with_a_lone_surrogate_reaches_the_model_escaped(tok):
             n = len(metadata)
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "ValueError: \ud800 bad"}] * n,
-                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=torch.zeros(n),
-                terminateds=torch.zeros(n, dtype=torch.bool), answers=[None] * n)
+                metadata=[dict(m) for m in metadata], next_stop_strings=[None] * n, rewards=[0.0] * n,
+                terminateds=[False] * n, answers=[None] * n)
 
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
     (conv,) = run_rollouts(_EchoGeneration(tok), rows, {"t": Echo()}, tok, max_turns=2, max_seq_len=200).conversations
@@ -827,8 +825,8 @@ def test_a_sample_whose_environment_failed_leaves_the_loss_and_the_baseline(tok,
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": ""}] * n,
                 metadata=[{**m, **({ENV_ERROR_KEY: "verifier crashed"} if m["i"] == 1 else {})} for m in metadata],
-                next_stop_strings=[None] * n, rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
-                terminateds=torch.ones(n, dtype=torch.bool), answers=[None] * n)
+                next_stop_strings=[None] * n, rewards=[1.0, 0.0, 0.0, 1.0],
+                terminateds=[True] * n, answers=[None] * n)
 
     rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t", "metadata": {"i": i}} for i in range(4)]
     result = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsOnSecond()}, tok, max_turns=1, max_seq_len=100)
@@ -954,8 +952,8 @@ def test_the_verdict_of_a_conversation_is_its_last_steps(tok):
             return EnvironmentReturn(
                 observations=[{"role": "environment", "content": "again"} for _ in message_logs],
                 metadata=[{**m, CORRECT_KEY: True} if f else dict(m) for m, f in zip(metadata, first)],
-                next_stop_strings=[None] * len(message_logs), rewards=torch.ones(len(message_logs)),
-                terminateds=torch.tensor([not f for f in first]), answers=[None] * len(message_logs))
+                next_stop_strings=[None] * len(message_logs), rewards=[1.0] * len(message_logs),
+                terminateds=[not f for f in first], answers=[None] * len(message_logs))
 
     rows = [{"messages": [{"role": "user", "content": "q"}], "task_name": "t"}]
     out = run_rollouts(_EchoGeneration(tok), rows, {"t": JudgesOnlyTheFirstTurn()}, tok, max_turns=2, max_seq_len=512)

@@ -31,15 +31,15 @@ def test_count_mentions_whole_words_plural_and_case():
 def test_reward_is_capped_fraction_of_mentions(text, min_mentions, reward):
     env = StoryEnvironment(EnvWorkerConfig(cfg={"min_mentions": min_mentions}))
     ret = env.step([_conv(text)], [{"answer": "dog"}])
-    assert ret.rewards.tolist() == pytest.approx([reward])
-    assert ret.terminateds.tolist() == [True]
+    assert ret.rewards == pytest.approx([reward])
+    assert ret.terminateds == [True]
     assert ret.answers == [str(count_mentions(text, "dog"))]
 
 
 def test_missing_answer_scores_zero_with_an_error():
     env = StoryEnvironment(EnvWorkerConfig())
     ret = env.step([_conv("dog dog dog")], [{}])
-    assert ret.rewards.tolist() == [0.0]
+    assert ret.rewards == [0.0]
     assert "answer" in ret.metadata[0]["env_error"]
 
 
