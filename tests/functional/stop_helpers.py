@@ -34,7 +34,7 @@ def grpo_command(tmp_path: Path, steps: int, val_period: int = 0) -> list[str]:
             "grpo.val_at_end=false", "data.max_val_samples=8",
             "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=16",
             f"grpo.max_num_steps={steps}", "checkpointing.save_period=1000", "checkpointing.export_hf_at_end=true",
-            "logger.tensorboard_enabled=false", "cluster.cpus_per_worker=1",
+            "logger.tensorboard_enabled=false", "logger.plots_enabled=false", "cluster.cpus_per_worker=1",
             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"]
 
 

@@ -28,7 +28,7 @@ def arithmetic_run(ray_session, tmp_path_factory):
     train.write_text("\n".join(json.dumps(r) for r in rows))
     val = tmp / "val.jsonl"
     val.write_text("\n".join(json.dumps(r) for r in rows[1:16:2]))
-    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=3"))
+    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=3", "logger.plots_enabled=true"))
     result = run(cfg)
     return tmp, result
 

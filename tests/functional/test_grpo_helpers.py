@@ -28,6 +28,9 @@ def tiny_overrides(tmp_path, *extra):
         "policy.logprob_batch_size=8",
         "policy.optimizer.kwargs.lr=1e-3",
         "logger.tensorboard_enabled=false",
+        # ~1.6 s of each run's CPU at its first checkpoint (matplotlib and five PNGs), ~0.6 s at each
+        # later one; test_checkpoints_and_plots_are_written draws them.
+        "logger.plots_enabled=false",
         "logger.num_val_samples_to_print=0",
         # Every step's token_mult_prob_error measured against a policy forward (the quickstart reuses
         # the generation logprobs after step 1; tested on its own in test_grpo_variants.py).
