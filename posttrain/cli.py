@@ -25,7 +25,7 @@ import traceback
 from typing import Any, Sequence
 
 from posttrain.config import InputError, RunStopped, load_config, to_yaml
-from posttrain.schemas import MASTER_CONFIGS, DataConfig
+from posttrain.schemas import MASTER_CONFIGS, DataConfig, PolicyConfig
 
 DOCS = "docs/config.md"
 EXIT_INPUT_ERROR = 2
@@ -159,10 +159,18 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
+    # A data file or local model folder that is not there fails here, in a second, not after the imports.
     if isinstance(getattr(cfg, "data", None), DataConfig):
         from posttrain.data.datasets import check_files
 
-        check_files(cfg.data)  # a data file that is not there fails here, in a second, not after the imports
+        check_files(cfg.data)
+    if isinstance(policy := getattr(cfg, "policy", None), PolicyConfig):
+        from posttrain.embedded import check_local_model
+
+        for key in ("model_name", "tokenizer.name", "reference_model_name"):
+            name = policy.tokenizer.name if key == "tokenizer.name" else getattr(policy, key)
+            if name:
+                check_local_model(f"policy.{key}", name, "a tokenizer" if key == "tokenizer.name" else "a model")
     if supervise:  # so that a signal to our process group spares the Ray node (see its docstring)
         from posttrain.runtime import supervise_in_own_session
 

@@ -210,6 +210,15 @@ def offline_if_hub_unreachable() -> bool:
     return True
 
 
+def check_local_model(key: str, name: str, what: str = "a model") -> None:
+    """Raise the error loading would, naming config `key`, when the model `name` is a local path
+    (absolute, ./ or ~) that is not there. The `posttrain` command checks this before the run
+    imports torch and transformers, where loading its tokenizer or config failed after ~6 s."""
+    if not name.startswith(EMBEDDED_PREFIX) and (os.path.isabs(name) or name.startswith((".", "~"))) \
+            and not os.path.exists(os.path.expanduser(name)):
+        raise model_load_error(key, name, name, what, FileNotFoundError(name))
+
+
 def model_load_error(key: str, name: str, path: str, what: str, error: Exception):
     """The `MissingInputError` for `what` ("a model config", "a tokenizer") that transformers could
     not load from `path` (config key `key` = `name`): a local path that does not exist says so,

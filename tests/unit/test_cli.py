@@ -87,10 +87,15 @@ def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_pa
     out = _run("sft", f"data.dataset_name={bad}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"{bad} row 2: `messages` must be a non-empty list of messages" in out.stderr
-    # A local model folder that is not there: said so, not transformers' "not a valid repo id".
-    out = _run("grpo", f"policy.model_name={tmp_path / 'no_model'}")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
+    # A local model folder that is not there: said so, not transformers' "not a valid repo id", and
+    # before the imports, as for data files.
+    out = _run_probed("grpo", f"policy.model_name={tmp_path / 'no_model'}")
+    assert out.stdout.split() == ["2", "False", "False"] and "Traceback" not in out.stderr, out
     assert f"policy.model_name='{tmp_path / 'no_model'}'" in out.stderr and "no such folder" in out.stderr
+    out = _run_probed("dpo", "policy.model_name=embedded:tiny", "policy.tokenizer.name=./no_tokenizer",
+                      f"data.dataset_name={bad}")
+    assert out.stdout.split() == ["2", "False", "False"], out
+    assert "policy.tokenizer.name='./no_tokenizer': cannot load a tokenizer from this local folder" in out.stderr
 
 
 def _rm_exit_status(monkeypatch, run, command: str = "rm") -> int:
