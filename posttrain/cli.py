@@ -167,10 +167,11 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     if isinstance(policy := getattr(cfg, "policy", None), PolicyConfig):
         from posttrain.embedded import check_local_model
 
-        for key in ("model_name", "tokenizer.name", "reference_model_name"):
-            name = policy.tokenizer.name if key == "tokenizer.name" else getattr(policy, key)
+        for key, name, what in (("policy.model_name", policy.model_name, "a model"),
+                                ("policy.tokenizer.name", policy.tokenizer.name, "a tokenizer"),
+                                ("policy.reference_model_name", policy.reference_model_name, "a model")):
             if name:
-                check_local_model(f"policy.{key}", name, "a tokenizer" if key == "tokenizer.name" else "a model")
+                check_local_model(key, name, what)
     if supervise:  # so that a signal to our process group spares the Ray node (see its docstring)
         from posttrain.runtime import supervise_in_own_session
 

@@ -214,9 +214,13 @@ def check_local_model(key: str, name: str, what: str = "a model") -> None:
     """Raise the error loading would, naming config `key`, when the model `name` is a local path
     (absolute, ./ or ~) that is not there. The `posttrain` command checks this before the run
     imports torch and transformers, where loading its tokenizer or config failed after ~6 s."""
-    if not name.startswith(EMBEDDED_PREFIX) and (os.path.isabs(name) or name.startswith((".", "~"))) \
-            and not os.path.exists(os.path.expanduser(name)):
+    if _is_local_path(name) and not os.path.exists(os.path.expanduser(name)):
         raise model_load_error(key, name, name, what, FileNotFoundError(name))
+
+
+def _is_local_path(name: str) -> bool:
+    """Whether a model name is written as a local path (absolute, ./ or ~), not a hub id or `embedded:`."""
+    return os.path.isabs(name) or name.startswith((".", "~"))
 
 
 def model_load_error(key: str, name: str, path: str, what: str, error: Exception):
@@ -227,7 +231,7 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
 
     from posttrain.checkpoint import EXPORT_DIR, complete_checkpoints, policy_checkpoint_dir
 
-    local = os.path.isabs(path) or path.startswith((".", "~"))
+    local = _is_local_path(path)
     # A run's checkpointing.checkpoint_dir, named instead of one of its step_N checkpoints.
     inside = complete_checkpoints(os.path.expanduser(path))
     if local and not os.path.exists(os.path.expanduser(path)):

@@ -115,12 +115,14 @@ class EnvironmentReturn:
 
     @staticmethod
     def concat(parts: list["EnvironmentReturn"]) -> "EnvironmentReturn":
+        """The parts' samples in order; their rewards and terminateds are lists already (the actors'
+        slices as `EnvironmentGroup.step` reads them)."""
         return EnvironmentReturn(
             observations=[o for p in parts for o in p.observations],
             metadata=[m for p in parts for m in p.metadata],
             next_stop_strings=[s for p in parts for s in p.next_stop_strings],
-            rewards=[float(r) for p in parts for r in p.rewards],
-            terminateds=[bool(t) for p in parts for t in p.terminateds],
+            rewards=[r for p in parts for r in p.rewards],
+            terminateds=[t for p in parts for t in p.terminateds],
             answers=[a for p in parts for a in p.answers],
             tool_calls=([c for p in parts for c in (p.tool_calls or [None] * len(p.metadata))]
                         if any(p.tool_calls for p in parts) else None),
