@@ -505,8 +505,12 @@ class CheckpointManager:
             if self.stop_signal is not None:
                 raise StopAtOnce(name)
             self.stop_signal = name
-            log.warning("%s received: saving a checkpoint after this step and stopping "
-                        "(send it again to stop at once, without saving)", name)
+            if self.cfg.enabled:
+                log.warning("%s received: saving a checkpoint after this step and stopping "
+                            "(send it again to stop at once, without saving)", name)
+            else:
+                log.warning("%s received: stopping after this step, without a checkpoint "
+                            "(checkpointing.enabled=false; send it again to stop at once)", name)
 
         for s in wanted:
             signal.signal(s, handle)

@@ -101,6 +101,11 @@ class Conversation:
         """The model's turns after the prompt, one per line."""
         return "\n".join(m["content"] for m in self.exchange if m["role"] == "assistant")
 
+    @property
+    def env_error(self) -> str | None:
+        """Why the environment failed this sample (samples.jsonl), None when it did not."""
+        return (self.metadata.get(ENV_ERROR_KEY) or "unknown error") if self.env_errors else None
+
 
 @dataclass
 class RolloutResult:
@@ -462,9 +467,11 @@ def run_rollouts(
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 if terminateds[k] or last_turn or c.truncated:
                     c.done = True
-                    c.stop_reason = ("environment" if terminateds[k] else
-                                     "context" if c.truncated and len(c.tokens) >= max_seq_len else
-                                     "max_new_tokens" if c.truncated else "max_turns")
+                    # A cut answer says so though the environment ended the conversation too: a
+                    # single-turn one always does, and every sample read "environment".
+                    c.stop_reason = ("context" if c.truncated and len(c.tokens) >= max_seq_len else
+                                     "max_new_tokens" if c.truncated else
+                                     "environment" if terminateds[k] else "max_turns")
                     continue
                 obs = ret.observations[k]
                 obs = obs if isinstance(obs, list) else [obs]  # several: one tool result per call

@@ -164,6 +164,11 @@ def supervise_in_own_session() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != supervisor:  # it died before the prctl: nothing has started yet
             os._exit(128 + signal.SIGTERM)
+        # A shell without job control starts a background command with SIGINT ignored, and the
+        # job inherited that: `kill -INT` during the set-up did nothing (the run went on to its
+        # end), though the loop's handler stops it later. A SIGINT reaches the job only through the
+        # supervisor, which handles it: act on it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         return
 
     forwarded: set[int] = set()

@@ -189,7 +189,7 @@ def _sample_record(prompt_index: int, sample_index: int, row: dict, conv) -> dic
         "stop_reason": conv.stop_reason,  # posttrain.rollouts.Conversation.stop_reason
         "prompt_truncated": conv.prompt_truncated,  # cut from the left (overlong_prompt=truncate)
         "response_tokens": conv.response_tokens,
-        "env_error": bool(conv.env_errors),
+        "env_error": conv.env_error,  # its text; null when the environment did not fail
         "task_name": conv.task_name,
         # With tools: the turns that called them, and the whole exchange (calls, results, answer);
         # also after one turn whose call's result found no room left in the context.
@@ -208,7 +208,7 @@ def sample_counts(records: list[dict[str, Any]]) -> dict[str, float]:
         "num_truncated": sum(r["truncated"] for r in records),
         "num_prompt_truncated": sum(r["prompt_truncated"] for r in records),
         "num_no_answer": sum(r["extracted_answer"] is None for r in records),
-        "num_env_errors": sum(r["env_error"] for r in records),
+        "num_env_errors": sum(bool(r["env_error"]) for r in records),
         "mean_reward": sum(r["reward"] for r in records) / n,
         "mean_response_tokens": sum(r["response_tokens"] for r in records) / n,
         # Over every sample, a row without tools counting 0 calls (as GRPO's tool_calls_mean): with

@@ -826,7 +826,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         logger.log_metrics(last.train, step=step, prefix="train")
         logger.log_samples([
             {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
-             "stop_reason": c.stop_reason,
+             "stop_reason": c.stop_reason, "env_error": c.env_error,
              **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
              **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
             for c in rollout.conversations[: cfg.logger.num_samples_to_dump]

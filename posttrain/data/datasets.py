@@ -39,6 +39,17 @@ from posttrain.embedded import cache_root, offline_if_hub_unreachable
 from posttrain.schemas import DataConfig
 
 log = logging.getLogger(__name__)
+# What `_warn_once` said in this process.
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    """Log a warning about a file once: a file that holds out its own validation rows is read for
+    each split, and its skipped rows were reported twice."""
+    text = msg % args
+    if text not in _warned:
+        _warned.add(text)
+        log.warning(text)
 
 SPLITS = ("train", "val", "validation")  # "validation" is an alias of "val"
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -101,6 +112,11 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     builder = "parquet" if suffix == ".parquet" else "json"
     if builder == "parquet" and _parquet_rows(path) == 0:  # datasets failed on it: "BatchSize must be greater than 0"
         return [], str(path), []
+    # Its JSON reader logs its own error for a bad line ("in row 2", counted otherwise) before the
+    # one below that names the line: quiet, so that a user reads one error.
+    json_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_log.level
+    json_log.setLevel(logging.CRITICAL)
     try:
         ds = datasets.load_dataset(
             builder, data_files=str(path), split="train", cache_dir=str(cache_root() / "datasets"), **kwargs
@@ -117,12 +133,14 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
         # Invalid JSON (name the line), or rows arrow cannot give one schema (mixed types):
         # the plain parse then hands them to the row normaliser, which names the bad row.
         rows = None
+    finally:
+        json_log.setLevel(level)
     if rows is None:
         rows = _parse_json_rows(path, kwargs.get("field"))
     numbers = list(range(1, len(rows) + 1))
     if suffix == ".json" and "field" not in kwargs and len(rows) == 1:
         _refuse_row_holder(rows[0], path)
-    if rows and "paragraphs" in rows[0]:
+    if rows and isinstance(rows[0], dict) and "paragraphs" in rows[0]:
         rows = _flatten_squad(rows, path)
         numbers = list(range(1, len(rows) + 1))
     elif builder == "json" and "field" not in kwargs:
@@ -226,13 +244,28 @@ def _parse_json_rows(path: Path, field: str | None) -> list[Any]:
             raise DataFormatError(
                 f"{path} line {whole_err.lineno}: invalid JSON: {whole_err.msg}"
             ) from None
-    rows = []
-    for lineno, line in _json_lines(text):
+    rows: list[Any] = []
+    for _, line in _json_lines(text):
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise DataFormatError(f"{where(str(path), lineno)}: invalid JSON: {e.msg} (line {lineno})") from None
+            rows.append(_UnreadableLine(f"invalid JSON at column {e.colno}: {e.msg}"))
     return rows
+
+
+class _UnreadableLine:
+    """A JSON-lines line that is not JSON, in its row's place: `normalize_rows` stops at it as at
+    any malformed row, or skips and counts it under `data.on_malformed_row: skip` (it used to stop
+    the run whatever that said)."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _readable(row: Any, loc: str) -> Any:
+    if isinstance(row, _UnreadableLine):
+        raise DataFormatError(f"{loc}: {row.error}")
+    return row
 
 
 def _json_lines(text: str) -> list[tuple[int, str]]:
@@ -254,7 +287,7 @@ def _flatten_squad(articles: list[dict[str, Any]], path: Path) -> list[dict[str,
     if not rows:
         raise DataFormatError(f"{path}: SQuAD file holds no answerable question")
     if unanswerable:  # SQuAD v2 holds a third of them: a run on fewer rows than the file says why
-        log.warning("%s: skipped %d unanswerable SQuAD questions (is_impossible) of %d", path, unanswerable,
+        _warn_once("%s: skipped %d unanswerable SQuAD questions (is_impossible) of %d", path, unanswerable,
                     unanswerable + len(rows))
     return rows
 
@@ -277,14 +310,14 @@ def normalize_rows(
     for n, r in zip(numbers, raw):
         try:
             loc = where(source, n)
-            rows.append(SourcedRow(normalize_row(r, fmt, loc, cfg.task_name), loc))
+            rows.append(SourcedRow(normalize_row(_readable(r, loc), fmt, loc, cfg.task_name), loc))
         except DataFormatError as e:
             if cfg.on_malformed_row == "error":
                 raise
             skipped += 1
             first_error = first_error or str(e)
     if skipped:
-        log.warning("%s: skipped %d malformed %s rows of %d (first: %s)", source, skipped, fmt, len(raw), first_error)
+        _warn_once("%s: skipped %d malformed %s rows of %d (first: %s)", source, skipped, fmt, len(raw), first_error)
     if not rows:
         raise DataFormatError(f"{source}: every row is malformed ({skipped} skipped); first error: {first_error}")
     return rows
@@ -316,7 +349,7 @@ def _format_of_rows(raw: list[Any], source: str, numbers: list[int], skip: bool)
     first_error = None
     for n, r in zip(numbers, raw):
         try:
-            return detect_format(r, where(source, n))
+            return detect_format(_readable(r, where(source, n)), where(source, n))
         except DataFormatError as e:
             if not skip:
                 raise
@@ -455,7 +488,9 @@ def _folder_error(cfg: DataConfig, folder: Path, error: Exception) -> InputError
     columns: dict[str, list[str]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in _FILE_SUFFIXES and p.is_file()):
         try:
-            rows = read_file(path)[0]
+            rows, source, numbers = read_file(path)
+            for n, row in zip(numbers, rows):
+                _readable(row, where(source, n))
         except InputError as e:
             return InputError(f"{key}: the folder's file {e}")
         columns[str(path.relative_to(folder))] = sorted(rows[0]) if rows and isinstance(rows[0], dict) else []

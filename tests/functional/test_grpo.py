@@ -28,7 +28,8 @@ def arithmetic_run(ray_session, tmp_path_factory):
     train.write_text("\n".join(json.dumps(r) for r in rows))
     val = tmp / "val.jsonl"
     val.write_text("\n".join(json.dumps(r) for r in rows[1:16:2]))
-    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=3", "logger.plots_enabled=true"))
+    cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=3", "logger.plots_enabled=true",
+                                                  "logger.num_samples_to_dump=64"))  # every sample
     result = run(cfg)
     return tmp, result
 
@@ -180,6 +181,10 @@ def test_environment_errors_score_zero_and_the_run_goes_on(arithmetic_run):
     assert sum(r["env_errors"] for r in train) > 0
     samples = [json.loads(line) for line in (tmp / "logs" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
+    # Each failed sample says why (it was only in the environment actor's log), and scores 0.
+    failed = [s for s in samples if s["env_error"] is not None]
+    assert all(s["reward"] == 0.0 and "answer" in s["env_error"] for s in failed), failed[:2]
+    assert 0 < len(failed) < len(samples), len(failed)
 
 
 def test_checkpoints_and_plots_are_written(arithmetic_run):

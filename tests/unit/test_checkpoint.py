@@ -476,6 +476,14 @@ def test_stop_signals_end_the_run_after_the_step_and_a_second_one_at_once(tmp_pa
         f"{first.name} received at step 7: saved step_7 in {mgr.cfg.checkpoint_dir}; stopping")
 
 
+def test_a_stop_signal_promises_no_checkpoint_when_checkpointing_is_off(tmp_path, caplog):
+    mgr = _mgr(tmp_path, enabled=False)
+    with caplog.at_level("WARNING", logger="posttrain.checkpoint"), mgr.stop_on_signals():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert "SIGINT received: stopping after this step, without a checkpoint (checkpointing.enabled=false" in caplog.text
+    assert "saving a checkpoint" not in caplog.text
+
+
 class _Policy:
     """What CheckpointManager.save needs of a policy: save_checkpoint(dir)."""
 

@@ -136,13 +136,14 @@ def test_sample_counts_of_environments_with_and_without_tools():
     # KeyError after every sample was generated, and no results were written.
     from posttrain.algorithms.eval import sample_counts
 
-    def record(correct, tool_calls=None):
+    def record(correct, tool_calls=None, env_error=None):
         r = {"correct": correct, "truncated": False, "prompt_truncated": False, "extracted_answer": "1",
-             "env_error": False, "reward": float(bool(correct)), "response_tokens": 4}
+             "env_error": env_error, "reward": float(bool(correct)), "response_tokens": 4}
         return r if tool_calls is None else {**r, "tool_calls": tool_calls}
 
-    counts = sample_counts([record(True, 2), record(False, 1), record(True), record(None)])
+    counts = sample_counts([record(True, 2), record(False, 1), record(True), record(None, env_error="ValueError: x")])
     assert counts["mean_tool_calls"] == 3 / 4 and counts["num_correct"] == 2 and counts["mean_reward"] == 0.5
+    assert counts["num_env_errors"] == 1  # the error's text counts once
     assert "mean_tool_calls" not in sample_counts([record(True)])
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from posttrain.config import InputError
 from posttrain.data.datasets import load_rows
-from posttrain.data.formats import DataFormatError, detect_format, normalize_row
+from posttrain.data.formats import DataFormatError, detect_format, normalize_row, row_name
 from posttrain.schemas import DataConfig
 
 
@@ -567,11 +567,30 @@ def test_preference_pair_with_the_same_response_on_both_sides_is_malformed(tmp_p
     assert len(rows) == 2 and "skipped 1 malformed preference rows of 3" in caplog.text
 
 
-def test_invalid_json_line_names_the_line(tmp_path):
+def test_invalid_json_line_names_the_line(tmp_path, capfd):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps(GOOD["alpaca"]) + "\n" + '{"instruction": "q", "output": \n')
-    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON"):
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON at column 32: Expecting value$"):
         load_rows(_cfg(str(path)), "train")
+    # One error: datasets' JSON reader logged its own first ("in row 1", counting from 0).
+    assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+def test_invalid_json_lines_are_skipped_and_counted_under_skip(tmp_path, caplog):
+    # They stopped the run whatever data.on_malformed_row said; the rows after them keep their line numbers.
+    good = json.dumps(GOOD["alpaca"])
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join([good, '{"instruction": "q", "output": "a"', "", good, "[1,", '{"instruction": 3}']) + "\n")
+    cfg = _cfg("local", train_data_path=str(path), val_data_path=str(path), on_malformed_row="skip")
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        rows = load_rows(cfg, "train")
+    assert len(rows) == 2
+    assert [row_name(r, "") for r in rows] == [f"{path} row 1", f"{path} row 4"]
+    assert (f"skipped 3 malformed alpaca rows of 5 (first: {path} row 2: invalid JSON at column 35: Expecting ',' "
+            "delimiter)") in caplog.text
+    # Read again for the validation split: said once.
+    load_rows(cfg, "val")
+    assert caplog.text.count("skipped 3 malformed") == 1
 
 
 def test_non_utf8_file_names_the_line_and_a_byte_order_mark_is_read(tmp_path, shared_data):

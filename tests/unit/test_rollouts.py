@@ -557,6 +557,8 @@ def test_each_conversation_says_why_it_ended_and_environments_see_the_context_le
     assert ended("stop", 200) == ("environment", 1, False)
     assert ended("go on", 200) == ("max_turns", 3, False)
     assert ended("go on", 200, truncated=True) == ("max_new_tokens", 1, True)
+    # Cut, and ended by the environment (as a single-turn one ends every conversation): the cut says why.
+    assert ended("stop", 200, truncated=True) == ("max_new_tokens", 1, True)
     # The next observation does not fit: the environment was not told it was the last turn (it
     # cannot be, before it answers), but it saw how much room was left.
     reason, turns, truncated = ended("go on", 60, obs_words=30)
@@ -632,7 +634,7 @@ def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(t
     result = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsOnTurnOne()}, tok, max_turns=3, max_seq_len=200)
     (conv,) = result.conversations
     assert conv.env_errors == 1 and result.metrics["env_errors"] == 1
-    assert conv.metadata[ENV_ERROR_KEY] == "verifier crashed"
+    assert conv.metadata[ENV_ERROR_KEY] == "verifier crashed" == conv.env_error  # samples.jsonl's
 
 
 def test_a_failed_verification_scores_the_sample_0_whatever_its_earlier_turns_earned(tok):

@@ -71,6 +71,30 @@ def test_the_supervisor_names_the_signal_that_killed_its_job():
                         r"resumes from the latest\n", proc.stderr), proc.stderr
 
 
+def test_the_job_acts_on_a_sigint_even_when_started_with_sigint_ignored():
+    """A script's `posttrain ... &` (no job control) starts with SIGINT ignored: the supervisor
+    forwarded a `kill -INT` to a job that ignored it, and a run in its set-up went on to the end."""
+    script = textwrap.dedent("""
+        import signal, sys, time
+        from posttrain.runtime import supervise_in_own_session
+        supervise_in_own_session()
+        print("job", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline() == "job\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+
+
 _FAULTS = textwrap.dedent("""
     import os, resource, sys, torch
     from posttrain.runtime import keep_freed_memory
