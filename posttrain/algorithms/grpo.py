@@ -569,6 +569,11 @@ class _LastComplete:
     loader_state: dict
     train: dict[str, float] = field(default_factory=dict)
     val: dict[str, float] = field(default_factory=dict)
+    # The data position before the latest steps whose every sample failed in its environment (a
+    # reward service down; None: the last step scored some): the position an environment failure's
+    # save resumes from, so that those steps' prompts are trained on once it is mended.
+    before_failed_steps: dict | None = None
+    failed_steps: int = 0
 
 
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
@@ -583,8 +588,14 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     except EnvironmentFailure:
         # The policy is the last complete step's (an environment fails before an update, in the
         # rollouts or a validation): keep the steps since the last checkpoint for a resume once
-        # the environment is mended.
-        _save_last_complete(s, last, "an environment failed")
+        # the environment is mended, at the data position before the steps it failed in whole
+        # (which trained on nothing): their prompts come again.
+        note = ""
+        if last.before_failed_steps is not None:
+            last.loader_state = last.before_failed_steps
+            note = (f"; its data position is before the last {last.failed_steps} step(s), in which every sample "
+                    "failed: a resume trains on their prompts")
+        _save_last_complete(s, last, "an environment failed", note)
         raise
     except WorkerError as e:
         # A separate generation worker died (in a refit or the rollouts): the policy workers hold
@@ -597,12 +608,13 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             pipeline.close(wait=finished)
 
 
-def _save_last_complete(s: GRPOSetup, last: _LastComplete, why: str) -> None:
-    """Save `last` (the last complete step) if no checkpoint holds it yet, saying `why` the run stops."""
+def _save_last_complete(s: GRPOSetup, last: _LastComplete, why: str, note: str = "") -> None:
+    """Save `last` (the last complete step) if no checkpoint holds it yet, saying `why` the run
+    stops (and `note`, after)."""
     if last.step > last.saved_step and s.cfg.checkpointing.enabled:
         _save(s, last.step, last.train, last.val, loader_state=last.loader_state)
         last.saved_step = last.step
-        s.logger.console(f"{why}: saved step {last.step}, the last complete one, before stopping")
+        s.logger.console(f"{why}: saved step {last.step}, the last complete one, before stopping{note}")
 
 
 def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastComplete) -> dict[str, float]:
@@ -787,8 +799,14 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # The step is complete: its update is in the policy, which a failure of the generation
         # workers from here on leaves intact (grpo_train then saves it). The data position before
         # the next step's prompts (async: before the oldest queued ones).
+        before = last.loader_state
         last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
+        if bool(batch["env_errors"].all()):
+            last.before_failed_steps = last.before_failed_steps or before
+            last.failed_steps += 1
+        else:
+            last.before_failed_steps, last.failed_steps = None, 0
 
         # ---- refit separate generation workers (colocated ones refit in prepare_for_generation;
         # async ones before each queued batch, in the pipeline's thread)

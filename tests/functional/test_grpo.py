@@ -379,24 +379,29 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
         "        raise ConnectionError('reward service down')\n"
         "    return float(len(response) > 2)\n")
     broken.touch()
-    args = tiny_overrides(tmp_path, "grpo.max_num_steps=4", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+    args = tiny_overrides(tmp_path, "grpo.max_num_steps=5", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
                  "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
-                 "data.task_name=flaky", f"env.flaky.target={rewards}:flaky", "env.flaky.max_failed_steps=1")
-    with pytest.raises(EnvironmentFailure, match=r"^environment 'flaky': every sample failed in 1 steps in a row "
-                                                 r"\(env.flaky.max_failed_steps=1\); the last error: reward function 'flaky' of "
+                 "logger.num_samples_to_dump=16", "data.task_name=flaky", f"env.flaky.target={rewards}:flaky",
+                 "env.flaky.max_failed_steps=2")
+    with pytest.raises(EnvironmentFailure, match=r"^environment 'flaky': every sample failed in 2 steps in a row "
+                                                 r"\(env.flaky.max_failed_steps=2\); the last error: reward function 'flaky' of "
                                                  r"environment 'flaky' raised ConnectionError at rewards.py:5 in flaky: "
                                                  r"reward service down"):
         run(load_config("grpo", QUICKSTART, args))
-    # The two complete steps were saved (the first periodic save would have been step 10).
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
-    info = json.loads((tmp_path / "ckpt" / "step_2" / "training_info.json").read_text())
+    # The three complete steps were saved (the first periodic save would have been step 10), the
+    # third, whose every sample failed, with the data position before it (its prompts, not lost).
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_3"]
+    info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["served"] == 2 * 4 and info["consumed_samples"] == 2 * 4 * 4
-    assert [r["step"] for r in records(tmp_path / "logs", "train")] == [1, 2]
-    # Mended, the run resumes at step 3.
+    assert [(r["step"], r["env_errors"]) for r in records(tmp_path / "logs", "train")] == [(1, 0), (2, 0), (3, 16)]
+    # Mended, the run resumes at step 4 with the prompts of the failed step 3.
     broken.unlink()
     run(load_config("grpo", QUICKSTART, args))
     assert [(r["step"], r["env_errors"]) for r in records(tmp_path / "logs", "train")] == [
-        (1, 0), (2, 0), (3, 0), (4, 0)]
+        (1, 0), (2, 0), (3, 16), (4, 0), (5, 0)]
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    prompts = {step: sorted(r["prompt"] for r in samples if r["step"] == step) for step in (3, 4)}
+    assert prompts[3] == prompts[4] and len(prompts[3]) == 16
 
 
 def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
