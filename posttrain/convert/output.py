@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Iterator
 
 from posttrain.config import InputError
+
+log = logging.getLogger(__name__)
 
 
 def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
@@ -24,6 +27,10 @@ def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = N
     for option, given in (inputs or {}).items():
         if given is not None and Path(given).resolve().is_relative_to(out.resolve()):
             raise InputError(f"--output {out}: holds {option} {given}, which replacing the folder would delete; "
+                             "write the model into another folder")
+        if given is not None and Path(given).is_dir() and out.resolve().is_relative_to(Path(given).resolve()):
+            # `--output <checkpoint>/policy/hf_config` replaced a folder the checkpoint's resume reads.
+            raise InputError(f"--output {out}: is inside {option} {given}, which writing there would change; "
                              "write the model into another folder")
     if not out.exists():
         # Its folders are made at the end, after the conversion's work: a file among them fails now.
@@ -37,6 +44,9 @@ def check_replaceable(out: Path, inputs: dict[str, Path | str | None] | None = N
         raise InputError(f"--output {out}: an existing folder that is not a model folder (no config.json of a "
                          "model), which the converter would replace with all its contents; name a new or empty "
                          "folder, or a model folder to replace")
+    if any(out.iterdir()):  # said before the work, not after: every file in it goes, not only the model's
+        log.warning("--output %s: replacing the model folder there, with all %d files in it", out,
+                    sum(1 for p in out.rglob("*") if p.is_file()))
 
 
 def _is_model_folder(folder: Path) -> bool:

@@ -198,7 +198,7 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         out = _from_messages({**out, "task_name": task_name}, loc)
     if _LABELLED.get():
         return _labelled(out, row.get("label"), loc)
-    if row.get("label") is False and "task_name" not in out and not is_preference(out):
+    if _as_label(row.get("label")) is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
             f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "
             "would train the model to imitate (DPO and RM need `chosen`/`rejected` pairs, which KTO data has not); "
@@ -214,14 +214,24 @@ def _labelled(out: dict[str, Any], label: Any, loc: str) -> dict[str, Any]:
     `process_kto_rows`) pass as they are."""
     if "task_name" in out or is_preference(out):
         return out
-    if not isinstance(label, bool):
+    if _as_label(label) is None:
         raise DataFormatError(
             f"{loc}: KTO trains on responses labelled desirable (`label: true`) or not (`label: false`); "
             + ("this row has no `label`" if label is None else f"got label {label!r}")
             + " (or on preference pairs, `chosen`/`rejected`); fix it, or set data.on_malformed_row=skip (counted)")
     if not out["messages"] or out["messages"][-1].get("role") != "assistant":
         raise DataFormatError(f"{loc}: KTO's response is the row's last message, which must be the assistant's")
-    return {**out, "label": label}
+    return {**out, "label": _as_label(label)}
+
+
+def _as_label(value: Any) -> bool | None:
+    """A KTO label as a bool: true/false, or 1/0 as CSV and parquet exports write them (refused
+    before as "got label 1"); None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    return None
 
 
 def demonstration_messages(row: dict[str, Any]) -> list[dict[str, Any]] | None:

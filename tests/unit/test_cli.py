@@ -1,5 +1,6 @@
 """The `posttrain` command: help, --print-config, errors (exit 2, no traceback), dispatch."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +309,7 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     again = _run(*args, "--output", str(hf))
     assert again.returncode == 0, again.stderr
     assert (hf / "config.json").is_file() and not (hf / "stale.txt").exists()
+    assert re.search(rf"--output {hf}: replacing the model folder there, with all \d+ files in it", again.stderr)
     # Nor one holding its inputs: the replacement deleted the .bin and tokenizer it had read.
     (hf / "stories260K.bin").write_bytes((model / "stories260K.bin").read_bytes())
     inside = _run("convert", "llama2c-to-hf", "--model", str(hf / "stories260K.bin"), "--tokenizer",
@@ -315,6 +317,20 @@ def test_convert_llama2c_refuses_to_replace_a_folder_that_is_not_a_model(shared_
     assert inside.returncode == 2 and "Traceback" not in inside.stderr
     assert f"--output {hf}: holds --model {hf / 'stories260K.bin'}, which replacing the folder would delete" in inside.stderr
     assert (hf / "stories260K.bin").is_file()
+
+
+def test_convert_refuses_an_output_inside_its_input_folder(tmp_path):
+    # `--output <checkpoint>/policy/hf_config` replaced a folder of the checkpoint a resume reads.
+    from posttrain.config import InputError
+    from posttrain.convert.output import check_replaceable
+
+    step = tmp_path / "ckpt" / "step_3"
+    (step / "policy" / "hf_config").mkdir(parents=True)
+    (step / "policy" / "hf_config" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(InputError, match=rf"--output {step}/policy/hf_config: is inside --checkpoint {step}, "
+                                         "which writing there would change"):
+        check_replaceable(step / "policy" / "hf_config", {"--checkpoint": step, "--config": None})
+    check_replaceable(tmp_path / "hf", {"--checkpoint": step})  # beside it: fine
 
 
 def test_convert_llama2c_names_a_tokenizer_that_is_not_sentencepiece(shared_data, tmp_path):

@@ -760,6 +760,12 @@ def test_kto_rows_without_a_label_are_named_or_skipped(tok, tmp_path):
     assert [(r["messages"][-1]["content"], r["label"]) for r in rows] == [("2", True), ("5", False)]
     examples, stats = process_kto_rows(rows, tok, skip, max_len=64)
     assert [ex["label"] for ex in examples] == [[1], [0]] and stats["rows"] == 2
+    # 1 and 0, as CSV and parquet exports write labels, are true and false; 2 is no label.
+    path.write_text("".join(json.dumps({"prompt": "1+1=", "completion": c, "label": label}) + "\n"
+                            for c, label in (("2", 1), ("3", 0), ("4", 0.0), ("5", 2))))
+    with labelled_rows():
+        rows = load_rows(skip, "train")
+    assert [(r["messages"][-1]["content"], r["label"]) for r in rows] == [("2", True), ("3", False), ("4", False)]
     # A conversation whose last message is not the response.
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
                                              {"role": "user", "content": "sure?"}], "label": True}) + "\n")
