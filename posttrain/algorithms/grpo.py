@@ -203,6 +203,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
+    warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
 
     run_dir = Path(cfg.logger.log_dir)
     logger = training_logger(cfg, checkpointer, latest)
@@ -246,8 +247,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
             logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), g.max_num_steps))
-        elif g.warmup_sft_steps:
-            _warmup_sft(cfg, policy, tokenizer, train_rows, logger, checkpointer)
+        elif warmup is not None:
+            _warmup_sft(cfg, policy, tokenizer, warmup, logger, checkpointer)
         if generation is not policy and (latest is not None or g.warmup_sft_steps):
             # Separate generation workers loaded the weights on disk; the first rollout must use
             # the resumed or warmed-up ones.
@@ -277,18 +278,30 @@ def warmup_overrun(cfg: GRPOMasterConfig, step: int, elapsed_s: float, left_s: f
             "grpo.warmup_sft_steps, or warm up in a `posttrain sft` run of its own and start from its export")
 
 
-def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, rows: list[dict], logger: Logger,
-                checkpointer: CheckpointManager) -> None:
-    """SFT on the rows' reference answers with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
+def _warmup_examples(cfg: GRPOMasterConfig, tokenizer, rows: list[dict]) -> tuple[list, dict[str, int]]:
+    """The warm-up SFT's examples (each training prompt with its demonstration, else its answer)
+    and their counts; made in the setup, before Ray starts, so that rows it cannot use fail in
+    seconds, named as the warm-up's (they failed after the workers had started, as "no rows left
+    after applying data.truncation", whose hint `truncate` GRPO's prompts refuse)."""
+    key = f"grpo.warmup_sft_steps={cfg.grpo.warmup_sft_steps}"
     if any(r.get("answer") is None and r.get("demonstration") is None for r in rows):
-        raise InputError("grpo.warmup_sft_steps > 0 needs an `answer` (or a `demonstration`) in every training row "
-                         "to imitate")
-    started = time.monotonic()
+        raise InputError(f"{key} needs an `answer` (or a `demonstration`) in every training row to imitate; "
+                         "set grpo.warmup_sft_steps=0 to start RL from the model as it is")
     # Every row is tokenized once, before the steps (the quickstart's 20,000 rows: 3.4 s). Rendering
     # each batch's chat templates at every step kept the policy worker waiting on the driver:
     # the quickstart's 1,000 steps took 73 s that way, 61 s now (measured).
-    # RL rows: process_sft_rows appends each one's demonstration (else its answer) to its prompt.
-    examples, stats = process_sft_rows(rows, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    try:
+        return process_sft_rows(rows, tokenizer, cfg.data, cfg.policy.max_total_sequence_length)
+    except InputError as e:
+        raise InputError(f"{key}: the warm-up SFT's demonstrations (each training prompt with its answer): {e}; "
+                         "or set grpo.warmup_sft_steps=0") from None
+
+
+def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, warmup: tuple[list, dict[str, int]],
+                logger: Logger, checkpointer: CheckpointManager) -> None:
+    """SFT on `warmup` (`_warmup_examples`) with the policy's optimizer (see `grpo.warmup_sft_steps`)."""
+    started = time.monotonic()
+    examples, stats = warmup
     log_data_stats(logger, {"warmup_sft": stats})
     loader = RowLoader(examples, cfg.policy.train_global_batch_size, seed=cfg.grpo.seed + 1,
                        batch_key="policy.train_global_batch_size")

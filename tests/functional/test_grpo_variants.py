@@ -132,6 +132,21 @@ def test_warmup_sft_drops_and_counts_demonstrations_longer_than_the_context(ray_
     assert len(warm) == 1 and math.isfinite(warm[0]["loss"])  # logged at the last of its 3 steps
 
 
+def test_a_warm_up_without_demonstrations_that_fit_fails_in_the_setup_naming_it(tmp_path):
+    # It failed after Ray and the policy workers had started (~1 min), as "no rows left after
+    # applying data.truncation", which named neither the warm-up nor grpo.warmup_sft_steps.
+    from posttrain.algorithms.grpo import setup
+    from posttrain.config import InputError
+
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(tmp_path, "grpo.warmup_sft_steps=3", "data.num_train=50",
+                                                         "policy.max_total_sequence_length=12"))
+    with pytest.raises(InputError, match=r"^grpo.warmup_sft_steps=3: the warm-up SFT's demonstrations \(each training "
+                                         r"prompt with its answer\): no rows left after .*; or set "
+                                         r"grpo.warmup_sft_steps=0$"):
+        setup(cfg)
+    assert not (tmp_path / "logs").exists()  # before the logger (and Ray, the workers) started
+
+
 def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_session, tmp_path):
     # Separate generation workers load the weights from disk; after the warm-up SFT they must be
     # refit before the first rollout, or step 1 samples from the untrained model.

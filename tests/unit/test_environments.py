@@ -364,11 +364,11 @@ def test_teacher_distance_table_is_bounded(monkeypatch):
         far = SlidingPuzzleEnvConfig(size=3, shuffle_moves=12, max_moves=12)
         rows = make_sliding_puzzle_rows(3, far, seed=1)
         assert all("demonstration" not in r for r in rows) and rows[0]["metadata"]["board"] != solved_board(3)
-        from posttrain.algorithms.grpo import _warmup_sft
-        from posttrain.config import InputError
+        from posttrain.algorithms.grpo import _warmup_examples
+        from posttrain.config import InputError, load_config
 
-        with pytest.raises(InputError, match="grpo.warmup_sft_steps > 0 needs an `answer`"):
-            _warmup_sft(None, None, None, rows, None, None)  # their answer is None: nothing to imitate
+        with pytest.raises(InputError, match="grpo.warmup_sft_steps=5 needs an `answer`"):  # None: nothing to imitate
+            _warmup_examples(load_config("grpo", None, ["grpo.warmup_sft_steps=5"]), None, rows)
     finally:
         sliding_puzzle._distances.cache_clear()
 
