@@ -382,6 +382,12 @@ def lock_beside(folder: Path, key: str, value: Any) -> int:
     return fd
 
 
+class MetricNameError(InputError):
+    """`checkpointing.metric_name` is a typo of a metric the run logs, found when it first logs
+    metrics of that kind: the loops save the step they completed before it stops the run (with
+    no validation at step 0, the first one came after `val_period` steps, which it lost)."""
+
+
 class CheckpointSaveError(RunStopped):
     """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
     disk is full and which checkpoints stay."""
@@ -635,7 +641,7 @@ class CheckpointManager:
         names = [f"{prefix}:{k}" for k in logged]
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
         if name not in names and close:
-            raise InputError(f"checkpointing.metric_name={name!r} is not a metric this run logs; did you mean "
+            raise MetricNameError(f"checkpointing.metric_name={name!r} is not a metric this run logs; did you mean "
                              f"{close[0]!r}? (its {prefix}: metrics: {', '.join(sorted(logged))})")
 
     # ----------------------------------------------------------------- saving

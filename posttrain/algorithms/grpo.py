@@ -34,7 +34,14 @@ from posttrain.advantages import (
     scale_rewards,
 )
 from posttrain.algorithms.offline import log_data_stats, made_up_validation, training_logger
-from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.checkpoint import (
+    EXPORT_DIR,
+    CheckpointManager,
+    MetricNameError,
+    restore_rng_state,
+    stop_message,
+    train_then_export,
+)
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -609,6 +616,10 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             note = (f"; its data position is before the last {last.failed_steps} step(s), in which every sample "
                     "failed: a resume trains on their prompts")
         _save_last_complete(s, last, "an environment failed", note)
+        raise
+    except MetricNameError:
+        # Found at the first metrics of its kind, after the step that logged them: keep that step.
+        _save_last_complete(s, last, "checkpointing.metric_name is no metric this run logs")
         raise
     except WorkerError as e:
         # A separate generation worker died (in a refit or the rollouts): the policy workers hold

@@ -18,7 +18,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from posttrain.checkpoint import EXPORT_DIR, CheckpointManager, restore_rng_state, stop_message, train_then_export
+from posttrain.checkpoint import (
+    EXPORT_DIR,
+    CheckpointManager,
+    MetricNameError,
+    restore_rng_state,
+    stop_message,
+    train_then_export,
+)
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
@@ -378,48 +385,55 @@ def offline_train(
         val_metrics = made_up_validation(s.run.checkpointer, logger, pending, s.start_step, validate)
         val_step = s.start_step
     step = s.start_step
-    while step < s.total_steps:
-        timer.reset()
-        step_start = time.monotonic()
-        # ---- data
-        with timer.time("data"):
-            batch = make_batch(next(s.loader))
-        if prepare is not None:
-            with timer.time("reference_logprobs"):
-                prepare(batch)
-        # ---- policy update (one optimizer step on the global batch)
-        with timer.time("training"):
-            train_metrics = policy.train(batch, s.loss_fn)
-        step += 1
-        if policy.sync_reference_if_due(step):
-            for b in s.val_batches:
-                b.pop("reference_logprobs", None)  # of the reference before the sync
-        # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
-        # grace period, which a long validation before the save would spend)
-        measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
-        due = (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps)
-        if due and s.run.checkpointer.stop_signal is None:
-            with timer.time("validation"):
-                val_metrics = measured = validate()
-            val_step = step
-            logger.log_metrics(val_metrics, step=step, prefix="val")
-        # ---- logging (before the checkpoint: a run killed once it is saved resumes after this step,
-        # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
-        # As logged, the checkpoint's metrics: checkpointing.metric_name may name any of them (train:step_time_s).
-        last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
-                "epoch": s.loader.epoch, "step_time_s": time.monotonic() - step_start, **timer.metrics()}
-        logger.log_metrics(last, step=step, prefix="train")
-        # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
-        stop = s.run.checkpointer.stop_reason(last_step=step == s.total_steps)
-        if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
-            save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
-                                                 **{f"val:{k}": v for k, v in measured.items()}},
-                 validation_pending=bool(due) and not measured)
-        logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
-                                                           if show in val_metrics else {})})
-        if stop:
-            logger.console(stop_message(stop, step, s.cfg.checkpointing))
-            break
+    try:
+        while step < s.total_steps:
+            timer.reset()
+            step_start = time.monotonic()
+            # ---- data
+            with timer.time("data"):
+                batch = make_batch(next(s.loader))
+            if prepare is not None:
+                with timer.time("reference_logprobs"):
+                    prepare(batch)
+            # ---- policy update (one optimizer step on the global batch)
+            with timer.time("training"):
+                train_metrics = policy.train(batch, s.loss_fn)
+            step += 1
+            if policy.sync_reference_if_due(step):
+                for b in s.val_batches:
+                    b.pop("reference_logprobs", None)  # of the reference before the sync
+            # ---- validation (not after a stop signal: the scheduler that sent it kills the job after a
+            # grace period, which a long validation before the save would spend)
+            measured: dict[str, float] = {}  # this step's validation: only it ranks this step's checkpoint
+            due = (algo.val_period and step % algo.val_period == 0) or (algo.val_at_end and step == s.total_steps)
+            if due and s.run.checkpointer.stop_signal is None:
+                with timer.time("validation"):
+                    val_metrics = measured = validate()
+                val_step = step
+                logger.log_metrics(val_metrics, step=step, prefix="val")
+            # ---- logging (before the checkpoint: a run killed once it is saved resumes after this step,
+            # which it would never log; the save's time is a record of its own, `Logger.timed_save`)
+            # As logged, the checkpoint's metrics: checkpointing.metric_name may name any of them (train:step_time_s).
+            last = {**train_metrics, "tokens_per_s": train_metrics["num_tokens"] / timer.metrics("")["training"],
+                    "epoch": s.loader.epoch, "step_time_s": time.monotonic() - step_start, **timer.metrics()}
+            logger.log_metrics(last, step=step, prefix="train")
+            # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
+            stop = s.run.checkpointer.stop_reason(last_step=step == s.total_steps)
+            if s.run.checkpointer.should_save(step, last=step == s.total_steps or stop is not None):
+                save(s.run, s.cfg, step, s.loader, {**{f"train:{k}": v for k, v in last.items()},
+                                                     **{f"val:{k}": v for k, v in measured.items()}},
+                     validation_pending=bool(due) and not measured)
+            logger.update_progress(step, {show: last[show], **({f"val_{show}": val_metrics[show]}
+                                                               if show in val_metrics else {})})
+            if stop:
+                logger.console(stop_message(stop, step, s.cfg.checkpointing))
+                break
+    except MetricNameError:
+        # Found at the first metrics of its kind, after the step that logged them: keep that step.
+        if step > s.start_step and s.cfg.checkpointing.enabled:
+            save(s.run, s.cfg, step, s.loader, {})
+            logger.console(f"checkpointing.metric_name is no metric this run logs: saved step {step} before stopping")
+        raise
     logger.plot()
     return {"step": step, **{f"train/{k}": v for k, v in last.items()},
             **{f"val/{k}": v for k, v in val_metrics.items()}, **({"val/step": val_step} if val_metrics else {})}

@@ -147,6 +147,17 @@ def test_a_warm_up_without_demonstrations_that_fit_fails_in_the_setup_naming_it(
     assert not (tmp_path / "logs").exists()  # before the logger (and Ray, the workers) started
 
 
+def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_before_it(ray_session, tmp_path):
+    from posttrain.checkpoint import MetricNameError
+
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "grpo.max_num_steps=3", "grpo.val_at_start=false", "grpo.val_period=2", "grpo.warmup_sft_steps=0",
+        "checkpointing.save_period=10", "checkpointing.metric_name=val:acuracy"))
+    with pytest.raises(MetricNameError, match=r"checkpointing.metric_name='val:acuracy' is not a metric this run logs"):
+        run(cfg)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
+
+
 def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_session, tmp_path):
     # Separate generation workers load the weights from disk; after the warm-up SFT they must be
     # refit before the first rollout, or step 1 samples from the untrained model.

@@ -116,6 +116,21 @@ def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_da
     assert (info[1]["best_step"], info[1]["best_metric_value"]) == (2, info[0]["metric_value"])
 
 
+def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_before_it(ray_session, shared_data,
+                                                                                       tmp_path):
+    # Without validation at step 0 the typo shows at step 2's: it stopped the run with steps 1-2 unsaved.
+    from posttrain.checkpoint import MetricNameError
+
+    cfg = _cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=3", "sft.val_period=2", "sft.val_at_start=false",
+               "sft.val_batches=1", "checkpointing.enabled=true", "checkpointing.save_period=10",
+               "checkpointing.metric_name=val:los", "checkpointing.higher_is_better=false")
+    with pytest.raises(MetricNameError, match=r"checkpointing.metric_name='val:los' is not a metric this run logs; "
+                                              r"did you mean 'val:loss'\?"):
+        sft.run(cfg)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2"]
+    assert json.loads((tmp_path / "ckpt" / "step_2" / "training_info.json").read_text())["step"] == 2
+
+
 # Extended: True, the default, which the other SFT runs that validate take.
 @pytest.mark.parametrize("val_at_end", [pytest.param(True, marks=pytest.mark.extended), False])
 def test_val_at_end_validates_after_the_last_step(ray_session, shared_data, tmp_path, val_at_end):
