@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Key of a run's result dict naming the stop signal that ended it early (see stop_on_signals).
 STOPPED_BY_SIGNAL = "stopped_by_signal"
+# training_info key: the folder the run's final export went to (`record_export`).
+EXPORTED_TO = "exported_to"
 
 # The final Hugging Face export's folder in the run directory (checkpointing.export_hf_at_end).
 EXPORT_DIR = "hf"
@@ -309,6 +311,38 @@ def stop_at_once_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handle)
 
 
+class RunAlreadyComplete(Exception):
+    """A run started again after it ended (`CheckpointManager.check_complete`): its setup stops
+    before Ray starts, and `unless_complete` returns `result`, its final metrics as logged."""
+
+    def __init__(self, message: str, result: dict[str, Any]):
+        super().__init__(message)
+        self.result = result
+
+
+def unless_complete(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`run()`, or the final metrics of a run that was already complete (`RunAlreadyComplete`)."""
+    try:
+        return run()
+    except RunAlreadyComplete as done:
+        log.info("%s", done)
+        return done.result
+
+
+def _final_metrics(log_dir: Path, step: int) -> dict[str, Any]:
+    """A finished run's result as its loop returned it, from its metrics.jsonl: the last step's
+    train/<name>, and the last validation's val/<name> with val/step."""
+    from posttrain.logging.jsonl import read_metrics
+
+    records = read_metrics(log_dir / "metrics.jsonl")
+    train = next((r for r in reversed(records) if r.get("prefix") == "train" and r.get("step") == step), {})
+    val = next((r for r in reversed(records) if r.get("prefix") == "val"), None)
+    fields = lambda r: {k: v for k, v in r.items() if k not in ("step", "prefix", "time")}  # noqa: E731
+    return {"step": step, **{f"train/{k}": v for k, v in fields(train).items()},
+            **({f"val/{k}": v for k, v in fields(val).items()} | {"val/step": val["step"]} if val else {}),
+            "already_complete": True}
+
+
 def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: CheckpointManager, policy: Any,
                       export_dir: Path | None, console: Callable[[str], None],
                       shutdown: Callable[[], None]) -> dict[str, Any]:
@@ -327,6 +361,7 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
             result = {**result, "stopped_by_time_limit": True}
         if export_dir is not None:
             policy.export_hf(export_dir)
+            checkpointer.record_export(export_dir)
             console(f"exported the policy to {export_dir} (the run was stopped by checkpointing.checkpoint_must_save_by: "
                     "started again, it resumes from its checkpoint while steps remain)"
                     if checkpointer.time_limit_reached else f"exported the final policy to {export_dir}")
@@ -796,6 +831,36 @@ class CheckpointManager:
         except (OSError, json.JSONDecodeError):
             return None
 
+    def record_export(self, export_dir: Path) -> None:
+        """Note in the latest checkpoint (the policy's last save) that `export_dir` holds its
+        weights as exported at the run's end, which `check_complete` reads."""
+        ckpts = self.checkpoints() if self.cfg.enabled else []
+        if ckpts:
+            self._write_info(ckpts[-1], {**self.load_info(ckpts[-1]), EXPORTED_TO: str(Path(export_dir).resolve())})
+
+    def check_complete(self, path: Path, last_step: int, key: str, export_dir: Path | None,
+                       log_dir: Path) -> None:
+        """Raise `RunAlreadyComplete` when the checkpoint at `path` is the run's last step and its
+        final export is done (`export_dir`, None: none asked): started again, the run loaded its
+        workers, re-exported the same weights and printed an empty result (~40 s for nothing)."""
+        info = self.load_info(path)
+        if info["step"] < last_step or info.get(VALIDATION_PENDING):
+            return
+        if export_dir is not None and not (info.get(EXPORTED_TO) == str(Path(export_dir).resolve())
+                                           and (Path(export_dir) / "config.json").is_file()):
+            return  # stopped between its last save and the export: the run exports it now
+        where = f", its final policy in {export_dir}" if export_dir is not None else ""
+        raise RunAlreadyComplete(
+            f"the run is complete: {path} is its last step ({key}={last_step}){where}; nothing to do (raise {key} "
+            "to train on, or set checkpointing.start_fresh=true to start over)", _final_metrics(log_dir, info["step"]))
+
+    def _write_info(self, path: Path, info: dict[str, Any]) -> None:
+        """Replace the checkpoint's training info, atomically."""
+        tmp = path / f"{INFO_FILE}.tmp"
+        _write(tmp, json.dumps(info, indent=2, default=str))
+        os.replace(tmp, path / INFO_FILE)
+        _fsync_dir(path)
+
     def record_validation(self, path: Path, metrics: dict[str, float]) -> None:
         """Give the checkpoint at `path`, saved with its validation pending (`VALIDATION_PENDING`:
         a stop signal skipped it), the validation `metrics` ("val:<name>") measured after the
@@ -811,10 +876,7 @@ class CheckpointManager:
             # read the checkpoint as unmeasured, so the next save pruned the best one.
             info["metric_name"], info["metric_value"] = name, value
             info["best_step"], info["best_metric_value"] = self._best(extra=(info["step"], value))
-        tmp = path / f"{INFO_FILE}.tmp"
-        _write(tmp, json.dumps(info, indent=2, default=str))
-        os.replace(tmp, path / INFO_FILE)
-        _fsync_dir(path)
+        self._write_info(path, info)
         self._prune(latest=path)
 
     # ----------------------------------------------------------------- internals

@@ -56,4 +56,4 @@ def dpo_train(s: OfflineSetup) -> dict[str, float]:
 
 
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
-    return run_and_export(setup(cfg), dpo_train)
+    return run_and_export(lambda: setup(cfg), dpo_train)

@@ -41,6 +41,7 @@ from posttrain.checkpoint import (
     restore_rng_state,
     stop_message,
     train_then_export,
+    unless_complete,
 )
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
@@ -210,6 +211,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
+        checkpointer.check_complete(latest, g.max_num_steps, "grpo.max_num_steps", _export_dir(cfg),
+                                    Path(cfg.logger.log_dir))
     warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
 
     run_dir = Path(cfg.logger.log_dir)
@@ -936,8 +939,14 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
     s.logger.plot()
 
 
+def _export_dir(cfg: GRPOMasterConfig) -> Path | None:
+    return Path(cfg.logger.log_dir) / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None
+
+
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
-    s = setup(cfg)
-    return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy,
-                             s.run_dir / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None,
-                             s.logger.console, s.shutdown)
+    def setup_and_train() -> dict[str, float]:
+        s = setup(cfg)
+        return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy, _export_dir(cfg),
+                                 s.logger.console, s.shutdown)
+
+    return unless_complete(setup_and_train)

@@ -109,4 +109,4 @@ def kto_train(s: OfflineSetup) -> dict[str, float]:
 
 
 def run(cfg: KTOMasterConfig) -> dict[str, float]:
-    return run_and_export(setup(cfg), kto_train)
+    return run_and_export(lambda: setup(cfg), kto_train)

@@ -25,6 +25,7 @@ from posttrain.checkpoint import (
     restore_rng_state,
     stop_message,
     train_then_export,
+    unless_complete,
 )
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
@@ -107,6 +108,9 @@ def start_run(
     if latest is not None:
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, max_steps, f"{algorithm}.max_num_steps")
+        step = int(checkpointer.load_info(latest)["step"])
+        checkpointer.check_complete(latest, total_steps(max_steps, step, loader), f"{algorithm}.max_num_steps",
+                                    run_dir / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None, run_dir)
     logger = training_logger(cfg, checkpointer, latest)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
@@ -451,10 +455,16 @@ def made_up_validation(checkpointer: CheckpointManager, logger: Logger, path: Pa
     return metrics
 
 
-def run_and_export(s: Any, train: Callable[[Any], dict[str, float]]) -> dict[str, float]:
-    """`train(s)`, then the HF export when `checkpointing.export_hf_at_end`; always shuts down."""
-    freeze_setup_objects()
-    r = s.run
-    return train_then_export(lambda: train(s), r.checkpointer, r.policy,
-                             r.run_dir / EXPORT_DIR if s.cfg.checkpointing.export_hf_at_end else None,
-                             r.logger.console, r.shutdown)
+def run_and_export(setup: Callable[[], Any], train: Callable[[Any], dict[str, float]]) -> dict[str, float]:
+    """`train(setup())`, then the HF export when `checkpointing.export_hf_at_end`; always shuts
+    down. A run already complete sets up nothing and returns its final metrics (`unless_complete`)."""
+
+    def setup_and_train() -> dict[str, float]:
+        s = setup()
+        freeze_setup_objects()
+        r = s.run
+        return train_then_export(lambda: train(s), r.checkpointer, r.policy,
+                                 r.run_dir / EXPORT_DIR if s.cfg.checkpointing.export_hf_at_end else None,
+                                 r.logger.console, r.shutdown)
+
+    return unless_complete(setup_and_train)

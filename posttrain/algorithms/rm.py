@@ -61,4 +61,4 @@ def rm_train(s: OfflineSetup) -> dict[str, float]:
 
 
 def run(cfg: RMMasterConfig) -> dict[str, float]:
-    return run_and_export(setup(cfg), rm_train)
+    return run_and_export(lambda: setup(cfg), rm_train)

@@ -36,4 +36,4 @@ def sft_train(s: OfflineSetup) -> dict[str, float]:
 
 
 def run(cfg: SFTMasterConfig) -> dict[str, float]:
-    return run_and_export(setup(cfg), sft_train)
+    return run_and_export(lambda: setup(cfg), sft_train)

@@ -116,6 +116,24 @@ def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, shared_da
     assert (info[1]["best_step"], info[1]["best_metric_value"]) == (2, info[0]["metric_value"])
 
 
+def test_a_complete_run_started_again_returns_its_result_without_starting_workers(ray_session, shared_data,
+                                                                                  tmp_path, monkeypatch):
+    # It started Ray and the policy workers (~40 s), exported the same weights again and returned
+    # the result of no step.
+    cfg = _cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", "sft.val_period=0", "sft.val_at_start=false",
+               "sft.val_batches=1", "checkpointing.enabled=true", "checkpointing.export_hf_at_end=true")
+    first = sft.run(cfg)
+    assert (tmp_path / "logs" / "hf" / "config.json").is_file()
+    monkeypatch.setattr(offline, "RayVirtualCluster", None)  # any start of workers fails
+    again = sft.run(cfg)
+    assert again.pop("already_complete") is True and again == first
+    # One more step asked: it trains (from step 2).
+    monkeypatch.undo()
+    more = sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=3", "sft.val_period=0", "sft.val_at_start=false",
+                        "sft.val_batches=1", "checkpointing.enabled=true", "checkpointing.export_hf_at_end=true"))
+    assert more["step"] == 3 and "already_complete" not in more
+
+
 def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_before_it(ray_session, shared_data,
                                                                                        tmp_path):
     # Without validation at step 0 the typo shows at step 2's: it stopped the run with steps 1-2 unsaved.

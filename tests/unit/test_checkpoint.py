@@ -693,6 +693,30 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
                 in lines[-1]) == note, lines[-1]
 
 
+def test_a_run_is_complete_at_its_last_step_once_its_export_is_recorded(tmp_path):
+    from posttrain.checkpoint import RunAlreadyComplete
+
+    mgr, logs, hf = _mgr(tmp_path), tmp_path / "logs", tmp_path / "logs" / "hf"
+    logs.mkdir()
+    (logs / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 4, "prefix": "val", "loss": 1.5}, {"step": 5, "prefix": "train", "loss": 1.25}]))
+    path = _save(mgr, 5)
+    mgr.check_complete(path, 6, "sft.max_num_steps", None, logs)  # a step left: nothing said
+    mgr.check_complete(path, 5, "sft.max_num_steps", hf, logs)  # its export not made: the run makes it
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    mgr.record_export(hf)
+    with pytest.raises(RunAlreadyComplete, match=rf"the run is complete: {path} is its last step "
+                                                 rf"\(sft.max_num_steps=5\), its final policy in {hf}; nothing to do") as done:
+        mgr.check_complete(path, 5, "sft.max_num_steps", hf, logs)
+    assert done.value.result == {"step": 5, "train/loss": 1.25, "val/loss": 1.5, "val/step": 4, "already_complete": True}
+    mgr.check_complete(path, 5, "sft.max_num_steps", tmp_path / "elsewhere", logs)  # exported to another folder
+    # Stopped at its last step before the validation due there: the resume makes it up.
+    info = json.loads((path / "training_info.json").read_text())
+    (path / "training_info.json").write_text(json.dumps({**info, "validation_pending": True}))
+    mgr.check_complete(path, 5, "sft.max_num_steps", hf, logs)
+
+
 def test_a_stop_signal_during_a_step_saves_it_without_running_its_validation_first(tmp_path):
     """A scheduler kills the job a grace period after its SIGTERM: a long validation due at the
     step must not run before the save (the validation of a step without a signal still runs).
