@@ -884,7 +884,8 @@ class DataConfig(Section):
     # loss. false: prompts end without it, so training rows train it as part of the assistant
     # turn and the model generates it itself (NeMo RL's meaning in SFT).
     add_generation_prompt: bool = True
-    # "error" stops at the first malformed row (file and row number); "skip" skips and counts.
+    # "error" stops at the first malformed row (file and row number); "skip" skips and counts them
+    # (a JSON-lines line that is not JSON too).
     on_malformed_row: Literal["error", "skip"] = "error"
     # Rows longer than the context: "drop" removes them, "truncate" cuts SFT/DPO/RM rows at the
     # right; both are counted. GRPO drops over-long prompts or, with "truncate", stops with an error.
