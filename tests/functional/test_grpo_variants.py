@@ -147,6 +147,8 @@ def test_a_warm_up_without_demonstrations_that_fit_fails_in_the_setup_naming_it(
     assert not (tmp_path / "logs").exists()  # before the logger (and Ray, the workers) started
 
 
+# Extended (~30 s): GRPO's side of test_sft.py's test of the same name (its loop's own save).
+@pytest.mark.extended
 def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_before_it(ray_session, tmp_path):
     from posttrain.checkpoint import MetricNameError
 

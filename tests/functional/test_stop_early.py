@@ -83,7 +83,10 @@ def test_sigterm_during_the_warm_up_stops_at_once_with_143(tmp_path, ray_tmpdir)
     # failure handler had it: a stack dump and an abort (exit status 134).
     env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "COLUMNS": "500"}
     args = [a for a in grpo_command(tmp_path, 2) if not a.startswith("grpo.warmup_sft_steps=")]
-    proc = subprocess.Popen([*args, "grpo.warmup_sft_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    # No time limit: the quickstart's 9 minutes stopped this warm-up at its 10th step (projected past
+    # them), and the test passed only when its SIGTERM won the race with that stop's shutdown.
+    proc = subprocess.Popen([*args, "grpo.warmup_sft_steps=100000", "checkpointing.checkpoint_must_save_by=null"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     warming_up = lambda: any(r["prefix"] == "warmup_sft" for r in read_metrics(tmp_path / "logs" / "metrics.jsonl"))
     out = signal_when(proc, warming_up, signal.SIGTERM, to_group=False)
