@@ -55,6 +55,12 @@ EXPORTED_TO = "exported_to"
 
 # The final Hugging Face export's folder in the run directory (checkpointing.export_hf_at_end).
 EXPORT_DIR = "hf"
+
+
+def final_export_dir(cfg: Any) -> Path | None:
+    """Where a run of config `cfg` exports its final policy (`EXPORT_DIR` in logger.log_dir), or
+    None when checkpointing.export_hf_at_end is off."""
+    return Path(cfg.logger.log_dir) / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None
 COMPLETE_MARKER = "COMPLETE"
 INFO_FILE = "training_info.json"
 # A checkpoint's training_info key: the validation due at its step was skipped by a stop signal

@@ -35,9 +35,9 @@ from posttrain.advantages import (
 )
 from posttrain.algorithms.offline import log_data_stats, made_up_validation, training_logger
 from posttrain.checkpoint import (
-    EXPORT_DIR,
     CheckpointManager,
     MetricNameError,
+    final_export_dir,
     restore_rng_state,
     stop_message,
     train_then_export,
@@ -211,7 +211,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
-        checkpointer.check_complete(latest, g.max_num_steps, "grpo.max_num_steps", _export_dir(cfg),
+        checkpointer.check_complete(latest, g.max_num_steps, "grpo.max_num_steps", final_export_dir(cfg),
                                     Path(cfg.logger.log_dir))
     warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
 
@@ -939,14 +939,10 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
     s.logger.plot()
 
 
-def _export_dir(cfg: GRPOMasterConfig) -> Path | None:
-    return Path(cfg.logger.log_dir) / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None
-
-
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     def setup_and_train() -> dict[str, float]:
         s = setup(cfg)
-        return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy, _export_dir(cfg),
+        return train_then_export(lambda: grpo_train(s), s.checkpointer, s.policy, final_export_dir(cfg),
                                  s.logger.console, s.shutdown)
 
     return unless_complete(setup_and_train)

@@ -22,6 +22,7 @@ from posttrain.checkpoint import (
     EXPORT_DIR,
     CheckpointManager,
     MetricNameError,
+    final_export_dir,
     restore_rng_state,
     stop_message,
     train_then_export,
@@ -110,7 +111,7 @@ def start_run(
         checkpointer.check_steps_left(latest, max_steps, f"{algorithm}.max_num_steps")
         step = int(checkpointer.load_info(latest)["step"])
         checkpointer.check_complete(latest, total_steps(max_steps, step, loader), f"{algorithm}.max_num_steps",
-                                    run_dir / EXPORT_DIR if cfg.checkpointing.export_hf_at_end else None, run_dir)
+                                    final_export_dir(cfg), run_dir)
     logger = training_logger(cfg, checkpointer, latest)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
@@ -463,8 +464,7 @@ def run_and_export(setup: Callable[[], Any], train: Callable[[Any], dict[str, fl
         s = setup()
         freeze_setup_objects()
         r = s.run
-        return train_then_export(lambda: train(s), r.checkpointer, r.policy,
-                                 r.run_dir / EXPORT_DIR if s.cfg.checkpointing.export_hf_at_end else None,
+        return train_then_export(lambda: train(s), r.checkpointer, r.policy, final_export_dir(s.cfg),
                                  r.logger.console, r.shutdown)
 
     return unless_complete(setup_and_train)
