@@ -29,8 +29,8 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import (change_excerpt, decode_all, encode_continuation, first_user_message,
-                                       render_chat, with_bos)
+from posttrain.data.processors import (change_excerpt, decode_all, encode_continuation, encode_text,
+                                       first_user_message, render_chat, with_bos)
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_ERROR_KEY,
@@ -142,7 +142,7 @@ def render_prompt(
     with BOS in front when `add_bos` (`data.add_bos`), by the same rules as training rows;
     `tools`: the JSON schemas of the tools the model may call."""
     text = render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = encode_text(tokenizer, text)
     return with_bos(ids, tokenizer) if add_bos else ids
 
 

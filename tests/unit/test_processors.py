@@ -13,6 +13,7 @@ from posttrain.data.processors import (
     collate,
     collate_pairs,
     decode_all,
+    encode_text,
     load_tokenizer,
     process_preference_rows,
     process_sft_rows,
@@ -99,6 +100,31 @@ def test_decode_all_is_batch_decode_without_special_tokens(which, tok, qwen3_tok
     want = t.batch_decode(rows, skip_special_tokens=True)
     assert decode_all(t, rows) == want
     assert want[-2:] == ["", ""] and not any(t.eos_token in w for w in want)
+
+
+@pytest.mark.parametrize("which", ["embedded", "qwen3_like", "split_special", "truncating", "stories260k"])
+def test_encode_text_is_encode_without_special_tokens(which, tok, qwen3_tok, shared_data, stories260k):
+    """Rows and prompts are tokenized through the Rust tokenizer where transformers adds nothing:
+    the ids are `encode(text, add_special_tokens=False)`'s, added and special tokens in the text
+    included; a tokenizer that splits special tokens keeps its behaviour, and a backend set to
+    truncate goes through transformers, which encodes the whole text."""
+    from transformers import AutoTokenizer
+
+    if which == "split_special":
+        t = _gpt2_bpe(shared_data, eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+        t.split_special_tokens = True  # set after loading: the backend learns it at transformers' next encode
+    elif which == "truncating":
+        t = _gpt2_bpe(shared_data, eos_token="<|endoftext|>")
+        t.backend_tokenizer.enable_truncation(max_length=4)
+    else:
+        t = {"embedded": tok, "qwen3_like": qwen3_tok}.get(which) or AutoTokenizer.from_pretrained(stories260k)
+    texts = ["12+34=046", "<|im_start|>user\nHi<|im_end|> <think>why</think>", "  two  spaces\nand a line", "\n",
+             "Once upon a time, Lily said: caf\u00e9 \u2603", ""]
+    if which == "split_special":  # the special token's text is encoded as text, in pieces
+        assert len(encode_text(t, "<|im_start|>")) > 1
+    for x in texts:
+        got = encode_text(t, x)  # first: transformers' encode turns a backend's truncation off
+        assert got == t.encode(x, add_special_tokens=False), x
 
 
 def _loss_text(tok, ex):
