@@ -684,6 +684,13 @@ class CheckpointManager:
         if name not in names and close:
             raise MetricNameError(f"checkpointing.metric_name={name!r} is not a metric this run logs; did you mean "
                              f"{close[0]!r}? (its {prefix}: metrics: {', '.join(sorted(logged))})")
+        if name not in names:
+            # Like none of them: a metric that may come later, or one this run never logs (val:accuracy
+            # of an environment without a notion of correct). Said now, not first at the first save.
+            kept = f", and keep_top_k={self.cfg.keep_top_k} keeps the newest of them" if self.cfg.keep_top_k else ""
+            log.warning("checkpointing.metric_name=%r is not among the %s: metrics this run logged first (%s): "
+                        "checkpoints without it rank below those with it%s", name, prefix, ", ".join(sorted(logged)),
+                        kept)
 
     # ----------------------------------------------------------------- saving
 

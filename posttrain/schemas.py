@@ -1279,7 +1279,8 @@ class CheckpointingConfig(Section):
     # Metric that ranks checkpoints for keep_top_k, "train:<name>" or "val:<name>" of a step's
     # metrics (e.g. "val:accuracy"; a step that did not validate ranks below those that did:
     # make save_period a multiple of val_period); null: newest win. A name the run does not log
-    # but one of its metrics resembles fails when it first logs that kind (a typo).
+    # but one of its metrics resembles fails when it first logs that kind (a typo); one like none
+    # of them (val:accuracy of an environment that judges no answer correct) is a warning then.
     metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True

@@ -864,7 +864,7 @@ def test_dcp_to_hf_of_a_truncated_weights_file_names_the_error_without_a_traceba
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_misspelt_metric_name_fails_when_the_run_first_logs_its_kind(tmp_path):
+def test_a_misspelt_metric_name_fails_when_the_run_first_logs_its_kind(tmp_path, caplog):
     # It was a warning at each save (the quickstart's first: step 50), while the top-k pruning kept
     # the newest checkpoints instead of the best.
     from posttrain.config import InputError
@@ -878,10 +878,17 @@ def test_a_misspelt_metric_name_fails_when_the_run_first_logs_its_kind(tmp_path)
                                          r"did you mean 'val:accuracy'\? \(its val: metrics: accuracy, reward\)"):
         logger.log_metrics({"accuracy": 0.9, "reward": 0.8}, step=2, prefix="val")
     logger.close()
-    # A name like none of them (a metric that may come later) and a right one pass.
+    # A name like none of them (a metric that may come later) passes with a warning at once, a right
+    # one without.
     for name in ("val:bleu", "val:accuracy"):
+        caplog.clear()
         check = _mgr(tmp_path, metric_name=name).check_metric_name
         check({"accuracy": 0.9}, "val")
+        check({"accuracy": 0.9}, "val")  # said once
+        warned = [r.getMessage() for r in caplog.records if "metric_name" in r.getMessage()]
+        assert warned == ([] if name == "val:accuracy" else [
+            "checkpointing.metric_name='val:bleu' is not among the val: metrics this run logged first (accuracy): "
+            "checkpoints without it rank below those with it, and keep_top_k=3 keeps the newest of them"])
 
 
 def test_a_resumed_run_keeps_its_run_id_in_the_checkpoints_it_saves(tmp_path):
