@@ -6,6 +6,7 @@ Override forms (the Hydra ones NeMo RL users type):
     +a.b=1       add a key that must not be set yet
     ++a.b=1      add or set, whatever is there
     ~a.b         remove a key (it falls back to the schema default), or a list item (`~a.0`)
+    ~a.b=1       remove it only if it holds that value (else an error)
 A list item is named `a.0.b` or `a[0].b`. A mapping (`a={x: 1}`) is merged into the mapping at
 `a`, as in Hydra (`~a a={x: 1}` replaces it whole); any other value replaces what is there.
 Values are parsed as YAML: `[1,2]`, `null`, `true`, `1e-3`, `'quoted'`. Interpolations such
@@ -237,7 +238,8 @@ def _walk_node(node: yaml.Node, prefix: str, path: Path, origins: dict[str, str]
             _walk_node(item, f"{prefix[:-1]}[{i}].", path, origins)
 
 
-def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictConfig:
+def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
+          sections: frozenset[str] = frozenset()) -> DictConfig:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
@@ -260,7 +262,8 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictCo
                 f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not "
                 f"exist{_closest_file(parent_path)}"
             )
-        merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins))
+        merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins, sections))
+    _keep_inherited_sections(data, merged, sections)
     try:
         own = OmegaConf.create(data)
     except OmegaConfBaseException as e:
@@ -270,17 +273,46 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str]) -> DictCo
     return OmegaConf.merge(merged, own)  # type: ignore[return-value]
 
 
+def _keep_inherited_sections(data: dict[str, Any], inherited: DictConfig, sections: frozenset[str],
+                             prefix: str = "") -> None:
+    """Drop from a file's `data` the sections it leaves empty (`policy:` with nothing, or only
+    comments, under it) where its parents set them: an empty section adds nothing, as one over
+    the schema defaults keeps them. OmegaConf's merge put the null over the parents' mapping, and
+    every key they set there fell back to the schema default without a word. `sections`: the
+    dotted keys of the schema's sections (`plain_sections`); a key that may be null (a
+    `data.column_map`) is none, so null still drops an inherited one."""
+    for key in list(data):
+        dotted, value = f"{prefix}{key}", data[key]
+        there = inherited.get(key) if isinstance(inherited, DictConfig) else None
+        if value is None and dotted in sections and isinstance(there, DictConfig):
+            del data[key]
+        elif isinstance(value, dict) and isinstance(there, DictConfig):
+            _keep_inherited_sections(value, there, sections, dotted + ".")
+
+
+def plain_sections(schema: type[BaseModel], prefix: str = "") -> frozenset[str]:
+    """The dotted keys of `schema` whose value is a section (a model) that cannot be null."""
+    keys: set[str] = set()
+    for name, field in schema.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys.add(prefix + name)
+            keys |= plain_sections(field.annotation, f"{prefix}{name}.")
+    return frozenset(keys)
+
+
 def load_yaml_with_defaults(
-    path: str | os.PathLike, origins: dict[str, str] | None = None
+    path: str | os.PathLike, origins: dict[str, str] | None = None, schema: type[BaseModel] | None = None
 ) -> DictConfig:
     """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
 
     `defaults` is a path or a list of paths, relative to the file that names them (`~` is the
     home folder); later entries and the file itself override earlier ones. When `origins` is
-    given it is filled with `dotted key -> "file:line"` of the file that set each key last.
+    given it is filled with `dotted key -> "file:line"` of the file that set each key last. With
+    the config's `schema`, a section a file leaves empty keeps what its parents set there.
     """
     # `~` expanded: the shell leaves it in `--config=~/x.yaml`.
-    return _load(Path(os.path.expanduser(path)), (), origins if origins is not None else {})
+    return _load(Path(os.path.expanduser(path)), (), origins if origins is not None else {},
+                 plain_sections(schema) if schema is not None else frozenset())
 
 
 # --------------------------------------------------------------------------- overrides
@@ -395,17 +427,22 @@ def _find(cfg: DictConfig, parts: list[str]) -> tuple[str, bool, Any]:
     return key, found, node
 
 
-def _apply_one(cfg: DictConfig, ov: str) -> list[str]:
-    """Apply one override; return the dotted keys it set (none for a removal)."""
+def _apply_one(cfg: DictConfig, ov: str, sections: frozenset[str] = frozenset()) -> list[str]:
+    """Apply one override; return the dotted keys it set (none for a removal). `sections`:
+    `plain_sections` of the config's schema, which refuse null."""
     if ov.startswith("~"):
-        key = ov[1:].split("=", 1)[0]
+        key, has_value, value_text = ov[1:].partition("=")
         parts = _key_parts(key)
         try:
-            exists = _find(cfg, parts)[1]
+            _, exists, current = _find(cfg, parts)
         except ConfigError:
             exists = False
         if not exists:
             raise ConfigError(f"override {ov!r}: cannot remove {key!r}, it is not set in the config")
+        if has_value and _parse_value(value_text, ov) != current:
+            # Hydra's meaning (removed only if it holds that value): it was removed whatever it held.
+            raise ConfigError(f"override {ov!r}: {key} is {current!r}, not {value_text}; ~{key}=<value> removes it "
+                              f"only when it holds that value, ~{key} whatever it holds")
         parent = OmegaConf.select(cfg, ".".join(parts[:-1])) if parts[:-1] else cfg
         del parent[int(parts[-1]) if isinstance(parent, ListConfig) else parts[-1]]
         return []
@@ -428,6 +465,10 @@ def _apply_one(cfg: DictConfig, ov: str) -> list[str]:
         raise ConfigError(f"override {ov!r}: {e}") from None
     if mode == "add" and exists:
         raise ConfigError(f"override {ov!r}: {key!r} is already set; use {key}=... or ++{key}=... to change it")
+    if value is None and name in sections:
+        # It dropped every key the config set there, for the schema defaults, without a word.
+        raise ConfigError(f"override {ov!r}: {key!r} is a section and cannot be null; ~{key} resets it to the "
+                          "schema defaults")
     # A mapping is merged into the mapping there, as Hydra (and so NeMo RL) does:
     # `policy.generation={temperature: 0.5}` changes that key and keeps the file's others (they
     # fell back to the schema defaults). `~key` first replaces it whole.
@@ -447,16 +488,19 @@ def _leaf_keys(key: str, value: Any) -> list[str]:
 
 
 def apply_overrides(
-    cfg: DictConfig, overrides: Iterable[str], origins: dict[str, str] | None = None
+    cfg: DictConfig, overrides: Iterable[str], origins: dict[str, str] | None = None,
+    schema: type[BaseModel] | None = None,
 ) -> DictConfig:
-    """Apply Hydra-style overrides in order (see the module docstring); one error lists every bad one."""
+    """Apply Hydra-style overrides in order (see the module docstring); one error lists every bad
+    one. With the config's `schema`, a section set to null is one."""
     problems: list[str] = []
+    sections = plain_sections(schema) if schema is not None else frozenset()
     for ov in overrides:
         ov = ov.strip()
         if not ov:
             continue
         try:
-            keys = _apply_one(cfg, ov)
+            keys = _apply_one(cfg, ov, sections)
         except ConfigError as e:
             problems.append(str(e))
             continue
@@ -772,18 +816,19 @@ def load_config(
         raise ConfigError("config file not found: '' (an empty path)")
     overrides = list(overrides)
     origins: dict[str, str] = {}
-    cfg = load_yaml_with_defaults(config_path, origins) if config_path is not None else OmegaConf.create({})
+    schema = MASTER_CONFIGS[algorithm]
+    cfg = load_yaml_with_defaults(config_path, origins, schema) if config_path is not None else OmegaConf.create({})
     override_problems: list[str] = []
     for ov in overrides:
         # One at a time so that every bad override is reported along with the schema's errors.
         try:
-            apply_overrides(cfg, [ov], origins)
+            apply_overrides(cfg, [ov], origins, schema)
         except ConfigError as e:
             override_problems.append(str(e))
     source = str(config_path) if config_path else "schema defaults"
     if overrides:
         source += " + overrides"
-    return validate(cfg, MASTER_CONFIGS[algorithm], source, origins, override_problems)
+    return validate(cfg, schema, source, origins, override_problems)
 
 
 def _escape_interpolations(node: Any) -> Any:

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextvars
 import importlib.util
 import os
+import re
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -23,6 +26,9 @@ from posttrain.config import YAML_BOOLEANS, format_errors
 from posttrain.runtime import auto_precision
 
 
+# A seed torch's generators take, with room for the offsets added to it (a worker's rank, the weights'
+# version: sampling.version_seed): a larger one failed at the run's first torch.manual_seed.
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 # The compute dtypes a model (policy, generation engine) can run in.
 Precision = Literal["float32", "bfloat16", "float16"]
 # True while a run's config (_MasterBase) validates: it decides its policy's precision "auto".
@@ -48,9 +54,27 @@ class Section(BaseModel):
         annotation = cls.model_fields[info.field_name].annotation
         if isinstance(value, bool) and _numbers_only(annotation):
             raise ValueError(f"got {value!r}, expected a number ({YAML_BOOLEANS})")
+        if isinstance(value, (list, dict)) and _bool_among_numbers(value, annotation):
+            # The same inside a list or mapping of numbers: `stop_token_ids: [yes, no]` stopped on token 0.
+            raise ValueError(f"got {value!r}, expected numbers, not true/false ({YAML_BOOLEANS})")
         if value is None and isinstance(annotation, type) and issubclass(annotation, Section):
             return {}  # a section left empty in YAML (`tokenizer:` with nothing under it) keeps its defaults
         return value
+
+
+def _bool_among_numbers(value: Any, annotation: Any) -> bool:
+    """Whether `value` (a list or mapping, nested) holds a bool where `annotation` takes a number."""
+    if isinstance(value, bool):
+        return _numbers_only(annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_bool_among_numbers(value, a) for a in args)
+    if isinstance(value, list) and origin in (list, tuple, set) and args:
+        items = args if origin is tuple and args[-1] is not ... else args[:1] * len(value)
+        return any(_bool_among_numbers(v, a) for v, a in zip(value, items))
+    if isinstance(value, dict) and origin is dict and len(args) == 2:
+        return any(_bool_among_numbers(v, args[1]) for v in value.values())
+    return False
 
 
 def _numbers_only(annotation: Any) -> bool:
@@ -79,11 +103,21 @@ class ClusterConfig(Section):
     workers_per_node: int = Field(1, ge=1)
     # CPUs in each worker's bundle (GPU bundles get them too).
     cpus_per_worker: float = Field(1.0, gt=0)
-    # Ray address to join ("auto" = RAY_ADDRESS or a running local cluster); null starts one.
+    # Ray address to join: "auto" (RAY_ADDRESS, else a Ray cluster running on this machine),
+    # "<host>:<port>" of its GCS, or "ray://<host>:<port>" (Ray Client); null starts one.
     address: str | None = None
     # Seconds to wait for a placement group before failing with what was asked and offered (no
     # wait when the request exceeds the total of the local Ray node the run started itself).
     placement_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, v: str | None) -> str | None:
+        # Ray's own check came after the config, the data and the tokenizer, as a traceback.
+        if v is not None and not re.fullmatch(r"auto|(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", v):
+            raise ValueError(f"got {v!r}, expected 'auto', '<host>:<port>' (the head node's GCS) or 'ray://<host>:<port>' "
+                             "(Ray Client)")
+        return v
 
     @property
     def num_workers(self) -> int:
@@ -95,7 +129,7 @@ class ClusterConfig(Section):
 
 
 class TokenizerConfig(Section):
-    name: str | None = None  # defaults to policy.model_name
+    name: str | None = Field(None, min_length=1)  # defaults to policy.model_name ("": an unset $VAR, refused)
     # A Jinja template overriding the tokenizer's own. SFT/DPO/RM train each assistant turn as the
     # model generates it after the prompt this template gives it. One that renders an earlier turn
     # differently once later messages follow (Qwen3's: an empty <think></think> block in the last
@@ -343,7 +377,7 @@ class GenerationConfig(Section):
     # Prompts longer than the context: "error" stops with the row, "truncate" cuts from the left and counts.
     overlong_prompt: Literal["error", "truncate"] = "error"
     # Seed of the sampler (each generation worker, colocated or separate, adds its rank).
-    seed: int = 0
+    seed: Seed = 0
     # Placement: in the policy workers (colocated) or in generation workers of their own.
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     # Settings of the vllm backend.
@@ -453,7 +487,7 @@ class PolicyConfig(Section):
     # "embedded:<name>" with the policy's vocabulary; null: the policy's own starting weights.
     # Refused where nothing uses it (it would not be loaded): GRPO without a KL penalty or
     # distillation, SimPO, SFT, RM and eval.
-    reference_model_name: str | None = None
+    reference_model_name: str | None = Field(None, min_length=1)
     # Move the reference toward the policy as training goes (TR-DPO); off: it stays frozen.
     reference_sync: ReferenceSyncConfig = Field(default_factory=ReferenceSyncConfig)
     # Rows per optimizer step, over all workers (pairs for DPO/RM); a larger batch is several steps.
@@ -871,7 +905,7 @@ class DataConfig(Section):
     shuffle: bool = True
     # Seed of the held-out validation split and of the generated datasets (arithmetic,
     # sliding_puzzle, stories); the training-row order uses the algorithm's seed.
-    seed: int = 42
+    seed: Seed = 42
     # Prepend BOS (unless the tokenizer has none or the template already starts with it) to
     # training rows and generation prompts alike.
     add_bos: bool = True
@@ -1428,7 +1462,7 @@ class GRPOConfig(Section):
     # for dynamic sampling, which it needs); samples beyond the step's batch are dropped.
     batch_multiplier: int = Field(1, ge=1)
     # Seed of the training-prompt order and of the driver's torch RNG (sampling: policy.generation.seed).
-    seed: int = 42
+    seed: Seed = 42
     # DAPO soft overlong punishment of the rewards (after reward_scaling: the penalty is in its units).
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     # Linear rescaling of the rewards (before the overlong shaping, whose penalty is in the scaled units).
@@ -1522,7 +1556,7 @@ class SFTConfig(Section):
     # when val_period does not divide it or is 0.
     val_at_end: bool = True
     # Seed of the training-row order and of the driver's torch RNG.
-    seed: int = 42
+    seed: Seed = 42
 
 
 class DPOConfig(SFTConfig):
@@ -1588,7 +1622,7 @@ class EvalConfig(Section):
     # The k of the headline score (<= num_tests_per_prompt).
     k_value: int = Field(1, ge=1)
     # Seed of sampling (replaces policy.generation.seed during eval).
-    seed: int = 42
+    seed: Seed = 42
     # Greedy decoding (false: sample with policy.generation's settings); null: greedy when
     # num_tests_per_prompt == 1.
     greedy: bool | None = None
@@ -2063,6 +2097,18 @@ class EvalMasterConfig(_MasterBase):
     @model_validator(mode="after")
     def _enough_rollout_turns(self) -> "EvalMasterConfig":
         check_rollout_turns(self.env, self.data, self.eval.max_rollout_turns, "eval.max_rollout_turns")
+        return self
+
+    @model_validator(mode="after")
+    def _several_samples_are_sampled(self) -> "EvalMasterConfig":
+        # As grpo.val_greedy refuses: the eval ran, and reported pass@k of n identical samples.
+        n = self.eval.num_tests_per_prompt
+        why = "eval.greedy=true" if self.eval.greedy else self.policy.generation.deterministic_by()
+        if n > 1 and why is not None:
+            fix = ("eval.greedy=false (or null)" if self.eval.greedy
+                   else f"a sampling {why.split('=')[0]}")
+            raise ValueError(f"{why} with eval.num_tests_per_prompt={n}: every prompt gets {n} identical samples, so "
+                             f"pass@k and cons@k mean nothing; set {fix}, or eval.num_tests_per_prompt=1")
         return self
 
 

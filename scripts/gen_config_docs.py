@@ -119,7 +119,10 @@ def _type_text(field: Any) -> str:
     for m in field.metadata:
         for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             if getattr(m, attr, None) is not None:
-                bounds.append(f"{sym} {getattr(m, attr)}")
+                value = getattr(m, attr)
+                # A seed's bounds (schemas.Seed), 19 digits each, say less than "64-bit".
+                bounds.append("64-bit" if abs(value) == 2**63 else f"{sym} {value}")
+    bounds = list(dict.fromkeys(bounds))
     return text + (f" ({', '.join(bounds)})" if bounds else "")
 
 

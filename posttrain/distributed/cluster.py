@@ -63,6 +63,10 @@ def init_ray(cfg: ClusterConfig) -> None:
             ray.init(address=address, include_dashboard=False)
         else:
             ray.init(include_dashboard=False)
+    except ValueError as e:  # an address Ray cannot parse ("Invalid address format"): RAY_ADDRESS's
+        where = "cluster.address" if cfg.address else "the RAY_ADDRESS environment variable"
+        raise InputError(f"{where}={address!r}: Ray refuses it ({e}); give 'auto', '<host>:<port>' or "
+                         "'ray://<host>:<port>'") from None
     except (SystemExit, KeyboardInterrupt) as e:
         # A stop signal while Ray starts: its own SIGTERM handler (set first thing in `ray.init`)
         # exits with status 15, which skipped the CLI's message and left the node's processes

@@ -89,6 +89,23 @@ def test_ray_env_defaults_fill_only_what_is_unset(monkeypatch):
     assert os.environ["RAY_worker_niceness"] == "0"
 
 
+def test_a_ray_address_ray_cannot_parse_is_an_input_error_naming_where_it_came_from(monkeypatch):
+    # cluster.address is checked with the config; RAY_ADDRESS only here, where it was a traceback.
+    import ray
+
+    from posttrain.config import ConfigError, InputError, load_config
+    from posttrain.distributed.cluster import init_ray
+
+    with pytest.raises(ConfigError, match=r"cluster.address: got 'head', expected 'auto', '<host>:<port>'"):
+        load_config("grpo", None, ["cluster.address=head"])
+    assert load_config("grpo", None, ["cluster.address=ray://head:10001"]).cluster.address == "ray://head:10001"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setenv("RAY_ADDRESS", "nonsense")
+    with pytest.raises(InputError, match=r"the RAY_ADDRESS environment variable='nonsense': Ray refuses it \("
+                                         r".*Invalid address format.*\); give 'auto', '<host>:<port>' or"):
+        init_ray(ClusterConfig())
+
+
 def test_cpu_workers_keep_freed_memory_for_the_next_step(group):
     # runtime.keep_freed_memory in every worker without a GPU: 0-40k faults, ~400k otherwise (glibc maps
     # and unmaps blocks this large one by one), see tests/unit/test_runtime.py.

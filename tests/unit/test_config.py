@@ -60,6 +60,35 @@ def test_defaults_inheritance_chain_and_order(tmp_path):
     assert "defaults" not in load_yaml_with_defaults(child)
 
 
+def test_a_section_a_child_leaves_empty_keeps_what_its_parent_set(tmp_path):
+    # `policy:` with its only line commented out was a null that replaced the parent's whole
+    # section: every key it set fell back to the schema default without a word.
+    _write(tmp_path / "base.yaml", """
+        policy: {model_name: embedded:small, train_global_batch_size: 16, generation: {max_new_tokens: 7}}
+        data: {column_map: {q: prompt}}
+    """)
+    child = _write(tmp_path / "child.yaml", """
+        defaults: base.yaml
+        policy:
+          # model_name: embedded:tiny
+          generation:
+        data:
+          column_map:
+    """)
+    # A key that may be null (not a section) is still set to null: here one the schema refuses.
+    with pytest.raises(ConfigError, match=r"data.column_map: got None, expected a valid dictionary"):
+        load_config("sft", child)
+    child.write_text(child.read_text().replace("data:\n  column_map:\n", ""))
+    cfg = load_config("sft", child)
+    assert (cfg.policy.model_name, cfg.policy.train_global_batch_size) == ("embedded:small", 16)
+    assert cfg.policy.generation.max_new_tokens == 7
+    # On the command line a null section is refused; ~key is what resets it to the defaults.
+    with pytest.raises(ConfigError, match=r"override 'policy.generation=null': 'policy.generation' is a section and "
+                                          r"cannot be null; ~policy.generation resets it to the schema defaults"):
+        load_config("sft", child, ["policy.generation=null"])
+    assert load_config("sft", child, ["~policy.generation"]).policy.generation.max_new_tokens != 7
+
+
 def test_defaults_cycle_and_missing_parent(tmp_path):
     _write(tmp_path / "x.yaml", "defaults: y.yaml\n")
     _write(tmp_path / "y.yaml", "defaults: x.yaml\n")
@@ -247,6 +276,11 @@ def test_apply_overrides_on_omegaconf():
 
     cfg = apply_overrides(OmegaConf.create({"a": {"b": 1}}), ["a.b=2", "+a.c=[1,2]", "~a.b"])
     assert OmegaConf.to_container(cfg) == {"a": {"c": [1, 2]}}
+    # ~key=value (Hydra's): removed only when it holds that value; it was removed whatever it held.
+    with pytest.raises(ConfigError, match=r"override '~a.c=\[1\]': a.c is \[1, 2\], not \[1\]; ~a.c=<value> removes "
+                                          r"it only when it holds that value, ~a.c whatever it holds"):
+        apply_overrides(cfg, ["~a.c=[1]"])
+    assert OmegaConf.to_container(apply_overrides(cfg, ["~a.c=[1, 2]"])) == {"a": {}}
 
 
 # --------------------------------------------------------------------------- interpolation
@@ -377,11 +411,22 @@ def test_a_boolean_is_no_number(tmp_path):
         load_config("grpo", None, ["logger.wandb.name=yes"])
     assert ("logger.wandb.name: got True, expected a valid string (YAML reads true/false, yes/no, on/off as "
             "booleans: quote the text)") in str(e.value)
+    # Nor inside a list or mapping of numbers: stop_token_ids [yes, no] stopped on token 0.
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", None, ["policy.generation.stop_token_ids=[7, no]", "env.x.target=[a:b, c:d]",
+                                   "env.x.reward_weights=[0.5, yes]", "env.x.correct_at_least={c: true}",
+                                   "policy.scheduler=[{name: LinearLR}, {name: ConstantLR}, {milestones: [on]}]"])
+    msg = str(e.value)
+    for key, got in (("policy.generation.stop_token_ids", [7, False]), ("env.x.reward_weights", [0.5, True]),
+                     ("env.x.correct_at_least", {"c": True}), ("policy.scheduler[2].milestones", [True])):
+        assert f"{key}: got {got!r}, expected numbers, not true/false (YAML reads" in msg
     # Booleans stay valid where a key takes one (also beside a number, or in a free-form dict).
     cfg = load_config("grpo", None, ["grpo.val_at_start=yes", "policy.optimizer.kwargs={lr: 1e-5, foreach: true}",
-                                     "grpo.max_num_steps=3", "policy.max_grad_norm=0.5"])
+                                     "grpo.max_num_steps=3", "policy.max_grad_norm=0.5",
+                                     "policy.generation.stop_token_ids=[7, 0]"])
     assert (cfg.grpo.val_at_start, cfg.policy.optimizer.kwargs["foreach"]) == (True, True)
     assert (cfg.grpo.max_num_steps, cfg.policy.max_grad_norm) == (3, 0.5)
+    assert cfg.policy.generation.stop_token_ids == [7, 0]
 
 
 def test_gpu_monitoring_is_off_in_a_run_whose_workers_take_no_gpu():
@@ -776,6 +821,13 @@ def test_base_60_numbers_are_text(tmp_path):
     assert (cfg.grpo.seed, cfg.policy.max_grad_norm, cfg.grpo.max_num_steps) == (-5, 10.5, 7)
 
 
+def test_a_seed_torch_cannot_take_is_refused_with_the_config():
+    # It failed at the run's first torch.manual_seed, as "Overflow when unpacking long long".
+    with pytest.raises(ConfigError, match=r"grpo.seed: got 99999999999999999999, expected less than 9223372036854775808"):
+        load_config("grpo", None, ["grpo.seed=99999999999999999999"])
+    assert load_config("eval", None, [f"eval.seed={2**63 - 1}"]).eval.seed == 2**63 - 1
+
+
 def test_zero_padded_numbers_are_decimal_or_text(tmp_path):
     # YAML 1.1 reads them as octal: seed 0123 was 83 (and 09 was 9), a run named 007 "got 7".
     path = _write(tmp_path / "c.yaml", "grpo: {seed: 0123}\nlogger:\n  wandb: {name: 007}\n")
@@ -860,6 +912,20 @@ def test_greedy_validation_with_several_samples_per_prompt_is_rejected():
     cfg = load_config("grpo", None, ["grpo.num_val_generations_per_prompt=4", "grpo.val_greedy=false"])
     assert cfg.grpo.num_val_generations_per_prompt == 4
     assert load_config("grpo", None, ["grpo.val_greedy=true"]).grpo.num_val_generations_per_prompt == 1
+    # The same in `posttrain eval`, by eval.greedy or a sampling setting that picks the top token (it
+    # reported pass@4 of four identical samples).
+    n4 = ["eval.num_tests_per_prompt=4", "eval.k_value=4"]
+    for extra, msg in ((["eval.greedy=true"], "eval.greedy=true with eval.num_tests_per_prompt=4: every prompt gets 4 "
+                        "identical samples, so pass@k and cons@k mean nothing; set eval.greedy=false (or null), or "
+                        "eval.num_tests_per_prompt=1"),
+                       (["policy.generation.top_k=1"], "policy.generation.top_k=1 (the most likely token only) with "
+                        "eval.num_tests_per_prompt=4: every prompt gets 4 identical samples, so pass@k and cons@k mean "
+                        "nothing; set a sampling policy.generation.top_k, or eval.num_tests_per_prompt=1")):
+        with pytest.raises(ConfigError) as e:
+            load_config("eval", None, n4 + extra)
+        assert msg in str(e.value)
+    assert load_config("eval", None, n4).eval.greedy is None  # sampled
+    assert load_config("eval", None, ["eval.greedy=true", "policy.generation.temperature=0"]).eval.greedy
 
 
 def test_exclusive_loss_modes_are_named_by_their_dotted_keys():
