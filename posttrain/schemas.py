@@ -593,6 +593,11 @@ class PolicyConfig(Section):
         if named > 1 and (not milestones or len(milestones[0]) != named - 1):
             raise ValueError(f"{named} schedulers: add an entry `milestones` with {named - 1} step(s) at which to "
                              f"switch (got {milestones[0] if milestones else None})")
+        steps = milestones[0] if milestones else []
+        if any(m < 1 for m in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
+            # SequentialLR takes them as they come: a step 0 or a later switch listed first gave a schedule
+            # other than the one meant, without a word.
+            raise ValueError(f"`milestones` {steps}: optimizer steps >= 1 in increasing order, one switch each")
         return entries
 
     @property
@@ -678,8 +683,9 @@ class ClippedPGLossConfig(Section):
     kl_input_clamp_value: float | None = Field(20.0, gt=0)
     # Clamp the per-token KL estimate to [-v, v]; null = off.
     kl_output_clamp_value: float | None = Field(10.0, gt=0)
-    # The ratio is clipped below at 1 - ratio_clip_min.
-    ratio_clip_min: float = Field(0.2, ge=0)
+    # The ratio is clipped below at 1 - ratio_clip_min (at most 1: ratios are positive, so 1
+    # already clips nothing below).
+    ratio_clip_min: float = Field(0.2, ge=0, le=1)
     # The ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: ratio_clip_max > ratio_clip_min).
     ratio_clip_max: float = Field(0.2, ge=0)
     # Dual clip: for negative advantages the per-token loss is capped at -c * A (c > 1); null = off.
@@ -1713,6 +1719,16 @@ class _MasterBase(Section):
         # nvidia-smi is not on PATH: it has no GPUs to monitor, so it is off (config.yaml says so).
         if self.logger.monitor_gpus and not self.uses_gpus():
             self.logger.monitor_gpus = False
+        return self
+
+    @model_validator(mode="after")
+    def _cuda_workers_take_gpus(self) -> "_MasterBase":
+        # The policy workers see only the GPUs their bundles hold (none without cluster.gpus_per_node):
+        # it failed in them, after Ray had started, and "auto" precision had taken bfloat16 for a GPU.
+        # `posttrain eval` runs the model in its own process, which sees the machine's GPUs.
+        if self.policy.device == "cuda" and not self.uses_gpus() and not isinstance(self, EvalMasterConfig):
+            raise ValueError("policy.device=cuda, but cluster.gpus_per_node=0 gives the policy workers no GPU; set "
+                             "cluster.gpus_per_node to the GPUs of each node (policy.device=auto then takes them)")
         return self
 
     @model_validator(mode="after")

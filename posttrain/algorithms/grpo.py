@@ -57,6 +57,7 @@ from posttrain.evals import mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
 from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
+from posttrain.policy.fsdp_worker import check_compile_backend
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.policy.optim import check_optimizer
@@ -194,6 +195,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     # A wrong name or model folder fails before Ray starts.
     load_model_configs(cfg.policy, with_reference=cfg.needs_reference(), check_files=True)
     check_optimizer(cfg.policy)
+    check_compile_backend(cfg.policy.compile)
     check_backend_installed(cfg.policy.generation)
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts

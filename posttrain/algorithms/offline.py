@@ -36,6 +36,7 @@ from posttrain.data.processors import load_policy_tokenizer
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
+from posttrain.policy.fsdp_worker import check_compile_backend
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
 from posttrain.policy.optim import check_optimizer
@@ -96,6 +97,7 @@ def start_run(
     policy; returns the run and the checkpoint to resume from (or None)."""
     load_model_configs(policy_cfg, with_reference=init_reference, model_kind=model_kind, check_files=True)  # before Ray
     check_optimizer(policy_cfg)
+    check_compile_backend(policy_cfg.compile)
     # Nothing is sampled here, so the loss trains and validation measures the model's own
     # distribution: the policy's logprobs are of logits / policy.generation.temperature (for RL,
     # the sampler's distribution), which a policy section shared with a GRPO config may set.

@@ -441,6 +441,14 @@ def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 _READS_DATASET_KWARGS = ("sliding_puzzle",)
 # Registered datasets made from settings, which read no data files.
 _GENERATED = ("arithmetic", "sliding_puzzle", "stories")
+# The data keys of those settings, and the datasets that read each.
+_SETTINGS_READ_BY = {
+    **{key: ("arithmetic",) for key in ("num_digits", "operations", "zero_pad", "demo_carry_error_rate",
+                                        "demo_tool_rate")},
+    "demo_puzzle_error_rate": ("sliding_puzzle",),
+    "num_train": _GENERATED,
+    "num_val": _GENERATED,
+}
 
 # name -> loader(cfg, split); paths are resolved when called, so POSTTRAIN_SHARED_DATA set
 # after import still applies.
@@ -553,18 +561,36 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- entry point
 
 
-def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+def _note_settings_unread(cfg: DataConfig, names: list[str]) -> None:
+    """Warn (once) about settings of the generated datasets that none of the datasets `names` reads:
+    data.num_train=5 with gsm8k trained on all its 7,473 rows without a word. A warning, not an
+    error: a config inheriting the quickstart's arithmetic settings for data of its own is common."""
+    defaults = DataConfig.model_construct()
+    unread = [key for key, readers in _SETTINGS_READ_BY.items()
+              if not set(names) & set(readers) and getattr(cfg, key) != getattr(defaults, key)]
+    if unread:
+        readers = sorted({r for key in unread for r in _SETTINGS_READ_BY[key]})
+        which = f"data.dataset_name={names[0]!r} reads" if len(names) == 1 else f"data.mixture's {names} read"
+        _warn_once("%s: settings of the generated datasets (%s), left unread: %s none of them (data.max_train_samples "
+                   "/ data.max_val_samples cap any dataset's rows)", ", ".join(f"data.{k}={getattr(cfg, k)!r}"
+                                                                          for k in unread),
+                   ", ".join(readers), which)
+
+
+def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False) -> list[dict[str, Any]]:
     """Canonical rows of `split` ("train" or "val"/"validation") of the dataset `cfg` names.
 
     Returns SFT rows `{"messages"}`, preference rows `{"prompt_messages", "chosen",
     "rejected"}` or RL/eval rows `{"messages", "answer", "task_name", "metadata"}`, with the
     prompt and system-prompt files applied and capped at `data.max_train_samples` /
-    `data.max_val_samples`.
+    `data.max_val_samples`. `in_mixture`: `cfg` is an entry of data.mixture (whose settings were
+    looked at as a whole).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     split = "val" if split == "validation" else split
     if cfg.mixture is not None:
+        _note_settings_unread(cfg, [entry.dataset_name for entry in cfg.mixture])
         return _mixture_rows(cfg, split)
     name = cfg.dataset_name
     local_file = _names_a_file(name)
@@ -576,6 +602,8 @@ def load_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
             f"{', '.join(_READS_DATASET_KWARGS)}; a file's columns are told by data.format and renamed by data.column_map. "
             "Set by a config this one inherits (defaults:), for its hub set? Drop them: '~data.dataset_kwargs'"
         )
+    if not in_mixture:
+        _note_settings_unread(cfg, [name])
     if cfg.column_map and name in _GENERATED:
         raise InputError(f"data.column_map: data.dataset_name={name!r} is made from its settings, with no columns "
                          "to rename")
@@ -664,7 +692,7 @@ def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     counts = []
     for i, entry, sub in _mixture_entries(cfg):
         try:
-            rows = load_rows(sub, split)
+            rows = load_rows(sub, split, in_mixture=True)
         except InputError as e:
             raise type(e)(f"data.mixture[{i}] ({entry.dataset_name}): {e}") from e
         if split == "train":

@@ -204,13 +204,21 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def check_compile(cfg: CompileConfig, device: torch.device) -> None:
-    """Refuse policy.compile settings that would fail at the first forward, deep in torch."""
+def check_compile_backend(cfg: CompileConfig) -> None:
+    """Refuse a policy.compile.backend torch does not have (the driver asks before Ray starts; it
+    failed in the workers, after the cluster had started)."""
+    if not cfg.enabled:
+        return
     import torch._dynamo
 
     if cfg.backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ConfigError(f"policy.compile.backend={cfg.backend!r} is not a torch.compile backend; available: "
                           f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager, eager)")
+
+
+def check_compile(cfg: CompileConfig, device: torch.device) -> None:
+    """Refuse policy.compile settings that would fail at the first forward, deep in torch."""
+    check_compile_backend(cfg)
     if cfg.backend == "inductor" and device.type == "cpu":
         from torch._inductor import config as inductor_config
         from torch._inductor.cpp_builder import get_cpp_compiler

@@ -107,3 +107,17 @@ def test_compile_settings_that_cannot_run_fail_at_setup(monkeypatch):
     check_compile(CompileConfig(enabled=True, backend="aot_eager"), torch.device("cpu"))  # builds no C++
     with pytest.raises(ValueError, match=r"tensor_parallel_size > 1 does not combine with policy\.compile\.enabled"):
         PolicyConfig(compile={"enabled": True}, dtensor_cfg={"tensor_parallel_size": 2})
+    # A backend torch lacks fails in the driver's setup, before Ray starts (it failed in the workers).
+    from posttrain.algorithms import grpo, offline, sft
+    from posttrain.config import load_config
+
+    def no_ray(*_args, **_kwargs):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr(grpo, "reserve", no_ray)
+    monkeypatch.setattr(offline, "RayVirtualCluster", no_ray)
+    for algorithm, setup in (("grpo", grpo.setup), ("sft", sft.setup)):
+        cfg = load_config(algorithm, None, ["policy.compile.enabled=true", "policy.compile.backend=nosuch",
+                                            "data.dataset_name=arithmetic", "data.num_train=64"])
+        with pytest.raises(ConfigError, match=r"policy\.compile\.backend='nosuch' is not a torch.compile backend"):
+            setup(cfg)

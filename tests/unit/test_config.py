@@ -503,6 +503,11 @@ def test_auto_precision_is_decided_when_the_config_is_read_and_recorded(monkeypa
     assert load_config("grpo", None, ["cluster.gpus_per_node=1", "policy.precision=float32"]).policy.precision == \
         "float32"
     assert load_config("eval", None, ["policy.device=cuda"]).policy.precision == "bfloat16"
+    # A training run's workers see a GPU only through cluster.gpus_per_node (eval runs in its own process).
+    with pytest.raises(ConfigError, match=r"policy.device=cuda, but cluster.gpus_per_node=0 gives the policy workers "
+                                          r"no GPU; set cluster.gpus_per_node"):
+        load_config("sft", None, ["policy.device=cuda"])
+    assert load_config("sft", None, ["policy.device=cuda", "cluster.gpus_per_node=2"]).policy.precision == "bfloat16"
     assert load_config("sft", None, ["policy.precision=bfloat16"]).policy.precision == "bfloat16"
     assert PolicyConfig().precision == "float32"  # on its own (a Policy of a test): by its device
     assert PolicyConfig(device="cuda").precision == "bfloat16"
@@ -579,6 +584,10 @@ def test_a_scheduler_chain_that_cannot_be_built_fails_at_load():
         "[{milestones: [2]}, {milestones: [3]}]": "more than one `milestones` entry",
         "[{milestones: [2]}]": "`milestones` but no scheduler entries to chain",
         "[{name: ConstantLR}, {milestones: [2]}]": "`milestones` needs at least two schedulers",
+        "[{name: ConstantLR}, {name: LinearLR}, {milestones: [0]}]": "`milestones` [0]: optimizer steps >= 1 in "
+                                                                     "increasing order, one switch each",
+        "[{name: ConstantLR}, {name: LinearLR}, {name: LinearLR}, {milestones: [5, 3]}]": "`milestones` [5, 3]: "
+                                                                                        "optimizer steps >= 1",
     }
     for value, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(f"policy.scheduler: {message}")):
@@ -926,6 +935,13 @@ def test_greedy_validation_with_several_samples_per_prompt_is_rejected():
         assert msg in str(e.value)
     assert load_config("eval", None, n4).eval.greedy is None  # sampled
     assert load_config("eval", None, ["eval.greedy=true", "policy.generation.temperature=0"]).eval.greedy
+
+
+def test_a_lower_clip_above_1_is_refused():
+    # 1 - ratio_clip_min < 0 clips nothing, as 1 does: a larger value is a misread key.
+    with pytest.raises(ConfigError, match=r"loss_fn.ratio_clip_min: got 1.5, expected less than or equal to 1"):
+        load_config("grpo", None, ["loss_fn.ratio_clip_min=1.5"])
+    assert load_config("grpo", None, ["loss_fn.ratio_clip_min=1"]).loss_fn.ratio_clip_min == 1
 
 
 def test_exclusive_loss_modes_are_named_by_their_dotted_keys():

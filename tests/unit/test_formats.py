@@ -787,6 +787,26 @@ def test_dataset_kwargs_no_dataset_reads_are_refused(tmp_path):
     assert len(puzzles) == 2
 
 
+def test_settings_of_the_generated_datasets_no_dataset_reads_are_named(tmp_path, caplog):
+    # data.num_train=5 with a file (or gsm8k) trained on every row without a word.
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"question": f"{i}+1?", "answer": str(i + 1)} for i in range(40)])
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        rows = load_rows(_cfg(path, num_train=5, num_digits=3, demo_puzzle_error_rate=0.5), "train")
+        load_rows(_cfg(path, num_train=5, num_digits=3, demo_puzzle_error_rate=0.5), "val")  # said once
+    assert len(rows) == 38  # all but the held-out two
+    said = [r.getMessage() for r in caplog.records if "generated datasets" in r.getMessage()]
+    assert said == [f"data.num_digits=3, data.demo_puzzle_error_rate=0.5, data.num_train=5: settings of the generated "
+                    f"datasets (arithmetic, sliding_puzzle, stories), left unread: data.dataset_name={path!r} reads "
+                    "none of them (data.max_train_samples / data.max_val_samples cap any dataset's rows)"]
+    # A mixture reads a setting when one of its datasets does; the defaults are never named.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="posttrain.data.datasets"):
+        mixed = load_rows(_cfg(None, num_train=5, mixture=[{"dataset_name": "arithmetic"}, {"dataset_name": path}]),
+                          "train")
+        load_rows(_cfg(path), "train")
+    assert len(mixed) == 5 + 38 and not [r for r in caplog.records if "generated datasets" in r.getMessage()]
+
+
 def test_data_file_paths_no_dataset_reads_are_refused(tmp_path):
     # A validation file named beside the arithmetic task or a hub set (or a folder) was not read:
     # validation scored the dataset's own rows.
