@@ -184,7 +184,7 @@ def _read_yaml(path: Path, origins: dict[str, str]) -> dict[str, Any]:
     """Parse one file; record `dotted key -> "file:line"` in `origins`; reject duplicate keys."""
     if path.is_dir():
         raise ConfigError(f"{path} is a folder, not a config file")
-    if not path.is_file():
+    if not path.exists():  # a pipe is no regular file, but read (`--config <(...)`)
         raise ConfigError(f"config file not found: {path}{_closest_file(path)}")
     try:
         text = path.read_text(encoding="utf-8")
@@ -240,7 +240,9 @@ def _walk_node(node: yaml.Node, prefix: str, path: Path, origins: dict[str, str]
 
 def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
           sections: frozenset[str] = frozenset()) -> DictConfig:
-    path = path.resolve()
+    # Resolved (the `defaults:` cycle check compares files), unless that names nothing: the shell's
+    # `--config <(...)` is /dev/fd/N, which resolves to a "pipe:[...]" name that is no path.
+    path = path.resolve() if path.resolve().exists() else path.absolute()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"`defaults:` cycle: {chain}")

@@ -78,6 +78,8 @@ def resolve_path(path: str | os.PathLike) -> Path:
 
 def _existing(path: str | os.PathLike, what: str) -> Path:
     p = resolve_path(path)
+    if p.is_dir():
+        raise InputError(f"{what}: {path} is a folder, not a file")
     if not p.is_file():
         hint = ""
         if p.is_relative_to(shared_data_dir()):

@@ -60,6 +60,15 @@ def test_defaults_inheritance_chain_and_order(tmp_path):
     assert "defaults" not in load_yaml_with_defaults(child)
 
 
+def test_a_config_from_a_pipe_or_dev_null_is_read():
+    # `--config <(...)` is /dev/fd/N, resolved to a "pipe:[...]" name: it was "config file not found".
+    out = subprocess.run(["bash", "-c", f"{sys.executable} -c 'import sys; from posttrain.config import load_config; "
+                          "print(load_config(\"grpo\", sys.argv[1]).grpo.max_num_steps)' <(echo 'grpo: {max_num_steps: 3}')"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["3"], out.stderr
+    assert load_config("grpo", "/dev/null") == load_config("grpo", None)  # empty: the defaults
+
+
 def test_a_section_a_child_leaves_empty_keeps_what_its_parent_set(tmp_path):
     # `policy:` with its only line commented out was a null that replaced the parent's whole
     # section: every key it set fell back to the schema default without a word.

@@ -423,6 +423,9 @@ def test_prompt_and_system_prompt_files(tmp_path):
                                              rf"`{{}}`.*{re.escape(found)}"):
             load_rows(_cfg("local", train_data_path=path, val_data_path=path, prompt_file=str(tmp_path / "p.txt")),
                       "train")
+    # A folder is there, just not a file: it was "file not found".
+    with pytest.raises(InputError, match=rf"^data.prompt_file: {tmp_path} is a folder, not a file$"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path, prompt_file=str(tmp_path)), "train")
 
 
 def test_data_task_name_makes_prompt_only_messages_rows_rl_rows(tmp_path):
