@@ -701,7 +701,9 @@ def format_errors(
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
             # A cross-field check of a whole section: its message already names the keys, and
             # where each of them was set is what to look at, not where the section starts.
-            msg = (f"{key}: " if key else "") + first["msg"].removeprefix("Value error, ")
+            text = first["msg"].removeprefix("Value error, ")
+            # An entry's own errors (env.<name>'s) come whole: "unknown key 'env.math.cfg.x'", not "env: unknown ...".
+            msg = (f"{key}: " if key and not text.startswith(f"unknown key '{key}.") else "") + text
             named = [k for k in dict.fromkeys(re.findall(r"[a-z_]+(?:\.[a-z_0-9]+)+", msg)) if k in origins]
             if named:
                 lines.append(msg + "  [" + "; ".join(f"{k} set at {origins[k]}" for k in named) + "]")

@@ -728,7 +728,11 @@ def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config("grpo", path)
     msg = str(e.value)
-    assert f"unknown key 'env.math.num_worker' (did you mean env.math.num_workers?)  [set at {path}:3]" in msg
+    assert f"  - unknown key 'env.math.num_worker' (did you mean env.math.num_workers?)  [set at {path}:3]" in msg
+    # Deeper in the entry the same (it read "env: unknown key 'env.math.cfg...").
+    with pytest.raises(ConfigError, match=r"\n  - unknown key 'env.math.cfg.float_roundin' \(did you mean "
+                                          r"env.math.cfg.float_rounding\?\)"):
+        load_config("grpo", None, ["env.math.cfg.float_roundin=3"])
     assert "env.arithmetic: got 3, expected a valid dictionary" in msg and f"[set at {path}:4]" in msg
     assert "env.code" not in msg  # an entry without settings runs with the defaults
     assert load_config("grpo", None, ["++env.code=null"]).env.get_worker_cfg("code").num_workers == 1
