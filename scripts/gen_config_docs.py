@@ -54,9 +54,9 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
 
 - `defaults: parent.yaml` (or a list) inherits other files, relative to the file naming them
   (`~` is the home folder); the file's own keys override its parents', later parents override
-  earlier ones.
+  earlier ones. A section left empty (`policy:` with nothing under it) keeps what they set.
 - Overrides: `a.b=1` sets, `+a.b=1` adds a key not set yet, `++a.b=1` adds or sets, `~a.b`
-  removes (back to the default). Values are YAML: `[1,2]`, `null`, `true`, `1e-3`; a mapping
+  removes (back to the default; `~a.b=1` only if it holds 1). Values are YAML: `[1,2]`, `null`, `true`, `1e-3`; a mapping
   (`a={x: 1}`) is merged into the one there, as in Hydra (`~a a={x: 1}` replaces it whole).
   Dates, times and zero-padded numbers (`2024-01-01`, `1:00:00:00`, `007`) are text.
 - Interpolation: `${policy.model_name}`, `${mul:${policy.max_total_sequence_length},4}`
