@@ -165,8 +165,9 @@ class StepResult:
     """What a `PerSampleEnvironment` returns for one sample."""
 
     # A text or a whole message, or a list: one message per item (e.g. one per tool call), each a
-    # text or a whole message (a tool result with its "tool_call_id" and "name").
-    observation: str | dict[str, Any] | list[str | dict[str, Any]]
+    # text or a whole message (a tool result with its "tool_call_id" and "name"); None (or []): no
+    # message, as at the end of a conversation.
+    observation: str | dict[str, Any] | list[str | dict[str, Any]] | None
     reward: float
     terminated: bool
     metadata: dict[str, Any]
@@ -235,7 +236,7 @@ class PerSampleEnvironment(EnvironmentInterface):
         return EnvironmentReturn(
             # A whole message is one observation too: iterated as a list, its keys became messages.
             observations=[_message(r.observation, r.observation_role) if isinstance(r.observation, (str, dict))
-                          else [_message(o, r.observation_role) for o in r.observation] for r in results],
+                          else [_message(o, r.observation_role) for o in r.observation or ()] for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
             rewards=[float(r.reward) for r in results],

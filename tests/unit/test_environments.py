@@ -225,13 +225,15 @@ def test_step_one_observations_as_texts_messages_or_lists_of_them():
     class Hints(PerSampleEnvironment):
         def step_one(self, messages, metadata):
             observation = {"text": "hint", "message": {"role": "user", "content": "hint"},
-                           "list": ["hint", {"role": "user", "content": "more"}]}[messages[-1]["content"]]
-            return StepResult(observation, 0.0, False, metadata)
+                           "list": ["hint", {"role": "user", "content": "more"}], "end": None}[messages[-1]["content"]]
+            return StepResult(observation, 0.0, observation is None, metadata)
 
-    ret = Hints().step([convo("text"), convo("message"), convo("list")], [{}] * 3)
-    # A whole message is one message (its keys are no messages of their own).
+    ret = Hints().step([convo("text"), convo("message"), convo("list"), convo("end")], [{}] * 4)
+    # A whole message is one message (its keys are no messages of their own); None, at the end of a
+    # conversation, none (it failed inside posttrain, "'NoneType' object is not iterable").
     assert ret.observations == [{"role": "environment", "content": "hint"}, {"role": "user", "content": "hint"},
-                                [{"role": "environment", "content": "hint"}, {"role": "user", "content": "more"}]]
+                                [{"role": "environment", "content": "hint"}, {"role": "user", "content": "more"}], []]
+    assert ret.terminateds == [False, False, False, True] and ret.num_errors == 0
 
 
 # --------------------------------------------------------------------------- sliding puzzle
