@@ -1021,9 +1021,9 @@ class EnvWorkerConfig(Section):
     step_timeout_s: float | None = Field(None, gt=0)
     # Restarts of a crashed or stuck actor before the environment fails for good.
     max_restarts: int = Field(3, ge=0)
-    # Steps (one per rollout turn) in a row in which every sample of this environment failed
-    # (raised, timed out, returned a bad reward) before the run stops: a broken environment, not
-    # hard samples; GRPO checkpoints its last complete step first. A step whose samples only went
+    # Steps (one per rollout turn, validation's too) in a row in which every sample of this
+    # environment failed (raised, timed out, returned a bad reward) before the run stops: a broken
+    # environment, not hard samples; GRPO logs and checkpoints its last complete step first. A step whose samples only went
     # on (a tool call's result) neither counts nor ends the streak. null: never stop.
     max_failed_steps: int | None = Field(3, ge=1)
     # Settings of the environment itself, validated by its own section below

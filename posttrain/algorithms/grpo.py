@@ -599,6 +599,18 @@ class _LastComplete:
     # save resumes from, so that those steps' prompts are trained on once it is mended.
     before_failed_steps: dict | None = None
     failed_steps: int = 0
+    # The step's samples, and whether its train metrics and samples are still to be logged: a step
+    # is logged before its checkpoint (docs/metrics.md), and a save of `_save_last_complete` may come
+    # before the loop's logging (an environment that fails in the step's validation).
+    samples: list[dict] = field(default_factory=list)
+    unlogged: bool = False
+
+    def log(self, logger: Logger) -> None:
+        """Log the step's train metrics and samples, unless done."""
+        if self.unlogged:
+            self.unlogged = False  # first: a metric check that raises (MetricNameError) is not logged twice
+            logger.log_metrics(self.train, step=self.step, prefix="train")
+            logger.log_samples(self.samples, step=self.step)
 
 
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
@@ -641,6 +653,7 @@ def _save_last_complete(s: GRPOSetup, last: _LastComplete, why: str, note: str =
     """Save `last` (the last complete step) if no checkpoint holds it yet, saying `why` the run
     stops (and `note`, after)."""
     if last.step > last.saved_step and s.cfg.checkpointing.enabled:
+        last.log(s.logger)  # the metrics known when it stopped (no step time, no validation)
         _save(s, last.step, last.train, last.val, loader_state=last.loader_state)
         last.saved_step = last.step
         s.logger.console(f"{why}: saved step {last.step}, the last complete one, before stopping{note}")
@@ -830,6 +843,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         # the next step's prompts (async: before the oldest queued ones).
         before = last.loader_state
         last.step, last.train, last.val = step, {**rollout_metrics, **train_metrics}, {}
+        last.unlogged, last.samples = True, [
+            {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
+             "stop_reason": c.stop_reason, "env_error": c.env_error,
+             **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
+             **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
+            for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
+        ]
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
         if bool(batch["env_errors"].all()):
             last.before_failed_steps = last.before_failed_steps or before
@@ -870,14 +890,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         }
         # What ranks the checkpoint, as logged: checkpointing.metric_name may name any of it (train:step_time_s).
         last.train = {**metrics, **timer.metrics(prefix="timing/")}
-        logger.log_metrics(last.train, step=step, prefix="train")
-        logger.log_samples([
-            {"step": step, "prompt": c.question, "response": c.response, "reward": c.reward, "truncated": c.truncated,
-             "stop_reason": c.stop_reason, "env_error": c.env_error,
-             **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
-             **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
-            for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
-        ], step=step)
+        last.log(logger)
 
         # ---- checkpoint (on schedule, at the end, or when the job's time is up or it is told to stop)
         stop = s.checkpointer.stop_reason(last_step=step == g.max_num_steps)

@@ -379,7 +379,9 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
         "        raise ConnectionError('reward service down')\n"
         "    return float(len(response) > 2)\n")
     broken.touch()
-    args = tiny_overrides(tmp_path, "grpo.max_num_steps=5", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+    # The third step's validation fails too, the second failure in a row: the run stops there, before
+    # the loop logs the step (its record was missing beside its checkpoint).
+    args = tiny_overrides(tmp_path, "grpo.max_num_steps=5", "grpo.warmup_sft_steps=0", "grpo.val_period=3",
                  "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
                  "logger.num_samples_to_dump=16", "data.task_name=flaky", f"env.flaky.target={rewards}:flaky",
                  "env.flaky.max_failed_steps=2")
@@ -394,6 +396,7 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["served"] == 2 * 4 and info["consumed_samples"] == 2 * 4 * 4
     assert [(r["step"], r["env_errors"]) for r in records(tmp_path / "logs", "train")] == [(1, 0), (2, 0), (3, 16)]
+    assert not records(tmp_path / "logs", "val")
     # Mended, the run resumes at step 4 with the prompts of the failed step 3.
     broken.unlink()
     run(load_config("grpo", QUICKSTART, args))
