@@ -44,7 +44,8 @@ overrides (Hydra style, as in NeMo RL):
   a.b=1          set a key                       policy.max_grad_norm=0.5
   +a.b=1         add a key that is not set yet   +policy.generation.top_k=50
   ++a.b=1        add or set                      ++logger.wandb.name=run1
-  ~a.b           remove (back to the default)    ~policy.max_grad_norm
+  ~a.b           remove a key the --config file  ~grpo.max_num_steps
+                 sets (back to the default)
   values are YAML: [1,2], null, true, 1e-3, {x: 1} (merged into the mapping there);
   interpolation: ${policy.model_name}, ${mul:${policy.max_total_sequence_length},2}
 """

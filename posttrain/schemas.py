@@ -812,7 +812,7 @@ def sft_loss_weight_of(loss_name: str, weight: float | None) -> float:
 
 
 class DPOLossConfig(Section):
-    # Selected by name (posttrain.losses.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo" and
+    # Selected by name (posttrain.losses.preference.preference_pair_losses): "sigmoid" (DPO), "ipo", "simpo" and
     # "orpo" (reference-free), "robust" (rDPO: unbiased under label_smoothing's flips), "hinge" (SLiC-HF).
     # orpo: beta (dpo.reference_policy_kl_penalty) is ORPO's lambda (TRL's default 0.1), and
     # dpo.sft_loss_weight defaults to 1 (its NLL term).
