@@ -64,8 +64,9 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
   against the config with the defaults filled in.
 - Unknown keys are errors. Every problem of a key is reported at once, naming the dotted
   key, where it was set (file:line or the command line), the bad value, what was expected and
-  the closest valid key; checks across keys (a batch size that must divide another) follow once
-  every key is valid, one at a time (`unknown key 'policy.max_grad_nrom' (did you mean policy.max_grad_norm?)`).
+  the closest valid key (`unknown key 'policy.max_grad_nrom' (did you mean policy.max_grad_norm?)`);
+  checks across keys (a batch size that must divide another) follow once every key is valid,
+  one at a time.
 - The resolved config is written to `<logger.log_dir>/config.yaml` and into every checkpoint.
 """
 
