@@ -8,7 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -540,9 +540,11 @@ _EOS_AFTER = ("{% if not add_generation_prompt and messages and messages[-1]['ro
 # reads text after a special token without its leading-space marker, so "<s>Once" is not BOS +
 # the ids of "Once"; "<s> Once" is.
 _BOS_FRONTS = ("{{ bos_token }}", "{{ bos_token }} ")
-# The conversation an exported template is checked on.
+# The conversation an exported template is checked on, and a prompt with a system turn (a template
+# may start it otherwise: SQuAD's "Context: ..." against " Question: ...").
 _PROBE_PROMPT = [{"role": "user", "content": "Once upon a time"}]
 _PROBE = [*_PROBE_PROMPT, {"role": "assistant", "content": "there was a cat."}]
+_PROBE_SYSTEM = [{"role": "system", "content": "Be brief."}, *_PROBE_PROMPT]
 
 
 def exported_chat_template(tokenizer, *, bos: bool, eos: bool) -> Any:
@@ -576,8 +578,12 @@ def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
         if bos and tokenizer.bos_token and not text.startswith(tokenizer.bos_token):
             fits = [front + template for front in _BOS_FRONTS
                     if ids(front + template, _PROBE_PROMPT, True) == trained_prompt]
-            template = fits[0] if fits else template
-            missing += [] if fits else ["the BOS that data.add_bos put in front"]
+            with_system = [t for t in fits if _same_ids(lambda: ids(t, _PROBE_SYSTEM, True),
+                                                        lambda: render_prompt(tokenizer, _PROBE_SYSTEM, True))]
+            template = (with_system or fits or [template])[0]
+            missing += ([] if with_system else ["the BOS that data.add_bos put in front of a prompt that starts with "
+                                                "a system turn"] if fits
+                        else ["the BOS that data.add_bos put in front"])
         if eos and tokenizer.eos_token and not text.rstrip().endswith(tokenizer.eos_token):
             if ids(template + _EOS_AFTER, _PROBE, False) == [*ids(template, _PROBE, False), tokenizer.eos_token_id]:
                 template += _EOS_AFTER
@@ -591,6 +597,15 @@ def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
         log.warning("the exported chat template does not write %s (it would not tokenize as training did); "
                     "with plain transformers, add it to the ids yourself", " nor ".join(missing))
     return template
+
+
+def _same_ids(exported: Callable[[], list[int]], trained: Callable[[], list[int]]) -> bool:
+    """Whether the two renders give the same ids; True where the template refuses the conversation
+    (a system turn, in Gemma's): there is nothing to get wrong."""
+    try:
+        return exported() == trained()
+    except Exception:  # noqa: BLE001 - the template's own refusal (jinja's TemplateError, an InputError)
+        return True
 
 
 def load_generation_config(path: str):

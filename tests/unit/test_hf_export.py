@@ -75,3 +75,18 @@ def test_a_sentencepiece_tokenizer_gets_its_bos_before_a_space(stories260k, capl
     odd.bos_token = "Tim"  # a "BOS" whose text reads as other ids
     assert exported_chat_template(odd, bos=True, eos=False) == odd.chat_template
     assert "does not write the BOS that data.add_bos put in front" in caplog.text
+    # One whose turns start otherwise (SQuAD's "Context: ..." and " Question: ..."): no front gives
+    # both prompts their training ids; the one of a user's prompt is taken, and the warning says
+    # which prompts differ (it was silent).
+    caplog.clear()
+    squad = AutoTokenizer.from_pretrained(stories260k)
+    squad.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ 'Context: ' + m['content'] }}"
+                           "{% elif m['role'] == 'user' %}{{ ' Question: ' + m['content'] + ' Answer:' }}{% endif %}"
+                           "{% endfor %}")
+    exported = AutoTokenizer.from_pretrained(stories260k)
+    exported.chat_template = exported_chat_template(squad, bos=True, eos=False)
+    assert _rendered(exported, PROMPT, add_generation_prompt=True) == render_prompt(squad, PROMPT, True)
+    system = [{"role": "system", "content": "The sky is blue."}, *PROMPT]
+    assert _rendered(exported, system, add_generation_prompt=True) != render_prompt(squad, system, True)
+    assert ("does not write the BOS that data.add_bos put in front of a prompt that starts with a system turn"
+            in caplog.text)
