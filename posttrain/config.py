@@ -26,6 +26,7 @@ in well under a second.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 from pathlib import Path
@@ -242,7 +243,8 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
           sections: frozenset[str] = frozenset()) -> DictConfig:
     # Resolved (the `defaults:` cycle check compares files), unless that names nothing: the shell's
     # `--config <(...)` is /dev/fd/N, which resolves to a "pipe:[...]" name that is no path.
-    path = path.resolve() if path.resolve().exists() else path.absolute()
+    resolved = path.resolve()
+    path = resolved if resolved.exists() else path.absolute()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"`defaults:` cycle: {chain}")
@@ -285,15 +287,17 @@ def _keep_inherited_sections(data: dict[str, Any], inherited: DictConfig, sectio
     `data.column_map`) is none, so null still drops an inherited one."""
     for key in list(data):
         dotted, value = f"{prefix}{key}", data[key]
-        there = inherited.get(key) if isinstance(inherited, DictConfig) else None
+        there = inherited.get(key)
         if value is None and dotted in sections and isinstance(there, DictConfig):
             del data[key]
         elif isinstance(value, dict) and isinstance(there, DictConfig):
             _keep_inherited_sections(value, there, sections, dotted + ".")
 
 
+@functools.lru_cache(maxsize=None)
 def plain_sections(schema: type[BaseModel], prefix: str = "") -> frozenset[str]:
-    """The dotted keys of `schema` whose value is a section (a model) that cannot be null."""
+    """The dotted keys of `schema` whose value is a section (a model) that cannot be null (cached:
+    `load_config` asks for every override)."""
     keys: set[str] = set()
     for name, field in schema.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):

@@ -52,18 +52,17 @@ class Section(BaseModel):
         # `logger.num_val_samples_to_print: yes` (YAML 1.1 reads yes/no, on/off as booleans)
         # ran with 1 or 0 without a word.
         annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and _numbers_only(annotation):
-            raise ValueError(f"got {value!r}, expected a number ({YAML_BOOLEANS})")
-        if isinstance(value, (list, dict)) and _bool_among_numbers(value, annotation):
-            # The same inside a list or mapping of numbers: `stop_token_ids: [yes, no]` stopped on token 0.
-            raise ValueError(f"got {value!r}, expected numbers, not true/false ({YAML_BOOLEANS})")
+        # The same inside a list or mapping of numbers: `stop_token_ids: [yes, no]` stopped on token 0.
+        if isinstance(value, (bool, list, dict)) and _bool_among_numbers(value, annotation):
+            expected = "a number" if isinstance(value, bool) else "numbers, not true/false"
+            raise ValueError(f"got {value!r}, expected {expected} ({YAML_BOOLEANS})")
         if value is None and isinstance(annotation, type) and issubclass(annotation, Section):
             return {}  # a section left empty in YAML (`tokenizer:` with nothing under it) keeps its defaults
         return value
 
 
 def _bool_among_numbers(value: Any, annotation: Any) -> bool:
-    """Whether `value` (a list or mapping, nested) holds a bool where `annotation` takes a number."""
+    """Whether `value` is, or (a list or mapping, nested) holds, a bool where `annotation` takes a number."""
     if isinstance(value, bool):
         return _numbers_only(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)

@@ -581,9 +581,10 @@ def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
             with_system = [t for t in fits if _same_ids(lambda: ids(t, _PROBE_SYSTEM, True),
                                                         lambda: render_prompt(tokenizer, _PROBE_SYSTEM, True))]
             template = (with_system or fits or [template])[0]
-            missing += ([] if with_system else ["the BOS that data.add_bos put in front of a prompt that starts with "
-                                                "a system turn"] if fits
-                        else ["the BOS that data.add_bos put in front"])
+            if not fits:
+                missing.append("the BOS that data.add_bos put in front")
+            elif not with_system:
+                missing.append("the BOS that data.add_bos put in front of a prompt that starts with a system turn")
         if eos and tokenizer.eos_token and not text.rstrip().endswith(tokenizer.eos_token):
             if ids(template + _EOS_AFTER, _PROBE, False) == [*ids(template, _PROBE, False), tokenizer.eos_token_id]:
                 template += _EOS_AFTER
