@@ -706,8 +706,10 @@ def format_errors(
             # A cross-field check of a whole section: its message already names the keys, and
             # where each of them was set is what to look at, not where the section starts.
             text = first["msg"].removeprefix("Value error, ")
-            # An entry's own errors (env.<name>'s) come whole: "unknown key 'env.math.cfg.x'", not "env: unknown ...".
-            msg = (f"{key}: " if key and not text.startswith(f"unknown key '{key}.") else "") + text
+            # An entry's own errors (env.<name>'s, by format_errors) come whole: "unknown key 'env.math.cfg.x'"
+            # or "env.math.cfg.x: got ...", not "env: " in front of them.
+            nested = key and re.match(rf"unknown key '{re.escape(key)}\.[^']+'|{re.escape(key)}\.[\w.\[\]-]+: ", text)
+            msg = (f"{key}: " if key and not nested else "") + text
             named = [k for k in dict.fromkeys(re.findall(r"[a-z_]+(?:\.[a-z_0-9]+)+", msg)) if k in origins]
             if named:
                 lines.append(msg + "  [" + "; ".join(f"{k} set at {origins[k]}" for k in named) + "]")

@@ -733,6 +733,8 @@ def test_errors_inside_an_env_entry_name_the_entry(tmp_path):
     with pytest.raises(ConfigError, match=r"\n  - unknown key 'env.math.cfg.float_roundin' \(did you mean "
                                           r"env.math.cfg.float_rounding\?\)"):
         load_config("grpo", None, ["env.math.cfg.float_roundin=3"])
+    with pytest.raises(ConfigError, match=r"\n  - env.math.cfg.float_rounding: got 'abc', expected a valid integer"):
+        load_config("grpo", None, ["env.math.cfg.float_rounding=abc"])
     assert "env.arithmetic: got 3, expected a valid dictionary" in msg and f"[set at {path}:4]" in msg
     assert "env.code" not in msg  # an entry without settings runs with the defaults
     assert load_config("grpo", None, ["++env.code=null"]).env.get_worker_cfg("code").num_workers == 1
