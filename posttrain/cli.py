@@ -156,6 +156,7 @@ def _setup_logging() -> None:
 
 def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     args = _split_overrides(_algo_parser(algorithm), argv)
+    _setup_logging()  # before the config loads: it warns of settings the run leaves unread
     cfg = load_config(algorithm, args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
@@ -185,7 +186,6 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
 
     from posttrain.runtime import single_threaded_driver
 
-    _setup_logging()
     module = importlib.import_module(f"posttrain.algorithms.{algorithm}")
     # Only `posttrain eval` computes in this process (it generates here); the others hand every
     # model pass to Ray workers, and the driver's own torch threads would compete with theirs.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 from pathlib import Path
@@ -838,7 +839,15 @@ def load_config(
     source = str(config_path) if config_path else "schema defaults"
     if overrides:
         source += " + overrides"
-    return validate(cfg, schema, source, origins, override_problems)
+    result = validate(cfg, schema, source, origins, override_problems)
+    from posttrain.schemas import unread_settings
+
+    for keys, why in unread_settings(result):
+        named = ", ".join(k + (" (command line)" if origins.get(k, "").startswith(_CMDLINE) else
+                               f" (set at {origins[k]})" if k in origins else "") for k in keys)
+        logging.getLogger(__name__).warning("%s: %s, so %s nothing", named, why,
+                                            "it changes" if len(keys) == 1 else "they change")
+    return result
 
 
 def _escape_interpolations(node: Any) -> Any:

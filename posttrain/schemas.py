@@ -2127,6 +2127,73 @@ class EvalMasterConfig(_MasterBase):
         return self
 
 
+# Settings that only a switch's mode reads: (the switch, its test for that mode, the mode in
+# words, the settings or sections under it). Given in a config or on the command line while the
+# switch, given nowhere, keeps a default that turns the mode off, they change nothing: a run with
+# a vllm_cfg and the default torch backend, or with a warmup_sft_lr and no warm-up steps, ran
+# without a word. A switch given anywhere (an exemplar that spells out a whole section, a
+# command line that turns a mode off) says its mode was chosen: nothing to point out then.
+_READ_ONLY_WHEN: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
+    ("grpo.warmup_sft_steps", lambda v: v > 0, " > 0", ("grpo.warmup_sft_lr",)),
+    ("grpo.use_dynamic_sampling", bool, "=true", ("grpo.dynamic_sampling_max_gen_batches",)),
+    ("grpo.reward_shaping.enabled", bool, "=true", ("grpo.reward_shaping",)),
+    ("grpo.reward_scaling.enabled", bool, "=true", ("grpo.reward_scaling",)),
+    ("grpo.async_grpo.enabled", bool, "=true", ("grpo.async_grpo",)),
+    ("policy.generation.backend", lambda v: v == "vllm", "=vllm", ("policy.generation.vllm_cfg",)),
+    ("policy.generation.backend", lambda v: v == "torch", "=torch", ("policy.generation.torch_cfg",)),
+    ("policy.generation.colocated.enabled", lambda v: not v, "=false", ("policy.generation.colocated.resources",)),
+    ("policy.lora.enabled", bool, "=true", ("policy.lora",)),
+    ("policy.compile.enabled", bool, "=true", ("policy.compile",)),
+    ("policy.reference_sync.enabled", bool, "=true", ("policy.reference_sync",)),
+    ("policy.dynamic_batching.enabled", bool, "=true", ("policy.dynamic_batching",)),
+    ("policy.sequence_packing.enabled", bool, "=true", ("policy.sequence_packing",)),
+    ("logger.wandb_enabled", bool, "=true", ("logger.wandb",)),
+    ("logger.mlflow_enabled", bool, "=true", ("logger.mlflow",)),
+    ("logger.monitor_gpus", bool, "=true", ("logger.gpu_monitoring",)),
+)
+
+
+def _given_keys(model: BaseModel, prefix: str) -> list[str]:
+    """Dotted keys of the values `model` was given (not defaulted), nested sections walked."""
+    keys = []
+    for name in sorted(model.model_fields_set):
+        value = getattr(model, name)
+        key = f"{prefix}.{name}"
+        keys += _given_keys(value, key) if isinstance(value, BaseModel) else [key]
+    return keys
+
+
+def unread_settings(cfg: BaseModel) -> list[tuple[list[str], str]]:
+    """The settings `cfg` was given that its modes leave unread (see _READ_ONLY_WHEN), each group
+    with the reason: [(["policy.generation.vllm_cfg.max_model_len"], "read only with
+    policy.generation.backend=vllm; it is 'torch' (the default)"), ...]."""
+
+    def find(dotted: str) -> tuple[BaseModel | None, str]:
+        *parents, name = dotted.split(".")
+        node: Any = cfg
+        for part in parents:
+            node = getattr(node, part, None)
+        return (node, name) if isinstance(node, BaseModel) and name in type(node).model_fields else (None, name)
+
+    found = []
+    for switch, reads, mode, settings in _READ_ONLY_WHEN:
+        parent, name = find(switch)
+        if parent is None or name in parent.model_fields_set or reads(value := getattr(parent, name)):
+            continue
+        given = []
+        for dotted in settings:
+            owner, field = find(dotted)
+            if owner is None or field not in owner.model_fields_set:
+                continue
+            value_of = getattr(owner, field)
+            given += _given_keys(value_of, dotted) if isinstance(value_of, BaseModel) else [dotted]
+        given = [key for key in given if key != switch]
+        if given:
+            shown = f"'{value}'" if isinstance(value, str) else str(value).lower()
+            found.append((given, f"read only with {switch}{mode}; it is {shown} (the default)"))
+    return found
+
+
 # The algorithm a config is for, by its CLI name.
 MASTER_CONFIGS: dict[str, type[_MasterBase]] = {
     "grpo": GRPOMasterConfig,

@@ -67,6 +67,10 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
   the closest valid key (`unknown key 'policy.max_grad_nrom' (did you mean policy.max_grad_norm?)`);
   checks across keys (a batch size that must divide another) follow once every key is valid,
   one at a time.
+- A setting that only a mode reads, given while its switch keeps a default that turns the mode
+  off (`policy.generation.vllm_cfg.*` under the default torch backend, `grpo.warmup_sft_lr`
+  without `grpo.warmup_sft_steps`, `policy.lora.rank` without `policy.lora.enabled=true`), is a
+  warning naming where it was set; giving the switch anywhere, even off, says the mode was chosen.
 - The resolved config is written to `<logger.log_dir>/config.yaml` and into every checkpoint.
 """
 

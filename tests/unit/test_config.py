@@ -1293,3 +1293,54 @@ def test_unknown_keys_are_named_as_written(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("unknown key 'grpo.max_num_steps': a key with dots in a YAML file "
                                                     "is one key, not a path; nest it (grpo: {max_num_steps: ...})")):
         load_config("grpo", str(tmp_path / "dotted.yaml"), [])
+
+
+# --------------------------------------------------------------------------- settings left unread
+
+
+def test_settings_a_default_mode_leaves_unread_are_named_with_their_origin(tmp_path, caplog):
+    # A vllm_cfg under the default torch backend, a warm-up rate without warm-up steps, LoRA's rank
+    # without LoRA: each changed nothing, and nothing said so.
+    path = _write(tmp_path / "run.yaml", """
+        grpo: {warmup_sft_lr: 1.0e-3}
+        policy:
+          generation:
+            vllm_cfg: {max_model_len: 64, gpu_memory_utilization: 0.5}
+    """)
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config("grpo", path, ["policy.lora.rank=4", "policy.generation.torch_cfg.max_batch_size=8"])
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        f"grpo.warmup_sft_lr (set at {path}:2): read only with grpo.warmup_sft_steps > 0; it is 0 (the default), "
+        "so it changes nothing",
+        f"policy.generation.vllm_cfg.gpu_memory_utilization (set at {path}:5), policy.generation.vllm_cfg.max_model_len "
+        f"(set at {path}:5): read only with policy.generation.backend=vllm; it is 'torch' (the default), so they "
+        "change nothing",
+        "policy.lora.rank (command line): read only with policy.lora.enabled=true; it is false (the default), so it "
+        "changes nothing",
+    ]  # torch_cfg: the default backend reads it
+
+
+@pytest.mark.parametrize("overrides", [
+    ["grpo.warmup_sft_lr=1e-3", "grpo.warmup_sft_steps=0"],  # the mode turned off on purpose (over a quickstart)
+    ["policy.generation.vllm_cfg.max_model_len=64", "policy.generation.backend=vllm",
+     "policy.generation.colocated.enabled=false"],
+    ["policy.generation.colocated.resources.num_nodes=1", "policy.generation.colocated.enabled=false"],
+    ["grpo.reward_shaping.overlong_buffer_length=4", "grpo.reward_shaping.enabled=true",
+     "grpo.reward_shaping.max_response_length=64"],
+])
+def test_settings_with_their_switch_given_warn_nothing(overrides, caplog):
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        cfg = load_config("grpo", None, overrides)
+    assert not caplog.records
+    assert cfg.model_dump() != load_config("grpo").model_dump()
+
+
+def test_a_saved_config_reloads_without_unread_warnings(tmp_path, caplog):
+    # config.yaml of a run holds every key, switches included: loading it back says nothing.
+    cfg = load_config("grpo", None, ["grpo.warmup_sft_lr=1e-3"])
+    assert len(caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        assert load_config("grpo", _write(tmp_path / "config.yaml", to_yaml(cfg))) == cfg
+    assert not caplog.records
