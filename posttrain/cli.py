@@ -159,7 +159,16 @@ def _run_algorithm(algorithm: str, argv: Sequence[str], supervise: bool) -> int:
     _setup_logging()  # before the config loads: it warns of settings the run leaves unread
     cfg = load_config(algorithm, args.config, args.overrides)
     if args.print_config:
-        sys.stdout.write(to_yaml(cfg))
+        try:
+            sys.stdout.write(to_yaml(cfg))
+            sys.stdout.flush()
+        except OSError as e:
+            # Python's flush at exit would fail again (a traceback after ours): stdout goes nowhere now.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if isinstance(e, BrokenPipeError):  # `| head`: the reader has what it wanted
+                return 0
+            print(f"posttrain {algorithm}: --print-config could not write to standard output: {e}", file=sys.stderr)
+            return 1
         return 0
     # A data file or local model folder that is not there fails here, in a second, not after the imports.
     if isinstance(getattr(cfg, "data", None), DataConfig):

@@ -701,6 +701,15 @@ def format_errors(
                        f"({leaf.split('.')[0]}: {{{leaf.split('.', 1)[1]}: ...}})")
             else:
                 msg = f"unknown key {key!r}" + (f" (did you mean {prefix}{hint}?)" if hint else owners)
+        elif first["type"] == "invalid_key":  # `1: 2` or `yes: 1` in YAML: an int or bool key, not a name
+            parent, given = prefix + _loc_to_key(tuple(first["loc"][:-1]), schema), first["input"]
+            # The loader recorded its line under the key as written (`policy.yes`, `policy.1`).
+            written = [k[len(parent) + 1:] for k in origins if k.startswith(parent + ".")
+                       and repr(yaml.safe_load(k[len(parent) + 1:])) == repr(given)]
+            name = written[0] if written else str(given)
+            key = f"{parent}.{name}"
+            kind = f"a boolean ({YAML_BOOLEANS})" if isinstance(given, bool) else "a number"
+            msg = f"{parent}: key {name!r} reads as {kind}, not a name; quote it if that is the name"
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):

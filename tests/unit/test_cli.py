@@ -55,6 +55,22 @@ def test_print_config_resolves_overrides_and_needs_no_algorithm_module(tmp_path)
     assert data["grpo"]["num_generations_per_prompt"] == 8  # schema default filled in
 
 
+def test_print_config_to_a_full_device_says_so_without_traceback():
+    with open("/dev/full", "w") as full:
+        out = subprocess.run([str(EXE), "grpo", "--print-config"], stdout=full, stderr=subprocess.PIPE, text=True,
+                             timeout=60, cwd=ROOT)
+    assert out.returncode == 1
+    assert out.stderr == ("posttrain grpo: --print-config could not write to standard output: [Errno 28] No space "
+                          "left on device\n")
+
+
+def test_settings_left_unread_warn_on_the_console():
+    out = _run("grpo", "policy.lora.rank=4", "--print-config")
+    assert out.returncode == 0
+    assert ("posttrain.config WARNING: policy.lora.rank (command line): read only with policy.lora.enabled=true; "
+            "it is false (the default), so it changes nothing") in out.stderr
+
+
 def test_config_error_exits_2_without_traceback():
     out = _run("grpo", "policy.max_grad_nrom=1")
     assert out.returncode == 2

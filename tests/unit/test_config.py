@@ -1344,3 +1344,16 @@ def test_a_saved_config_reloads_without_unread_warnings(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="posttrain.config"):
         assert load_config("grpo", _write(tmp_path / "config.yaml", to_yaml(cfg))) == cfg
     assert not caplog.records
+
+
+@pytest.mark.parametrize("written, kind", [("1", "a number"), ("2.5", "a number"), ("yes", "a boolean")])
+def test_a_key_yaml_reads_as_a_number_or_boolean_is_named_as_written_with_its_line(tmp_path, written, kind):
+    path = _write(tmp_path / "c.yaml", f"""
+        policy:
+          max_grad_norm: 1.0
+          {written}: 2
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path)
+    assert f"  - policy: key '{written}' reads as {kind}" in str(e.value)
+    assert str(e.value).endswith(f"not a name; quote it if that is the name  [set at {path}:4]")
