@@ -111,7 +111,7 @@ def _algo_parser(algorithm: str) -> argparse.ArgumentParser:
     without = ("without it the schema defaults run the embedded task" if algorithm in ("grpo", "sft", "eval")
                else f"needed: the embedded task has no {data} (see examples/configs/{algorithm}.yaml)")
     p.add_argument("--config", metavar="FILE", action=_Once,
-                   help=f"YAML config (may inherit others with `defaults:`); {without}")
+                   help=f"YAML config, - for the standard input (may inherit others with `defaults:`); {without}")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (see below)")
     return p

@@ -257,15 +257,23 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
     elif isinstance(parents, str):
         parents = [parents]
     elif not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
-        where = own_origins.get("defaults", path)
-        raise ConfigError(f"{where}: `defaults` must be a file path or a list of file paths")
+        bad = next((i for i, p in enumerate(parents) if not isinstance(p, str)), None) \
+            if isinstance(parents, list) else None
+        where = own_origins.get(f"defaults[{bad}]", own_origins.get("defaults", path))
+        what = f" (item {bad + 1} is {parents[bad]!r})" if bad is not None else ""
+        raise ConfigError(f"{where}: `defaults` must be a file path or a list of file paths{what}")
+    # Relative to the file that names them; a config read from a pipe (`--config -`, `--config <(...)`,
+    # /dev/stdin) has no folder of its own (/dev, /proc/...): its parents are found from the working one.
+    base = path.parent if path.is_file() else Path.cwd()
     merged = OmegaConf.create({})
     for parent in parents:
-        parent_path = (path.parent / os.path.expanduser(parent)).resolve()
+        parent_path = (base / os.path.expanduser(parent)).resolve()
         if not parent_path.exists():
             raise ConfigError(
                 f"{own_origins.get('defaults', path)}: `defaults` names {parent!r}, but {parent_path} does not "
                 f"exist{_closest_file(parent_path)}"
+                + ("" if base == path.parent else " (a config read from a pipe names its parents relative to the "
+                   "working folder)")
             )
         merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins, sections))
     _keep_inherited_sections(data, merged, sections)
@@ -312,13 +320,15 @@ def load_yaml_with_defaults(
 ) -> DictConfig:
     """Load a YAML file, merging it over the files named by its `defaults:` key (recursively).
 
-    `defaults` is a path or a list of paths, relative to the file that names them (`~` is the
-    home folder); later entries and the file itself override earlier ones. When `origins` is
+    `defaults` is a path or a list of paths, relative to the file that names them (to the working
+    folder for a config read from a pipe; `~` is the home folder); later entries and the file
+    itself override earlier ones. `path` "-" is the standard input. When `origins` is
     given it is filled with `dotted key -> "file:line"` of the file that set each key last. With
     the config's `schema`, a section a file leaves empty keeps what its parents set there.
     """
-    # `~` expanded: the shell leaves it in `--config=~/x.yaml`.
-    return _load(Path(os.path.expanduser(path)), (), origins if origins is not None else {},
+    # `~` expanded: the shell leaves it in `--config=~/x.yaml`; `-` is the standard input, as for most tools.
+    path = "/dev/stdin" if str(path) == "-" else os.path.expanduser(path)
+    return _load(Path(path), (), origins if origins is not None else {},
                  plain_sections(schema) if schema is not None else frozenset())
 
 
@@ -845,7 +855,8 @@ def load_config(
             apply_overrides(cfg, [ov], origins, schema)
         except ConfigError as e:
             override_problems.append(str(e))
-    source = str(config_path) if config_path else "schema defaults"
+    source = {None: "schema defaults", "-": "standard input"}.get(str(config_path) if config_path else None,
+                                                                   str(config_path))
     if overrides:
         source += " + overrides"
     result = validate(cfg, schema, source, origins, override_problems)

@@ -54,7 +54,8 @@ which hold every default. Key names follow NeMo RL's configs wherever the featur
 
 - `defaults: parent.yaml` (or a list) inherits other files, relative to the file naming them
   (`~` is the home folder); the file's own keys override its parents', later parents override
-  earlier ones. A section left empty (`policy:` with nothing under it) keeps what they set.
+  earlier ones; a config read from a pipe (`--config -` is the standard input) names them
+  relative to the working folder. A section left empty (`policy:` with nothing under it) keeps what they set.
 - Overrides: `a.b=1` sets, `+a.b=1` adds a key not set yet, `++a.b=1` adds or sets, `~a.b`
   removes (back to the default; `~a.b=1` only if it holds 1). Values are YAML: `[1,2]`, `null`, `true`, `1e-3`; a mapping
   (`a={x: 1}`) is merged into the one there, as in Hydra (`~a a={x: 1}` replaces it whole).

@@ -37,7 +37,8 @@ def test_help_lists_algorithms_sections_and_docs():
     assert sub.returncode == 0 and "--print-config" in sub.stdout and "loss_fn" in sub.stdout
     assert "docs/config.md" in sub.stdout
     assert "dpo " not in sub.stdout.split("config sections:")[1]  # only grpo's sections
-    assert "schema defaults run the embedded task" in sub.stdout
+    assert "schema defaults run the embedded task" in " ".join(sub.stdout.split())
+    assert "YAML config, - for the standard input" in " ".join(sub.stdout.split())
     # DPO has no embedded default to run (the help said it had).
     dpo = " ".join(_run("dpo", "--help").stdout.split())
     assert "the embedded task has no preference pairs (see examples/configs/dpo.yaml)" in dpo

@@ -69,6 +69,34 @@ def test_a_config_from_a_pipe_or_dev_null_is_read():
     assert load_config("grpo", "/dev/null") == load_config("grpo", None)  # empty: the defaults
 
 
+def test_a_config_on_the_standard_input_names_its_parents_from_the_working_folder(tmp_path):
+    # Read from a pipe, a config's folder is /dev (or /proc/...): `defaults: base.yaml` was looked for there.
+    _write(tmp_path / "base.yaml", "grpo: {seed: 7}\n")
+    child = "defaults: base.yaml\npolicy: {max_grad_norm: 0.5}\n"
+    load = ("import sys; from posttrain.config import load_config; c = load_config('grpo', sys.argv[1]); "
+            "print(c.grpo.seed, c.policy.max_grad_norm)")
+    for path in ("-", "/dev/stdin"):
+        out = subprocess.run([sys.executable, "-c", load, path], input=child, capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path)
+        assert out.stdout.split() == ["7", "0.5"], out.stderr
+    (tmp_path / "sub").mkdir()
+    out = subprocess.run([sys.executable, "-c", load, "-"], input=child, capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path / "sub")
+    assert (f"`defaults` names 'base.yaml', but {tmp_path / 'sub' / 'base.yaml'} does not exist (a config read from "
+            "a pipe names its parents relative to the working folder)") in out.stderr
+
+
+def test_a_defaults_item_that_is_no_path_is_named_with_its_line(tmp_path):
+    path = _write(tmp_path / "c.yaml", """
+        defaults:
+          - base.yaml
+          - {policy: 1}
+    """)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:4: `defaults` must be a file path or a list of file "
+                                                    "paths (item 2 is {'policy': 1})")):
+        load_config("grpo", path)
+
+
 def test_a_section_a_child_leaves_empty_keeps_what_its_parent_set(tmp_path):
     # `policy:` with its only line commented out was a null that replaced the parent's whole
     # section: every key it set fell back to the schema default without a word.
