@@ -2191,6 +2191,12 @@ def unread_settings(cfg: BaseModel) -> list[tuple[list[str], str]]:
         if given:
             shown = f"'{value}'" if isinstance(value, str) else str(value).lower()
             found.append((given, f"read only with {switch}{mode}; it is {shown} (the default)"))
+    # An environment's tool settings, read only for the tools of its reward functions.
+    for name, worker in (getattr(getattr(cfg, "env", None), "model_extra", None) or {}).items():
+        given = [f"env.{name}.{key}" for key in ("max_tool_calls", "tool_timeout_s") if key in worker.model_fields_set]
+        if given and "tools" not in worker.model_fields_set:
+            found.append((given, f"read only with env.{name}.tools (the tool functions of its reward functions); it "
+                                 "is null (the default)"))
     return found
 
 

@@ -369,7 +369,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     # which misses a 0.9 threshold.
     metrics = {"reward": float(torch.cat(rewards).double().mean()),
                **{k: v for k, v in summarize_rollouts(convs).items()
-                  if k.startswith(("reward/", "env/", "task_")) or k in ("accuracy", "tool_calls_mean")}}
+                  if k.startswith(("reward/", "env/", "task_")) or k in ("accuracy", "tool_calls_mean", "env_errors")}}
     if n > 1:
         per_prompt = [[c.correct for c in convs[p : p + n]] for p in range(0, len(convs), n)]
         for k in sorted({1, n}):

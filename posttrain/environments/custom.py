@@ -39,7 +39,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import numbers
 import os
 import sys
 from collections.abc import Callable
@@ -61,6 +60,7 @@ from posttrain.environments.interfaces import (
     PerSampleEnvironment,
     StepResult,
     last_assistant_text,
+    real_number,
     user_code_error,
 )
 from posttrain.environments.timeout import SubprocessRunner, import_cloudpickle
@@ -253,7 +253,7 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
                         value = asyncio.run(value)
                 except USER_CODE_ERRORS as e:  # noqa: BLE001 - the sample scores 0 (PerSampleEnvironment)
                     raise user_code_error(f"reward function {label!r} of environment {self.name!r}", e, fn) from e
-            number = _real(value)
+            number = real_number(value)
             if number is None:
                 raise TypeError(f"reward function {label!r} of environment {self.name!r} returned {value!r}, "
                                 "not a number")
@@ -271,19 +271,6 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         return StepResult(observation="", reward=reward, terminated=True, metadata=metadata, answer=response)
 
 
-def _real(value: Any) -> float | None:
-    """`value` as a float when it is one real number: a Python number or bool, or a NumPy or torch
-    scalar of one (np.isclose gives a NumPy bool, which is no numbers.Real); else None."""
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if getattr(value, "shape", None) == () and not isinstance(value, (str, bytes, numbers.Complex)):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: torch's complex scalars
-            return None
-    return None
-
-
 # Metadata key of a sample's TRL reward function values, from `step` to `step_one` (removed there).
 _TRL_VALUES_KEY = "_trl_reward_values"
 
@@ -294,6 +281,35 @@ def is_trl_reward_function(fn: Callable) -> bool:
         return "completions" in inspect.signature(fn).parameters
     except ValueError:
         return False
+
+
+# The keywords `_trl_values` gives a TRL reward function besides the metadata keys of the batch.
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
+def check_trl_columns(name: str, fns: dict[str, Callable], rows: list[dict[str, Any]]) -> None:
+    """Refuse a TRL reward function with a required parameter that neither `TRL_KEYWORDS` nor a
+    key of the rows (their `answer` and `metadata` keys: TRL's dataset columns) fills. Called with
+    the rows before Ray starts: the function otherwise raised TypeError at every step, every sample
+    scored 0, and the run stopped only at env.<name>.max_failed_steps."""
+    keys = {*TRL_KEYWORDS, *(["answer"] if any("answer" in r for r in rows) else []),
+            *(k for r in rows for k in (r.get("metadata") or {}))}
+    for label, fn in fns.items():
+        if not is_trl_reward_function(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except ValueError:  # no signature to read: its first call tells
+            continue
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        missing = [p.name for p in params if p.kind in named and p.default is p.empty and p.name not in keys]
+        if missing:
+            columns = sorted(keys - set(TRL_KEYWORDS))
+            raise ConfigError(
+                f"env.{name}.target: the TRL reward function {label!r} takes {', '.join(missing)}, which TRL fills from "
+                f"dataset columns, but the rows of environment {name!r} have no such key (theirs: "
+                f"{', '.join(columns) or 'none'}; a row's `answer` and the keys of its `metadata` are passed); add it "
+                "to each row's metadata, or give the parameter a default")
 
 
 def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]]],
@@ -318,7 +334,10 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
         metrics.setdefault(name, []).append(float(value))
 
     def log_extra(column: str, values: list[Any]) -> None:
-        extras[column] = list(values)
+        values = list(values)
+        if len(values) != len(message_logs):  # zipped with the samples, the rest went unlogged without a word
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(message_logs)} completions")
+        extras[column] = values
 
     batch = {"prompts": [log[:i] for log, i in zip(message_logs, starts)],
              "completions": [log[i:] for log, i in zip(message_logs, starts)],
@@ -339,7 +358,7 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             values = list(values)
             if len(values) != len(message_logs):
                 raise ValueError(f"returned {len(values)} values for {len(message_logs)} completions")
-            bad = next((v for v in values if v is not None and _real(v) is None), None)
+            bad = next((v for v in values if v is not None and real_number(v) is None), None)
             if bad is not None:
                 raise TypeError(f"returned {bad!r}, not a number")
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - the user's function: every sample scores 0 and records it
@@ -433,6 +452,13 @@ def describe_tools(named: list[tuple[str, Any]], key: str) -> tuple[dict[str, Ca
     return tools, schemas
 
 
+def _signature(cls: type) -> str:
+    try:
+        return str(inspect.signature(cls))
+    except ValueError:
+        return "(...)"
+
+
 def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
     """What builds environment `name` from its `target`: an environment class, or reward
     functions (one, or a weighted list, with the tools of `env.<name>.tools`) wrapped in
@@ -446,6 +472,21 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         if not issubclass(objs[0], EnvironmentInterface):
             raise ConfigError(f"{key}={target!r}: the class {objs[0].__name__} is no "
                               "posttrain.environments.EnvironmentInterface subclass (nor a reward function)")
+        cls = objs[0]
+        # Its actors build it as cls(cfg): a class that cannot be built failed only there, after
+        # Ray had started and the policy had loaded.
+        if inspect.isabstract(cls):
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            raise ConfigError(f"{key}={target!r}: the class {cls.__name__} does not define {missing}, which an "
+                              "environment must (docs/environments.md)")
+        try:
+            inspect.signature(cls).bind(cfg)
+        except TypeError as e:
+            raise ConfigError(f"{key}={target!r}: the class {cls.__name__} is built as {cls.__name__}(cfg), one "
+                              f"argument (its env.{name} settings), but its __init__ takes {_signature(cls)} ({e})") \
+                from None
+        except ValueError:  # no signature to read (a C extension's class): its actors will say
+            pass
         if cfg.tools:
             raise ConfigError(f"env.{name}.tools: tools go with reward functions; the environment class "
                               f"{objs[0].__name__} runs its own (its `tools` attribute)")

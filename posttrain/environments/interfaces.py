@@ -23,6 +23,8 @@ none leaves the conversation unjudged.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -179,6 +181,40 @@ class StepResult:
     tool_calls: list[dict[str, Any]] | None = None
 
 
+def real_number(value: Any) -> float | None:
+    """`value` as a float when it is one real number: a Python number or bool, or a NumPy or torch
+    scalar of one (np.isclose gives a NumPy bool, which is no numbers.Real); else None (a string
+    "1.0" too). An integer too large for a float is infinite (a reward check then names it)."""
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:  # 10**400
+            return math.inf if value > 0 else -math.inf
+    if getattr(value, "shape", None) == () and not isinstance(value, (str, bytes, numbers.Complex)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: torch's complex scalars
+            return None
+    return None
+
+
+def _is_flag(value: Any) -> bool:
+    """A bool, a NumPy or torch bool scalar, or the integer 0 or 1: what `terminated` may be
+    (bool("False") is True: a string ended a conversation meant to go on)."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return True
+    return getattr(value, "shape", None) == () and "bool" in str(getattr(value, "dtype", ""))
+
+
+def _observation_problem(obs: Any) -> str | None:
+    """What keeps `obs` from being a StepResult observation (see there), or None."""
+    if obs is None or isinstance(obs, (str, dict)):
+        return None
+    if isinstance(obs, (list, tuple)) and all(isinstance(o, (str, dict)) for o in obs):
+        return None
+    return f"observation {obs!r:.80} ({type(obs).__name__}), not a text, a message (dict), a list of them or None"
+
+
 class PerSampleEnvironment(EnvironmentInterface):
     """An environment defined one sample at a time by `step_one`.
 
@@ -202,7 +238,16 @@ class PerSampleEnvironment(EnvironmentInterface):
             # Read whole into the batch's return after every sample: a wrong type failed every sample of the slice.
             if not isinstance(result, StepResult):
                 raise TypeError(f"step_one returned {result!r:.80}, not a StepResult")
-            float(result.reward)
+            # Checked here, per sample: converted for the batch's return below, a string reward "0.75"
+            # passed as 0.75 and a terminated "False" as True; an observation 12345 failed the whole slice.
+            if real_number(result.reward) is None:
+                raise TypeError(f"step_one returned reward {result.reward!r:.80} ({type(result.reward).__name__}), "
+                                "not a number")
+            if not _is_flag(result.terminated):
+                raise TypeError(f"step_one returned terminated {result.terminated!r:.80} "
+                                f"({type(result.terminated).__name__}), not a bool")
+            if problem := _observation_problem(result.observation):
+                raise TypeError(f"step_one returned {problem}")
             return result, None
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
             return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: _error_text(e)}), e
@@ -239,7 +284,7 @@ class PerSampleEnvironment(EnvironmentInterface):
                           else [_message(o, r.observation_role) for o in r.observation or ()] for r in results],
             metadata=[r.metadata for r in results],
             next_stop_strings=[r.next_stop_strings for r in results],
-            rewards=[float(r.reward) for r in results],
+            rewards=[real_number(r.reward) for r in results],
             terminateds=[bool(r.terminated) for r in results],
             answers=[r.answer for r in results],
             tool_calls=[r.tool_calls for r in results] if any(r.tool_calls for r in results) else None,

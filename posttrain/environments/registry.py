@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from posttrain.data.formats import row_name, with_fields
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
-from posttrain.environments.custom import describe_tools, env_factory, load_tools
+from posttrain.environments.custom import check_trl_columns, describe_tools, env_factory, load_tools
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -87,17 +88,26 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
                               f"configures nothing; did you mean env.{close[0]}? (the data's: {', '.join(names)})")
     for name in names:
         factory = resolve_env(name, env_cfg.get_worker_cfg(name))
+        own = [i for i, r in enumerate(rows) if r["task_name"] == name]
+        if isinstance(factory, functools.partial) and "fns" in factory.keywords:  # reward functions (env_factory)
+            check_trl_columns(name, factory.keywords["fns"], [rows[i] for i in own])
+        missing = [i for i in own if rows[i].get("answer") is None]
+        if not missing:
+            continue
+        first = rows[missing[0]]
+        prompt = str(first["messages"][-1].get("content"))[:80]
+        where = f"first: {row_name(first, f'row {missing[0] + 1}')}, prompt {prompt!r}"
         if getattr(factory, "needs_answer", False):
-            missing = [i for i, r in enumerate(rows) if r["task_name"] == name and r.get("answer") is None]
-            if missing:
-                first = rows[missing[0]]
-                prompt = first["messages"][-1].get("content")
-                what = (f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference `answer`, "
-                        f"which it scores against (first: {row_name(first, f'row {missing[0] + 1}')}, "
-                        f"prompt {str(prompt)[:80]!r})")
-                if require_answers:
-                    raise InputError(what)
-                log.warning("%s: each of their samples scores 0 and counts as an env error", what)
+            what = (f"{len(missing)} of {len(rows)} rows for environment {name!r} have no reference `answer`, "
+                    f"which it scores against ({where})")
+            if require_answers:
+                raise InputError(what)
+            log.warning("%s: each of their samples scores 0 and counts as an env error", what)
+        elif len(missing) < len(own):
+            # Some rows with an answer and some without: a reward function that compares with it
+            # scored the others as wrong answers, silently. None with one: the environment reads none.
+            log.warning("%d of the %d rows for environment %r have no reference `answer` (%s): it gets "
+                        "metadata['answer'] = None for them", len(missing), len(own), name, where)
     return names
 
 

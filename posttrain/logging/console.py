@@ -22,6 +22,8 @@ from rich.text import Text
 # Shown first, in this order, when present (matched as whole words of the metric's leaf name).
 KEY_METRICS = ("loss", "reward", "accuracy", "kl", "entropy", "grad_norm", "lr", "tokens_per_s")
 _MAX_SHOWN = 8
+# Shown besides those when not 0: samples a broken verifier scored 0 read like a bad model's otherwise.
+ALERT_METRICS = ("env_errors",)
 _MAX_CELL = 300
 
 
@@ -41,7 +43,8 @@ def compact_line(metrics: dict[str, float], step: int, prefix: str, total_steps:
     if not shown:
         shown = list(plain)
     parts = [f"[bold]{escape(prefix)}[/bold] step {step}" + (f"/{total_steps}" if total_steps else "")]
-    parts += [f"{escape(k)} {plain[k]:.4g}" for k in shown[:_MAX_SHOWN]]
+    alerts = [k for k in plain if k.rsplit("/", 1)[-1] in ALERT_METRICS and plain[k] and k not in shown[:_MAX_SHOWN]]
+    parts += [f"{escape(k)} {plain[k]:.4g}" for k in shown[:_MAX_SHOWN] + alerts]
     step_time = sum(v for k, v in metrics.items()
                     if k.startswith("timing/") and k.count("/") == 1 and math.isfinite(v))  # not "time nans"
     if step_time:

@@ -27,7 +27,7 @@ def arithmetic_run(ray_session, tmp_path_factory):
     train = tmp / "train.jsonl"
     train.write_text("\n".join(json.dumps(r) for r in rows))
     val = tmp / "val.jsonl"
-    val.write_text("\n".join(json.dumps(r) for r in rows[1:16:2]))
+    val.write_text("\n".join(json.dumps(r) for r in rows[0:16:2]))  # 4 of 8 without an answer too
     cfg = load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=3", "logger.plots_enabled=true",
                                                   "logger.num_samples_to_dump=64"))  # every sample
     result = run(cfg)
@@ -179,6 +179,8 @@ def test_environment_errors_score_zero_and_the_run_goes_on(arithmetic_run):
     # A quarter of the rows have no answer; each step samples 4 prompts, so over 3 steps some
     # errors must have been counted, and every step still trained.
     assert sum(r["env_errors"] for r in train) > 0
+    # Validation counts them too: its held-out samples scored 0 read like a bad model's otherwise.
+    assert [r["env_errors"] for r in records(tmp / "logs", "val")] == [4.0, 4.0, 4.0]
     samples = [json.loads(line) for line in (tmp / "logs" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
     # Each failed sample says why (it was only in the environment actor's log), and scores 0.

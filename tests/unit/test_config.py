@@ -1347,6 +1347,12 @@ def test_settings_a_default_mode_leaves_unread_are_named_with_their_origin(tmp_p
         "policy.lora.rank (command line): read only with policy.lora.enabled=true; it is false (the default), so it "
         "changes nothing",
     ]  # torch_cfg: the default backend reads it
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config("grpo", None, ["env.u.target=r.py:f", "env.u.max_tool_calls=2", "env.v.target=r.py:f",
+                                   "env.v.tools=[t.py:add]", "env.v.tool_timeout_s=3", "grpo.max_rollout_turns=5"])
+    assert caplog.messages == ["env.u.max_tool_calls (command line): read only with env.u.tools (the tool functions "
+                               "of its reward functions); it is null (the default), so it changes nothing"]
 
 
 @pytest.mark.parametrize("overrides", [

@@ -1,6 +1,7 @@
 """Environments and reward functions of the user's own, named by `env.<name>.target`."""
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -327,6 +328,9 @@ def test_an_environment_with_nemo_rls_batch_hook_is_refused_naming_what_to_do_in
         from posttrain.environments import PerSampleEnvironment, StepResult
 
         class Ported(PerSampleEnvironment):
+            def __init__(self, cfg):
+                self.cfg = cfg
+
             def step_one(self, messages, metadata):
                 return StepResult(observation="", reward=1.0, terminated=True, metadata=metadata)
 
@@ -651,6 +655,18 @@ def test_trl_reward_functions_get_completion_ids_trainer_state_and_logging(rewar
     assert [m["log_extra"] for m in ret.metadata] == [{"tokens": 2}, {"tokens": 4}]
 
 
+def test_log_extra_with_a_value_count_unlike_the_completions_is_an_error(tmp_path):
+    # Zipped with the samples, one value for two logged the first and dropped the other without a word.
+    path = tmp_path / "trl.py"
+    path.write_text("def one_extra(completions, log_extra, **kwargs):\n    log_extra('gold', ['x'])\n"
+                    "    return [1.0] * len(completions)\n")
+    cfg = _cfg(f"{path}:one_extra")
+    ret = resolve_env("trl", cfg)(cfg).step([convo("a"), convo("b")], [{}, {}])
+    assert ret.rewards == [0.0, 0.0] and ret.num_errors == 2
+    assert ret.metadata[0]["env_error"].startswith("TRL reward function 'one_extra' raised ValueError")
+    assert ret.metadata[0]["env_error"].endswith("log_extra('gold', ...) got 1 values for 2 completions")
+
+
 def test_trl_reward_functions_with_tools_score_only_final_answers(rewards_file):
     # As in TRL, which calls them once a conversation's tool calls are over. Before, they got the
     # tool-calling turns too: one that reads a final answer raised on them, and the right answer
@@ -682,10 +698,11 @@ def test_numpy_and_torch_scalars_are_numbers(rewards_file):
     import numpy as np
     import torch
 
-    from posttrain.environments.custom import _real
+    from posttrain.environments.interfaces import real_number
 
-    assert [_real(v) for v in (True, np.int64(2), np.float32(0.25), torch.tensor(1))] == [1.0, 2.0, 0.25, 1.0]
-    assert [_real(v) for v in ("1", np.str_("1"), None, [1.0], np.array([1.0]), np.complex128(1j),
+    assert [real_number(v) for v in (True, np.int64(2), np.float32(0.25), torch.tensor(1), 10**400, -10**400)] == \
+        [1.0, 2.0, 0.25, 1.0, float("inf"), float("-inf")]
+    assert [real_number(v) for v in ("1", np.str_("1"), None, [1.0], np.array([1.0]), np.complex128(1j),
                                torch.tensor(1j), torch.ones(2))] == [None] * 8
 
 
@@ -724,3 +741,79 @@ def test_correct_at_least_judges_by_the_named_functions(rewards_file):
         resolve_env("echo", _cfg(f"{rewards_file}:Echo", correct_at_least={"exact": 1.0}))
     with pytest.raises(ValueError, match="correct_at_least: a non-empty"):
         EnvWorkerConfig(correct_at_least={"exact": 1.0})
+
+
+def test_rows_of_a_reward_function_some_without_an_answer_are_warned_of(rewards_file, caplog):
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    # A reward function comparing with metadata["answer"] scored the rows without one as wrong answers,
+    # silently; a file where no row has one (a length reward) reads none, and says nothing.
+    cfg = EnvConfig.model_validate({"exact": {"target": f"{rewards_file}:exact"}})
+    rows = [{"messages": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1), "task_name": "exact"}
+            for a in range(4)]
+    rows[1]["answer"] = rows[3]["answer"] = None
+    with caplog.at_level("WARNING", logger="posttrain.environments.registry"):
+        assert resolve_task_envs(rows, cfg) == ["exact"]
+        assert caplog.messages == ["2 of the 4 rows for environment 'exact' have no reference `answer` (first: row 2, "
+                                   "prompt '1+1='): it gets metadata['answer'] = None for them"]
+        caplog.clear()
+        resolve_task_envs([{**r, "answer": None} for r in rows], cfg)
+        assert not caplog.messages
+
+
+def test_an_environment_class_that_cannot_be_built_fails_before_ray_starts(tmp_path):
+    # Each failed in its actors ("Can't instantiate abstract class ..."), after the policy had loaded.
+    path = tmp_path / "envs.py"
+    path.write_text(textwrap.dedent("""
+        from posttrain.environments import EnvironmentInterface, PerSampleEnvironment, StepResult
+
+        class NoStep(EnvironmentInterface):
+            def __init__(self, cfg):
+                pass
+
+        class NoCfg(PerSampleEnvironment):
+            def __init__(self):
+                pass
+
+            def step_one(self, messages, metadata):
+                return StepResult("", 1.0, True, metadata)
+
+        class Fine(NoCfg):
+            def __init__(self, cfg, *, scale=1.0):
+                pass
+    """))
+    with pytest.raises(ConfigError, match=re.escape(f"env.u.target='{path}:NoStep': the class NoStep does not define "
+                                                    "step, which an environment must")):
+        resolve_env("u", _cfg(f"{path}:NoStep"))
+    with pytest.raises(ConfigError, match=re.escape(f"env.u.target='{path}:NoCfg': the class NoCfg is built as "
+                                                    "NoCfg(cfg), one argument (its env.u settings), but its __init__ "
+                                                    "takes ()")):
+        resolve_env("u", _cfg(f"{path}:NoCfg"))
+    assert resolve_env("u", _cfg(f"{path}:Fine")).__name__ == "Fine"
+
+
+def test_a_trl_reward_function_needing_a_column_the_rows_lack_fails_at_setup(tmp_path):
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    # TRL fills such a parameter from a dataset column: it raised TypeError at every step, every
+    # sample scored 0, and the run stopped only at env.<name>.max_failed_steps.
+    path = tmp_path / "trl.py"
+    path.write_text("def needs_solution(completions, solution, **kwargs):\n    return [1.0] * len(completions)\n"
+                    "def all_keywords(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, "
+                    "answer, level):\n    return [1.0] * len(completions)\n")
+    rows = [{"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "u",
+             "metadata": {"level": 1}}]
+    cfg = EnvConfig.model_validate({"u": {"target": f"{path}:needs_solution"}})
+    with pytest.raises(ConfigError, match=re.escape(
+            "env.u.target: the TRL reward function 'needs_solution' takes solution, which TRL fills from dataset "
+            "columns, but the rows of environment 'u' have no such key (theirs: answer, level; a row's `answer` and "
+            "the keys of its `metadata` are passed)")):
+        resolve_task_envs(rows, cfg)
+    assert resolve_task_envs([{**rows[0], "metadata": {"solution": "2"}}], cfg) == ["u"]
+    cfg = EnvConfig.model_validate({"u": {"target": f"{path}:all_keywords"}})
+    assert resolve_task_envs(rows, cfg) == ["u"]
+    env = resolve_env("u", cfg.get_worker_cfg("u"))(cfg.get_worker_cfg("u"))
+    ret = env.step([convo("2")], [{"answer": "2", "level": 1}])  # every keyword given: no TypeError
+    assert ret.rewards == [1.0] and ret.num_errors == 0

@@ -236,6 +236,35 @@ def test_step_one_observations_as_texts_messages_or_lists_of_them():
     assert ret.terminateds == [False, False, False, True] and ret.num_errors == 0
 
 
+def test_a_step_one_return_of_the_wrong_types_fails_its_own_sample_only():
+    # Converted for the batch's return, a string reward "0.75" passed as 0.75 and a terminated
+    # "False" ended the conversation (bool("False")); an observation 12345 failed the whole slice.
+    import numpy as np
+
+    class Sloppy(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            return {"reward": StepResult("", "0.75", True, metadata),
+                    "terminated": StepResult("next?", 1.0, "False", metadata),
+                    "observation": StepResult(12345, 1.0, True, metadata),
+                    "listed": StepResult(["a", 7], 1.0, False, metadata),
+                    "numpy": StepResult(("a", {"role": "tool", "content": "b"}), np.float32(0.5), np.bool_(False),
+                                        metadata),
+                    "fine": StepResult("ok", 1, 0, metadata)}[messages[-1]["content"]]
+
+    cases = ["reward", "terminated", "observation", "listed", "numpy", "fine"]
+    ret = Sloppy().step([convo(c) for c in cases], [{}] * len(cases))
+    assert ret.rewards == [0.0, 0.0, 0.0, 0.0, 0.5, 1.0] and ret.num_errors == 4
+    assert ret.terminateds == [True, True, True, True, False, False]
+    assert all(type(r) is float for r in ret.rewards) and all(type(t) is bool for t in ret.terminateds)
+    assert [m.get("env_error") for m in ret.metadata[:4]] == [
+        "TypeError: step_one returned reward '0.75' (str), not a number",
+        "TypeError: step_one returned terminated 'False' (str), not a bool",
+        "TypeError: step_one returned observation 12345 (int), not a text, a message (dict), a list of them or None",
+        "TypeError: step_one returned observation ['a', 7] (list), not a text, a message (dict), a list of them or None",
+    ]
+    assert ret.observations[4] == [{"role": "environment", "content": "a"}, {"role": "tool", "content": "b"}]
+
+
 # --------------------------------------------------------------------------- sliding puzzle
 
 

@@ -349,6 +349,10 @@ def test_console_line_and_progress(tmp_path):
     assert line.startswith("[bold]train[/bold] step 3/10")
     assert "loss 0.6931" in line and "reward_mean 0.25" in line and "time 1.5s" in line
     assert "foo" not in line  # key metrics only when some are present
+    # Environment errors besides them when there are any, also past the cap on shown metrics.
+    many = {f"loss_{i}": 1.0 for i in range(10)}
+    assert compact_line({**many, "env_errors": 3.0}, 1, "val", None).endswith(" | env_errors 3")
+    assert "env_errors" not in compact_line({**many, "env_errors": 0.0}, 1, "val", None)
 
     logger = Logger(_cfg(console_enabled=True, num_val_samples_to_print=1), tmp_path)
     backend = logger._console
