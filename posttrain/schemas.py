@@ -20,7 +20,16 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from posttrain.config import YAML_BOOLEANS, format_errors
 from posttrain.runtime import auto_precision
@@ -2084,15 +2093,23 @@ class RMMasterConfig(_MasterBase):
     # The reward-model loop (Bradley-Terry on preference pairs): the keys of sft.
     rm: RMConfig = Field(default_factory=RMConfig)
 
-    @model_validator(mode="after")
-    def _no_sequence_packing(self) -> "RMMasterConfig":
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sequence_packing(cls, data: Any) -> Any:
         # The policy workers run a reward model on padded rows whatever this says: silently, the run
-        # had neither packing nor the token-budget micro-batches it asked for.
-        if self.policy.sequence_packing.enabled:
+        # had neither packing nor the token-budget micro-batches it asked for. Checked before the
+        # policy section's own checks, whose "set policy.sequence_packing.train_mb_tokens" led the
+        # wrong way first.
+        packing = ((data.get("policy") or {}).get("sequence_packing") or {}) if isinstance(data, dict) else {}
+        try:
+            enabled = isinstance(packing, dict) and TypeAdapter(bool).validate_python(packing.get("enabled", False))
+        except ValidationError:
+            return data  # the field's own error names it
+        if enabled:
             raise ValueError("policy.sequence_packing.enabled=true: a reward model is not trained on packed rows "
                              "(its score is the head's output at each row's last token); use "
                              "policy.dynamic_batching for token-budget micro-batches")
-        return self
+        return data
 
 
 class KTOMasterConfig(_MasterBase):
@@ -2176,7 +2193,14 @@ def unread_settings(cfg: BaseModel) -> list[tuple[list[str], str]]:
         return (node, name) if isinstance(node, BaseModel) and name in type(node).model_fields else (None, name)
 
     found = []
+    generates = isinstance(cfg, (GRPOMasterConfig, EvalMasterConfig))
+    if not generates and (given := _given_keys(cfg.policy.generation, "policy.generation")
+                          if "generation" in cfg.policy.model_fields_set else []):
+        found.append((given, f"read only by the commands that generate (grpo, eval); `posttrain {cfg._command()}` "
+                             "generates nothing"))
     for switch, reads, mode, settings in _READ_ONLY_WHEN:
+        if switch.startswith("policy.generation.") and not generates:
+            continue
         parent, name = find(switch)
         if parent is None or name in parent.model_fields_set or reads(value := getattr(parent, name)):
             continue

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from posttrain.config import InputError
-from posttrain.data.formats import row_name
+from posttrain.data.formats import is_preference, row_name
 from posttrain.environments.interfaces import LOG_EXTRA_KEY, TOOL_CALLS_KEY
 from posttrain.evals import accuracy, aggregate
 from posttrain.schemas import EvalMasterConfig
@@ -97,10 +97,13 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     # code rows are scored by their tests.
     for i, row in enumerate(rows):
         if "messages" not in row:
-            raise InputError(
-                f"eval: {row_name(row, f'row {i + 1} of {name!r}')} has keys {sorted(row)}; evaluation needs "
-                "prompt `messages` (set data.format, e.g. data.format=math)"
-            )
+            where = row_name(row, f"row {i + 1} of {name!r}")
+            if is_preference(row):  # every row of the file is one: set no format, name the data's kind
+                raise InputError(f"eval: {name!r} holds preference pairs (`chosen`/`rejected`; first: {where}), "
+                                 "which DPO and RM train on; evaluation needs prompts with reference answers "
+                                 "(e.g. gsm8k, math500) or a data.task_name whose environment scores them")
+            raise InputError(f"eval: {where} has keys {sorted(row)}; evaluation needs prompt `messages` (set "
+                             "data.format, e.g. data.format=math)")
     return rows
 
 

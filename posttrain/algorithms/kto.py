@@ -13,6 +13,8 @@ reference pass over the rows and the pairs). Validation batches keep their refer
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from posttrain.algorithms.offline import (
@@ -44,22 +46,30 @@ def setup(cfg: KTOMasterConfig) -> OfflineSetup:
 
 
 def _say_weight_balance(s: OfflineSetup) -> None:
-    """The paper's advice on lambda_D / lambda_U (Ethayarajh et al., section 4.2), said at the start
-    when the training examples are outside it."""
-    kto = s.cfg.kto
+    """The paper's advice on lambda_D / lambda_U, said at the start when the training examples are outside it."""
     n_d = sum(ex["label"][0] for ex in s.loader.rows)
-    n_u = len(s.loader.rows) - n_d
+    if (advice := weight_advice(n_d, len(s.loader.rows) - n_d, s.cfg.kto.desirable_weight,
+                                s.cfg.kto.undesirable_weight)) is not None:
+        s.run.logger.console(advice)
+
+
+def weight_advice(n_d: int, n_u: int, w_d: float, w_u: float) -> str | None:
+    """What the KTO paper (Ethayarajh et al., section 4.2) advises of `n_d` desirable and `n_u`
+    undesirable examples weighed `w_d` and `w_u`, when they are outside its range; else None."""
     if n_d == 0 or n_u == 0:
-        s.run.logger.console(f"kto: the training split has {n_d} desirable and {n_u} undesirable examples; with one "
-                             "kind only, the loss moves every response one way against the reference point")
-        return
-    ratio = kto.desirable_weight * n_d / (kto.undesirable_weight * n_u)
-    if not 1.0 <= ratio <= 4 / 3:
-        s.run.logger.console(
-            f"kto: {n_d} desirable and {n_u} undesirable training examples at kto.desirable_weight="
-            f"{kto.desirable_weight} and kto.undesirable_weight={kto.undesirable_weight} weigh {ratio:.2f} : 1; "
-            "the KTO paper advises desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in "
-            f"[1, 4/3], e.g. kto.undesirable_weight={kto.desirable_weight * n_d / n_u:.3g}")
+        return (f"kto: the training split has {n_d} desirable and {n_u} undesirable examples; with one kind only, the "
+                "loss moves every response one way against the reference point")
+    ratio = w_d * n_d / (w_u * n_u)
+    if 1.0 <= ratio <= 4 / 3:
+        return None
+    # Rounded down to 3 significant digits: rounded to nearest, 3.5156 became 3.52, whose ratio
+    # 0.9987 is below 1 again (and read "1.00 : 1" at two decimals).
+    even = w_d * n_d / n_u
+    scale = 10.0 ** (2 - math.floor(math.log10(even)))
+    return (f"kto: {n_d} desirable and {n_u} undesirable training examples at kto.desirable_weight={w_d} and "
+            f"kto.undesirable_weight={w_u} weigh {ratio:.3g} : 1; the KTO paper advises desirable_weight * "
+            "n_desirable / (undesirable_weight * n_undesirable) in [1, 4/3], e.g. "
+            f"kto.undesirable_weight={math.floor(even * scale) / scale:g}")
 
 
 def _mismatched(batch: BatchedDataDict, keep: bool) -> BatchedDataDict:

@@ -251,7 +251,9 @@ def _parse_json_rows(path: Path, field: str | None) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            rows.append(_UnreadableLine(f"invalid JSON at column {e.colno}: {e.msg}"))
+            # "Unterminated string starting at" names its own position: where the string starts.
+            where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
+            rows.append(_UnreadableLine(f"invalid JSON: {where}"))
     return rows
 
 

@@ -200,9 +200,10 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         return _labelled(out, row.get("label"), loc)
     if _as_label(row.get("label")) is False and "task_name" not in out and not is_preference(out):
         raise DataFormatError(
-            f"{loc}: `label` is false: an unpaired preference (KTO) example of an answer not to give, which SFT "
-            "would train the model to imitate (DPO and RM need `chosen`/`rejected` pairs, which KTO data has not); "
-            "remove such rows, or set data.on_malformed_row=skip (counted) to train SFT on the others"
+            f"{loc}: `label` is false: KTO data (responses labelled desirable or not), which `posttrain kto` "
+            "trains on; SFT would train the model to imitate this answer not to give, DPO and RM need "
+            "`chosen`/`rejected` pairs and eval prompts to answer, which KTO data has not. For SFT on its "
+            "desirable rows, set data.on_malformed_row=skip (the others counted)"
         )
     return out
 

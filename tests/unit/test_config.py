@@ -1355,6 +1355,16 @@ def test_settings_a_default_mode_leaves_unread_are_named_with_their_origin(tmp_p
                                "of its reward functions); it is null (the default), so it changes nothing"]
 
 
+def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplog):
+    # `posttrain sft policy.generation.backend=vllm` (not even installed) trained without a word; its
+    # vllm_cfg was said to need backend=vllm, which would have changed nothing either.
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config("dpo", None, ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.max_model_len=64"])
+    assert caplog.messages == [
+        "policy.generation.backend (command line), policy.generation.vllm_cfg.max_model_len (command line): read "
+        "only by the commands that generate (grpo, eval); `posttrain dpo` generates nothing, so they change nothing"]
+
+
 @pytest.mark.parametrize("overrides", [
     ["grpo.warmup_sft_lr=1e-3", "grpo.warmup_sft_steps=0"],  # the mode turned off on purpose (over a quickstart)
     ["policy.generation.vllm_cfg.max_model_len=64", "policy.generation.backend=vllm",
@@ -1391,3 +1401,15 @@ def test_a_key_yaml_reads_as_a_number_or_boolean_is_named_as_written_with_its_li
         load_config("grpo", path)
     assert f"  - policy: key '{written}' reads as {kind}" in str(e.value)
     assert str(e.value).endswith(f"not a name; quote it if that is the name  [set at {path}:4]")
+
+
+def test_sequence_packing_for_a_reward_model_is_refused_before_its_budget_is_asked_for():
+    # The packing section's own check came first ("set policy.sequence_packing.train_mb_tokens"), and
+    # whoever followed it learned only then that a reward model trains on no packed rows.
+    with pytest.raises(ConfigError) as e:
+        load_config("rm", None, ["policy.sequence_packing.enabled=true"])
+    assert str(e.value).splitlines()[1:] == [
+        "  - policy.sequence_packing.enabled=true: a reward model is not trained on packed rows (its score is the "
+        "head's output at each row's last token); use policy.dynamic_batching for token-budget micro-batches  "
+        "[policy.sequence_packing.enabled set at command line (policy.sequence_packing.enabled=true)]"]
+    load_config("rm", None, ["policy.sequence_packing.enabled=false"])

@@ -1,6 +1,8 @@
 """pass@k and cons@k against hand-computed cases and a brute-force enumeration."""
 
 import itertools
+import json
+import re
 from math import comb
 
 import pytest
@@ -153,3 +155,17 @@ def test_tool_call_ids_are_unique_even_when_the_model_repeats_one():
     calls = [ToolCall("add", {"a": 1}, id="abcdefghi"), ToolCall("add", {"a": 2}, id="abcdefghi")]
     ids = tool_call_ids(calls, seed="0")
     assert ids[0] == "abcdefghi" and ids[1] != "abcdefghi" and len(ids[1]) == 9
+
+
+def test_eval_on_preference_pairs_names_the_datas_kind(tmp_path):
+    # It named a held-out row ("row 107") and told to set data.format, which no format would mend.
+    from posttrain.algorithms.eval import load_eval_rows
+    from posttrain.config import InputError, load_config
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "chosen": "good", "rejected": "bad"}) for i in range(3)))
+    cfg = load_config("eval", None, [f"data.dataset_name={path}"])
+    with pytest.raises(InputError, match=re.escape(
+            f"eval: {str(path)!r} holds preference pairs (`chosen`/`rejected`; first: {path} row 1), which DPO and "
+            "RM train on; evaluation needs prompts with reference answers")):
+        load_eval_rows(cfg)

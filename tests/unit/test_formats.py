@@ -279,9 +279,13 @@ def test_messages_sample_of_kto_data_refuses_the_answers_not_to_give(shared_data
     path = f"{shared_data}/llamafactory_demo/kto_en_demo.json"
     raw = json.load(open(path))
     first_bad = next(n for n, r in enumerate(raw, start=1) if r["label"] is False)
-    # The same error serves `posttrain dpo`/`rm`, whose users it told only what SFT would do.
-    with pytest.raises(DataFormatError, match=rf"{path} row {first_bad}: `label` is false: .* \(DPO and RM need "
-                                              r"`chosen`/`rejected` pairs, which KTO data has not\)"):
+    # The same error serves `posttrain dpo`/`rm`/`eval`, whose users it told only what SFT would do and
+    # to skip such rows, which left rows those commands cannot use either.
+    with pytest.raises(DataFormatError, match=rf"{path} row {first_bad}: `label` is false: KTO data \(responses "
+                                              r"labelled desirable or not\), which `posttrain kto` trains on; .* DPO "
+                                              r"and RM need `chosen`/`rejected` pairs and eval prompts to answer, which "
+                                              r"KTO data has not. For SFT on its desirable rows, set "
+                                              r"data.on_malformed_row=skip"):
         load_rows(_cfg(path), "train")
     kept = [r for r in raw if r["label"]]
     rows = load_rows(_cfg("local", train_data_path=path, val_data_path=path, on_malformed_row="skip"), "train")
@@ -573,7 +577,12 @@ def test_preference_pair_with_the_same_response_on_both_sides_is_malformed(tmp_p
 def test_invalid_json_line_names_the_line(tmp_path, capfd):
     path = tmp_path / "broken.jsonl"
     path.write_text(json.dumps(GOOD["alpaca"]) + "\n" + '{"instruction": "q", "output": \n')
-    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON at column 32: Expecting value$"):
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON: Expecting value at column 32$"):
+        load_rows(_cfg(str(path)), "train")
+    # json's "Unterminated string starting at" names its position itself (the message ended at "at").
+    path.write_text(json.dumps(GOOD["alpaca"]) + "\n" + '{"instruction": "q", "output": "a\n')
+    with pytest.raises(DataFormatError, match=rf"{path} row 2: invalid JSON: Unterminated string starting at "
+                                              r"column 32$"):
         load_rows(_cfg(str(path)), "train")
     # One error: datasets' JSON reader logged its own first ("in row 1", counting from 0).
     assert "Failed to load JSON" not in capfd.readouterr().err
@@ -589,8 +598,8 @@ def test_invalid_json_lines_are_skipped_and_counted_under_skip(tmp_path, caplog)
         rows = load_rows(cfg, "train")
     assert len(rows) == 2
     assert [row_name(r, "") for r in rows] == [f"{path} row 1", f"{path} row 4"]
-    assert (f"skipped 3 malformed alpaca rows of 5 (first: {path} row 2: invalid JSON at column 35: Expecting ',' "
-            "delimiter)") in caplog.text
+    assert (f"skipped 3 malformed alpaca rows of 5 (first: {path} row 2: invalid JSON: Expecting ',' delimiter "
+            "at column 35)") in caplog.text
     # Read again for the validation split: said once.
     load_rows(cfg, "val")
     assert caplog.text.count("skipped 3 malformed") == 1

@@ -310,3 +310,18 @@ def test_robust_hinge_and_label_smoothing_hand_computed():
         load_config("dpo", None, ["dpo.loss.name=hinge", "dpo.loss.label_smoothing=0.1"])
     with pytest.raises(ConfigError, match=r"dpo.loss.label_smoothing: got 0.5, expected less than 0.5"):
         load_config("dpo", None, ["dpo.loss.name=robust", "dpo.loss.label_smoothing=0.5"])
+
+
+def test_kto_weight_advice_lands_inside_the_papers_range():
+    from posttrain.algorithms.kto import weight_advice
+
+    # kto_en_demo's 75 desirable and 64 undesirable rows at desirable_weight=3: the advice was 3.52,
+    # whose ratio 225 / 225.28 = 0.9987 is below 1, so the same warning came back ("1.00 : 1").
+    advice = weight_advice(75, 64, 3.0, 1.0)
+    assert advice.endswith("weigh 3.52 : 1; the KTO paper advises desirable_weight * n_desirable / "
+                           "(undesirable_weight * n_undesirable) in [1, 4/3], e.g. kto.undesirable_weight=3.51")
+    assert weight_advice(75, 64, 3.0, 3.51) is None
+    assert "weigh 0.999 : 1" in weight_advice(75, 64, 3.0, 3.52)
+    assert weight_advice(10, 100, 1.0, 1.0).endswith("kto.undesirable_weight=0.1")
+    assert weight_advice(10, 100, 1.0, 0.1) is None
+    assert "with one kind only" in weight_advice(0, 5, 1.0, 1.0)
