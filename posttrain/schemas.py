@@ -2180,7 +2180,7 @@ def _given_keys(model: BaseModel, prefix: str) -> list[str]:
     return keys
 
 
-def unread_settings(cfg: BaseModel) -> list[tuple[list[str], str]]:
+def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
     """The settings `cfg` was given that its modes leave unread (see _READ_ONLY_WHEN), each group
     with the reason: [(["policy.generation.vllm_cfg.max_model_len"], "read only with
     policy.generation.backend=vllm; it is 'torch' (the default)"), ...]."""
@@ -2194,10 +2194,10 @@ def unread_settings(cfg: BaseModel) -> list[tuple[list[str], str]]:
 
     found = []
     generates = isinstance(cfg, (GRPOMasterConfig, EvalMasterConfig))
-    if not generates and (given := _given_keys(cfg.policy.generation, "policy.generation")
-                          if "generation" in cfg.policy.model_fields_set else []):
-        found.append((given, f"read only by the commands that generate (grpo, eval); `posttrain {cfg._command()}` "
-                             "generates nothing"))
+    if not generates and "generation" in cfg.policy.model_fields_set:
+        if given := _given_keys(cfg.policy.generation, "policy.generation"):
+            found.append((given, f"read only by the commands that generate (grpo, eval); `posttrain "
+                                 f"{cfg._command()}` generates nothing"))
     for switch, reads, mode, settings in _READ_ONLY_WHEN:
         if switch.startswith("policy.generation.") and not generates:
             continue
