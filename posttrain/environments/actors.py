@@ -253,7 +253,9 @@ class EnvironmentGroup:
                 self._count_failure(i, error)
                 ray.kill(self._actors[i], no_restart=False)
             except RayActorError as e:
-                error = f"environment {self.name!r} actor {i} died: {e}"
+                # Ray's own text is an RPC error ("Socket closed"), which names nothing of the environment's.
+                error = (f"environment {self.name!r} actor {i} died during its step (its process exited: os._exit, "
+                         f"a crash in native code, or out of memory): {str(e).splitlines()[0][:200]}")
                 self._count_failure(i, error)
             except Exception as e:  # noqa: BLE001 - the environment's step raised: the slice scores 0
                 # Its own exception and where, not Ray's framing, traceback and colour codes.
