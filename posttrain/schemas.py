@@ -1328,7 +1328,8 @@ class CheckpointingConfig(Section):
     # metrics (e.g. "val:accuracy"; a step that did not validate ranks below those that did:
     # make save_period a multiple of val_period); null: newest win. A name the run does not log
     # but one of its metrics resembles fails when it first logs that kind (a typo); one like none
-    # of them (val:accuracy of an environment that judges no answer correct) is a warning then.
+    # of them (val:accuracy of an environment that judges no answer correct) is a warning then; a
+    # val: name in a run that validates at no save (val_period 0, val_at_end false), at load.
     metric_name: str | None = Field(None, pattern=r"^(train|val):.+$")
     # true: a larger metric_name value is better (accuracy); false: smaller is (loss).
     higher_is_better: bool = True
@@ -2215,6 +2216,14 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
         if given:
             shown = f"'{value}'" if isinstance(value, str) else str(value).lower()
             found.append((given, f"read only with {switch}{mode}; it is {shown} (the default)"))
+    # A validation metric ranking checkpoints of a run that validates at no save: each one ranked
+    # "not measured", newest first, as without a metric (and every save warned of it).
+    loop, command = getattr(cfg, cfg._command(), None), cfg._command()
+    if ((cfg.checkpointing.metric_name or "").startswith("val:") and getattr(loop, "val_period", None) == 0
+            and not loop.val_at_end):
+        found.append((["checkpointing.metric_name"], f"a validation metric, but {command}.val_period=0 and "
+                                                     f"{command}.val_at_end=false validate at no save (checkpoints "
+                                                     "rank newest first)"))
     # An environment's tool settings, read only for the tools of its reward functions.
     for name, worker in (getattr(getattr(cfg, "env", None), "model_extra", None) or {}).items():
         given = [f"env.{name}.{key}" for key in ("max_tool_calls", "tool_timeout_s") if key in worker.model_fields_set]

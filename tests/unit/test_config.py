@@ -1355,6 +1355,19 @@ def test_settings_a_default_mode_leaves_unread_are_named_with_their_origin(tmp_p
                                "of its reward functions); it is null (the default), so it changes nothing"]
 
 
+@pytest.mark.parametrize("command", ["grpo", "sft"])
+def test_a_validation_metric_of_a_run_that_validates_at_no_save_is_named(command, caplog):
+    # Every checkpoint ranked "not measured" (newest first, as without a metric); each save warned.
+    never = [f"{command}.val_period=0", f"{command}.val_at_end=false"]
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config(command, None, ["checkpointing.metric_name=val:loss", *never])
+        load_config(command, None, ["checkpointing.metric_name=val:loss", never[0]])  # the last save validates
+        load_config(command, None, ["checkpointing.metric_name=train:loss", *never])
+    assert caplog.messages == [
+        f"checkpointing.metric_name (command line): a validation metric, but {command}.val_period=0 and "
+        f"{command}.val_at_end=false validate at no save (checkpoints rank newest first), so it changes nothing"]
+
+
 def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplog):
     # `posttrain sft policy.generation.backend=vllm` (not even installed) trained without a word; its
     # vllm_cfg was said to need backend=vllm, which would have changed nothing either.
