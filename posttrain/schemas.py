@@ -2219,8 +2219,8 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
     # A validation metric ranking checkpoints of a run that validates at no save: each one ranked
     # "not measured", newest first, as without a metric (and every save warned of it).
     loop, command = getattr(cfg, cfg._command(), None), cfg._command()
-    if ((cfg.checkpointing.metric_name or "").startswith("val:") and getattr(loop, "val_period", None) == 0
-            and not loop.val_at_end):
+    if (cfg.checkpointing.enabled and (cfg.checkpointing.metric_name or "").startswith("val:")
+            and getattr(loop, "val_period", None) == 0 and not loop.val_at_end):
         found.append((["checkpointing.metric_name"], f"a validation metric, but {command}.val_period=0 and "
                                                      f"{command}.val_at_end=false validate at no save (checkpoints "
                                                      "rank newest first)"))

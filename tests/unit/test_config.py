@@ -1363,6 +1363,7 @@ def test_a_validation_metric_of_a_run_that_validates_at_no_save_is_named(command
         load_config(command, None, ["checkpointing.metric_name=val:loss", *never])
         load_config(command, None, ["checkpointing.metric_name=val:loss", never[0]])  # the last save validates
         load_config(command, None, ["checkpointing.metric_name=train:loss", *never])
+        load_config(command, None, ["checkpointing.metric_name=val:loss", "checkpointing.enabled=false", *never])
     assert caplog.messages == [
         f"checkpointing.metric_name (command line): a validation metric, but {command}.val_period=0 and "
         f"{command}.val_at_end=false validate at no save (checkpoints rank newest first), so it changes nothing"]
