@@ -235,6 +235,9 @@ class PrefixSharingConfig(Section):
 
 
 # Optimizers by a short name; any other one by its dotted import path (posttrain.policy.optim).
+# A YAML or command-line value read as pydantic reads a bool field ("yes", 1, "true").
+_BOOL = TypeAdapter(bool)
+
 OPTIMIZERS = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
 
 
@@ -2103,7 +2106,7 @@ class RMMasterConfig(_MasterBase):
         # wrong way first.
         packing = ((data.get("policy") or {}).get("sequence_packing") or {}) if isinstance(data, dict) else {}
         try:
-            enabled = isinstance(packing, dict) and TypeAdapter(bool).validate_python(packing.get("enabled", False))
+            enabled = isinstance(packing, dict) and _BOOL.validate_python(packing.get("enabled", False))
         except ValidationError:
             return data  # the field's own error names it
         if enabled:

@@ -33,7 +33,7 @@ is resolved on the driver before Ray starts, so a wrong target fails in seconds,
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -452,11 +452,22 @@ def describe_tools(named: list[tuple[str, Any]], key: str) -> tuple[dict[str, Ca
     return tools, schemas
 
 
-def _signature(cls: type) -> str:
-    try:
-        return str(inspect.signature(cls))
-    except ValueError:
-        return "(...)"
+@dataclasses.dataclass(frozen=True)
+class RewardFunctions:
+    """What `env_factory` gives for reward functions: called with the worker config (in each
+    environment actor) it builds their RewardFunctionEnvironment."""
+
+    name: str
+    fns: dict[str, Callable[..., float]]
+    weights: list[float]
+    tools: dict[str, Callable[..., Any]]
+
+    def __call__(self, cfg: EnvWorkerConfig) -> RewardFunctionEnvironment:
+        return RewardFunctionEnvironment(cfg, fns=self.fns, weights=self.weights, name=self.name, tools=self.tools)
+
+    def check_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Refuse rows the functions cannot be called with (`check_trl_columns`)."""
+        check_trl_columns(self.name, self.fns, rows)
 
 
 def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], EnvironmentInterface]:
@@ -480,13 +491,16 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
             raise ConfigError(f"{key}={target!r}: the class {cls.__name__} does not define {missing}, which an "
                               "environment must (docs/environments.md)")
         try:
-            inspect.signature(cls).bind(cfg)
+            signature = inspect.signature(cls)
+        except ValueError:  # no signature to read (a C extension's class): its actors will say
+            signature = None
+        try:
+            if signature is not None:
+                signature.bind(cfg)
         except TypeError as e:
             raise ConfigError(f"{key}={target!r}: the class {cls.__name__} is built as {cls.__name__}(cfg), one "
-                              f"argument (its env.{name} settings), but its __init__ takes {_signature(cls)} ({e})") \
+                              f"argument (its env.{name} settings), but its __init__ takes {signature} ({e})") \
                 from None
-        except ValueError:  # no signature to read (a C extension's class): its actors will say
-            pass
         if cfg.tools:
             raise ConfigError(f"env.{name}.tools: tools go with reward functions; the environment class "
                               f"{objs[0].__name__} runs its own (its `tools` attribute)")
@@ -516,5 +530,4 @@ def env_factory(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
         raise ConfigError(f"env.{name}.correct_at_least names {unknown}, which are not reward functions of "
                           f"{key}; they are: {', '.join(fns)}")
     tools, _ = load_tools(name, cfg)
-    return functools.partial(RewardFunctionEnvironment, fns=fns, weights=weights or [1.0] * len(fns), name=name,
-                             tools=tools)
+    return RewardFunctions(name, fns, weights or [1.0] * len(fns), tools)

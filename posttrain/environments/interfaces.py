@@ -198,12 +198,16 @@ def real_number(value: Any) -> float | None:
     return None
 
 
+def _is_bool(value: Any) -> bool:
+    """A bool, or a NumPy or torch bool scalar (what `np.all(...)` gives)."""
+    return isinstance(value, bool) or (getattr(value, "shape", None) == ()
+                                       and "bool" in str(getattr(value, "dtype", "")))
+
+
 def _is_flag(value: Any) -> bool:
-    """A bool, a NumPy or torch bool scalar, or the integer 0 or 1: what `terminated` may be
-    (bool("False") is True: a string ended a conversation meant to go on)."""
-    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
-        return True
-    return getattr(value, "shape", None) == () and "bool" in str(getattr(value, "dtype", ""))
+    """A bool or the integer 0 or 1: what `terminated` may be (bool("False") is True: a string
+    ended a conversation meant to go on)."""
+    return _is_bool(value) or (isinstance(value, numbers.Integral) and value in (0, 1))
 
 
 def _observation_problem(obs: Any) -> str | None:
@@ -294,9 +298,7 @@ class PerSampleEnvironment(EnvironmentInterface):
 def is_verdict(value: Any) -> bool:
     """Whether `value` is a verdict `CORRECT_KEY` may hold: None, a bool, or a NumPy or torch
     bool scalar (what `np.all(...)` gives). A number is not one: 1.0 or 0.5 is a reward."""
-    if value is None or isinstance(value, bool):
-        return True
-    return getattr(value, "shape", None) == () and "bool" in str(getattr(value, "dtype", ""))
+    return value is None or _is_bool(value)
 
 
 def verdict(metadata: dict[str, Any] | None) -> bool | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from posttrain.data.formats import row_name, with_fields
 from posttrain.environments.actors import EnvironmentGroup
 from posttrain.environments.arithmetic import ArithmeticEnvironment
 from posttrain.environments.code import CodeEnvironment
-from posttrain.environments.custom import check_trl_columns, describe_tools, env_factory, load_tools
+from posttrain.environments.custom import RewardFunctions, describe_tools, env_factory, load_tools
 from posttrain.environments.interfaces import EnvironmentInterface
 from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
@@ -89,8 +88,8 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
     for name in names:
         factory = resolve_env(name, env_cfg.get_worker_cfg(name))
         own = [i for i, r in enumerate(rows) if r["task_name"] == name]
-        if isinstance(factory, functools.partial) and "fns" in factory.keywords:  # reward functions (env_factory)
-            check_trl_columns(name, factory.keywords["fns"], [rows[i] for i in own])
+        if isinstance(factory, RewardFunctions):
+            factory.check_rows([rows[i] for i in own])
         missing = [i for i in own if rows[i].get("answer") is None]
         if not missing:
             continue
