@@ -172,6 +172,9 @@ def resolve_model_path(name: str) -> str:
 
 # Files from which AutoTokenizer tells a folder's tokenizer class (or reads the tokenizer whole).
 _TOKENIZER_CLASS_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
+# Files of which a tokenizer is read: without any, a folder holds a model without its tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
 _HUB_OFFLINE_NOTE = ("the Hugging Face hub is unreachable from here, so models and datasets load offline: "
                      "HF_HUB_OFFLINE=1")
 
@@ -262,7 +265,18 @@ def model_load_error(key: str, name: str, path: str, what: str, error: Exception
         reason = (f"it holds {held} but no {' or '.join(_TOKENIZER_CLASS_FILES)}, which tell transformers the "
                   "tokenizer's class: beside GPT-2's vocab.json and merges.txt, write a tokenizer_config.json of "
                   '{"tokenizer_class": "GPT2Tokenizer"}')
+    elif what == "a tokenizer" and os.path.isdir(os.path.expanduser(path)) and not any(
+            os.path.isfile(os.path.join(os.path.expanduser(path), f)) for f in _TOKENIZER_FILES):
+        # A model saved without its tokenizer (model.save_pretrained alone): transformers' message
+        # ends in a colon after its first line and names no file.
+        held = ", ".join(sorted(os.listdir(os.path.expanduser(path))))
+        fix = "set policy.tokenizer.name to" if key.startswith("policy.") else "name"
+        reason = (f"it holds {held} but no tokenizer files ({', '.join(_TOKENIZER_FILES)}): a model saved "
+                  f"without its tokenizer; {fix} the folder or hub id of the tokenizer it was trained with, or "
+                  "save that tokenizer into this folder (tokenizer.save_pretrained)")
     else:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        # transformers' messages run over several lines ("Couldn't instantiate the backend tokenizer
+        # from one of:" and a list): all of it, on one line.
+        reason = " ".join(str(error).split())[:600] or type(error).__name__
     where = "local folder" if local else "hub id or folder"
     return MissingInputError(f"{key}={name!r}: cannot load {what} from this {where} ({path}): {reason}")

@@ -136,6 +136,29 @@ class ClusterConfig(Section):
 # --------------------------------------------------------------------------- policy
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """A chat template setting as the template's text: the value itself when it holds Jinja
+    (`{{`, `{%`), else the file it names (`~` expanded, relative to the working directory), as
+    TRL's `chat_template_path` reads one. A path was taken as the template: every prompt rendered
+    as the path's text, and the run trained on it without a word."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = os.path.expanduser(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"{value!r} is neither a Jinja template (it has no {{{{ ... }}}} or {{% ... %}}) nor a file "
+                         f"({'a folder' if os.path.isdir(path) else 'no such file'}); give the template's text or the "
+                         "path of a file holding it (e.g. template.jinja)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the template file {value!r}: {e}") from None
+    if "{{" not in text and "{%" not in text:
+        raise ValueError(f"the file {value!r} holds no Jinja template (no {{{{ ... }}}} or {{% ... %}}): it would "
+                         "render every conversation as the same text")
+    return text
+
+
 class TokenizerConfig(Section):
     name: str | None = Field(None, min_length=1)  # defaults to policy.model_name ("": an unset $VAR, refused)
     # A Jinja template overriding the tokenizer's own. SFT/DPO/RM train each assistant turn as the
@@ -149,8 +172,10 @@ class TokenizerConfig(Section):
     # generated tokens, reasoning included, whatever the template shows). Reasoning in a message
     # field (`reasoning_content`, `reasoning`, `thinking`) is trained where the template renders
     # that field (Qwen3's in a last turn and after the last user message; Llama's and the embedded
-    # models' never).
+    # models' never). A value without Jinja ({{ or {%) is the path of a file holding the template
+    # (e.g. template.jinja), read at config load.
     chat_template: str | None = None
+    _chat_template_text = field_validator("chat_template")(chat_template_text)
 
 
 class DTensorConfig(Section):
@@ -888,10 +913,10 @@ class DataMixtureEntry(Section):
 class DataConfig(Section):
     # Where rows come from: "arithmetic" (embedded synthetic task), a registered dataset
     # name ("gsm8k", "math500", "squad", "alpaca", LLaMA-Factory's "dpo_en_demo", "kto_en_demo",
-    # "glaive_toolcall_en_demo", ...: files of $POSTTRAIN_SHARED_DATA), a local .jsonl/.json/.parquet path, a folder of
-    # such files or one `save_to_disk` wrote, or a Hugging Face hub dataset.
+    # "glaive_toolcall_en_demo", ...: files of $POSTTRAIN_SHARED_DATA), a local .jsonl/.json/.parquet/.csv
+    # path, a folder of such files or one `save_to_disk` wrote, or a Hugging Face hub dataset.
     dataset_name: str = "arithmetic"
-    # Training file (.jsonl/.json/.parquet) of dataset_name "local"; for the other file-based
+    # Training file (.jsonl/.json/.parquet/.csv) of dataset_name "local"; for the other file-based
     # datasets (registered sets, a file named by dataset_name) it replaces their training file.
     train_data_path: str | None = None
     # Validation file of file-based datasets; null: the dataset's own, else a held-out
@@ -1142,7 +1167,8 @@ class RewardModelEnvConfig(Section):
     """`reward_model`: a trained Bradley-Terry RM scores each conversation."""
 
     model_name: str  # folder of the exported reward model (with its tokenizer)
-    chat_template: str | None = None  # the RM's training template, if its tokenizer lacks it
+    chat_template: str | None = None  # the RM's training template (or its file), if its tokenizer lacks it
+    _chat_template_text = field_validator("chat_template")(chat_template_text)
     batch_size: int = Field(16, ge=1)  # conversations scored per forward pass
     max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
     add_bos: bool = True  # as data.add_bos of the RM's training run

@@ -129,7 +129,7 @@ def _check_prompt_lengths(rows: list[dict], tokenizer, cfg: EvalMasterConfig) ->
 
 
 def setup(cfg: EvalMasterConfig) -> EvalSetup:
-    from posttrain.data.processors import load_policy_tokenizer
+    from posttrain.data.processors import load_policy_tokenizer, note_dropped_system
     from posttrain.distributed.cluster import init_ray
     from posttrain.environments import create_env, resolve_task_envs, with_tool_schemas
     from posttrain.generation import build_generation, check_backend_installed
@@ -148,6 +148,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     task_names = resolve_task_envs(rows, cfg.env, require_answers=True)
     rows = with_tool_schemas(rows, cfg.env)
     tokenizer = load_policy_tokenizer(cfg.policy)
+    note_dropped_system(tokenizer, rows)
 
     _check_prompt_lengths(rows, tokenizer, cfg)
     if cfg.eval.max_rollout_turns > 1:  # as GRPO: a template that cannot show a tool result fails here,

@@ -48,7 +48,8 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import collate, load_policy_tokenizer, naming_row, process_sft_rows
+from posttrain.data.processors import (collate, load_policy_tokenizer, naming_row, note_dropped_system,
+                                       process_sft_rows)
 from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
@@ -198,6 +199,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     check_compile_backend(cfg.policy.compile)
     check_backend_installed(cfg.policy.generation)
     train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
+    note_dropped_system(tokenizer, train_rows + val_rows)
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
     val_rows, val_dropped = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")

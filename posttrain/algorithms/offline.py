@@ -32,7 +32,7 @@ from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import load_policy_tokenizer
+from posttrain.data.processors import load_policy_tokenizer, note_dropped_system
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
@@ -232,6 +232,10 @@ def log_data_stats(logger: Logger, stats: dict[str, dict[str, int]]) -> None:
             + (f", as {counts['examples']} examples: one per turn where the chat template re-renders earlier "
                "turns" if "examples" in counts else "")
         )
+        if counts["dropped"] * 2 > counts["rows"]:  # TRL truncates: most of a file gone is rarely meant
+            log.warning("data %s: %d of %d rows (%.0f%%) are longer than the context and dropped (data.truncation=drop):"
+                        " raise policy.max_total_sequence_length, or set data.truncation=truncate", split,
+                        counts["dropped"], counts["rows"], 100 * counts["dropped"] / counts["rows"])
 
 
 def check_packing_budgets(policy: PolicyConfig, data: "OfflineData", logprobs_of_train: bool, max_len: int) -> None:
@@ -313,6 +317,7 @@ def offline_data(cfg: Any, algorithm: str, process_rows: Callable, collate_fn: C
             examples[split], stats[split] = process_rows(rows, tokenizer, cfg.data, max_len)
         except InputError as e:
             raise InputError(f"{split} split: {e}") from e
+    note_dropped_system(tokenizer, rows_of["train"] + rows_of["val"])
     if (note := shared_rows_note(rows_of["train"], rows_of["val"])) is not None:
         log.warning("%s", note)
     # Only the batches validation runs on: a row past them must not fail the packing check.

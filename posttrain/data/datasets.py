@@ -23,6 +23,7 @@ rows that have none.
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import logging
@@ -52,7 +53,7 @@ def _warn_once(msg: str, *args: Any) -> None:
         log.warning(text)
 
 SPLITS = ("train", "val", "validation")  # "validation" is an alias of "val"
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # `datasets` value types that hold JSON values as written.
 _JSON_VALUE_TYPES = ("string", "large_string", "int64", "bool", "null")
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -95,9 +96,9 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
 
 
 def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
-    """Raw rows of a .jsonl/.json/.parquet file, the label errors use to name it, and the number
-    errors give each row: its line in a JSON-lines file (whose blank lines are no rows), else
-    its 1-based position.
+    """Raw rows of a .jsonl/.json/.parquet/.csv file, the label errors use to name it, and the number
+    errors give each row: its line in a JSON-lines or CSV file (whose blank lines are no rows),
+    else its 1-based position.
 
     A JSON file whose top level is an object holding a `data` list (SQuAD) is read from that
     list (rows under another key are refused); SQuAD's official nested layout
@@ -108,6 +109,8 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     suffix = path.suffix.lower()
     if suffix not in _FILE_SUFFIXES:
         raise InputError(f"{path}: unsupported data file type {suffix!r}; use one of {', '.join(_FILE_SUFFIXES)}")
+    if suffix == ".csv":
+        return _read_csv(path)
     kwargs: dict[str, Any] = {}
     if suffix == ".json" and _top_level_is_object_with_data(path):
         kwargs["field"] = "data"
@@ -148,6 +151,29 @@ def read_file(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     elif builder == "json" and "field" not in kwargs:
         lines = _json_line_numbers(path)
         numbers = lines if len(lines) == len(rows) else numbers
+    return rows, str(path), numbers
+
+
+def _read_csv(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
+    """Rows of a CSV file with a header line, each cell as written (a string; an empty one None), and
+    the line each row starts on. Not through `datasets`, whose pandas reader types the columns: an
+    answer "025" came back as 25."""
+    rows, numbers = [], []
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a spreadsheet's byte-order mark
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []  # reads the header line
+            start = reader.line_num + 1
+            for raw in reader:
+                if None in raw:  # more cells than the header has columns
+                    raise DataFormatError(f"{path} line {start}: {len(header) + len(raw[None])} cells, but the header "
+                                          f"names {len(header)} columns ({', '.join(header)})")
+                if any(v for v in raw.values()):  # a line of empty cells is no row
+                    rows.append({k: (v if v != "" else None) for k, v in raw.items()})
+                    numbers.append(start)
+                start = reader.line_num + 1
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DataFormatError(f"{path}: cannot read the file as CSV: {e}") from None
     return rows, str(path), numbers
 
 
@@ -527,7 +553,8 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if not folder.exists():  # a hub name: fails at once offline (or loads from the cache), not after retries
         offline_if_hub_unreachable()
     try:
-        if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        saved = (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+        if saved:
             # What `save_to_disk` writes (a DatasetDict, or one Dataset), which load_dataset refuses.
             splits = datasets.load_from_disk(str(folder))
         else:
@@ -547,9 +574,14 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     def split_rows(name: str) -> list[dict[str, Any]]:
         # A folder of JSON files: its values as written, as read_file keeps them ("025" came back
         # as 25.0, 26 as 26.0 from the features datasets inferred).
-        if folder.is_dir() and _changes_values(splits[name].features):
+        # A folder of CSV files: its cells as written too (pandas typed them: "025" came back as 25).
+        features = splits[name].features
+        typed = any(not (isinstance(f, datasets.Value) and f.dtype in ("string", "large_string"))
+                    for f in features.values())
+        if folder.is_dir() and not saved and typed:
             files = datasets.load_dataset_builder(str(folder), **cfg.dataset_kwargs).config.data_files.get(name, [])
-            if files and all(Path(f).suffix.lower() in (".json", ".jsonl") for f in files):
+            kinds = {Path(f).suffix.lower() for f in files}
+            if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and _changes_values(features))):
                 return [row for f in files for row in read_file(Path(f))[0]]
         return splits[name].to_list()
 

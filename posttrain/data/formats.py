@@ -227,11 +227,13 @@ def _labelled(out: dict[str, Any], label: Any, loc: str) -> dict[str, Any]:
 
 def _as_label(value: Any) -> bool | None:
     """A KTO label as a bool: true/false, or 1/0 as CSV and parquet exports write them (refused
-    before as "got label 1"); None for anything else."""
+    before as "got label 1"), also as text (a CSV file's cells); None for anything else."""
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):  # a CSV cell
+        return value.strip().lower() in ("true", "1")
     return None
 
 
@@ -295,7 +297,7 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
     if not isinstance(m, dict):
         raise DataFormatError(f"{loc}: {what} must be a message object, got {type(m).__name__}: {m!r:.80}")
     if "role" in m and m["role"] is not None:
-        role, content = m["role"], m.get("content")
+        role, content, field = m["role"], m.get("content"), "content"
     elif "from" in m and m["from"] is not None:
         speaker = m["from"]
         if speaker not in _SHAREGPT_ROLES:
@@ -303,6 +305,7 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
                 f"{loc}: {what} has unknown speaker `from: {speaker!r}`; valid: {', '.join(_SHAREGPT_ROLES)}"
             )
         role, content = _SHAREGPT_ROLES[speaker], m.get("value")
+        field = "value"
         if speaker == "function_call":  # LLaMA-Factory: the call(s) as JSON text; templates want them structured
             calls = _written_calls(content, loc, what)
             return _with_reasoning({"role": "assistant", "content": "", "tool_calls": calls}, m, loc, what)
@@ -310,17 +313,17 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
         raise DataFormatError(f"{loc}: {what} needs `role`/`content` or `from`/`value`, got keys {sorted(m)}")
     if role not in _ROLES:
         raise DataFormatError(f"{loc}: {what} has unknown role {role!r}; valid: {', '.join(_ROLES)}")
-    content = _content_text(content, loc, f"{what}.content")
+    content = _content_text(content, loc, f"{what}.{field}")
     calls = _tool_calls(m.get("tool_calls"), loc, f"{what}.tool_calls") if role == "assistant" else None
     if content is None and calls:
         content = ""  # OpenAI's tool-calling turn: `content: null`, the calls in `tool_calls`
     if role == "assistant" and not calls and isinstance(content, str) and not content.strip():
         # As an empty alpaca `output` or DPO `chosen` is: trained, it teaches the model to answer
         # with nothing but its end of turn (ShareGPT dumps hold blank turns where a reply failed).
-        raise DataFormatError(f"{loc}: `{what}.content` is empty: an assistant turn without text or tool calls "
+        raise DataFormatError(f"{loc}: `{what}.{field}` is empty: an assistant turn without text or tool calls "
                               "would train the model to answer with nothing")
     # A tool-calling assistant turn may be empty (OpenAI's `content: null`); others may not.
-    out = {"role": role, "content": _text(content, loc, f"{what}.content", allow_empty=bool(calls))}
+    out = {"role": role, "content": _text(content, loc, f"{what}.{field}", allow_empty=bool(calls))}
     if calls:
         out["tool_calls"] = calls
     if role == "tool":  # which call the result answers and the tool's name, for templates that show them
@@ -402,7 +405,17 @@ def _written_calls(value: Any, loc: str, what: str) -> list[dict[str, Any]]:
 def _messages(value: Any, loc: str, what: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise DataFormatError(f"{loc}: `{what}` must be a non-empty list of messages, got {value!r:.80}")
-    return _link_tool_results([_message(m, loc, f"{what}[{i}]") for i, m in enumerate(value)])
+    return _link_tool_results([_message(m, loc, f"{what}[{i}]") for i, m in enumerate(value)
+                               if not _empty_system(m)])
+
+
+def _empty_system(m: Any) -> bool:
+    """A system message without text (`"content": ""`), as OpenAI and ShareGPT exports write where
+    no system prompt was set: none, as chat templates take it (it failed the whole file)."""
+    if not isinstance(m, dict):
+        return False
+    role, content = (m.get("role"), m.get("content")) if m.get("role") is not None else (m.get("from"), m.get("value"))
+    return role == "system" and (content is None or (isinstance(content, str) and not content.strip()))
 
 
 def _link_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

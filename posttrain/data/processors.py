@@ -66,16 +66,18 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise model_load_error(key, cfg.name, path, "a tokenizer", e) from None
+    where = "policy.tokenizer" if key.startswith("policy.") else key.rsplit(".", 1)[0]
     if cfg.chat_template is not None:
         if tok.chat_template not in (None, cfg.chat_template) and path not in _TEMPLATE_REPLACED:
             # An export's own template (an SFT run's) replaced without a word: the model learned one
             # layout and the run trains (and exports) another.
             _TEMPLATE_REPLACED.add(path)
-            where = "policy.tokenizer" if key.startswith("policy.") else key.rsplit(".", 1)[0]
             log.warning("%s.chat_template replaces the chat template of %s, which differs: the run trains, "
                         "samples and exports with the config's", where, cfg.name)
         tok.chat_template = cfg.chat_template
     require_chat_template(tok)
+    check_template_renders_content(tok, f"{where}.chat_template" if cfg.chat_template is not None
+                                   else f"{key}={cfg.name!r}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -120,6 +122,47 @@ def require_chat_template(tokenizer) -> None:
             "policy.tokenizer.chat_template (e.g. \"{% for m in messages %}{{ m['content'] }}{% endfor %}\" "
             "for plain text)"
         )
+
+
+# Message texts no template writes by itself, to find in a render.
+_PROBE_TEXTS = {"system": "posttrain-probe-system-4d1e", "user": "posttrain-probe-user-9b2c",
+                "assistant": "posttrain-probe-assistant-7a3f"}
+
+
+def _probe_render(tokenizer, roles: tuple[str, ...]) -> str | None:
+    """The template's text of one message of each of `roles` (their `_PROBE_TEXTS`), None when the
+    template refuses that conversation (some raise on a system message: the rows' own renders say)."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template([{"role": r, "content": _PROBE_TEXTS[r]} for r in roles], tokenize=False)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError):
+        return None
+
+
+def check_template_renders_content(tokenizer, key: str) -> None:
+    """Refuse a chat template that leaves out what a user or an assistant says (a template of
+    constant text: every prompt the same, the model trained on nothing of the data)."""
+    text = _probe_render(tokenizer, ("user", "assistant"))
+    missing = [r for r in ("user", "assistant") if text is not None and _PROBE_TEXTS[r] not in text]
+    if missing:
+        raise InputError(f"{key}: the chat template does not write the {' or '.join(missing)} message's content "
+                         f"(a user message then an assistant message render as {text[:120]!r}); every conversation "
+                         "would train and generate as that text")
+
+
+def note_dropped_system(tokenizer, rows: list[dict[str, Any]]) -> None:
+    """Warn when rows start with a system message (theirs or data.system_prompt_file's) that the
+    chat template leaves out: the model would never see it, silently."""
+    with_system = sum(1 for r in rows
+                      if (r.get("prompt_messages") or r.get("messages") or [{}])[0].get("role") == "system")
+    if not with_system:
+        return
+    text = _probe_render(tokenizer, ("system", "user"))
+    if text is not None and _PROBE_TEXTS["system"] not in text:
+        log.warning("%d of %d rows start with a system message (their own or data.system_prompt_file's), which the "
+                    "chat template does not write: the model never sees it; set policy.tokenizer.chat_template to "
+                    "one that renders it unless that is meant", with_system, len(rows))
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None) -> str:
@@ -629,7 +672,7 @@ def process_preference_rows(
     out = []
     for n, row in enumerate(rows, start=1):
         if "prompt_messages" not in row:
-            raise InputError(f"{cfg.source()} gives rows with keys {sorted(row)}; DPO/RM "
+            raise InputError(f"{row_name(row, f'row {n}')}: {cfg.source()} gives rows with keys {sorted(row)}; DPO/RM "
                              "train on preference pairs (`chosen`/`rejected`, with their context): name such a "
                              "file or hub set (e.g. examples/configs/dpo.yaml's)")
         prompt = row["prompt_messages"]

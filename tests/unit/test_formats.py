@@ -681,7 +681,7 @@ def test_unknown_dataset_and_undetectable_format(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         load_rows(_cfg(str(tmp_path / "missing.jsonl")), "train")
     # A folder is there: it was reported as "file not found".
-    with pytest.raises(InputError, match=rf"data.train_data_path: {tmp_path} is a folder, not a .jsonl/.json/.parquet "
+    with pytest.raises(InputError, match=rf"data.train_data_path: {tmp_path} is a folder, not a .jsonl/.json/.parquet/.csv "
                                          r"file: .*as data.dataset_name"):
         load_rows(_cfg("local", train_data_path=str(tmp_path)), "train")
     path = _write_jsonl(tmp_path / "odd.jsonl", [{"foo": 1}, {"foo": 2}])
@@ -841,7 +841,7 @@ def test_assistant_turn_without_text_or_tool_calls_is_malformed():
                                               "without text or tool calls"):
         normalize_row(blank, "messages", "f row 1")
     gpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]}
-    with pytest.raises(DataFormatError, match=r"`conversations\[1\]\.content` is empty"):
+    with pytest.raises(DataFormatError, match=r"`conversations\[1\]\.value` is empty"):
         normalize_row(gpt, "sharegpt", "f row 1")
     pair = {"prompt": "q", "chosen": [{"role": "assistant", "content": ""}], "rejected": "b"}
     with pytest.raises(DataFormatError, match=r"`chosen\[0\]\.content` is empty"):
@@ -868,3 +868,53 @@ def test_whole_conversation_pairs_beside_their_prompt_are_split_at_the_shared_st
     with pytest.raises(DataFormatError, match=r"^f row 1: `chosen` and `rejected` are whole conversations whose shared "
                                               "start does not end with `prompt`"):
         normalize_row({**row, "prompt": "What is 3+3?"}, "preference", "f row 1")
+
+
+def test_csv_file_and_folder_keep_cells_as_written_and_name_lines(tmp_path):
+    # A .csv file was refused ("unsupported data file type") while a folder of them loaded, and
+    # the folder's cells came back typed by pandas: the answer "045" as 45.
+    text = 'prompt,completion\n07+38=,045\n"Say ""hi"", then stop",hi\n,\n3+4=,007\n'
+    (tmp_path / "pc.csv").write_text(text)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "train.csv").write_text("prompt,completion\n1+1=,02\n2+2=,04\n3+3=,06\n")
+    rows = load_rows(DataConfig(dataset_name=str(tmp_path / "pc.csv"), val_split_fraction=0.3), "train")
+    rows += load_rows(DataConfig(dataset_name=str(tmp_path / "pc.csv"), val_split_fraction=0.3), "val")
+    answers = sorted(r["messages"][1]["content"] for r in rows)
+    assert answers == ["007", "045", "hi"]  # the line of empty cells is no row
+    assert 'Say "hi", then stop' in [r["messages"][0]["content"] for r in rows]
+    folder = [r["messages"][1]["content"] for split in ("train", "val")
+              for r in load_rows(DataConfig(dataset_name=str(tmp_path / "folder")), split)]
+    assert sorted(folder) == ["02", "04", "06"]
+    (tmp_path / "bad.csv").write_text("prompt,completion\n1+1=,2\n2+2=,4,extra\n")
+    with pytest.raises(DataFormatError, match=r"bad.csv line 3: 3 cells, but the header names 2 columns "
+                                              r"\(prompt, completion\)"):
+        load_rows(DataConfig(dataset_name=str(tmp_path / "bad.csv")), "train")
+    (tmp_path / "noanswer.csv").write_text("prompt,completion\n1+1=,2\n2+2=,\n")
+    with pytest.raises(DataFormatError, match=r"noanswer.csv row 3: prompt_completion row is missing `completion`"):
+        load_rows(DataConfig(dataset_name=str(tmp_path / "noanswer.csv")), "train")
+
+
+def test_kto_labels_written_as_text_in_a_csv_file(tmp_path):
+    from posttrain.data.formats import labelled_rows
+
+    (tmp_path / "kto.csv").write_text("prompt,completion,label\nhi,hello,true\nhi,go away,0\nhey,hey there,1\n"
+                                      "yo,what,False\n")
+    with labelled_rows():
+        rows = [r for split in ("train", "val")
+                for r in load_rows(DataConfig(dataset_name=str(tmp_path / "kto.csv")), split)]
+    assert sorted((r["messages"][-1]["content"], r["label"]) for r in rows) == [
+        ("go away", False), ("hello", True), ("hey there", True), ("what", False)]
+
+
+def test_an_empty_system_message_is_none_and_sharegpt_errors_name_value():
+    # OpenAI and ShareGPT exports write `"content": ""` where no system prompt was set: it failed the file.
+    row = normalize_row({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "hello"}]}, "messages", "f.jsonl line 1")
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    row = normalize_row({"conversations": [{"from": "system", "value": "  "}, {"from": "human", "value": "hi"},
+                                           {"from": "gpt", "value": "hello"}]}, "sharegpt", "f.jsonl line 2")
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+    with pytest.raises(DataFormatError, match=r"`conversations\[1\].value` is empty"):
+        normalize_row({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]}, "sharegpt", "line 3")
+    with pytest.raises(DataFormatError, match=r"`messages\[0\].content` is empty"):  # a user turn is still needed
+        normalize_row({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}, "messages", "l4")

@@ -1,6 +1,7 @@
 """Each logger backend writes something its own reader reads back; the timer; the plots."""
 
 import json
+import logging
 import math
 import struct
 import time
@@ -435,6 +436,20 @@ def test_data_counts_are_one_sentence_on_the_console_and_metrics_elsewhere(tmp_p
     assert out.strip() == "data train: 9 of 10 rows kept (1 truncated, 1 dropped as too long, 0 without a loss token)"
     (rec,) = read_metrics(tmp_path / "metrics.jsonl")
     assert rec["prefix"] == "data/train" and (rec["rows"], rec["kept"], rec["no_loss"]) == (10, 9, 0)
+
+
+def test_most_rows_dropped_as_too_long_is_a_warning(tmp_path, caplog):
+    # 264 of 285 DPO pairs dropped went by in the info line alone; TRL truncates instead.
+    from posttrain.algorithms.offline import log_data_stats
+
+    logger = Logger(_cfg(), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        log_data_stats(logger, {"train": {"rows": 10, "kept": 5, "truncated": 0, "dropped": 5, "no_loss": 0}})
+        assert caplog.text == ""  # half is not most
+        log_data_stats(logger, {"train": {"rows": 285, "kept": 21, "truncated": 0, "dropped": 264, "no_loss": 0}})
+    logger.close()
+    assert "data train: 264 of 285 rows (93%) are longer than the context and dropped" in caplog.text
+    assert "policy.max_total_sequence_length" in caplog.text and "data.truncation=truncate" in caplog.text
 
 
 

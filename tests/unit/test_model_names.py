@@ -228,7 +228,8 @@ def test_a_tokenizer_or_stop_id_past_the_models_vocabulary_is_named(stories260k)
     from posttrain.schemas import PolicyConfig
 
     # stories260K's 512 tokens against the embedded model's 104 rows: an IndexError at the first step.
-    policy = PolicyConfig(model_name="embedded:tiny", tokenizer={"name": stories260k, "chat_template": "{{ 'x' }}"})
+    policy = PolicyConfig(model_name="embedded:tiny", tokenizer={
+        "name": stories260k, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
     with pytest.raises(InputError, match=r"policy.tokenizer.name: the tokenizer has 512 tokens, more than the 104 rows"):
         load_policy_tokenizer(policy)
     policy = PolicyConfig(model_name="embedded:tiny", generation={"stop_token_ids": [7, 104]})

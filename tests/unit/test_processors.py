@@ -830,3 +830,54 @@ def test_rows_with_tools_for_a_template_that_never_reads_them_are_warned_about(c
     with caplog.at_level(logging.WARNING, logger="posttrain.data.processors"):
         _note_if_tools_unread("{% if tools %}{{ tools | tojson }}{% endif %}")
     assert len([r for r in caplog.records if "does not render" in r.getMessage()]) == 1  # no new one
+
+
+def test_chat_template_file_is_read_and_a_template_without_content_is_refused(tiny_model_path, tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from posttrain.data import processors
+
+    monkeypatch.setattr(processors, "_TEMPLATE_REPLACED", {tiny_model_path})  # its warning is another test's
+    # A path was taken as the template itself: every prompt rendered as the path, and the run went on.
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    t = load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=str(tmp_path / "t.jinja")))
+    assert t.apply_chat_template(CONVO[1:3], tokenize=False) == "<user>1+1?<assistant>2"
+    with pytest.raises(ValidationError, match=r"'.*missing.jinja' is neither a Jinja template .* nor a file "
+                                              r"\(no such file\)"):
+        TokenizerConfig(chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "notes.txt").write_text("my template\n")
+    with pytest.raises(ValidationError, match=r"the file '.*notes.txt' holds no Jinja template"):
+        TokenizerConfig(chat_template=str(tmp_path / "notes.txt"))
+    # Jinja that writes no message's content: every conversation the same text.
+    with pytest.raises(InputError, match=r"policy.tokenizer.chat_template: the chat template does not write the user "
+                                         r"or assistant message's content .*'Q: A: '"):
+        load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template="Q: {{ '' }}A: "))
+    with pytest.raises(InputError, match=r"does not write the assistant message's content"):
+        load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=(
+            "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}")))
+
+
+def test_system_messages_a_template_leaves_out_are_said(tiny_model_path, caplog):
+    from posttrain.data.processors import note_dropped_system
+
+    tok = load_tokenizer(TokenizerConfig(name=tiny_model_path))  # its own: the template changes below
+    rows = [{"messages": [{"role": "system", "content": "Be terse."}, *CONVO[1:3]]}, {"messages": CONVO[1:3]}]
+    with caplog.at_level(logging.WARNING):
+        note_dropped_system(tok, rows)  # the embedded template writes system messages
+        assert caplog.text == ""
+        tok.chat_template = "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+        note_dropped_system(tok, rows[1:])  # no row has one
+        assert caplog.text == ""
+        note_dropped_system(tok, rows)
+    assert "1 of 2 rows start with a system message" in caplog.text and "does not write" in caplog.text
+
+
+def test_a_model_folder_without_its_tokenizer_says_so(tiny_model_path, tmp_path):
+    import shutil
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model_path) / f, tmp_path / f)
+    # transformers' message stopped at "Couldn't instantiate the backend tokenizer from one of:".
+    with pytest.raises(InputError, match=r"it holds config.json, model.safetensors but no tokenizer files .*a model "
+                                         r"saved without its tokenizer; set policy.tokenizer.name to the folder"):
+        load_tokenizer(TokenizerConfig(name=str(tmp_path)), key="policy.model_name")
