@@ -875,7 +875,8 @@ class DPOLossConfig(Section):
 # --------------------------------------------------------------------------- data and env
 
 
-DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math", "code"]
+DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "squad", "preference", "math",
+                     "code"]
 
 
 class DataMixtureEntry(Section):

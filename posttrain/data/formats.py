@@ -30,6 +30,11 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         `function_call` turn's JSON call(s) become the assistant's `tool_calls`)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
     prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
+    prompt              {"prompt": str | msgs, <other columns>} (TRL's prompt-only GRPO data) -> an
+                        RL/eval row of the environment its `task_name` (or data.task_name) names,
+                        with its `answer` when given and every other column in its `metadata`
+                        (TRL reward functions get them as keywords, and strings for a string
+                        prompt, as TRL gives its standard format)
     squad               {"context", "question", "answers": {"text": [...]}}      (a flattened
                         SQuAD entry; the official nested file is flattened by the loader)
     math                {"question" | "problem", "answer", "solution"?} -> an RL/eval row
@@ -69,7 +74,7 @@ from typing import Any, Iterator
 
 from posttrain.config import InputError
 
-FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "squad", "preference", "math", "code")
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "squad", "preference", "math", "code")
 
 # ShareGPT speaker names -> roles (LLaMA-Factory's tool-call data uses function_call/observation).
 _SHAREGPT_ROLES = {
@@ -94,6 +99,9 @@ _ROLES = ("system", "user", "assistant", "tool")
 # it, Ollama). Canonical rows carry it as REASONING_KEY, the name most templates read;
 # `render_chat` hands it to a template under the name that template reads.
 REASONING_KEY = "reasoning_content"
+# Metadata of a prompt-only row whose prompt was a string (TRL's standard format): its TRL reward
+# functions get prompts and completions as strings. Underscored: no reward function's keyword.
+TEXT_PROMPT_KEY = "_text_prompt"
 REASONING_FIELDS = (REASONING_KEY, "reasoning", "thinking")
 
 
@@ -154,10 +162,13 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
         return "math"
     if "test_list" in keys or {"prompt", "test", "entry_point"} <= keys:
         return "code"
+    if "prompt" in keys:
+        return "prompt"
     raise DataFormatError(
         f"{loc}: cannot tell the format from the keys {sorted(keys)}; expected one of: messages "
         "(`messages`), sharegpt (`conversations`), alpaca (`instruction`/`output`), prompt_completion "
-        "(`prompt`/`completion`), squad (`context`/`question`/`answers`), preference (`chosen`/"
+        "(`prompt`/`completion`), prompt (`prompt` alone: TRL's GRPO data), squad (`context`/`question`/`answers`), "
+        "preference (`chosen`/"
         "`rejected`), math (`question`|`problem`/`answer`), code (`test_list`, or `prompt`/`test`/"
         "`entry_point`); or set data.format, and rename the file's columns to those keys with "
         "data.column_map={<column>: <key>, ...}"
@@ -189,7 +200,7 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         raise ValueError(f"unknown data format {fmt!r}; valid: {', '.join(FORMATS)}")
     if not isinstance(row, dict):
         raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
-    if task_name is not None and fmt == "messages":
+    if task_name is not None and fmt in ("messages", "prompt"):
         row = {**row, "task_name": task_name}
     out = _NORMALIZERS[fmt](row, loc)
     if task_name is not None and "messages" in out and "task_name" not in out:
@@ -579,6 +590,42 @@ def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
     return {"messages": messages}
 
 
+# An RL row's own keys, which a prompt-only row's other columns are not.
+_RL_ROW_KEYS = ("prompt", "task_name", "answer", "metadata", "demonstration", "stop_strings", "tools")
+
+
+def _from_prompt(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    """TRL's prompt-only GRPO data: an RL/eval row of the prompt (a string is one user message),
+    its `answer` when given, and every other column in its metadata, whence TRL reward functions
+    get them as keywords (`solution`, test cases). A string prompt is TRL's standard format:
+    such functions get the prompt and completion as strings (`TEXT_PROMPT_KEY`), as TRL gives them."""
+    prompt = _require(row, "prompt", loc, "prompt")
+    text = isinstance(prompt, str)
+    messages = _with_system([{"role": "user", "content": _text(prompt, loc, "prompt")}] if text
+                            else _messages(prompt, loc, "prompt"), row, loc)
+    if row.get("task_name") is None:
+        raise DataFormatError(f"{loc}: a prompt-only row (`prompt` without `completion`: TRL's GRPO data) is scored "
+                              "by an environment: set data.task_name=<environment> (e.g. your reward functions' "
+                              "env.<name>.target), or give the rows a task_name")
+    if messages[-1]["role"] == "assistant":
+        raise DataFormatError(f"{loc}: the `prompt` ends with an assistant message, which the model would see before "
+                              "answering; for SFT on prompt and answer use `prompt`/`completion`")
+    metadata = {k: v for k, v in row.items() if k not in _RL_ROW_KEYS and k != "system" and v is not None}
+    metadata.update(row.get("metadata") or {})
+    if text:
+        metadata[TEXT_PROMPT_KEY] = True
+    out = {"messages": messages, "task_name": row["task_name"], "metadata": metadata}
+    answer = row.get("answer")
+    if answer is not None:
+        out["answer"] = _text(str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool)
+                              else answer, loc, "answer")
+    if row.get("demonstration") is not None:
+        out["demonstration"] = row["demonstration"]
+    if row.get("stop_strings") is not None:
+        out["stop_strings"] = _stop_strings(row["stop_strings"], loc)
+    return _with_tools(out, row, loc)
+
+
 def _from_squad(row: dict[str, Any], loc: str) -> dict[str, Any]:
     """Context as the system message, the question as the user turn, the first answer as the
     assistant turn (NeMo RL's SQuAD SFT layout; its chat template renders `Context: ...
@@ -698,6 +745,7 @@ _NORMALIZERS = {
     "sharegpt": _from_sharegpt,
     "alpaca": _from_alpaca,
     "prompt_completion": _from_prompt_completion,
+    "prompt": _from_prompt,
     "squad": _from_squad,
     "preference": _from_preference,
     "math": _from_math,

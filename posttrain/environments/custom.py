@@ -47,6 +47,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from posttrain.config import ConfigError, MissingInputError
+from posttrain.data.formats import TEXT_PROMPT_KEY
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_METRICS_KEY,
@@ -314,11 +315,13 @@ def check_trl_columns(name: str, fns: dict[str, Callable], rows: list[dict[str, 
 
 def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]]],
                 metadata: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each sample's value of each TRL reward function, called as TRL's GRPOTrainer calls it for
-    conversational data, and what the functions logged for each sample.
+    """Each sample's value of each TRL reward function, called as TRL's GRPOTrainer calls it, and
+    what the functions logged for each sample.
 
     Keywords: `prompts` (each sample's messages before its first answer), `completions` (its
-    messages from there on: assistant turns, and tool or environment turns between them),
+    messages from there on: assistant turns, and tool or environment turns between them; both as
+    text, the prompt's last message and the completion's, for a prompt-only row whose prompt was
+    a string: TRL's standard format),
     `completion_ids` (its tokens after the prompt), `trainer_state` (`global_step`: GRPO steps
     done, `max_steps`), `log_metric(name, value)` (logged as env/<name>), `log_extra(column,
     values)` (one value per sample, shown in samples.jsonl), and every metadata key of the
@@ -339,8 +342,11 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
             raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {len(message_logs)} completions")
         extras[column] = values
 
-    batch = {"prompts": [log[:i] for log, i in zip(message_logs, starts)],
-             "completions": [log[i:] for log, i in zip(message_logs, starts)],
+    # TRL's standard format (a prompt-only row's string prompt) gives strings: the prompt's text and
+    # the completion's; conversational data gives the messages.
+    text = [bool(m.get(TEXT_PROMPT_KEY)) for m in metadata]
+    batch = {"prompts": [_text_of(log[i - 1:i]) if t else log[:i] for log, i, t in zip(message_logs, starts, text)],
+             "completions": [_text_of(log[i:]) if t else log[i:] for log, i, t in zip(message_logs, starts, text)],
              "completion_ids": [r.get("completion_ids") for r in rollout],
              "trainer_state": SimpleNamespace(global_step=(rollout[0].get("global_step") if rollout else None) or 0,
                                               max_steps=rollout[0].get("max_steps") if rollout else None),
@@ -375,6 +381,10 @@ def _trl_values(fns: dict[str, Callable], message_logs: list[list[dict[str, str]
         for sample, value in zip(logged, values):
             sample.setdefault(LOG_EXTRA_KEY, {})[column] = value
     return out, logged
+
+
+def _text_of(messages: list[dict[str, Any]]) -> str:
+    return "".join(str(m.get("content") or "") for m in messages)
 
 
 def _keywords_taken(fn: Callable, names: tuple[str, ...]) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from posttrain.config import ConfigError, MissingInputError
+from posttrain.config import ConfigError, InputError, MissingInputError
 from posttrain.environments import create_env, resolve_env
 from posttrain.schemas import EnvWorkerConfig
 
@@ -817,3 +817,42 @@ def test_a_trl_reward_function_needing_a_column_the_rows_lack_fails_at_setup(tmp
     env = resolve_env("u", cfg.get_worker_cfg("u"))(cfg.get_worker_cfg("u"))
     ret = env.step([convo("2")], [{"answer": "2", "level": 1}])  # every keyword given: no TypeError
     assert ret.rewards == [1.0] and ret.num_errors == 0
+
+
+def test_trl_prompt_only_rows_run_with_their_columns_and_text_for_string_prompts(tmp_path):
+    from posttrain.data.datasets import load_rows
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import DataConfig, EnvConfig
+
+    # TRL's GRPO data, {"prompt", "solution"}, was refused ("cannot tell the format"), and renamed to
+    # `messages` it lost `solution`, which TRL's accuracy reward takes as a keyword.
+    data = tmp_path / "trl.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": [{"role": "user", "content": "1+1="}], "solution": "2", "level": 1},
+        {"prompt": "2+2=", "solution": "4", "level": 2},
+        {"prompt": "3+3=", "solution": "6", "level": None}]) + "\n")
+    (tmp_path / "trl_rewards.py").write_text(
+        "def accuracy(completions, solution, **kwargs):\n"
+        "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]\n"
+        "    return [float(t.strip() == s) for t, s in zip(texts, solution)]\n"
+        "def kinds(prompts, completions, **kwargs):\n"
+        "    return [float(isinstance(p, str)) + 2 * float(isinstance(c, str)) for p, c in zip(prompts, completions)]\n")
+    cfg = DataConfig(dataset_name=str(data), task_name="acc", val_split_fraction=0.01)
+    rows = load_rows(cfg, "train") + load_rows(cfg, "val")
+    rows.sort(key=lambda r: r["metadata"]["solution"])
+    assert [r["messages"] for r in rows] == [[{"role": "user", "content": f"{n}+{n}="}] for n in (1, 2, 3)]
+    assert [r["metadata"] for r in rows] == [{"solution": "2", "level": 1},
+                                             {"solution": "4", "level": 2, "_text_prompt": True},
+                                             {"solution": "6", "_text_prompt": True}]
+    assert {r["task_name"] for r in rows} == {"acc"} and "answer" not in rows[0]
+    env_cfg = EnvConfig.model_validate({"acc": {"target": [f"{tmp_path}/trl_rewards.py:accuracy",
+                                                           f"{tmp_path}/trl_rewards.py:kinds"]}})
+    assert resolve_task_envs(rows, env_cfg) == ["acc"]  # `solution` is a column of the rows
+    env = resolve_env("acc", env_cfg.get_worker_cfg("acc"))(env_cfg.get_worker_cfg("acc"))
+    logs = [r["messages"] + [{"role": "assistant", "content": answer}] for r, answer in zip(rows, ["2", " 4", "5"])]
+    ret = env.step(logs, [r["metadata"] for r in rows])
+    assert ret.num_errors == 0
+    # accuracy 1, 1, 0; kinds: messages for the conversational row (0), strings for the others (3)
+    assert ret.rewards == [1.0, 4.0, 3.0]
+    with pytest.raises(InputError, match=r"trl.jsonl row 1: a prompt-only row .* set data.task_name=<environment>"):
+        load_rows(DataConfig(dataset_name=str(data)), "train")
