@@ -49,7 +49,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
     preference          {"chosen", "rejected"} with the shared context in `conversations`
                         (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
                         (chosen/rejected are full conversations sharing a prefix, which may
-                        end with a given `prompt`, as in UltraFeedback binarized). Each
+                        end with a given `prompt`, as in UltraFeedback binarized; or texts, TRL's
+                        standard implicit prompt, whose shared words are the prompt). Each
                         response may be a string, one message, or a list of messages; a
                         string that is an Anthropic HH-RLHF transcript ("\n\nHuman: ...
                         \n\nAssistant: ...") is read as the conversation it writes.
@@ -653,7 +654,9 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     chosen = _response(row["chosen"], loc, "chosen")
     rejected = _response(row["rejected"], loc, "rejected")
     context_key = next((k for k in ("conversations", "prompt", "messages", "context") if row.get(k)), None)
-    if context_key is None:
+    if context_key is None and len(chosen) == len(rejected) == 1 and isinstance(row["chosen"], str):
+        prompt, chosen, rejected = _split_shared_text(chosen[0]["content"], rejected[0]["content"], loc)
+    elif context_key is None:
         prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)
     else:
         if isinstance(row[context_key], str):
@@ -678,6 +681,23 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
         # Its loss has no gradient, yet it counts in the batch's pairs and as a miss in the reward accuracy.
         raise DataFormatError(f"{loc}: `chosen` and `rejected` are the same response, so the pair prefers nothing")
     return _with_tools({"prompt_messages": prompt, "chosen": chosen, "rejected": rejected}, row, loc)
+
+
+def _split_shared_text(chosen: str, rejected: str, loc: str) -> tuple[list, list, list]:
+    """TRL's standard implicit-prompt pair ({"chosen": "The sky is blue.", "rejected": "The sky is
+    green."}): the text both start with, up to its last whitespace (a word they share in part,
+    "gre" of "green" and "grey", stays in the responses), is the prompt, a user message; the
+    rests are the responses, which keep their leading space."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    cut = max(chosen.rfind(c, 0, n + 1) for c in " \n\t")  # the responses start at a whitespace
+    if cut <= 0 or not chosen[:cut].strip():
+        raise DataFormatError(
+            f"{loc}: preference row has no shared context: `chosen` and `rejected` are texts that do not start with "
+            "the same words; give the prompt in `prompt` (or `conversations`)")
+    prompt = [{"role": "user", "content": chosen[:cut]}]
+    return prompt, [{"role": "assistant", "content": chosen[cut:]}], [{"role": "assistant", "content": rejected[cut:]}]
 
 
 def _split_shared_prefix(chosen: list[dict], rejected: list[dict], loc: str) -> tuple[list, list, list]:

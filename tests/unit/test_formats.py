@@ -918,3 +918,18 @@ def test_an_empty_system_message_is_none_and_sharegpt_errors_name_value():
         normalize_row({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]}, "sharegpt", "line 3")
     with pytest.raises(DataFormatError, match=r"`messages\[0\].content` is empty"):  # a user turn is still needed
         normalize_row({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}, "messages", "l4")
+
+
+def test_trl_standard_implicit_prompt_pairs_split_at_their_last_shared_word():
+    # {"chosen": "The sky is blue.", "rejected": "The sky is green."} failed with "no shared context".
+    def split(chosen, rejected):
+        out = normalize_row({"chosen": chosen, "rejected": rejected}, "preference", "f row 1")
+        return out["prompt_messages"], out["chosen"][0]["content"], out["rejected"][0]["content"]
+
+    assert split("The sky is blue.", "The sky is green.") == ([{"role": "user", "content": "The sky is"}],
+                                                             " blue.", " green.")
+    assert split("The sky is green", "The sky is grey")[1:] == (" green", " grey")  # not "en" and "y"
+    assert split("Hello world", "Hello world!")[1:] == (" world", " world!")
+    with pytest.raises(DataFormatError, match=r"f row 1: preference row has no shared context: `chosen` and "
+                                              r"`rejected` are texts that do not start with the same words"):
+        split("Paris is big", "Rome is big")
