@@ -876,7 +876,7 @@ class DPOLossConfig(Section):
 
 
 DataFormat = Literal["messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "squad", "preference", "math",
-                     "code"]
+                     "code", "text"]
 
 
 class DataMixtureEntry(Section):

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from posttrain.config import InputError, MissingInputError
-from posttrain.data.formats import DataFormatError, SourcedRow, detect_format, normalize_row, where, with_fields
+from posttrain.data.formats import (DataFormatError, SourcedRow, detect_format, normalize_row, row_name, where,
+                                    with_fields)
 from posttrain.embedded import cache_root, offline_if_hub_unreachable
 from posttrain.schemas import DataConfig
 
@@ -778,6 +779,10 @@ def apply_prompts(rows: list[dict[str, Any]], cfg: DataConfig) -> list[dict[str,
     out = []
     for row in rows:
         row = with_fields(row)
+        if "text" in row:  # plain text: no messages to wrap, trained as written
+            given = "data.prompt_file" if template is not None else "data.system_prompt_file"
+            raise InputError(f"{given}: {row_name(row, 'a row')} is plain text (`text`), which has no user message "
+                             "or system prompt: it trains as written, without a chat template; unset it")
         key = "prompt_messages" if "prompt_messages" in row else "messages"
         msgs = [dict(m) for m in row[key]]
         if template is not None:

@@ -1,7 +1,8 @@
 """Dataset row formats, normalised into the two canonical rows every algorithm consumes.
 
 Canonical rows:
-    SFT:        {"messages": [{"role": ..., "content": ...}, ...]}            (+ "tools" if given)
+    SFT:        {"messages": [{"role": ..., "content": ...}, ...]}            (+ "tools" if given),
+                or {"text": ...}: plain text, trained whole without a chat template
     preference: {"prompt_messages": [...], "chosen": [...msgs], "rejected": [...msgs]}
 
 `chosen` / `rejected` are the continuations after the shared context (usually one assistant
@@ -41,6 +42,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         {"messages": [user], "answer", "task_name": "math"}; a GSM8K answer
                         ("... #### 18") keeps only its final number; the worked solution (the
                         GSM8K answer as written, else MATH's `solution`) is the `demonstration`
+    text                {"text"}: plain text for SFT (TRL's language-modeling format), every token
+                        trained, BOS and EOS per data.add_bos / data.add_eos
     code                {"text" | "prompt", "test_list", "test_setup_code"? | "test_imports"?} (MBPP,
                         full or sanitized) or {"prompt", "test", "entry_point"} (HumanEval) -> an
                         RL/eval row {"messages": [user], "task_name": "code", "metadata": {"tests",
@@ -75,7 +78,8 @@ from typing import Any, Iterator
 
 from posttrain.config import InputError
 
-FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "squad", "preference", "math", "code")
+FORMATS = ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt", "squad", "preference", "math", "code",
+           "text")
 
 # ShareGPT speaker names -> roles (LLaMA-Factory's tool-call data uses function_call/observation).
 _SHAREGPT_ROLES = {
@@ -165,13 +169,15 @@ def detect_format(row: dict[str, Any], loc: str = "row") -> str:
         return "code"
     if "prompt" in keys:
         return "prompt"
+    if "text" in keys:
+        return "text"
     raise DataFormatError(
         f"{loc}: cannot tell the format from the keys {sorted(keys)}; expected one of: messages "
         "(`messages`), sharegpt (`conversations`), alpaca (`instruction`/`output`), prompt_completion "
         "(`prompt`/`completion`), prompt (`prompt` alone: TRL's GRPO data), squad (`context`/`question`/`answers`), "
         "preference (`chosen`/"
         "`rejected`), math (`question`|`problem`/`answer`), code (`test_list`, or `prompt`/`test`/"
-        "`entry_point`); or set data.format, and rename the file's columns to those keys with "
+        "`entry_point`), text (`text`: plain text to train on whole); or set data.format, and rename the file's columns to those keys with "
         "data.column_map={<column>: <key>, ...}"
     )
 
@@ -591,6 +597,12 @@ def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
     return {"messages": messages}
 
 
+def _from_text(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    """Plain text (TRL SFTTrainer's language-modeling data, `dataset_text_field="text"`): trained
+    whole, without a chat template."""
+    return {"text": _text(_require(row, "text", loc, "text"), loc, "text")}
+
+
 # An RL row's own keys, which a prompt-only row's other columns are not.
 _RL_ROW_KEYS = ("prompt", "task_name", "answer", "metadata", "demonstration", "stop_strings", "tools")
 
@@ -770,4 +782,5 @@ _NORMALIZERS = {
     "preference": _from_preference,
     "math": _from_math,
     "code": _from_code,
+    "text": _from_text,
 }

@@ -637,20 +637,23 @@ def process_sft_rows(
     stats = {"rows": len(rows), "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
     out = []
     for n, row in enumerate(rows, start=1):
-        if "messages" not in row:
-            raise InputError(f"SFT needs rows with `messages`, got keys {sorted(row)} (a preference dataset?)")
-        messages, name = row["messages"], row_name(row, f"row {n}")
-        if row.get("task_name") is not None:
-            # An RL/eval row (a math or code file, the embedded arithmetic task) is a prompt: SFT
-            # trains on its reference answer after it, as GRPO's warm-up does.
-            demo = demonstration_messages(row)
-            if demo is None:
-                raise InputError(f"{name}: an RL/eval prompt (task_name {row['task_name']!r}) without an `answer` "
-                                 "or `demonstration`, so SFT has no response to train on")
-            messages = messages + demo
-        with naming_row(name, messages):
-            examples = tokenize_conversation(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
-                                             tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
+        if "text" in row:
+            examples = [_plain_text_example(row["text"], tokenizer, cfg)]
+        elif "messages" not in row:
+            raise InputError(f"SFT needs rows with `messages` or `text`, got keys {sorted(row)} (a preference dataset?)")
+        else:
+            messages, name = row["messages"], row_name(row, f"row {n}")
+            if row.get("task_name") is not None:
+                # An RL/eval row (a math or code file, the embedded arithmetic task) is a prompt: SFT
+                # trains on its reference answer after it, as GRPO's warm-up does.
+                demo = demonstration_messages(row)
+                if demo is None:
+                    raise InputError(f"{name}: an RL/eval prompt (task_name {row['task_name']!r}) without an "
+                                     "`answer` or `demonstration`, so SFT has no response to train on")
+                messages = messages + demo
+            with naming_row(name, messages):
+                examples = tokenize_conversation(messages, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
+                                                 tools=row.get("tools"), add_generation_prompt=cfg.add_generation_prompt)
         kept, status = _fit_row(examples, max_len, cfg.truncation)
         if status != "ok":
             stats[status] += 1
@@ -660,6 +663,15 @@ def process_sft_rows(
         stats["examples"] = len(out)
     _check_left(stats["kept"], stats, max_len, cfg, "rows")
     return out, stats
+
+
+def _plain_text_example(text: str, tokenizer, cfg: DataConfig) -> Example:
+    """A plain-text row as one example, every token trained (the BOS that data.add_bos puts in
+    front is context, the EOS of data.add_eos is trained: where a text ends)."""
+    body = encode_text(tokenizer, text)
+    front = with_bos(body, tokenizer) if cfg.add_bos else body
+    end = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
+    return {"input_ids": front + end, "loss_mask": [0] * (len(front) - len(body)) + [1] * (len(body) + len(end))}
 
 
 def process_preference_rows(

@@ -881,3 +881,25 @@ def test_a_model_folder_without_its_tokenizer_says_so(tiny_model_path, tmp_path)
     with pytest.raises(InputError, match=r"it holds config.json, model.safetensors but no tokenizer files .*a model "
                                          r"saved without its tokenizer; set policy.tokenizer.name to the folder"):
         load_tokenizer(TokenizerConfig(name=str(tmp_path)), key="policy.model_name")
+
+
+def test_plain_text_rows_train_every_token_without_a_chat_template(tok, tmp_path):
+    # TRL SFTTrainer's language-modeling data ({"text": ...}) was refused: no format took plain text.
+    data = tmp_path / "lm.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(["12+3=15", "7+7=14"] * 10)))
+    cfg = DataConfig(dataset_name=str(data))
+    rows = load_rows(cfg, "train")
+    assert rows[0] == {"text": rows[0]["text"]} and rows[0]["text"] in ("12+3=15", "7+7=14")
+    examples, stats = process_sft_rows(rows, tok, cfg, max_len=64)
+    assert stats == {"rows": len(rows), "kept": len(rows), "truncated": 0, "dropped": 0, "no_loss": 0}
+    ex = examples[0]
+    body = tok.encode(rows[0]["text"], add_special_tokens=False)
+    assert ex["input_ids"] == [tok.bos_token_id, *body, tok.eos_token_id]
+    assert ex["loss_mask"] == [0] + [1] * (len(body) + 1)  # the BOS is context; the text and its end train
+    bare, _ = process_sft_rows(rows[:1], tok, DataConfig(dataset_name=str(data), add_bos=False, add_eos=False), 64)
+    assert bare[0] == {"input_ids": body, "loss_mask": [1] * len(body)}
+    cut, stats = process_sft_rows(rows, tok, DataConfig(dataset_name=str(data), truncation="truncate"), max_len=4)
+    assert stats["truncated"] == len(rows) and all(len(e["input_ids"]) == 4 for e in cut)
+    (tmp_path / "sys.txt").write_text("Be brief.")
+    with pytest.raises(InputError, match=r"data.system_prompt_file: .*lm.jsonl row \d+ is plain text"):
+        load_rows(DataConfig(dataset_name=str(data), system_prompt_file=str(tmp_path / "sys.txt")), "train")
