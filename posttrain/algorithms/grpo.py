@@ -15,6 +15,7 @@ steps trained (`_RolloutPipeline`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from array import array
 from collections import deque
@@ -66,6 +67,8 @@ from posttrain.rollouts import (PROMPT_IDS_KEY, Conversation, RolloutResult, che
                                 run_rollouts, summarize_rollouts)
 from posttrain.runtime import freeze_setup_objects
 from posttrain.schemas import GRPOMasterConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -203,6 +206,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
     val_rows, val_dropped = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
+    log.info("first training prompt as the model reads it: %r", tokenizer.decode(train_rows[0][PROMPT_IDS_KEY]))
     if g.max_rollout_turns > 1:  # a tool's result is shown only in a later turn
         check_tool_turns(tokenizer, train_rows + val_rows, cfg.data.add_bos,
                          add_generation_prompt=cfg.data.add_generation_prompt)

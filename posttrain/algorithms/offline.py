@@ -32,7 +32,7 @@ from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
 from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.loader import RowLoader
-from posttrain.data.processors import load_policy_tokenizer, note_dropped_system
+from posttrain.data.processors import load_policy_tokenizer, note_dropped_system, shown_example
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.logging import Logger, Timer
 from posttrain.losses.utils import valid_counts
@@ -318,6 +318,9 @@ def offline_data(cfg: Any, algorithm: str, process_rows: Callable, collate_fn: C
         except InputError as e:
             raise InputError(f"{split} split: {e}") from e
     note_dropped_system(tokenizer, rows_of["train"] + rows_of["val"])
+    first = examples["train"][0]  # a pair for DPO and RM: chosen, then rejected
+    log.info("first training example as the model reads it (loss on the text in «»): %s",
+             " / ".join(shown_example(tokenizer, e) for e in (first if isinstance(first, tuple) else (first,))))
     if (note := shared_rows_note(rows_of["train"], rows_of["val"])) is not None:
         log.warning("%s", note)
     # Only the batches validation runs on: a row past them must not fail the packing check.

@@ -674,6 +674,20 @@ def _plain_text_example(text: str, tokenizer, cfg: DataConfig) -> Example:
     return {"input_ids": front + end, "loss_mask": [0] * (len(front) - len(body)) + [1] * (len(body) + len(end))}
 
 
+def shown_example(tokenizer, example: Example, limit: int = 400) -> str:
+    """An example's text as the model reads it, the tokens with loss between «»: what training
+    on a dataset means, at a glance (a chat template or format read otherwise shows here)."""
+    ids, mask = example["input_ids"], example.get("loss_mask") or [0] * len(example["input_ids"])
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            text = tokenizer.decode(ids[start:i])
+            parts.append(f"«{text}»" if mask[start] else text)
+            start = i
+    text = "".join(parts)
+    return repr(text if len(text) <= limit else text[:limit] + f"... ({len(ids)} tokens)")
+
+
 def process_preference_rows(
     rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, max_len: int
 ) -> tuple[list[tuple[Example, Example]], dict[str, int]]:

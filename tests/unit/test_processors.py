@@ -903,3 +903,13 @@ def test_plain_text_rows_train_every_token_without_a_chat_template(tok, tmp_path
     (tmp_path / "sys.txt").write_text("Be brief.")
     with pytest.raises(InputError, match=r"data.system_prompt_file: .*lm.jsonl row \d+ is plain text"):
         load_rows(DataConfig(dataset_name=str(data), system_prompt_file=str(tmp_path / "sys.txt")), "train")
+
+
+def test_shown_example_marks_the_tokens_with_loss(tok):
+    from posttrain.data.processors import shown_example
+
+    ex = tokenize_messages(CONVO[1:3], tok)
+    assert shown_example(tok, ex) == repr("<s><|user|>1+1?<|end|><|assistant|>«2<|end|>»")
+    long = shown_example(tok, {"input_ids": ex["input_ids"] * 40, "loss_mask": [0] * (len(ex["input_ids"]) * 40)},
+                         limit=20)
+    assert long == repr("<s><|user|>1+1?<|end|>" [:20] + f"... ({len(ex['input_ids']) * 40} tokens)")
