@@ -18,7 +18,8 @@ checkpoints or the new one, never a half-written `step_N`; the temporary directo
 dead processes (or of a killed run whose pid this process has again) are removed on the next start.
 
 Pruning keeps the `keep_top_k` best by `metric_name` (`higher_is_better`), or the newest
-when no metric is named, and always the latest one (so at most k+1 remain).
+when no metric is named, and always the latest one (so at most k+1 remain); checkpoints ranked by
+another metric (`metric_name` changed at a resume) are never pruned.
 """
 
 from __future__ import annotations
@@ -472,6 +473,7 @@ class CheckpointManager:
         self._last_check: float | None = None  # when stop_reason last ran: once a step, before its save
         self._longest_step_s = 0.0  # the longest time between two of them (a step, its validation and save)
         self._metric_kinds_seen: set[str] = set()  # check_metric_name
+        self._ranked_otherwise_noted = False  # _prune's warning, once
 
     def _check_writable(self) -> None:
         """The first save comes `save_period` steps into the run: a checkpoint_dir it could not
@@ -927,11 +929,29 @@ class CheckpointManager:
         if k is None:
             return
         ckpts = {int(_STEP_RE.match(p.name).group(1)): p for p in self.checkpoints()}
-        ranked = self._rank([(s, self._metric_of(p)) for s, p in ckpts.items()])
-        keep = {s for s, _ in ranked[:k]} | {int(_STEP_RE.match(latest.name).group(1))}
+        # Checkpoints ranked by another metric (metric_name changed at a resume) are not pruned: ranked
+        # as unmeasured by this one, the earlier run's best went at the next save, without a word.
+        other = {s: name for s, p in ckpts.items() if (name := self._ranked_by_other_metric(p)) is not None}
+        ranked = self._rank([(s, self._metric_of(p)) for s, p in ckpts.items() if s not in other])
+        keep = {s for s, _ in ranked[:k]} | {int(_STEP_RE.match(latest.name).group(1))} | set(other)
         for step, path in ckpts.items():
             if step not in keep:
                 self._remove(path)
+        if other and not self._ranked_otherwise_noted:
+            self._ranked_otherwise_noted = True
+            log.warning("checkpoints %s were ranked by %s, not checkpointing.metric_name=%r: kept, outside "
+                        "keep_top_k's pruning (delete them yourself when done with them)",
+                        ", ".join(ckpts[s].name for s in sorted(other)), " / ".join(sorted(set(other.values()))),
+                        self.cfg.metric_name)
+
+    def _ranked_by_other_metric(self, path: Path) -> str | None:
+        """The metric another run configuration ranked the checkpoint by, or None."""
+        try:
+            info = self.load_info(path)
+        except (OSError, json.JSONDecodeError):
+            return None
+        name = info.get("metric_name")
+        return name if name and name != self.cfg.metric_name and info.get("metric_value") is not None else None
 
     def _remove(self, path: Path) -> None:
         # Rename first so that a crash during rmtree leaves no complete-looking step_N.
@@ -951,7 +971,12 @@ class CheckpointManager:
             elif stale or re.search(r"\.deleting-\d+$", p.name):
                 shutil.rmtree(p, ignore_errors=True)
             elif _STEP_RE.match(p.name) and p.is_dir() and not (p / COMPLETE_MARKER).is_file():
-                os.replace(p, p.with_name(f"{p.name}.incomplete-{int(time.time())}"))
+                aside = p.with_name(f"{p.name}.incomplete-{int(time.time())}")
+                os.replace(p, aside)
+                # Said: the run resumes from an earlier step, and the folder (a whole checkpoint's size)
+                # is never pruned.
+                log.warning("checkpoint %s has no %s marker (a copy or save that did not finish): moved aside to %s, "
+                            "not resumed from; delete it when you do not need it", p, COMPLETE_MARKER, aside.name)
 
     def _stale_save(self, tmp: Path, pid: int) -> bool:
         """Whether the temporary directory `tmp` of process `pid` is what a killed save left.

@@ -268,7 +268,8 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # checkpoint.StopAtOnce names its signal (also when Ray re-raised it as a plain KeyboardInterrupt)
         name = getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT"
         kept = ("samples.jsonl keeps the samples of the batches that finished; no results.json was written"
-                if command == "eval" else "nothing was saved now, checkpoints saved before stay")
+                if command == "eval" else "nothing was saved now; checkpoints saved before, if any, stay (the same command "
+                "resumes from the latest, or starts over without one)")
         print(f"posttrain {command}: interrupted ({name}); stopped at once: {kept}", file=sys.stderr)
         sys.exit(128 + signal.Signals[name].value)
     except Exception:  # noqa: BLE001

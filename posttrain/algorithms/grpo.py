@@ -371,6 +371,12 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
             s.policy.prepare_for_generation(force=True)
         else:
             s.generation.update_weights(s.policy.full_state_dict_ref(), version=s.generation.version)
+    if convs and all(c.env_errors for c in convs):
+        # Every sample scored 0 by the failure, not by the model: a reward of 0 read as a collapse
+        # in the curves, and ranked this step's checkpoint as measured.
+        log.warning("validation at step %d: the environment failed on every one of its %d samples: no reward or "
+                    "accuracy is recorded for it (env_errors says how many)", step, len(convs))
+        return {"env_errors": float(sum(c.env_errors for c in convs))}
     # In float64, as accuracy (a ratio of counts): a float32 mean of 180 of 200 is 0.8999999762,
     # which misses a 0.9 threshold.
     metrics = {"reward": float(torch.cat(rewards).double().mean()),

@@ -60,6 +60,11 @@ class _Backend(Protocol):
     def close(self, failed: bool) -> None: ...
 
 
+# How warnings name a backend.
+_BACKEND_NAMES = {"JsonlBackend": "metrics.jsonl", "TensorboardBackend": "TensorBoard", "WandbBackend": "W&B",
+                  "MlflowBackend": "MLflow", "ConsoleBackend": "the console"}
+
+
 def _scalar(value: Any) -> float | None:
     """A float for Python/NumPy/torch scalars and one-element arrays; None for anything else."""
     if isinstance(value, (bool, int, float)):
@@ -183,6 +188,7 @@ class Logger:
         earlier_runs = _read_tracker_runs(tracker_runs_path) if resumed_from is not None else {}
         self._console = None
         self._backends: list[_Backend] = []
+        self._unwritable: set[Path] = set()  # log_samples' files a write failed on
         if cfg.console_enabled:
             from posttrain.logging.console import ConsoleBackend
 
@@ -274,13 +280,28 @@ class Logger:
                 ", ".join(f"{k}={scalars[k]}" for k in bad),
                 ", ".join(f"{k} x{n}" for k, n in self.nonfinite_counts.items()),
             )
-        for backend in self._backends:
+        for backend in list(self._backends):
             if console or backend is not self._console:
-                backend.log_metrics(scalars, step, prefix)
+                try:
+                    backend.log_metrics(scalars, step, prefix)
+                except OSError as e:
+                    self._drop_backend(backend, e)
         self._records.append({"step": step, "prefix": prefix, **scalars})
         for check in self.metric_checks:
             check(scalars, prefix)
         return scalars
+
+    def _drop_backend(self, backend: _Backend, error: OSError) -> None:
+        """Stop logging to `backend`, whose file could not be written (a full disk under
+        logger.log_dir), with a warning: the run goes on, and its checkpoints hold the model (it
+        crashed, losing the steps since its last checkpoint, for its logs). Its other backends
+        and the in-memory records (the plots) keep every step."""
+        self._backends.remove(backend)
+        with contextlib.suppress(Exception):
+            backend.close(True)
+        what = _BACKEND_NAMES.get(type(backend).__name__, type(backend).__name__)
+        _log.warning("logging to %s stopped: %s; training goes on and its other logs keep every step (free the "
+                     "space and resume from a checkpoint to log it again)", what, error)
 
     @contextlib.contextmanager
     def timed_save(self, step: int) -> Iterator[None]:
@@ -302,9 +323,15 @@ class Logger:
         if not rows:
             return
         path = self.run_dir / f"{name}.jsonl"
-        with naming_file(path), open(path, "a") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        if path in self._unwritable:
+            return
+        try:
+            with naming_file(path), open(path, "a") as f:
+                for row in rows:
+                    f.write(json.dumps({"step": step, **row}, default=str) + "\n")
+        except OSError as e:  # as for a backend's file (`_drop_backend`): the samples stop, the run goes on
+            self._unwritable.add(path)
+            _log.warning("writing %s stopped: %s; training goes on", path.name, e)
 
     def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
         """Print up to `logger.num_val_samples_to_print` rows as a table (console backend only)."""

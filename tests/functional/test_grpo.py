@@ -257,6 +257,25 @@ def test_only_a_steps_own_validation_ranks_its_checkpoint(ray_session, tmp_path)
     assert info[0]["metric_value"] == pytest.approx(val["accuracy"]) and info[1]["metric_value"] is None
 
 
+def test_a_validation_whose_environment_failed_on_every_sample_records_no_reward(ray_session, tmp_path, caplog):
+    # Every validation prompt lacks the answer the environment scores against: it logged reward 0 (a
+    # false collapse in the curves) and ranked the checkpoint by it.
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}], "task_name": "arithmetic", "answer": str(i + 1)}
+            for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps({**r, "answer": None}) for r in rows[:4]))
+    with caplog.at_level("WARNING"):
+        run(load_config("grpo", QUICKSTART, tiny_overrides(
+            tmp_path, "grpo.max_num_steps=1", "grpo.warmup_sft_steps=0", "grpo.val_at_start=false",
+            "data.dataset_name=local", f"data.train_data_path={tmp_path / 'train.jsonl'}",
+            f"data.val_data_path={tmp_path / 'val.jsonl'}", "checkpointing.metric_name=val:reward")))
+    (val,) = records(tmp_path / "logs", "val")
+    assert val["env_errors"] == 4 and "reward" not in val and "accuracy" not in val
+    assert "validation at step 1: the environment failed on every one of its 4 samples" in caplog.text
+    info = json.loads((tmp_path / "ckpt" / "step_1" / "training_info.json").read_text())
+    assert info["metric_value"] is None  # unmeasured, not a measured 0
+
+
 @pytest.mark.parametrize("val_at_end", [False, True])
 def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_session, tmp_path, val_at_end):
     # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before

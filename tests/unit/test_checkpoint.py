@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import re
@@ -81,17 +82,23 @@ def test_top_k_lower_is_better_and_no_metric(tmp_path):
     assert _steps(mgr) == [3, 4]
 
 
-def test_top_k_ignores_the_values_of_a_metric_named_before_a_resume(tmp_path):
+def test_top_k_ignores_the_values_of_a_metric_named_before_a_resume(tmp_path, caplog):
     first = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=2)
     _save(first, 1, 2.0)
     _save(first, 2, 1.0)
     # Resumed ranking by accuracy: the old losses are no accuracies (2.0 would beat every one).
     mgr = _mgr(tmp_path, metric_name="val:accuracy", higher_is_better=True, keep_top_k=2)
-    _save(mgr, 3, 0.5)
-    _save(mgr, 4, 0.6)
-    assert _steps(mgr) == [3, 4]
+    with caplog.at_level(logging.WARNING):
+        for step, acc in [(3, 0.5), (4, 0.6), (5, 0.4)]:
+            _save(mgr, step, acc)
+    # Nor are they pruned as unmeasured: the earlier run's best (step 2) went at the next save.
+    assert _steps(mgr) == [1, 2, 3, 4, 5]
+    assert caplog.text.count("checkpoints step_1, step_2 were ranked by val:loss, not "
+                             "checkpointing.metric_name='val:accuracy': kept, outside keep_top_k's pruning") == 1
+    _save(mgr, 6, 0.7)
+    assert _steps(mgr) == [1, 2, 4, 6]
     info = mgr.load_info(mgr.latest())
-    assert (info["best_step"], info["best_metric_value"]) == (4, 0.6)
+    assert (info["best_step"], info["best_metric_value"]) == (6, 0.7)
 
 
 def test_resume_latest_and_rng(tmp_path):
@@ -210,7 +217,7 @@ def test_disabled_never_resumes(tmp_path):
     assert _mgr(tmp_path, save_period=5).should_save(7, last=True)
 
 
-def test_exception_between_begin_and_finish(tmp_path):
+def test_exception_between_begin_and_finish(tmp_path, caplog):
     mgr = _mgr(tmp_path)
     _save(mgr, 1)
 
@@ -226,8 +233,10 @@ def test_exception_between_begin_and_finish(tmp_path):
     assert mgr.latest().name == "step_1"
     # An incomplete step_N (no marker, e.g. copied by hand) is ignored and moved aside, not deleted.
     (tmp_path / "ckpt" / "step_3").mkdir()
-    assert mgr.latest().name == "step_1"
-    assert list((tmp_path / "ckpt").glob("step_3.incomplete-*"))
+    with caplog.at_level(logging.WARNING):
+        assert mgr.latest().name == "step_1"
+    (aside,) = (tmp_path / "ckpt").glob("step_3.incomplete-*")
+    assert f"has no COMPLETE marker (a copy or save that did not finish): moved aside to {aside.name}" in caplog.text
     mgr.abort_save(tmp)
     assert not tmp.exists()
 
@@ -807,7 +816,8 @@ def test_a_made_up_validation_ranks_by_the_metric_the_resumed_run_names(tmp_path
     mgr = _mgr(tmp_path, metric_name="val:accuracy", higher_is_better=True, keep_top_k=1)
     mgr.record_validation(tmp_path / "ckpt" / "step_4", {"val:accuracy": 0.9, "val:loss": 1.0})
     mgr.save(6, _Policy(), {}, "a: 1\n", {"val:accuracy": 0.5})
-    assert _steps(mgr) == [4, 6] and mgr.load_info(tmp_path / "ckpt" / "step_6")["best_step"] == 4
+    # (step 2, ranked by val:loss, stays outside the pruning)
+    assert _steps(mgr) == [2, 4, 6] and mgr.load_info(tmp_path / "ckpt" / "step_6")["best_step"] == 4
     # Back on val:loss, step 4's accuracy is no loss.
     assert _mgr(tmp_path, metric_name="val:loss")._metric_of(tmp_path / "ckpt" / "step_4") is None
 

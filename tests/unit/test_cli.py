@@ -154,7 +154,8 @@ def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_wi
     assert _rm_exit_status(monkeypatch, run) == code
     name = "SIGINT" if code == 130 else "SIGTERM"
     assert capsys.readouterr().err == (f"posttrain rm: interrupted ({name}); stopped at once: nothing was saved "
-                                       "now, checkpoints saved before stay\n")
+                                       "now; checkpoints saved before, if any, stay (the same command resumes from "
+                                       "the latest, or starts over without one)\n")
 
 
 def test_an_interrupted_eval_says_what_it_kept(monkeypatch, capsys):
