@@ -926,7 +926,8 @@ class DataConfig(Section):
     # Format of local files: auto-detected when null.
     format: DataFormat | None = None
     # Rename the data's columns before the format is told, {its name: posttrain's}, e.g.
-    # {"query": "question", "solution": "answer"} (a TRL-style GRPO set) or {"output": "completion"}.
+    # {"query": "question", "solution": "answer"} or {"output": "completion"}; a file that has an
+    # entry's new name and not its old one (a validation file named otherwise) is read as it is.
     column_map: dict[str, str] = Field(default_factory=dict)
     # Tokens at most when below policy.max_total_sequence_length: SFT/DPO/RM per row, GRPO per prompt
     # (longer ones follow data.truncation: dropped and counted, or an error); null: no cap of its own.

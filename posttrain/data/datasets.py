@@ -356,12 +356,16 @@ def normalize_rows(
 
 def _rename_columns(raw: list[Any], mapping: dict[str, str], source: str) -> list[Any]:
     """`raw` with its columns renamed by `data.column_map` ({the data's name: posttrain's}). A name
-    no row has (a typo), or a new name the data already uses for a column it keeps, is an error:
-    either would leave the rows as they were, or lose a column, without a word."""
+    no row has (a typo; unless the rows have its new name), or a new name the data already uses
+    for a column it keeps, is an error: either would leave the rows as they were, or lose a column,
+    without a word."""
     if not mapping:
         return raw
     # `datasets` gives every row every column, None where a row has none: count only values.
     present = {k for r in raw if isinstance(r, dict) for k, v in r.items() if v is not None}
+    # A file that has the new name and not the old one already uses posttrain's (a validation
+    # file beside a training file of other names): that entry is not for it.
+    mapping = {old: new for old, new in mapping.items() if old in present or new not in present}
     absent = [old for old in mapping if old not in present]
     if absent:
         raise InputError(f"{source}: data.column_map renames {', '.join(map(repr, absent))}, which no row has "

@@ -130,6 +130,10 @@ def test_column_map_renames_the_datas_columns_before_the_format_is_told(tmp_path
     with pytest.raises(InputError, match=r"renames 'query' -> 'source', a column the data already has"):
         load_rows(_cfg(path, column_map={"query": "source"}), "train")
     assert load_rows(_cfg(path, column_map={"query": "question", "solution": "answer", "source": "origin"}), "val")
+    # A file with the new names already (a validation file beside the training file) is read as it is.
+    named = _write_jsonl(tmp_path / "named.jsonl", [{"question": "2+2=", "answer": "4"}] * 3)
+    val = load_rows(_cfg(path, column_map={"query": "question", "solution": "answer"}, val_data_path=str(named)), "val")
+    assert val[0]["messages"] == [{"role": "user", "content": "2+2="}] and val[0]["answer"] == "4"
     with pytest.raises(ValidationError, match=r"renames several columns to 'answer'"):
         _cfg(path, column_map={"query": "answer", "solution": "answer"})
     with pytest.raises(InputError, match=r"data.column_map: data.dataset_name='arithmetic' is made from its settings"):
