@@ -141,14 +141,20 @@ def _probe_render(tokenizer, roles: tuple[str, ...]) -> str | None:
 
 
 def check_template_renders_content(tokenizer, key: str) -> None:
-    """Refuse a chat template that leaves out what a user or an assistant says (a template of
-    constant text: every prompt the same, the model trained on nothing of the data)."""
+    """Refuse a chat template that leaves out what a user says (a template of constant text, a
+    file's path taken as one: every prompt the same); warn when it leaves out the assistant's (a
+    prompt-only template serves single-turn GRPO, but SFT, DPO and multi-turn rollouts would train
+    on nothing of the answers)."""
     text = _probe_render(tokenizer, ("user", "assistant"))
-    missing = [r for r in ("user", "assistant") if text is not None and _PROBE_TEXTS[r] not in text]
-    if missing:
-        raise InputError(f"{key}: the chat template does not write the {' or '.join(missing)} message's content "
-                         f"(a user message then an assistant message render as {text[:120]!r}); every conversation "
-                         "would train and generate as that text")
+    if text is None:
+        return
+    shown = f"(a user message then an assistant message render as {text[:120]!r})"
+    if _PROBE_TEXTS["user"] not in text:
+        raise InputError(f"{key}: the chat template does not write the user message's content {shown}; every "
+                         "prompt would read as the same text")
+    if _PROBE_TEXTS["assistant"] not in text:
+        log.warning("%s: the chat template does not write an assistant message's content %s: SFT, DPO, RM and KTO "
+                    "train on nothing of the answers, and multi-turn rollouts show none of the earlier ones", key, shown)
 
 
 def note_dropped_system(tokenizer, rows: list[dict[str, Any]]) -> None:
