@@ -173,7 +173,7 @@ class TokenizerConfig(Section):
     # field (`reasoning_content`, `reasoning`, `thinking`) is trained where the template renders
     # that field (Qwen3's in a last turn and after the last user message; Llama's and the embedded
     # models' never). A value without Jinja ({{ or {%) is the path of a file holding the template
-    # (e.g. template.jinja), read at config load.
+    # (e.g. template.jinja), read at config load. Plain-text SFT rows (`text`) need no template.
     chat_template: str | None = None
     _chat_template_text = field_validator("chat_template")(chat_template_text)
 

@@ -75,7 +75,6 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
             log.warning("%s.chat_template replaces the chat template of %s, which differs: the run trains, "
                         "samples and exports with the config's", where, cfg.name)
         tok.chat_template = cfg.chat_template
-    require_chat_template(tok)
     check_template_renders_content(tok, f"{where}.chat_template" if cfg.chat_template is not None
                                    else f"{key}={cfg.name!r}")
     if tok.pad_token_id is None:
@@ -114,8 +113,9 @@ def check_token_ids_fit(tokenizer, policy, key: str) -> None:
 
 
 def require_chat_template(tokenizer) -> None:
-    """Every prompt and conversation is rendered by the chat template: fail at load, naming the
-    key to set, rather than at the first row (a base model's tokenizer often has none)."""
+    """Every prompt and conversation is rendered by the chat template (`render_chat`): fail at the
+    first, naming the key to set (a base model's tokenizer often has none); plain-text rows need
+    none."""
     if not getattr(tokenizer, "chat_template", None):
         raise InputError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
@@ -181,6 +181,7 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
     An assistant message's reasoning field (`REASONING_KEY`) reaches the template under the name
     it reads (`_template_reasoning_key`).
     """
+    require_chat_template(tokenizer)
     key = _template_reasoning_key(tokenizer.chat_template)
     if key != REASONING_KEY and any(REASONING_KEY in m for m in messages):
         messages = [{**{k: v for k, v in m.items() if k != REASONING_KEY}, key: m[REASONING_KEY]}

@@ -33,7 +33,7 @@ class RewardModelEnvironment(EnvironmentInterface):
     config_class = RewardModelEnvConfig
 
     def __init__(self, cfg: EnvWorkerConfig):
-        from posttrain.data.processors import load_tokenizer
+        from posttrain.data.processors import load_tokenizer, require_chat_template
         from posttrain.embedded import resolve_model_path
         from posttrain.policy.hf_io import load_pretrained
 
@@ -41,6 +41,7 @@ class RewardModelEnvironment(EnvironmentInterface):
         path = resolve_model_path(self.cfg.model_name)
         self.tokenizer = load_tokenizer(TokenizerConfig(name=path, chat_template=self.cfg.chat_template),
                                         key="env.reward_model.cfg.model_name")
+        require_chat_template(self.tokenizer)  # it renders every conversation: fail as the actor starts
         # A causal LM's folder (no trained score head) fails here: a random head would score noise.
         self.model = load_pretrained("sequence_classification", path, "env.reward_model.cfg.model_name",
                                      self.cfg.model_name, num_labels=1, dtype=torch.float32)

@@ -240,6 +240,9 @@ def test_no_chat_template_is_a_clear_error(gpt2):
     bare = gpt2.__class__(tokenizer_object=gpt2.backend_tokenizer, eos_token="<|endoftext|>")
     with pytest.raises(ValueError, match="no chat template: set policy.tokenizer.chat_template"):
         tokenize_messages(CONVO, bare)
+    # Plain text needs none (a base model's tokenizer, as TRL trains it on language-modeling data).
+    (ex,), _ = process_sft_rows([{"text": "hello world"}], bare, DataConfig(add_bos=False), max_len=16)
+    assert ex == {"input_ids": [31373, 995, 50256], "loss_mask": [1, 1, 1]}
 
 
 def test_truncation_drop_and_truncate_counts(tok):
