@@ -102,6 +102,10 @@ def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
                 raise InputError(f"eval: {name!r} holds preference pairs (`chosen`/`rejected`; first: {where}), "
                                  "which DPO and RM train on; evaluation needs prompts with reference answers "
                                  "(e.g. gsm8k, math500) or a data.task_name whose environment scores them")
+            if "text" in row:
+                raise InputError(f"eval: {name!r} holds plain text (`text`; first: {where}), which SFT trains on as "
+                                 "written; evaluation needs prompts with reference answers (e.g. gsm8k, math500) or a "
+                                 "data.task_name whose environment scores them")
             raise InputError(f"eval: {where} has keys {sorted(row)}; evaluation needs prompt `messages` (set "
                              "data.format, e.g. data.format=math)")
     return rows

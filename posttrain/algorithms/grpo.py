@@ -50,7 +50,7 @@ from posttrain.data.datasets import load_rows, shared_rows_note
 from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import (collate, load_policy_tokenizer, naming_row, note_dropped_system,
-                                       process_sft_rows)
+                                       process_sft_rows, shortened)
 from posttrain.distributed.cluster import Bundles, RayVirtualCluster, reserve
 from posttrain.distributed.worker_group import WorkerError
 from posttrain.environments import EnvironmentFailure, create_env, resolve_task_envs, with_tool_schemas
@@ -206,7 +206,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")
     val_rows, val_dropped = _fit_prompts(with_tool_schemas(val_rows, cfg.env), tokenizer, cfg, "validation")
-    log.info("first training prompt as the model reads it: %r", tokenizer.decode(train_rows[0][PROMPT_IDS_KEY]))
+    first = train_rows[0][PROMPT_IDS_KEY]
+    log.info("first training prompt as the model reads it: %s", shortened(tokenizer.decode(first), 400, len(first)))
     if g.max_rollout_turns > 1:  # a tool's result is shown only in a later turn
         check_tool_turns(tokenizer, train_rows + val_rows, cfg.data.add_bos,
                          add_generation_prompt=cfg.data.add_generation_prompt)

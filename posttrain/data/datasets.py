@@ -162,19 +162,27 @@ def _read_csv(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     rows, numbers = [], []
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a spreadsheet's byte-order mark
-            reader = csv.DictReader(f)
+            reader = csv.DictReader(f, strict=True)  # strict: an unclosed quote is an error, not the rest of the file
             header = reader.fieldnames or []  # reads the header line
+            if len(set(header)) < len(header):  # DictReader keeps the last of two same-named columns
+                dup = sorted({h for h in header if header.count(h) > 1})
+                raise DataFormatError(f"{path} line 1: the header names {', '.join(map(repr, dup))} twice")
             start = reader.line_num + 1
             for raw in reader:
-                if None in raw:  # more cells than the header has columns
-                    raise DataFormatError(f"{path} line {start}: {len(header) + len(raw[None])} cells, but the header "
-                                          f"names {len(header)} columns ({', '.join(header)})")
-                if any(v for v in raw.values()):  # a line of empty cells is no row
+                if None in raw:  # more cells than the header has columns: malformed (skipped under skip)
+                    rows.append(_UnreadableLine(f"{len(header) + len(raw[None])} cells, but the header names "
+                                                f"{len(header)} columns ({', '.join(header)})"))
+                    numbers.append(start)
+                elif any(v for v in raw.values()):  # a line of empty cells is no row
                     rows.append({k: (v if v != "" else None) for k, v in raw.items()})
                     numbers.append(start)
                 start = reader.line_num + 1
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise DataFormatError(f"{path}: cannot read the file as CSV: {e}") from None
+    except csv.Error as e:
+        raise DataFormatError(f"{path} line {reader.line_num}: cannot read the file as CSV: {e}") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataFormatError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
+                              "UTF-8") from None
     return rows, str(path), numbers
 
 
@@ -583,7 +591,9 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         features = splits[name].features
         typed = any(not (isinstance(f, datasets.Value) and f.dtype in ("string", "large_string"))
                     for f in features.values())
-        if folder.is_dir() and not saved and typed:
+        # CSV cells are typed per file before the files are joined (a later file's "02108" as 2108 in a
+        # column the first made text; "NA" as missing): a folder holding any is read as written.
+        if folder.is_dir() and not saved and (typed or next(folder.rglob("*.csv"), None) is not None):
             files = datasets.load_dataset_builder(str(folder), **cfg.dataset_kwargs).config.data_files.get(name, [])
             kinds = {Path(f).suffix.lower() for f in files}
             if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and _changes_values(features))):

@@ -53,7 +53,9 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
                         (chosen/rejected are full conversations sharing a prefix, which may
                         end with a given `prompt`, as in UltraFeedback binarized; or texts, TRL's
-                        standard implicit prompt, whose shared words are the prompt). Each
+                        standard implicit prompt, whose shared words are the prompt: a user turn,
+                        the rests the assistant's, through the chat template, where TRL trains
+                        the raw text). Each
                         response may be a string, one message, or a list of messages; a
                         string that is an Anthropic HH-RLHF transcript ("\n\nHuman: ...
                         \n\nAssistant: ...") is read as the conversation it writes.
@@ -703,7 +705,9 @@ def _split_shared_text(chosen: str, rejected: str, loc: str) -> tuple[list, list
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
-    cut = max(chosen.rfind(c, 0, n + 1) for c in " \n\t")  # the responses start at a whitespace
+    # The responses start at a whitespace of both: within the shared text, or right after it.
+    after = all(n < len(t) and t[n].isspace() for t in (chosen, rejected))
+    cut = n if after else max(chosen.rfind(c, 0, n) for c in " \n\t")
     if cut <= 0 or not chosen[:cut].strip():
         raise DataFormatError(
             f"{loc}: preference row has no shared context: `chosen` and `rejected` are texts that do not start with "

@@ -625,6 +625,11 @@ def _fit_row(examples: list[Example], max_len: int, policy: str) -> tuple[list[E
 
 
 def _check_left(kept: int, stats: dict[str, int], max_len: int, cfg: DataConfig, what: str) -> None:
+    if kept == 0 and cfg.truncation == "drop" and stats.get("no_loss") and not stats.get("dropped"):
+        # Whole rows without a token to train (none was cut): not a matter of length.
+        raise InputError(f"no {what} left: none has a token to train ({stats}): their answers render as no tokens, "
+                         "as with a chat template that does not write the assistant's content (see its warning, "
+                         "and set policy.tokenizer.chat_template)")
     if kept == 0:
         # Under "truncate" the rows went for prompts that fill the context: cutting cannot help.
         other = " or use data.truncation=truncate" if cfg.truncation == "drop" else ""
@@ -691,8 +696,16 @@ def shown_example(tokenizer, example: Example, limit: int = 400) -> str:
             text = tokenizer.decode(ids[start:i])
             parts.append(f"«{text}»" if mask[start] else text)
             start = i
-    text = "".join(parts)
-    return repr(text if len(text) <= limit else text[:limit] + f"... ({len(ids)} tokens)")
+    return shortened("".join(parts), limit, len(ids))
+
+
+def shortened(text: str, limit: int, tokens: int) -> str:
+    """`text` as a repr of at most about `limit` characters: its start and its end (where an
+    example's trained answer is), the middle left out."""
+    if len(text) <= limit:
+        return repr(text)
+    head = limit // 3
+    return f"{text[:head]!r} ... {text[head - limit:]!r} ({tokens} tokens)"
 
 
 def process_preference_rows(

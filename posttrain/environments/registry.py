@@ -70,6 +70,11 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
     refuses them; GRPO trains on such a file, those samples counted as env errors, with a warning
     here (a whole column missing, e.g. a gold answer under another name, would otherwise show only
     as env_errors in the step metrics)."""
+    text = [r for r in rows if "text" in r]
+    if text:
+        raise InputError(f"{len(text)} of {len(rows)} rows are plain text (`text`; first: {row_name(text[0], 'row 1')}), which "
+                         "SFT trains on as written; an environment scores answers to prompts (`messages` or `prompt` "
+                         "rows)")
     sft = [r for r in rows if "task_name" not in r]
     if sft:
         raise InputError(f"{len(sft)} of {len(rows)} rows are SFT rows (a conversation with its answer, keys "

@@ -890,9 +890,28 @@ def test_csv_file_and_folder_keep_cells_as_written_and_name_lines(tmp_path):
               for r in load_rows(DataConfig(dataset_name=str(tmp_path / "folder")), split)]
     assert sorted(folder) == ["02", "04", "06"]
     (tmp_path / "bad.csv").write_text("prompt,completion\n1+1=,2\n2+2=,4,extra\n")
-    with pytest.raises(DataFormatError, match=r"bad.csv line 3: 3 cells, but the header names 2 columns "
+    with pytest.raises(DataFormatError, match=r"bad.csv row 3: 3 cells, but the header names 2 columns "
                                               r"\(prompt, completion\)"):
         load_rows(DataConfig(dataset_name=str(tmp_path / "bad.csv")), "train")
+    # Skipped and counted under skip, as a malformed JSON line is.
+    (tmp_path / "bad.csv").write_text("prompt,completion\n" + "".join(f"{i}+1=,{i + 1}\n" for i in range(9))
+                                      + "2+2=,4,extra\n")
+    skip = DataConfig(dataset_name=str(tmp_path / "bad.csv"), on_malformed_row="skip")
+    assert len(load_rows(skip, "train") + load_rows(skip, "val")) == 9
+    (tmp_path / "dup.csv").write_text("prompt,prompt\na,b\n")
+    with pytest.raises(DataFormatError, match=r"dup.csv line 1: the header names 'prompt' twice"):
+        load_rows(DataConfig(dataset_name=str(tmp_path / "dup.csv")), "train")
+    (tmp_path / "quote.csv").write_text('prompt,completion\n1+1=,2\n"2+2=,4\n3+3=,6\n')
+    with pytest.raises(DataFormatError, match=r"quote.csv line \d+: cannot read the file as CSV"):
+        load_rows(DataConfig(dataset_name=str(tmp_path / "quote.csv")), "train")
+    # A folder whose first file makes a column text and whose second writes numbers and NA there:
+    # the second's cells were typed before the join ("02108" came back as 2108, "NA" as missing).
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.csv").write_text("prompt,completion\nName a colour,red\nName a fruit,apple\n")
+    (tmp_path / "mixed" / "b.csv").write_text("prompt,completion\nZip of Boston?,02108\nPi?,3.10\nNo?,NA\n")
+    mixed = [r["messages"][1]["content"] for split in ("train", "val")
+             for r in load_rows(DataConfig(dataset_name=str(tmp_path / "mixed")), split)]
+    assert sorted(mixed) == ["02108", "3.10", "NA", "apple", "red"]
     (tmp_path / "noanswer.csv").write_text("prompt,completion\n1+1=,2\n2+2=,\n")
     with pytest.raises(DataFormatError, match=r"noanswer.csv row 3: prompt_completion row is missing `completion`"):
         load_rows(DataConfig(dataset_name=str(tmp_path / "noanswer.csv")), "train")
@@ -934,6 +953,7 @@ def test_trl_standard_implicit_prompt_pairs_split_at_their_last_shared_word():
                                                              " blue.", " green.")
     assert split("The sky is green", "The sky is grey")[1:] == (" green", " grey")  # not "en" and "y"
     assert split("Hello world", "Hello world!")[1:] == (" world", " world!")
+    assert split("The cat sat.", "The catfish sat.")[1:] == (" cat sat.", " catfish sat.")  # not "fish sat."
     with pytest.raises(DataFormatError, match=r"f row 1: preference row has no shared context: `chosen` and "
                                               r"`rejected` are texts that do not start with the same words"):
         split("Paris is big", "Rome is big")

@@ -856,11 +856,14 @@ def test_chat_template_file_is_read_and_a_template_without_content_is_refused(ti
     with pytest.raises(InputError, match=r"policy.tokenizer.chat_template: the chat template does not write the user "
                                          r"message's content .*'Q: A: '"):
         load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template="Q: {{ '' }}A: "))
-    # A prompt-only template serves single-turn GRPO: said, not refused.
+    # A prompt-only template serves single-turn GRPO: said, not refused; SFT then names it.
     with caplog.at_level(logging.WARNING):
-        load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=(
+        prompt_only = load_tokenizer(TokenizerConfig(name=tiny_model_path, chat_template=(
             "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}")))
     assert "does not write an assistant message's content" in caplog.text
+    with pytest.raises(InputError, match=r"no rows left: none has a token to train .*a chat template that does not "
+                                         r"write the assistant's content"):
+        process_sft_rows([{"messages": CONVO[1:3]}], prompt_only, DataConfig(add_eos=False), max_len=64)
 
 
 def test_system_messages_a_template_leaves_out_are_said(tiny_model_path, caplog):
@@ -906,6 +909,12 @@ def test_plain_text_rows_train_every_token_without_a_chat_template(tok, tmp_path
     assert bare[0] == {"input_ids": body, "loss_mask": [1] * len(body)}
     cut, stats = process_sft_rows(rows, tok, DataConfig(dataset_name=str(data), truncation="truncate"), max_len=4)
     assert stats["truncated"] == len(rows) and all(len(e["input_ids"]) == 4 for e in cut)
+    from posttrain.environments import resolve_task_envs
+    from posttrain.schemas import EnvConfig
+
+    with pytest.raises(InputError, match=rf"{len(rows)} of {len(rows)} rows are plain text \(`text`; first: .*lm.jsonl "
+                                         r"row \d+\), which SFT trains on as written"):
+        resolve_task_envs(rows, EnvConfig())  # GRPO's and eval's check: no environment scores them
     (tmp_path / "sys.txt").write_text("Be brief.")
     with pytest.raises(InputError, match=r"data.system_prompt_file: .*lm.jsonl row \d+ is plain text"):
         load_rows(DataConfig(dataset_name=str(data), system_prompt_file=str(tmp_path / "sys.txt")), "train")
@@ -916,6 +925,7 @@ def test_shown_example_marks_the_tokens_with_loss(tok):
 
     ex = tokenize_messages(CONVO[1:3], tok)
     assert shown_example(tok, ex) == repr("<s><|user|>1+1?<|end|><|assistant|>«2<|end|>»")
-    long = shown_example(tok, {"input_ids": ex["input_ids"] * 40, "loss_mask": [0] * (len(ex["input_ids"]) * 40)},
-                         limit=20)
-    assert long == repr("<s><|user|>1+1?<|end|>" [:20] + f"... ({len(ex['input_ids']) * 40} tokens)")
+    # A long one keeps its start and its end, where the trained answer is.
+    n = len(ex["input_ids"])
+    long = shown_example(tok, {"input_ids": ex["input_ids"] * 40, "loss_mask": ex["loss_mask"] * 40}, limit=30)
+    assert long == f"'<s><|user|' ... 'ssistant|>«2<|end|>»' ({n * 40} tokens)"
