@@ -900,14 +900,19 @@ class CheckpointManager:
         """The checkpoint's value of this run's `metric_name`, or None. A checkpoint saved while
         another metric was named (changed at a resume) holds that one's value, which must not
         be ranked as this one's (a loss of 2.0 beat every accuracy and pruned the new checkpoints)."""
+        return self._ranking_of(path)[1]
+
+    def _ranking_of(self, path: Path) -> tuple[str | None, float | None]:
+        """(the other metric the checkpoint was ranked by, else None; its value of this run's
+        `metric_name`, else None), from one read of its training info."""
         try:
             info = self.load_info(path)
         except (OSError, json.JSONDecodeError):
-            return None
-        value = info.get("metric_value")
-        if info.get("metric_name") != self.cfg.metric_name or value is None or not math.isfinite(value):
-            return None
-        return float(value)
+            return None, None
+        name, value = info.get("metric_name"), info.get("metric_value")
+        if name != self.cfg.metric_name:
+            return (name if name and value is not None else None), None
+        return None, (float(value) if value is not None and math.isfinite(value) else None)
 
     def _rank(self, items: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
         """Best first: by metric (missing values last), newest first when no metric is named."""
@@ -931,8 +936,9 @@ class CheckpointManager:
         ckpts = {int(_STEP_RE.match(p.name).group(1)): p for p in self.checkpoints()}
         # Checkpoints ranked by another metric (metric_name changed at a resume) are not pruned: ranked
         # as unmeasured by this one, the earlier run's best went at the next save, without a word.
-        other = {s: name for s, p in ckpts.items() if (name := self._ranked_by_other_metric(p)) is not None}
-        ranked = self._rank([(s, self._metric_of(p)) for s, p in ckpts.items() if s not in other])
+        ranking = {s: self._ranking_of(p) for s, p in ckpts.items()}
+        other = {s: name for s, (name, _) in ranking.items() if name is not None}
+        ranked = self._rank([(s, value) for s, (name, value) in ranking.items() if name is None])
         keep = {s for s, _ in ranked[:k]} | {int(_STEP_RE.match(latest.name).group(1))} | set(other)
         for step, path in ckpts.items():
             if step not in keep:
@@ -943,15 +949,6 @@ class CheckpointManager:
                         "keep_top_k's pruning (delete them yourself when done with them)",
                         ", ".join(ckpts[s].name for s in sorted(other)), " / ".join(sorted(set(other.values()))),
                         self.cfg.metric_name)
-
-    def _ranked_by_other_metric(self, path: Path) -> str | None:
-        """The metric another run configuration ranked the checkpoint by, or None."""
-        try:
-            info = self.load_info(path)
-        except (OSError, json.JSONDecodeError):
-            return None
-        name = info.get("metric_name")
-        return name if name and name != self.cfg.metric_name and info.get("metric_value") is not None else None
 
     def _remove(self, path: Path) -> None:
         # Rename first so that a crash during rmtree leaves no complete-looking step_N.

@@ -259,10 +259,10 @@ class PrefixSharingConfig(Section):
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
-# Optimizers by a short name; any other one by its dotted import path (posttrain.policy.optim).
 # A YAML or command-line value read as pydantic reads a bool field ("yes", 1, "true").
 _BOOL = TypeAdapter(bool)
 
+# Optimizers by a short name; any other one by its dotted import path (posttrain.policy.optim).
 OPTIMIZERS = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
 
 
@@ -2249,7 +2249,8 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
             found.append((given, f"read only with {switch}{mode}; it is {shown} (the default)"))
     # A validation metric ranking checkpoints of a run that validates at no save: each one ranked
     # "not measured", newest first, as without a metric (and every save warned of it).
-    loop, command = getattr(cfg, cfg._command(), None), cfg._command()
+    command = cfg._command()
+    loop = getattr(cfg, command, None)
     if (cfg.checkpointing.enabled and (cfg.checkpointing.metric_name or "").startswith("val:")
             and getattr(loop, "val_period", None) == 0 and not loop.val_at_end):
         found.append((["checkpointing.metric_name"], f"a validation metric, but {command}.val_period=0 and "

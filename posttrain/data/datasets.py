@@ -583,20 +583,20 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
         splits = {"train": splits}
     # How errors name the rows' source: a local folder read as one, not as "hub:" (which reads as a download).
     source = str(folder) if folder.is_dir() else f"hub:{cfg.dataset_name}"
+    own_files = folder.is_dir() and not saved  # a folder of data files, which read_file reads too
+    # CSV cells are typed per file before the files are joined (a later file's "02108" as 2108 in a
+    # column the first made text; "NA" as missing): a folder holding any is read as written.
+    has_csv = own_files and next(folder.rglob("*.csv"), None) is not None
 
     def split_rows(name: str) -> list[dict[str, Any]]:
         # A folder of JSON files: its values as written, as read_file keeps them ("025" came back
         # as 25.0, 26 as 26.0 from the features datasets inferred).
-        # A folder of CSV files: its cells as written too (pandas typed them: "025" came back as 25).
-        features = splits[name].features
-        typed = any(not (isinstance(f, datasets.Value) and f.dtype in ("string", "large_string"))
-                    for f in features.values())
-        # CSV cells are typed per file before the files are joined (a later file's "02108" as 2108 in a
-        # column the first made text; "NA" as missing): a folder holding any is read as written.
-        if folder.is_dir() and not saved and (typed or next(folder.rglob("*.csv"), None) is not None):
+        # A folder of CSV files: its cells as written too (`has_csv`).
+        changes = _changes_values(splits[name].features)
+        if own_files and (has_csv or changes):
             files = datasets.load_dataset_builder(str(folder), **cfg.dataset_kwargs).config.data_files.get(name, [])
             kinds = {Path(f).suffix.lower() for f in files}
-            if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and _changes_values(features))):
+            if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and changes)):
                 return [row for f in files for row in read_file(Path(f))[0]]
         return splits[name].to_list()
 

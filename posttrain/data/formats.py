@@ -599,6 +599,13 @@ def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
     return {"messages": messages}
 
 
+def _answer_text(answer: Any, loc: str) -> str:
+    """A reference answer as text: a number is its text; a bool (an int to isinstance) is no
+    answer ("True" was taken as one)."""
+    return _text(str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer,
+                 loc, "answer")
+
+
 def _from_text(row: dict[str, Any], loc: str) -> dict[str, Any]:
     """Plain text (TRL SFTTrainer's language-modeling data, `dataset_text_field="text"`): trained
     whole, without a chat template."""
@@ -630,10 +637,8 @@ def _from_prompt(row: dict[str, Any], loc: str) -> dict[str, Any]:
     if text:
         metadata[TEXT_PROMPT_KEY] = True
     out = {"messages": messages, "task_name": row["task_name"], "metadata": metadata}
-    answer = row.get("answer")
-    if answer is not None:
-        out["answer"] = _text(str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool)
-                              else answer, loc, "answer")
+    if row.get("answer") is not None:
+        out["answer"] = _answer_text(row["answer"], loc)
     if row.get("demonstration") is not None:
         out["demonstration"] = row["demonstration"]
     if row.get("stop_strings") is not None:
@@ -732,10 +737,7 @@ def _split_shared_prefix(chosen: list[dict], rejected: list[dict], loc: str) -> 
 def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
     key = "question" if "question" in row else "problem"
     question = _text(_require(row, key, loc, "math"), loc, key)
-    answer = _require(row, "answer", loc, "math")
-    # A number is its text; a bool (an int to isinstance) is no answer: "True" was taken as one.
-    answer = _text(str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer,
-                   loc, "answer")
+    answer = _answer_text(_require(row, "answer", loc, "math"), loc)
     # The worked solution is what SFT and GRPO's warm-up imitate: without it they trained the
     # model to answer with the bare final number.
     solution = row.get("solution") if isinstance(row.get("solution"), str) and row["solution"].strip() else None
