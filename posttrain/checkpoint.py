@@ -336,12 +336,19 @@ def unless_complete(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return done.result
 
 
-def _final_metrics(log_dir: Path, step: int) -> dict[str, Any]:
+def _final_metrics(log_dir: Path, checkpoint: Path, step: int) -> dict[str, Any]:
     """A finished run's result as its loop returned it, from its metrics.jsonl: the last step's
-    train/<name>, and the last validation's val/<name> with val/step."""
+    train/<name>, and the last validation's val/<name> with val/step. Started again with another
+    logger.log_dir, the run finds its metrics in the one its checkpoint's config names."""
     from posttrain.logging.jsonl import read_metrics
 
     records = read_metrics(log_dir / "metrics.jsonl")
+    saved = checkpoint / CONFIG_FILE
+    if not records and saved.is_file():
+        import yaml
+
+        logged_in = ((yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("logger") or {}).get("log_dir")
+        records = read_metrics(Path(logged_in) / "metrics.jsonl") if logged_in else []
     train = next((r for r in reversed(records) if r.get("prefix") == "train" and r.get("step") == step), {})
     val = next((r for r in reversed(records) if r.get("prefix") == "val"), None)
     fields = lambda r: {k: v for k, v in r.items() if k not in ("step", "prefix", "time")}  # noqa: E731
@@ -867,7 +874,7 @@ class CheckpointManager:
         where = f", its final policy in {export_dir}" if export_dir is not None else ""
         raise RunAlreadyComplete(
             f"the run is complete: {path} is its last step ({key}={last_step}){where}; nothing to do (raise {key} "
-            "to train on, or set checkpointing.start_fresh=true to start over)", _final_metrics(log_dir, info["step"]))
+            "to train on, or set checkpointing.start_fresh=true to start over)", _final_metrics(log_dir, path, info["step"]))
 
     def _write_info(self, path: Path, info: dict[str, Any]) -> None:
         """Replace the checkpoint's training info, atomically."""

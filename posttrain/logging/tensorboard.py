@@ -5,16 +5,34 @@ on a step axis of their own (the warm-up SFT's steps) go to a TensorBoard run of
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 from posttrain.config import to_yaml
 
 
+def _quiet_writer_thread_errors() -> None:
+    """Keep an OSError of TensorBoard's writer thread (a full disk) from printing its traceback:
+    the thread keeps the error, the next write raises it in the main thread, and the Logger drops
+    this backend with a one-line warning. Printed too, the traceback read as the run's crash."""
+    previous = threading.excepthook
+    if getattr(previous, "_posttrain_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (type(args.thread).__module__.startswith("tensorboard.") and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook._posttrain_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorboardBackend:
     def __init__(self, log_dir: Path, resumed_from: int | None = None, own_step_axes: tuple[str, ...] = ()) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_thread_errors()
         self.log_dir = log_dir
         # A resumed run relogs the steps after its checkpoint: purge_step makes TensorBoard hide
         # the stopped run's events from there on, which would otherwise show twice per step. It

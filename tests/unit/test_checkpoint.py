@@ -719,6 +719,11 @@ def test_a_run_is_complete_at_its_last_step_once_its_export_is_recorded(tmp_path
                                                  rf"\(sft.max_num_steps=5\), its final policy in {hf}; nothing to do") as done:
         mgr.check_complete(path, 5, "sft.max_num_steps", hf, logs)
     assert done.value.result == {"step": 5, "train/loss": 1.25, "val/loss": 1.5, "val/step": 4, "already_complete": True}
+    # Started again with another logger.log_dir: the metrics are read where its checkpoint's config logged them.
+    (path / "config.yaml").write_text(f"logger:\n  log_dir: {logs}\n")
+    with pytest.raises(RunAlreadyComplete) as again:
+        mgr.check_complete(path, 5, "sft.max_num_steps", hf, tmp_path / "new_logs")
+    assert again.value.result == done.value.result
     mgr.check_complete(path, 5, "sft.max_num_steps", tmp_path / "elsewhere", logs)  # exported to another folder
     # Stopped at its last step before the validation due there: the resume makes it up.
     info = json.loads((path / "training_info.json").read_text())

@@ -191,6 +191,36 @@ def test_mlflow_takes_long_and_odd_names_and_values(tmp_path):
     assert sorted(metrics.values()) == [0.25, 0.5] and all(len(k) <= 250 for k in metrics)
 
 
+def test_a_full_disk_under_tensorboard_drops_it_with_one_warning_and_no_thread_traceback(tmp_path, caplog,
+                                                                                         monkeypatch):
+    # TensorBoard writes from a thread of its own: its OSError printed a traceback ("Exception in
+    # thread Thread-1") that read as the run's crash, before the warning that the run goes on.
+    import os
+    import threading
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    logger = Logger(_cfg(tensorboard_enabled=True), tmp_path)
+    tb = next(b for b in logger._backends if type(b).__name__ == "TensorboardBackend")
+    events = os.fsdecode(tb._writer.file_writer.event_writer._general_file_writer.filename)
+    (tmp_path / "full").symlink_to("/dev/full")
+    os.replace(tmp_path / "full", events)  # atomically: the writer thread may be writing the file
+    with caplog.at_level(logging.WARNING):
+        for step in (1, 2, 3):
+            logger.log_metrics({"loss": 1.0 / step}, step=step)
+    assert caplog.text.count("logging to TensorBoard stopped: [Errno 28] No space left on device") == 1
+    assert tb not in logger._backends and [r["loss"] for r in logger._records] == [1.0, 0.5, 1 / 3]
+    logger.close()
+    assert uncaught == []
+    # Other threads' errors still reach the hook there was.
+    thread = threading.Thread(target=lambda: 1 / 0)
+    thread.start()
+    thread.join()
+    assert [a.exc_type for a in uncaught] == [ZeroDivisionError]
+
+
 def test_mlflow_takes_metric_names_that_are_no_normalised_path_and_any_script(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -610,8 +640,15 @@ def test_tensorboard_served_by_its_python_loader_shows_a_relogged_step_once(tmp_
         (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 105.0), (6, 106.0), (7, 107.0)]
 
 
-def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path):
+def test_a_fresh_run_moves_an_earlier_runs_logs_aside_and_a_resumed_one_continues_them(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    # Event files are read in name order: <seconds>.<host>.<pid>.<writer count of the process>.
+    # This test's sessions share a second and a process, so their order is the count's, which
+    # sorts as text (".10" before ".9") once earlier tests have opened nine writers. A resumed
+    # run is a process of its own, later: its file sorts after the stopped one's.
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
 
     from posttrain.logging.jsonl import read_metrics
 
