@@ -281,7 +281,12 @@ def _keys(row: dict[str, Any]) -> list[str]:
 
 
 def _require(row: dict[str, Any], key: str, loc: str, fmt: str) -> Any:
-    if key not in row or row[key] is None:
+    if key in row and row[key] is None:
+        # The file has the column (the null a file read by `datasets` gives a row without a key
+        # others have, a CSV's empty cell): no column_map can help.
+        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (its value is a null or an empty CSV cell, or other "
+                              f"rows of the file have the key and this one not; keys with a value: {_keys(row)})")
+    if key not in row:
         # A file's columns named otherwise (the first row's miss) are renamed by data.column_map.
         raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {_keys(row)}; columns named otherwise: "
                               f"data.column_map={{<column>: {key}}})")
