@@ -1098,23 +1098,35 @@ class EnvWorkerConfig(Section):
     # its slice of the batch after step_timeout_s.
     tool_timeout_s: float | None = Field(None, gt=0)
 
-    @model_validator(mode="after")
-    def _tools_and_weights_need_reward_functions(self) -> "EnvWorkerConfig":
-        if self.correct_at_least is not None and (self.target is None or not self.correct_at_least):
-            raise ValueError("correct_at_least: a non-empty {function: minimum} of the reward functions in target "
-                             "(a built-in environment judges its samples itself; an environment class sets "
-                             "posttrain.environments.CORRECT_KEY in its metadata)")
-        if self.tools is not None and (self.target is None or not self.tools):
-            raise ValueError("tools: a non-empty list of tool functions, for the reward functions in target "
-                             "(a built-in environment runs none; an environment class lists its own in its `tools` "
-                             "attribute)")
-        if self.reward_weights is None:
-            return self
-        if not isinstance(self.target, list) or len(self.target) != len(self.reward_weights):
-            n = len(self.target) if isinstance(self.target, list) else "no list of"
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {n} reward functions "
-                             "in target")
-        return self
+    # Field validators, so that an error names the key set (env.<name>.tools) and where it was
+    # set; `target`, declared before these keys, is validated first (absent from info.data when
+    # it failed itself, which is its own error).
+    @field_validator("reward_weights", "correct_at_least", "tools")
+    @classmethod
+    def _need_reward_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or "target" not in info.data:
+            return value
+        target = info.data["target"]
+        if info.field_name == "reward_weights":
+            if target is None:
+                raise ValueError("weights of a list of reward functions in target, and target names none")
+            if isinstance(target, str):
+                raise ValueError(f"target is one reward function ({target}), which takes no weight (a list of "
+                                 "functions in target takes one weight each)")
+            if len(target) != len(value):
+                raise ValueError(f"{len(value)} weights for the {len(target)} reward functions in target")
+            return value
+        if target is None:
+            raise ValueError({
+                "tools": "tools run beside reward functions in target, and target names none: a built-in environment "
+                         "runs no tools (an environment class lists its own in its `tools` attribute)",
+                "correct_at_least": "judges by the reward functions in target, and target names none: a built-in "
+                                    "environment judges its samples itself (an environment class sets "
+                                    "posttrain.environments.CORRECT_KEY in its metadata)"}[info.field_name])
+        if not value:
+            raise ValueError("empty: name " + ("a tool function" if info.field_name == "tools" else
+                                               "{function: minimum}") + " or leave the key out")
+        return value
 
 
 class MathEnvConfig(Section):
@@ -1189,6 +1201,20 @@ BUILTIN_ENV_CONFIGS: dict[str, type[Section]] = {
 }
 
 
+def env_settings_problems(name: str, schema: type[BaseModel], settings: dict[str, Any]) -> list[str]:
+    """What is wrong with `settings` (env.<name>.cfg) by `schema`, a built-in environment's section
+    or an environment class's config_class: one line per whole key (the config loader then says
+    where it was set). An unknown key is one even for a schema that would ignore it (pydantic's
+    default): a misspelt setting ran at its default without a word."""
+    if schema.model_config.get("extra") in (None, "ignore"):
+        schema = type(schema.__name__, (schema,), {"model_config": ConfigDict(extra="forbid")})
+    try:
+        schema.model_validate(settings)
+    except ValidationError as e:
+        return format_errors(e, schema, prefix=f"env.{name}.cfg.")
+    return []
+
+
 def check_rollout_turns(env: "EnvConfig", data: "DataConfig", turns: int, key: str) -> None:
     """Each tool call takes a turn and the answer one more, and each move of a sliding puzzle
     one: fewer turns would end conversations mid-call, unscored, or games before their
@@ -1222,15 +1248,12 @@ class EnvConfig(Section):
     @model_validator(mode="after")
     def _check_builtin_cfgs(self) -> "EnvConfig":
         # Built-in environments' settings fail here, at config load, naming the key (a typo with
-        # the closest valid one, as the config's own keys and create_env's validation do).
+        # the closest valid one, as the config's own keys and resolve_env's validation do).
         for name, worker in (self.model_extra or {}).items():
-            if name in BUILTIN_ENV_CONFIGS:
-                try:
-                    BUILTIN_ENV_CONFIGS[name].model_validate(worker.cfg)
-                except ValidationError as e:
-                    # Whole keys: the config loader then says where each was set.
-                    raise ValueError("; ".join(format_errors(e, BUILTIN_ENV_CONFIGS[name], prefix=f"env.{name}.cfg.")))\
-                        from None
+            problems = env_settings_problems(name, BUILTIN_ENV_CONFIGS[name], worker.cfg) \
+                if name in BUILTIN_ENV_CONFIGS else []
+            if problems:
+                raise ValueError("; ".join(problems))
         return self
 
     def get_worker_cfg(self, name: str) -> EnvWorkerConfig:

@@ -79,19 +79,13 @@ class EvalSetup:
 def load_eval_rows(cfg: EvalMasterConfig) -> list[dict]:
     """The rows to evaluate: split `eval.split` of `data.dataset_name`, capped at `eval.max_samples`.
 
-    A local file named directly by `data.dataset_name` is evaluated whole (no validation rows
-    are held out of it), so `data.dataset_name=my_problems.jsonl` scores every row.
+    A local file, a folder or a hub dataset without a split for validation is evaluated whole
+    (no rows are held out of it), so `data.dataset_name=my_problems.jsonl` scores every row.
     """
-    from posttrain.data.datasets import REGISTRY, load_rows, resolve_path
+    from posttrain.data.datasets import load_rows
 
-    data_cfg = cfg.data
-    name = data_cfg.dataset_name
-    if name not in REGISTRY and resolve_path(name).is_file():
-        data_cfg = data_cfg.model_copy(update={"dataset_name": "local", "val_data_path": name})
-        split = "val"
-    else:
-        split = cfg.eval.split
-    rows = load_rows(data_cfg, split)
+    name = cfg.data.dataset_name
+    rows = load_rows(cfg.data, cfg.eval.split, whole=True)
     rows = rows[: cfg.eval.max_samples] if cfg.eval.max_samples else rows
     # Whether a row needs a reference `answer` is its environment's to say (`resolve_task_envs`):
     # code rows are scored by their tests.

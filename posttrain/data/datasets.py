@@ -443,7 +443,7 @@ def _held_out(rows: list[dict[str, Any]], split: str, cfg: DataConfig, source: s
 def _files(train_path: str | os.PathLike | None, val_path: str | os.PathLike | None) -> Callable:
     """A loader for a dataset stored as a train file and an optional validation file."""
 
-    def load(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    def load(cfg: DataConfig, split: str, whole: bool = False) -> list[dict[str, Any]]:
         train = cfg.train_data_path or train_path
         val = cfg.val_data_path or val_path
         if train is None and not (split == "val" and val):
@@ -452,7 +452,7 @@ def _files(train_path: str | os.PathLike | None, val_path: str | os.PathLike | N
         if split == "val" and val:
             return load_file(val, cfg, "data.val_data_path" if cfg.val_data_path else f"{named_by} (validation)")
         rows = load_file(train, cfg, "data.train_data_path" if cfg.train_data_path else named_by)
-        return rows if val else _held_out(rows, split, cfg, str(train))
+        return rows if val or whole else _held_out(rows, split, cfg, str(train))
 
     return load
 
@@ -555,11 +555,12 @@ def _folder_error(cfg: DataConfig, folder: Path, error: Exception) -> InputError
                       + (f" ({type(cause).__name__}: {cause})" if cause is not error else ""))
 
 
-def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+def _hub(cfg: DataConfig, split: str, whole: bool = False) -> list[dict[str, Any]]:
     """Split `split` of a hub dataset, of a folder of data files `datasets.load_dataset` reads, or
     of a folder written by `save_to_disk`: its "train" split, its "validation" (else "test")
     split; a dataset without either holds out `data.val_split_fraction` of its train rows, which
-    then leave the train side, as of a file. A folder holding one saved split is its train rows."""
+    then leave the train side, as of a file (`whole`: it does not, and either split is every
+    row). A folder holding one saved split is its train rows."""
     import datasets
 
     folder = resolve_path(cfg.dataset_name)
@@ -606,7 +607,7 @@ def _hub(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     if "train" not in splits:
         raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)})")
     rows = normalize_rows(split_rows("train"), f"{source}[train]", cfg)
-    return rows if val_split is not None else _held_out(rows, split, cfg, source)
+    return rows if val_split is not None or whole else _held_out(rows, split, cfg, source)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -628,14 +629,15 @@ def _note_settings_unread(cfg: DataConfig, names: list[str]) -> None:
                    ", ".join(readers), which)
 
 
-def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False) -> list[dict[str, Any]]:
+def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False, whole: bool = False) -> list[dict[str, Any]]:
     """Canonical rows of `split` ("train" or "val"/"validation") of the dataset `cfg` names.
 
     Returns SFT rows `{"messages"}`, preference rows `{"prompt_messages", "chosen",
     "rejected"}` or RL/eval rows `{"messages", "answer", "task_name", "metadata"}`, with the
     prompt and system-prompt files applied and capped at `data.max_train_samples` /
     `data.max_val_samples`. `in_mixture`: `cfg` is an entry of data.mixture (whose settings were
-    looked at as a whole).
+    looked at as a whole). `whole`: a local file, a folder or a hub dataset without a split for
+    validation gives every row for either split, none held out (what eval scores).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
@@ -662,7 +664,9 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False) -> list[
     if paths and not local_file and (name not in REGISTRY or name in _GENERATED):
         # Left unread, a validation file named for a hub set or the arithmetic task was not what
         # validation scored, and no error said so.
-        why = "made from its settings" if name in REGISTRY else "its splits come from datasets"
+        why = ("made from its settings" if name in REGISTRY else
+               "a folder: its files' names give its splits, e.g. train.jsonl and test.jsonl"
+               if resolve_path(name).is_dir() else "its splits come from datasets")
         raise InputError(
             f"data.{paths[0]}: data.dataset_name={name!r} reads no data files ({why}); name the file as "
             "data.dataset_name, or set data.dataset_name=local with data.train_data_path / data.val_data_path"
@@ -670,9 +674,9 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False) -> list[
     if name in REGISTRY:
         rows = REGISTRY[name](cfg, split)
     elif local_file:
-        rows = _files(name, None)(cfg, split)
+        rows = _files(name, None)(cfg, split, whole)
     else:
-        rows = _hub(cfg, split)
+        rows = _hub(cfg, split, whole)
     cap = cfg.max_train_samples if split == "train" else cfg.max_val_samples
     rows = rows[:cap] if cap else rows
     if cfg.task_name is not None:  # RL/eval rows (the ones with a task_name) go to this environment

@@ -740,7 +740,8 @@ def _split_shared_prefix(chosen: list[dict], rejected: list[dict], loc: str) -> 
 
 
 def _from_math(row: dict[str, Any], loc: str) -> dict[str, Any]:
-    key = "question" if "question" in row else "problem"
+    # A file read by `datasets` gives every row both keys when some rows have each (None for the other).
+    key = "problem" if row.get("question") is None and row.get("problem") is not None else "question"
     question = _text(_require(row, key, loc, "math"), loc, key)
     answer = _answer_text(_require(row, "answer", loc, "math"), loc)
     # The worked solution is what SFT and GRPO's warm-up imitate: without it they trained the

@@ -188,11 +188,6 @@ class EnvironmentGroup:
         the first step), so a caller can start other workers while they import."""
         import ray
 
-        from posttrain.config import validate
-
-        config_class = getattr(env_cls, "config_class", None)
-        if config_class is not None:  # fail on the driver, naming the key, before any actor starts
-            validate(cfg.cfg, config_class, source=f"env.{name}.cfg")
         self.name = name
         self.cfg = cfg
         remote_cls = ray.remote(EnvironmentActor).options(

@@ -333,7 +333,7 @@ try:
 except BaseException as e:
     error = str(e) if isinstance(e, ProgramEnded) else "the program's names could not be read: " + describe(e)
 else:
-    for i, test in enumerate(job["tests"]):
+    for i, test in enumerate(job["tests"], 1):  # counted from 1, as the data errors count rows
         try:
             exec(compile(test, "<test %d>" % i, "exec"), ns)
             passed += 1

@@ -7,6 +7,8 @@ import inspect
 import logging
 from collections.abc import Callable
 
+from pydantic import BaseModel
+
 from posttrain.config import ConfigError, InputError
 from posttrain.data.formats import row_name, with_fields
 from posttrain.environments.actors import EnvironmentGroup
@@ -18,7 +20,7 @@ from posttrain.environments.math import MathEnvironment
 from posttrain.environments.reward_model import RewardModelEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
 from posttrain.environments.story import StoryEnvironment
-from posttrain.schemas import EnvWorkerConfig
+from posttrain.schemas import EnvWorkerConfig, env_settings_problems
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,15 @@ def resolve_env(name: str, cfg: EnvWorkerConfig) -> Callable[[EnvWorkerConfig], 
                           f"env.{name}.target (docs/environments.md)")
     else:
         factory = ENVIRONMENTS[name]
+    config_class = getattr(factory, "config_class", None) if inspect.isclass(factory) else None
+    if config_class is not None:  # its settings fail here, naming the key, before any actor starts
+        if not (inspect.isclass(config_class) and issubclass(config_class, BaseModel)):
+            raise ConfigError(f"environment {name!r} ({factory.__qualname__}): config_class is {config_class!r}, "
+                              "not a pydantic model (a subclass of pydantic.BaseModel) to validate env."
+                              f"{name}.cfg with")
+        problems = env_settings_problems(name, config_class, cfg.cfg)
+        if problems:
+            raise ConfigError(f"invalid config (env.{name}.cfg):\n" + "\n".join(f"  - {p}" for p in problems))
     if inspect.isclass(factory) and hasattr(factory, "global_post_process_and_metrics"):
         # NeMo RL's hook on the whole batch: nothing here calls it, and an environment ported with
         # one would lose what it computes without a word.

@@ -3,6 +3,7 @@
 import json
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -377,10 +378,14 @@ def test_a_weighted_list_of_reward_functions(rewards_file):
     metrics = summarize_rollouts(convs)
     assert metrics["reward"] == 1.75 and metrics["reward/exact"] == 0.5 and metrics["reward/long_enough"] == 0.5
     assert "accuracy" not in metrics  # without correct_at_least the functions judge nothing
-    with pytest.raises(ValueError, match="reward_weights has 1 weights for 2 reward functions"):
+    with pytest.raises(ValueError, match="reward_weights\n.*1 weights for the 2 reward functions in target"):
         _cfg([f"{rewards_file}:exact", f"{rewards_file}:exact"], reward_weights=[1.0])
-    with pytest.raises(ValueError, match="reward_weights has 1 weights for no list of reward functions"):
+    with pytest.raises(ValueError, match=r"reward_weights\n.*target is one reward function \(.*:exact\), which takes "
+                                         "no weight"):
         _cfg(f"{rewards_file}:exact", reward_weights=[1.0])
+    with pytest.raises(ValueError, match="reward_weights\n.*weights of a list of reward functions in target, and "
+                                         "target names none"):
+        _cfg(None, reward_weights=[1.0])
     with pytest.raises(ConfigError, match=r"env.mix.target: '.*:Echo' is a class; a list of targets holds reward functions"):
         resolve_env("mix", _cfg([f"{rewards_file}:exact", f"{rewards_file}:Echo"]))
 
@@ -492,8 +497,11 @@ def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_f
         resolve_env("x", _cfg(f"{rewards_file}:exact", tools=[f"{rewards_file}:add", f"{rewards_file}:add"]))
     with pytest.raises(ConfigError, match=r"env.x.tools: tools go with reward functions; the environment class Echo"):
         resolve_env("x", _cfg(f"{rewards_file}:Echo", tools=[f"{rewards_file}:add"]))
-    with pytest.raises(ValueError, match=r"tools: a non-empty list of tool functions, for the reward functions"):
+    with pytest.raises(ValueError, match=r"tools\n.*tools run beside reward functions in target, and "
+                                         r"target names none: a built-in environment runs no tools"):
         _cfg(None, tools=[f"{rewards_file}:add"])
+    with pytest.raises(ValueError, match=r"tools\n.*empty: name a tool function or leave the key out"):
+        _cfg(f"{rewards_file}:exact", tools=[])
     # An environment class declares its tools in its `tools` attribute.
     env_cfg = EnvConfig.model_validate({"calc": {"target": f"{rewards_file}:Calculator"},
                                         "bad": {"target": f"{rewards_file}:BadTools"}})
@@ -739,8 +747,11 @@ def test_correct_at_least_judges_by_the_named_functions(rewards_file):
         resolve_env("mix", _cfg(cfg.target, reward_weights=[1.0, 0.5], correct_at_least={"format": 1.0}))
     with pytest.raises(ConfigError, match="correct_at_least goes with reward functions"):
         resolve_env("echo", _cfg(f"{rewards_file}:Echo", correct_at_least={"exact": 1.0}))
-    with pytest.raises(ValueError, match="correct_at_least: a non-empty"):
+    with pytest.raises(ValueError, match="correct_at_least\n.*judges by the reward functions in target, and target "
+                                         "names none"):
         EnvWorkerConfig(correct_at_least={"exact": 1.0})
+    with pytest.raises(ValueError, match=r"correct_at_least\n.*empty: name \{function: minimum\}"):
+        EnvWorkerConfig(target=f"{rewards_file}:exact", correct_at_least={})
 
 
 def test_rows_of_a_reward_function_some_without_an_answer_are_warned_of(rewards_file, caplog):
@@ -856,3 +867,56 @@ def test_trl_prompt_only_rows_run_with_their_columns_and_text_for_string_prompts
     assert ret.rewards == [1.0, 4.0, 3.0]
     with pytest.raises(InputError, match=r"trl.jsonl row 1: a prompt-only row .* set data.task_name=<environment>"):
         load_rows(DataConfig(dataset_name=str(data)), "train")
+
+
+def test_reward_function_keys_on_a_builtin_environment_name_the_key_and_where_it_was_set():
+    # The error named env.arithmetic as a whole, where the quickstart YAML defines it, in a type's words.
+    from posttrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "env.arithmetic.tools: tools run beside reward functions in target, and target names none") + ".*"
+            + re.escape("[env.arithmetic.tools set at command line (env.arithmetic.tools=[calc.py:add])]")):
+        load_config("grpo", Path(__file__).resolve().parents[2] / "examples/configs/grpo_quickstart.yaml",
+                    ["env.arithmetic.tools=[calc.py:add]"])
+
+
+def test_an_environment_class_settings_are_checked_by_its_config_class_before_any_actor_starts(tmp_path):
+    # A config_class of pydantic's default (extra keys ignored) ran env.mine.cfg.bonuss=0.1 at the
+    # default bonus without a word; its errors named 'bonuss' alone, and only once the actors started.
+    (tmp_path / "my_envs.py").write_text(textwrap.dedent('''
+        from pydantic import BaseModel, ConfigDict
+        from posttrain.environments import PerSampleEnvironment, StepResult
+
+        class MyCfg(BaseModel):
+            bonus: float = 0.0
+
+        class MyEnv(PerSampleEnvironment):
+            config_class = MyCfg
+
+            def __init__(self, cfg):
+                self.settings = MyCfg.model_validate(cfg.cfg)
+
+            def step_one(self, messages, metadata):
+                return StepResult(None, self.settings.bonus, True, metadata)
+
+        class Open(BaseModel):
+            model_config = ConfigDict(extra="allow")
+
+        class OpenEnv(MyEnv):
+            config_class = Open
+
+        class NotAModel(MyEnv):
+            config_class = dict
+    '''))
+    target = f"{tmp_path / 'my_envs.py'}:MyEnv"
+    with pytest.raises(ConfigError, match=re.escape(
+            "invalid config (env.mine.cfg):\n  - unknown key 'env.mine.cfg.bonuss' (did you mean env.mine.cfg.bonus?)")):
+        resolve_env("mine", EnvWorkerConfig(target=target, cfg={"bonuss": 0.1}))
+    with pytest.raises(ConfigError, match=r"  - env.mine.cfg.bonus: got 'x', expected a valid number"):
+        resolve_env("mine", EnvWorkerConfig(target=target, cfg={"bonus": "x"}))
+    assert resolve_env("mine", EnvWorkerConfig(target=target, cfg={"bonus": 0.5})).__name__ == "MyEnv"
+    # A schema that takes any key, on purpose, keeps taking them.
+    resolve_env("mine", EnvWorkerConfig(target=target.replace(":MyEnv", ":OpenEnv"), cfg={"anything": 1}))
+    with pytest.raises(ConfigError, match=r"environment 'mine' \(NotAModel\): config_class is <class 'dict'>, not a "
+                                          r"pydantic model"):
+        resolve_env("mine", EnvWorkerConfig(target=target.replace(":MyEnv", ":NotAModel")))

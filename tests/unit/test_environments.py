@@ -452,7 +452,8 @@ def test_builtin_env_settings_fail_at_config_load():
 def test_create_env_errors():
     with pytest.raises(ValueError, match="arithmetic, code, math, reward_model, sliding_puzzle, story"):
         create_env("chess", {})
-    with pytest.raises(ValueError, match=r"env.sliding_puzzle.cfg[^$]*sizee.*did you mean size"):
+    with pytest.raises(ValueError, match=re.escape("unknown key 'env.sliding_puzzle.cfg.sizee' (did you mean "
+                                               "env.sliding_puzzle.cfg.size?)")):
         create_env("sliding_puzzle", {"cfg": {"sizee": 3}})
     assert set(ENVIRONMENTS) >= {"math", "arithmetic", "sliding_puzzle"}
 
@@ -768,12 +769,12 @@ def test_code_extracts_the_last_python_block():
 
 def test_code_rewards_passing_tests_all_or_fraction():
     right = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
-    half = "```python\ndef add(a, b):\n    return a + b if a > 0 else 99\n```"  # passes tests 0 and 2
+    half = "```python\ndef add(a, b):\n    return a + b if a > 0 else 99\n```"  # passes tests 1 and 3
     env = _code_env()
     ret = env.step([_answer(right), _answer(half)], [{"tests": ADD_TESTS}, {"tests": ADD_TESTS}])
     assert ret.rewards == [1.0, 0.0] and ret.num_errors == 0
     assert ret.observations[0]["content"] == "Environment: 3/3 tests passed"
-    assert ret.observations[1]["content"].startswith("Environment: 2/3 tests passed; test 1 (assert add(-1, 1) == 0) "
+    assert ret.observations[1]["content"].startswith("Environment: 2/3 tests passed; test 2 (assert add(-1, 1) == 0) "
                                                      "failed: AssertionError")
     assert ret.metadata[1]["tests_passed"] == 2 and ret.answers[0] == "def add(a, b):\n    return a + b\n"
     ret = _code_env(reward="fraction").step([_answer(half)], [{"tests": ADD_TESTS, "setup": "import math"}])
@@ -873,7 +874,7 @@ def words(s):
              "assert Pair(1, 2)"]  # no truth value for the program's object: the one failing test
     ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
     assert ret.rewards == [pytest.approx(7 / 8)], ret.observations[0]["content"]
-    assert ret.observations[0]["content"].endswith("test 7 (assert Pair(1, 2)) failed: TypeError: the program's Pair is "
+    assert ret.observations[0]["content"].endswith("test 8 (assert Pair(1, 2)) failed: TypeError: the program's Pair is "
                                                    "not plain data: a test cannot compare it or take its truth")
 
 
@@ -1231,6 +1232,6 @@ def test_code_numpy_scalars_reach_the_tests_as_their_values():
              "assert doubled([1]) == [2]"]  # an array stays the program's: no truth value, as in NumPy itself
     ret = _code_env(reward="fraction").step([_answer(program)], [{"tests": tests}])
     assert ret.rewards == [pytest.approx(3 / 4)], ret.observations[0]["content"]
-    assert ret.observations[0]["content"].endswith("test 3 (assert doubled([1]) == [2]) failed: TypeError: the "
+    assert ret.observations[0]["content"].endswith("test 4 (assert doubled([1]) == [2]) failed: TypeError: the "
                                                    "program's ndarray is not plain data: a test cannot compare it or "
                                                    "take its truth")

@@ -169,3 +169,31 @@ def test_eval_on_preference_pairs_names_the_datas_kind(tmp_path):
             f"eval: {str(path)!r} holds preference pairs (`chosen`/`rejected`; first: {path} row 1), which DPO and "
             "RM train on; evaluation needs prompts with reference answers")):
         load_eval_rows(cfg)
+
+
+def test_eval_scores_every_row_of_a_folder_without_a_split_for_validation(tmp_path):
+    # It scored the 5% a training run holds out (2 of 40 rows), without a word, whatever eval.split.
+    from posttrain.algorithms.eval import load_eval_rows
+    from posttrain.config import InputError, load_config
+
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    (tmp_path / "plain").mkdir()
+    for name, part in (("a.jsonl", rows[:25]), ("b.jsonl", rows[25:])):
+        (tmp_path / "plain" / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    for split in ("val", "train"):
+        cfg = load_config("eval", None, [f"data.dataset_name={tmp_path / 'plain'}", f"eval.split={split}"])
+        assert sorted(r["answer"] for r in load_eval_rows(cfg)) == sorted(str(i + 1) for i in range(40))
+    # A folder with files named for its splits: eval.split picks one, as for a training run.
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:30]))
+    (tmp_path / "split" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[30:]))
+    cfg = load_config("eval", None, [f"data.dataset_name={tmp_path / 'split'}"])
+    assert [r["answer"] for r in load_eval_rows(cfg)] == [str(i + 1) for i in range(30, 40)]
+    cfg = load_config("eval", None, [f"data.dataset_name={tmp_path / 'split'}", "eval.split=train"])
+    assert len(load_eval_rows(cfg)) == 30
+    # A validation file beside a folder: the folder's file names give its splits.
+    cfg = load_config("eval", None, [f"data.dataset_name={tmp_path / 'plain'}",
+                                     f"data.val_data_path={tmp_path / 'split' / 'test.jsonl'}"])
+    with pytest.raises(InputError, match="reads no data files \\(a folder: its files' names give its splits, "
+                                         "e.g. train.jsonl and test.jsonl\\)"):
+        load_eval_rows(cfg)

@@ -828,7 +828,8 @@ def test_data_file_paths_no_dataset_reads_are_refused(tmp_path):
     path = _write_jsonl(tmp_path / "val.jsonl", [{"question": "1+1?", "answer": "2"}] * 2)
     (tmp_path / "folder").mkdir()
     _write_jsonl(tmp_path / "folder" / "train.jsonl", [{"question": "1+1?", "answer": "2"}] * 2)
-    for name, reads in (("arithmetic", "made from its settings"), (str(tmp_path / "folder"), "its splits come from")):
+    for name, reads in (("arithmetic", "made from its settings"),
+                        (str(tmp_path / "folder"), "a folder: its files' names give its splits")):
         with pytest.raises(InputError, match=rf"data.val_data_path: data.dataset_name='{re.escape(name)}' reads no "
                                              rf"data files \({reads}"):
             load_rows(_cfg(name, val_data_path=path), "val")
@@ -957,3 +958,14 @@ def test_trl_standard_implicit_prompt_pairs_split_at_their_last_shared_word():
     with pytest.raises(DataFormatError, match=r"f row 1: preference row has no shared context: `chosen` and "
                                               r"`rejected` are texts that do not start with the same words"):
         split("Paris is big", "Rome is big")
+
+
+def test_math_rows_of_one_file_may_use_question_or_problem(tmp_path):
+    # `datasets` gave the `problem` row a `question` of None: "math row is missing `question`".
+    path = _write_jsonl(tmp_path / "mixed.jsonl", [{"question": "1+1=", "answer": "2"},
+                                                    {"problem": "2+2=", "answer": "4"}])
+    rows = load_rows(_cfg(path), "train") + load_rows(_cfg(path), "val")
+    assert sorted((r["messages"][-1]["content"], r["answer"]) for r in rows) == [("1+1=", "2"), ("2+2=", "4")]
+    path = _write_jsonl(tmp_path / "neither.jsonl", [{"question": "1+1=", "answer": "2"}, {"answer": "4"}] * 2)
+    with pytest.raises(DataFormatError, match="row 2: math row is missing `question`"):
+        load_rows(_cfg(path), "train")
