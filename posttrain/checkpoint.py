@@ -367,6 +367,8 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
     try:
         with checkpointer.stop_on_signals():
             result = train()
+        if checkpointer.complete_result is not None:  # it trained no step: the last one's result
+            result = checkpointer.complete_result
         if checkpointer.stop_signal:
             return {**result, STOPPED_BY_SIGNAL: checkpointer.stop_signal}
         if checkpointer.time_limit_reached:
@@ -410,6 +412,8 @@ def lock_beside(folder: Path, key: str, value: Any) -> int:
     import fcntl
     import socket
 
+    # Its real path: a run given a symlink to the folder (or to a parent) took a lock of its own.
+    folder = Path(os.path.realpath(folder))
     path = folder.parent / f".{folder.name}.lock"
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -463,6 +467,8 @@ class CheckpointManager:
         self.run_id = uuid.uuid4().hex
         self.moved_aside: Path | None = None
         self._writing: set[Path] = set()  # the temporary directories of this manager's saves in progress
+        # The final metrics of a complete run started again only to export (`check_complete`).
+        self.complete_result: dict[str, Any] | None = None
         self._lock_fd: int | None = None
         if cfg.enabled:  # before start_fresh moves anything, which needs the folder writable too
             self._check_writable()
@@ -613,12 +619,19 @@ class CheckpointManager:
         if self.policy is not None and saved.is_file():
             import yaml
 
-            changes = _state_layout_changes(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, self.policy)
+            saved_cfg = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+            changes = _state_layout_changes(saved_cfg, self.policy)
             if changes:
                 raise ConfigError(
                     f"checkpoint {path} holds a model and optimizer state of other settings than this run's "
                     f"({'; '.join(changes)}), which it cannot load: put them back to resume. {_WAYS_OUT}"
                 )
+            old_lora = (saved_cfg.get("policy") or {}).get("lora") or {}
+            if self.policy.lora.enabled and old_lora.get("alpha", self.policy.lora.alpha) != self.policy.lora.alpha:
+                # The adapters load, but their update W + (alpha / r) B A is another: not the model saved.
+                log.warning("policy.lora.alpha: %s -> %s scales the trained adapters' update by %.4gx: the run goes on "
+                            "from another model than the one checkpointed (put it back to continue that one)",
+                            old_lora["alpha"], self.policy.lora.alpha, self.policy.lora.alpha / old_lora["alpha"])
         return path
 
     @staticmethod
@@ -870,7 +883,10 @@ class CheckpointManager:
             return
         if export_dir is not None and not (info.get(EXPORTED_TO) == str(Path(export_dir).resolve())
                                            and (Path(export_dir) / "config.json").is_file()):
-            return  # stopped between its last save and the export: the run exports it now
+            # Stopped between its last save and the export (or the export deleted): the run loads
+            # its workers to export it now, and trains nothing, so its result is the one logged.
+            self.complete_result = _final_metrics(log_dir, path, info["step"])
+            return
         where = f", its final policy in {export_dir}" if export_dir is not None else ""
         raise RunAlreadyComplete(
             f"the run is complete: {path} is its last step ({key}={last_step}){where}; nothing to do (raise {key} "

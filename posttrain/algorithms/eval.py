@@ -172,7 +172,9 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     greedy = SamplingSettings.from_config(gen_cfg, greedy).greedy
     # The same config run on another model writes to the same folder: the earlier results are
     # moved aside with its logs, once nothing can fail any more before this run writes its own.
-    logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"), fresh=True, also_move=RESULT_FILES)
+    # Locked as a training run's logs are: a training run writing there had its logs moved aside.
+    logger = Logger(cfg.logger, save_dir, hparams=cfg.model_dump(mode="json"), fresh=True, also_move=RESULT_FILES,
+                    exclusive="eval.save_path" if cfg.eval.save_path else "logger.log_dir")
     return EvalSetup(cfg=cfg, save_dir=save_dir, tokenizer=tokenizer, generation=generation, envs=envs,
                      rows=rows, greedy=greedy, logger=logger)
 

@@ -140,7 +140,7 @@ def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | No
     # saved before run ids, which its logs cannot be compared with).
     named = checkpointer is not None and checkpointer.adopt_run_id(latest) is not None
     logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
-                    also_move=(EXPORT_DIR,), exclusive=True,
+                    also_move=(EXPORT_DIR,), exclusive="logger.log_dir",
                     resumed_from=None if latest is None else checkpointer.load_info(latest)["step"],
                     run_id=None if checkpointer is None else checkpointer.run_id,
                     compare_run_id=named)

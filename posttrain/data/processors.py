@@ -68,7 +68,10 @@ def load_tokenizer(cfg: TokenizerConfig, key: str = "policy.tokenizer.name"):
         raise model_load_error(key, cfg.name, path, "a tokenizer", e) from None
     where = "policy.tokenizer" if key.startswith("policy.") else key.rsplit(".", 1)[0]
     if cfg.chat_template is not None:
-        if tok.chat_template not in (None, cfg.chat_template) and path not in _TEMPLATE_REPLACED:
+        from posttrain.policy.hf_io import written_by_export
+
+        if (tok.chat_template is not None and not written_by_export(tok.chat_template, cfg.chat_template)
+                and path not in _TEMPLATE_REPLACED):
             # An export's own template (an SFT run's) replaced without a word: the model learned one
             # layout and the run trains (and exports) another.
             _TEMPLATE_REPLACED.add(path)

@@ -132,7 +132,7 @@ def _check_writable(run_dir: Path) -> None:
 class Logger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, hparams: dict[str, Any] | None = None,
                  fresh: bool = False, also_move: tuple[str, ...] = (), resumed_from: int | None = None,
-                 exclusive: bool = False, run_id: str | None = None, compare_run_id: bool = True) -> None:
+                 exclusive: str | None = None, run_id: str | None = None, compare_run_id: bool = True) -> None:
         """`fresh`: the run starts over (no checkpoint to resume from), so the logs an earlier run
         left in `run_dir` (and the files named in `also_move`, which the caller writes beside them)
         are moved into `<run_dir>/previous-<time>/`; otherwise the run continues them.
@@ -143,8 +143,9 @@ class Logger:
         step 0) is not written twice. The W&B and MLflow runs of the stopped run are continued
         rather than new ones started; their stores cannot delete a logged value, so the steps the
         stopped run logged after the checkpoint stay there beside the ones logged again.
-        `exclusive`: hold `run_dir`'s lock until `close` (a training run's logger.log_dir): a second
-        live run there moved the first's logs aside and replaced its final export.
+        `exclusive`: the config key naming `run_dir` ("logger.log_dir"), whose lock the logger holds
+        until `close`: a second live run there moved the first's logs aside and replaced its final
+        export (an eval run there, a training run's logs). None: no lock.
         `run_id`: the run's (CheckpointManager.run_id), kept in `run_dir`. A resumed run that finds
         another run's logs there (a run with other checkpoints, the same logger.log_dir) moves
         them aside as a fresh start does, instead of cutting them at its step and continuing
@@ -154,7 +155,7 @@ class Logger:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         _check_writable(self.run_dir)
-        self._lock_fd = lock_beside(self.run_dir, "logger.log_dir", cfg.log_dir) if exclusive else -1
+        self._lock_fd = lock_beside(self.run_dir, exclusive, str(run_dir)) if exclusive else -1
         # The records a resumed run reads back for its plots to cover the stopped run's steps:
         # metrics.jsonl, or without it (logger.jsonl_enabled=false) a file kept for the plots alone.
         self.metrics_path = self.run_dir / ("plots/history.jsonl" if cfg.plots_enabled and not cfg.jsonl_enabled

@@ -600,6 +600,14 @@ def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
     return template
 
 
+def written_by_export(loaded: Any, template: str) -> bool:
+    """Whether `loaded`, a model folder's chat template, is `template` as an export writes it
+    (`exported_chat_template`: a BOS in front, an EOS after, or neither): a run of the same
+    config on its own export replaces it with the one it came from, and no warning is due."""
+    return isinstance(loaded, str) and any(loaded == front + template + end for front in ("", *_BOS_FRONTS)
+                                           for end in ("", _EOS_AFTER))
+
+
 def _same_ids(exported: Callable[[], list[int]], trained: Callable[[], list[int]]) -> bool:
     """Whether the two renders give the same ids; True where the template refuses the conversation
     (a system turn, in Gemma's): there is nothing to get wrong."""

@@ -11,6 +11,7 @@
 
 import copy
 import json
+import shutil
 import re
 
 import pytest
@@ -128,6 +129,13 @@ def test_a_complete_run_started_again_returns_its_result_without_starting_worker
     again = sft.run(cfg)
     assert again.pop("already_complete") is True and again == first
     # (A step left, or no export recorded: it sets up and trains; tests/unit/test_checkpoint.py.)
+    # Its export deleted: started again, it exports once more and returns the same result (it
+    # returned that of no step, {}).
+    monkeypatch.undo()
+    shutil.rmtree(tmp_path / "logs" / "hf")
+    exported = sft.run(cfg)
+    assert (tmp_path / "logs" / "hf" / "config.json").is_file()
+    assert exported.pop("already_complete") is True and exported == first
 
 
 def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_before_it(ray_session, shared_data,

@@ -162,7 +162,7 @@ def test_a_checkpoint_past_the_runs_last_step_is_refused(tmp_path):
         mgr.check_steps_left(path, 3, "sft.max_num_steps")
 
 
-def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_any_worker_starts(tmp_path):
+def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_any_worker_starts(tmp_path, caplog):
     from posttrain.config import load_config, to_yaml
 
     def policy(*overrides):
@@ -193,6 +193,11 @@ def test_resume_refuses_a_checkpoint_of_other_lora_or_optimizer_settings_before_
     again = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "lora" / "ckpt")), SIG,
                               policy("policy.lora.enabled=true", "policy.lora.target_modules=[v_proj,q_proj]"))
     assert again.latest().name == "step_2"
+    # Another alpha loads the same tensors, into another model: resumed, with a warning.
+    with caplog.at_level(logging.WARNING):
+        assert CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "lora" / "ckpt")), SIG,
+                                 policy(*lora, "policy.lora.alpha=64")).latest().name == "step_2"
+    assert "policy.lora.alpha: 16.0 -> 64.0 scales the trained adapters' update by 4x" in caplog.text
     with pytest.raises(ConfigError, match=r'policy.lora.target_modules: \["q_proj", ?"v_proj"\] -> \["q_proj"\]'):
         CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "lora" / "ckpt")), SIG,
                           policy("policy.lora.enabled=true", "policy.lora.target_modules=[q_proj]")).latest()
@@ -711,7 +716,11 @@ def test_a_run_is_complete_at_its_last_step_once_its_export_is_recorded(tmp_path
         {"step": 4, "prefix": "val", "loss": 1.5}, {"step": 5, "prefix": "train", "loss": 1.25}]))
     path = _save(mgr, 5)
     mgr.check_complete(path, 6, "sft.max_num_steps", None, logs)  # a step left: nothing said
+    assert mgr.complete_result is None
     mgr.check_complete(path, 5, "sft.max_num_steps", hf, logs)  # its export not made: the run makes it
+    # ... training nothing: its result is the one logged (it printed {"result": {}}).
+    assert mgr.complete_result == {"step": 5, "train/loss": 1.25, "val/loss": 1.5, "val/step": 4,
+                                   "already_complete": True}
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     mgr.record_export(hf)

@@ -920,7 +920,8 @@ def test_a_training_runs_log_dir_is_refused_to_a_second_live_run_until_the_first
         import time
         from posttrain.logging import Logger
         from posttrain.schemas import LoggerConfig
-        Logger(LoggerConfig(log_dir={str(run)!r}, tensorboard_enabled=False), {str(run)!r}, fresh=True, exclusive=True)
+        Logger(LoggerConfig(log_dir={str(run)!r}, tensorboard_enabled=False), {str(run)!r}, fresh=True,
+               exclusive="logger.log_dir")
         print("ready", flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
@@ -928,13 +929,20 @@ def test_a_training_runs_log_dir_is_refused_to_a_second_live_run_until_the_first
         assert holder.stdout.readline().strip() == "ready"
         (run / "metrics.jsonl").write_text('{"step": 1}\n')
         with pytest.raises(InputError, match=rf"logger.log_dir={run}: another run is using it \(pid {holder.pid} on "):
-            Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive=True)
+            Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive="logger.log_dir")
+        # Through a symlink to it (or to its parent) it is the same folder: that run took a lock of its own.
+        (tmp_path / "link").symlink_to(run)
+        (tmp_path / "parent_link").symlink_to(tmp_path)
+        for other in (tmp_path / "link", tmp_path / "parent_link" / "run"):
+            # An eval run writing its results there moved the training run's logs aside.
+            with pytest.raises(InputError, match=rf"eval.save_path={other}: another run is using it "):
+                Logger(_cfg(log_dir=str(other)), other, fresh=True, exclusive="eval.save_path")
         assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing moved aside
         Logger(_cfg(log_dir=str(run)), run).close()  # a logger that is not a training run's takes no lock
     finally:
         holder.kill()
         holder.wait()
-    first = Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive=True)
+    first = Logger(_cfg(log_dir=str(run)), run, fresh=True, exclusive="logger.log_dir")
     first.close()  # closed, it frees the folder for the next run (of this process too)
     assert not (run / "metrics.jsonl").exists() and any(run.glob("previous-*"))
 

@@ -208,7 +208,7 @@ def test_chat_template_override_and_eos(gpt2, shared_data):
     assert all(t.endswith("<|endoftext|>") and "Question" not in t for t in loss_texts)
 
 
-def test_load_tokenizer_applies_config_template(tiny_model_path, caplog, monkeypatch):
+def test_load_tokenizer_applies_config_template(tiny_model_path, caplog, monkeypatch, tmp_path):
     from posttrain.data import processors
 
     monkeypatch.setattr(processors, "_TEMPLATE_REPLACED", set())  # another test's run warned already
@@ -219,6 +219,15 @@ def test_load_tokenizer_applies_config_template(tiny_model_path, caplog, monkeyp
     assert t.apply_chat_template(CONVO[1:3], tokenize=False) == "1+1?|2|"
     # The model's own template, replaced, is said once: an SFT export's, which the run no longer trains on.
     assert caplog.text.count("policy.tokenizer.chat_template replaces the chat template of") == 1
+    # This config's own export (its template with the BOS and EOS an export writes): the same template.
+    from posttrain.policy.hf_io import _EOS_AFTER
+
+    t.chat_template = "{{ bos_token }} " + template + _EOS_AFTER
+    t.save_pretrained(tmp_path / "export")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_tokenizer(TokenizerConfig(name=str(tmp_path / "export"), chat_template=template), key="policy.model_name")
+    assert "replaces the chat template" not in caplog.text
 
 
 def test_gpt2_vocab_and_merges_folder_says_what_it_lacks(shared_data, tmp_path):
