@@ -885,7 +885,7 @@ def test_code_large_top_level_tables_stay_in_the_program():
     tests = ["assert sq(12) == 144", "assert SQUARES[3] == 9 and len(SQUARES) == 10**7", "assert SMALL == [0, 1, 2, 3, 4]",
              "assert SQUARES == []"]
     env = _code_env(reward="fraction", memory_mb=2048)
-    env.timeout_s = 2.0
+    env.timeout_s = 4.0  # under the 5 s the copy took; 2 s timed out on a CPU shared with other jobs
     ret = env.step([_answer(program)], [{"tests": tests}])
     assert ret.rewards == [0.75], ret.observations[0]["content"]
     assert "the program's list of 10000000 items (not copied to the tests) is not plain data" in \
