@@ -26,11 +26,13 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         An assistant message's reasoning written apart from its content, in
                         `reasoning_content`, `reasoning` or `thinking` (any format's messages),
                         is kept as `reasoning_content` for the chat template (refused on other
-                        roles, and beside a <think> block in the content)
+                        roles, and beside a <think> block in the content). An assistant
+                        message's `weight: 0` (OpenAI fine-tuning's) gets no loss
     sharegpt            {"conversations": [{"from", "value"}, ...], "system"?}    (ShareGPT; a
                         `function_call` turn's JSON call(s) become the assistant's `tool_calls`)
     alpaca              {"instruction", "input"?, "output", "system"?, "history"?}
-    prompt_completion   {"prompt": str | msgs, "completion": str | msgs}
+    prompt_completion   {"prompt": str | msgs, "completion": str | msgs}: loss on the completion
+                        alone (assistant turns in the prompt are context, as TRL trains)
     prompt              {"prompt": str | msgs, <other columns>} (TRL's prompt-only GRPO data) -> an
                         RL/eval row of the environment its `task_name` (or data.task_name) names,
                         with its `answer` when given and every other column in its `metadata`
@@ -50,7 +52,8 @@ Accepted input formats (`data.format`, auto-detected from the first row's keys w
                         "setup"}, "answer": the reference solution, when given} for the `code`
                         environment
     preference          {"chosen", "rejected"} with the shared context in `conversations`
-                        (LLaMA-Factory), `prompt` (TRL; str or msgs), `messages`, or implicit
+                        (LLaMA-Factory), `instruction` + `input`? + `history`? (LLaMA-Factory's
+                        alpaca layout), `prompt` (TRL; str or msgs), `messages`, `question`, or implicit
                         (chosen/rejected are full conversations sharing a prefix, which may
                         end with a given `prompt`, as in UltraFeedback binarized; or texts, TRL's
                         standard implicit prompt, whose shared words are the prompt: a user turn,
@@ -106,6 +109,16 @@ _ROLES = ("system", "user", "assistant", "tool")
 # it, Ollama). Canonical rows carry it as REASONING_KEY, the name most templates read;
 # `render_chat` hands it to a template under the name that template reads.
 REASONING_KEY = "reasoning_content"
+# An assistant message that gets no loss carries WEIGHT_KEY: 0 (OpenAI fine-tuning's per-message
+# "weight", 0 or 1; a prompt/completion row's assistant turns inside its prompt). Trained ones carry none.
+WEIGHT_KEY = "weight"
+
+
+def trained_message(message: dict[str, Any]) -> bool:
+    """Whether a message of a conversation SFT, DPO, KTO or an RM trains on gets loss."""
+    return message["role"] == "assistant" and message.get(WEIGHT_KEY, 1) != 0
+
+
 # Metadata of a prompt-only row whose prompt was a string (TRL's standard format): its TRL reward
 # functions get prompts and completions as strings. Underscored: no reward function's keyword.
 TEXT_PROMPT_KEY = "_text_prompt"
@@ -353,6 +366,12 @@ def _message(m: Any, loc: str, what: str) -> dict[str, str]:
         out["tool_calls"] = calls
     if role == "tool":  # which call the result answers and the tool's name, for templates that show them
         out.update({k: _text(m[k], loc, f"{what}.{k}") for k in ("tool_call_id", "name") if m.get(k) is not None})
+    if m.get(WEIGHT_KEY) is not None:
+        if role != "assistant" or isinstance(m[WEIGHT_KEY], bool) or m[WEIGHT_KEY] not in (0, 1):
+            raise DataFormatError(f"{loc}: `{what}.{WEIGHT_KEY}` must be 0 (no loss) or 1 on an assistant message, "
+                                  f"got {m[WEIGHT_KEY]!r} on a {role} message")
+        if m[WEIGHT_KEY] == 0:
+            out[WEIGHT_KEY] = 0
     return _with_reasoning(out, m, loc, what)
 
 
@@ -469,8 +488,10 @@ def _link_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _require_assistant(messages: list[dict[str, str]], loc: str, what: str, hint: str = "") -> None:
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataFormatError(f"{loc}: `{what}` has no assistant message, so nothing to train on{hint}")
+    if not any(trained_message(m) for m in messages):
+        weighed = any(m["role"] == "assistant" for m in messages)
+        raise DataFormatError(f"{loc}: `{what}` has no assistant message" + (f" without {WEIGHT_KEY} 0" if weighed else "")
+                              + f", so nothing to train on{hint}")
 
 
 # A turn of an Anthropic HH-RLHF transcript: the speaker after a blank line.
@@ -575,11 +596,12 @@ def _from_sharegpt(row: dict[str, Any], loc: str) -> dict[str, Any]:
     return _with_tools({"messages": messages}, row, loc)
 
 
-def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:
-    instruction = _text(_require(row, "instruction", loc, "alpaca"), loc, "instruction")
+def _alpaca_prompt(row: dict[str, Any], loc: str, fmt: str) -> list[dict]:
+    """The conversation an Alpaca row's answer follows: its `system`, its `history` pairs, and the
+    instruction with its `input` (LLaMA-Factory's alpaca layout, of SFT and of preference rows)."""
+    instruction = _text(_require(row, "instruction", loc, fmt), loc, "instruction")
     extra = row.get("input") or ""
     _text(extra, loc, "input", allow_empty=True)
-    output = _text(_require(row, "output", loc, "alpaca"), loc, "output")
     messages = _with_system([], row, loc)
     for i, turn in enumerate(row.get("history") or []):
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
@@ -587,8 +609,13 @@ def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:
         messages.append({"role": "user", "content": _text(turn[0], loc, f"history[{i}][0]")})
         messages.append({"role": "assistant", "content": _text(turn[1], loc, f"history[{i}][1]")})
     user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-    return {"messages": messages}
+    return [*messages, {"role": "user", "content": user}]
+
+
+def _from_alpaca(row: dict[str, Any], loc: str) -> dict[str, Any]:
+    prompt = _alpaca_prompt(row, loc, "alpaca")
+    output = _text(_require(row, "output", loc, "alpaca"), loc, "output")
+    return {"messages": [*prompt, {"role": "assistant", "content": output}]}
 
 
 def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
@@ -599,6 +626,8 @@ def _from_prompt_completion(row: dict[str, Any], loc: str) -> dict[str, Any]:
         if isinstance(prompt, str)
         else _messages(prompt, loc, "prompt")
     )
+    # Loss on the completion alone (TRL's completion_only_loss): assistant turns of the prompt are context.
+    prompt_msgs = [{**m, WEIGHT_KEY: 0} if m["role"] == "assistant" else m for m in prompt_msgs]
     messages = prompt_msgs + _response(completion, loc, "completion")
     _require_assistant(messages, loc, "completion")
     return {"messages": messages}
@@ -677,8 +706,12 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
         _require(row, key, loc, "preference")  # a preference row needs both
     chosen = _response(row["chosen"], loc, "chosen")
     rejected = _response(row["rejected"], loc, "rejected")
-    context_key = next((k for k in ("conversations", "prompt", "messages", "context") if row.get(k)), None)
-    if context_key is None and len(chosen) == len(rejected) == 1 and isinstance(row["chosen"], str):
+    # `instruction` (with `input`): LLaMA-Factory's alpaca preference layout; `question` a plain one.
+    context_key = next((k for k in ("conversations", "prompt", "messages", "context", "instruction", "question")
+                        if row.get(k)), None)
+    if context_key == "instruction":
+        prompt = _alpaca_prompt(row, loc, "preference")
+    elif context_key is None and len(chosen) == len(rejected) == 1 and isinstance(row["chosen"], str):
         prompt, chosen, rejected = _split_shared_text(chosen[0]["content"], rejected[0]["content"], loc)
     elif context_key is None:
         prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)

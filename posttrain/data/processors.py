@@ -42,7 +42,7 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.formats import REASONING_FIELDS, REASONING_KEY, demonstration_messages, row_name
+from posttrain.data.formats import REASONING_FIELDS, REASONING_KEY, demonstration_messages, row_name, trained_message
 from posttrain.schemas import DataConfig, TokenizerConfig
 
 Example = dict[str, list[int]]  # {"input_ids": [...], "loss_mask": [...]}
@@ -331,13 +331,13 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
     # render them with, the rendering starts at the first user message (a leading system message
     # alone is a conversation templates may refuse: `first_user_message`).
     first_user = first_user_message(messages) or 0
-    first_trained = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_start), None)
+    first_trained = next((i for i, m in enumerate(messages) if trained_message(m) and i >= loss_start), None)
     lead = first_trained if first_trained is not None and add_generation_prompt else first_user
     ahead = ""  # the text of the messages before `lead`, rendered for their `starts` only
     for i, msg in enumerate(messages):
         starts.append(len(rendered or ahead))
         marks.append(len(ids))
-        trains = msg["role"] == "assistant" and i >= loss_start
+        trains = trained_message(msg) and i >= loss_start
         if i < lead:
             if i >= first_user:
                 ahead = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False, tools=tools)
@@ -491,7 +491,7 @@ def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[i
     """
     for i in range(loss_start, len(messages)):
         end = starts[i + 1] if i + 1 < len(starts) else len(rendered)
-        if (reasoning := _reasoning_of(messages[i])) and not _shows(rendered[starts[i]:end], reasoning):
+        if trained_message(messages[i]) and (reasoning := _reasoning_of(messages[i])) and not _shows(rendered[starts[i]:end], reasoning):
             what, fix = _reasoning_named(messages[i])
             raise InputError(
                 f"the chat template drops the {what} of assistant message {i}, which gets loss, so training would "

@@ -969,3 +969,17 @@ def test_math_rows_of_one_file_may_use_question_or_problem(tmp_path):
     path = _write_jsonl(tmp_path / "neither.jsonl", [{"question": "1+1=", "answer": "2"}, {"answer": "4"}] * 2)
     with pytest.raises(DataFormatError, match="row 2: math row is missing `question`"):
         load_rows(_cfg(path), "train")
+
+
+def test_alpaca_layout_preference_rows_keep_their_instruction_input_system_and_history():
+    # LLaMA-Factory's alpaca preference layout: the instruction and input were dropped, and the
+    # words both answers start with ("The answer is") became the prompt.
+    row = normalize_row({"instruction": "What is 2+0?", "input": "Answer in words.", "system": "Be brief.",
+                         "history": [["Hi", "Hello"]], "chosen": "The answer is 2.", "rejected": "The answer is 3."}, "preference", "row 1")
+    assert row == {"prompt_messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                       {"role": "user", "content": "What is 2+0?\n\nAnswer in words."}],
+                   "chosen": [{"role": "assistant", "content": "The answer is 2."}],
+                   "rejected": [{"role": "assistant", "content": "The answer is 3."}]}
+    plain = normalize_row({"question": "What is 2+0?", "chosen": "Two.", "rejected": "Three."}, "preference", "row 1")
+    assert plain["prompt_messages"] == [{"role": "user", "content": "What is 2+0?"}]

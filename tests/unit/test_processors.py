@@ -147,6 +147,25 @@ def test_assistant_only_mask_embedded_template(tok):
     assert no_bos["input_ids"] == ex["input_ids"][1:]
 
 
+def test_assistant_turns_of_weight_0_and_of_a_prompt_get_no_loss(tok):
+    # OpenAI fine-tuning's per-message weight was dropped (the turn trained), and a prompt/completion
+    # row trained the assistant turns inside its prompt (TRL trains the completion alone).
+    from posttrain.data.formats import DataFormatError, normalize_row
+
+    weighed = normalize_row({"messages": [*CONVO[:2], {**CONVO[2], "weight": 0}, *CONVO[3:]]}, "messages", "row 1")
+    split = normalize_row({"prompt": CONVO[:4], "completion": [CONVO[4]]}, "prompt_completion", "row 1")
+    for row in (weighed, split):
+        assert _loss_text(tok, tokenize_messages(row["messages"], tok)) == "4<|end|>"
+    assert _loss_text(tok, tokenize_messages(normalize_row({"messages": [*CONVO[:4], {**CONVO[4], "weight": 1}]},
+                                                           "messages", "row 1")["messages"], tok)) == "2<|end|>4<|end|>"
+    with pytest.raises(DataFormatError, match=r"row 1: `messages\[2\].weight` must be 0 \(no loss\) or 1 on an "
+                                              r"assistant message, got 0.5"):
+        normalize_row({"messages": [*CONVO[:2], {**CONVO[2], "weight": 0.5}]}, "messages", "row 1")
+    with pytest.raises(DataFormatError, match=r"row 1: `messages` has no assistant message without weight 0, so "
+                                              r"nothing to train on"):
+        normalize_row({"messages": [*CONVO[:2], {**CONVO[2], "weight": 0}]}, "messages", "row 1")
+
+
 def test_template_ending_turns_with_eos_and_a_newline_gets_no_second_eos():
     # ChatML ("<|im_end|>\n" after every turn, <|im_end|> the EOS of Qwen's chat models): the
     # EOS appended after the newline trained "<|im_end|>\n<|im_end|>".
