@@ -973,7 +973,8 @@ class DataConfig(Section):
     # Use only the first this many validation rows (of a held-out split: a seeded random sample of
     # them); null: all.
     max_val_samples: int | None = Field(None, ge=1)
-    # A dataset without a validation file holds out this seeded fraction of its rows for validation.
+    # A dataset without a validation file holds out this seeded fraction of its rows for validation
+    # (none in a run that never validates: val_period 0, neither at its start nor at its end).
     val_split_fraction: float = Field(0.05, gt=0, lt=1)
     # Embedded arithmetic task: operands have up to this many digits.
     num_digits: int = Field(1, ge=1, le=9)

@@ -46,7 +46,7 @@ from posttrain.checkpoint import (
 )
 from posttrain.config import InputError, RunStopped, to_yaml
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.datasets import load_rows, shared_rows_note
+from posttrain.data.datasets import run_rows, shared_rows_note
 from posttrain.data.formats import row_name, with_fields
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import (collate, load_policy_tokenizer, naming_row, note_dropped_system,
@@ -123,7 +123,7 @@ def _fit_prompts(rows: list[dict], tokenizer, cfg: GRPOMasterConfig, split: str)
                 f"{name}: the prompt is {n} tokens, more than {bound}; set data.truncation=drop to drop "
                 "such rows (they are counted)"
             )
-    if not kept:
+    if rows and not kept:  # no rows at all: the validation of a run that never validates
         raise InputError(
             f"no {split} rows left: all {len(rows)} prompts are more tokens than {bound}"
         )
@@ -201,7 +201,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     check_optimizer(cfg.policy)
     check_compile_backend(cfg.policy.compile)
     check_backend_installed(cfg.policy.generation)
-    train_rows, val_rows = load_rows(cfg.data, "train"), load_rows(cfg.data, "validation")
+    train_rows, val_rows = run_rows(cfg.data, bool(g.val_period or g.val_at_start or g.val_at_end))
     note_dropped_system(tokenizer, train_rows + val_rows)
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")

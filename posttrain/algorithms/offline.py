@@ -30,7 +30,7 @@ from posttrain.checkpoint import (
 )
 from posttrain.config import ConfigError, InputError, to_yaml
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.datasets import load_rows, shared_rows_note
+from posttrain.data.datasets import run_rows, shared_rows_note
 from posttrain.data.loader import RowLoader
 from posttrain.data.processors import load_policy_tokenizer, note_dropped_system, shown_example
 from posttrain.distributed.cluster import RayVirtualCluster
@@ -310,9 +310,12 @@ def offline_data(cfg: Any, algorithm: str, process_rows: Callable, collate_fn: C
     algo = getattr(cfg, algorithm)
     tokenizer = load_policy_tokenizer(cfg.policy)
     max_len = max_sequence_length(cfg)
-    examples, stats, rows_of = {}, {}, {}
-    for split in ("train", "val"):
-        rows = rows_of[split] = load_rows(cfg.data, split)  # its errors name the file
+    examples, stats = {"val": []}, {}
+    rows_of = dict(zip(("train", "val"), run_rows(cfg.data, bool(algo.val_period or algo.val_at_start
+                                                              or algo.val_at_end))))  # its errors name the file
+    for split, rows in rows_of.items():
+        if not rows and split == "val":  # a run that never validates
+            continue
         try:
             examples[split], stats[split] = process_rows(rows, tokenizer, cfg.data, max_len)
         except InputError as e:

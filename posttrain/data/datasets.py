@@ -160,6 +160,9 @@ def _read_csv(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
     the line each row starts on. Not through `datasets`, whose pandas reader types the columns: an
     answer "025" came back as 25."""
     rows, numbers = [], []
+    # A cell may hold a whole document: the module's limit (131,072 characters) refused valid files.
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
+    start = 1  # the line the row being read starts on, which an error names
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a spreadsheet's byte-order mark
             reader = csv.DictReader(f, strict=True)  # strict: an unclosed quote is an error, not the rest of the file
@@ -178,7 +181,7 @@ def _read_csv(path: Path) -> tuple[list[dict[str, Any]], str, list[int]]:
                     numbers.append(start)
                 start = reader.line_num + 1
     except csv.Error as e:
-        raise DataFormatError(f"{path} line {reader.line_num}: cannot read the file as CSV: {e}") from None
+        raise DataFormatError(f"{path} line {start}: cannot read the file as CSV: {e}") from None
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise DataFormatError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
@@ -557,8 +560,8 @@ def _folder_error(cfg: DataConfig, folder: Path, error: Exception) -> InputError
 
 def _hub(cfg: DataConfig, split: str, whole: bool = False) -> list[dict[str, Any]]:
     """Split `split` of a hub dataset, of a folder of data files `datasets.load_dataset` reads, or
-    of a folder written by `save_to_disk`: its "train" split, its "validation" (else "test")
-    split; a dataset without either holds out `data.val_split_fraction` of its train rows, which
+    of a folder written by `save_to_disk`: its "train" split, its "validation" (else "valid", "val",
+    "dev", "eval", "test") split; a dataset without either holds out `data.val_split_fraction` of its train rows, which
     then leave the train side, as of a file (`whole`: it does not, and either split is every
     row). A folder holding one saved split is its train rows."""
     import datasets
@@ -595,17 +598,25 @@ def _hub(cfg: DataConfig, split: str, whole: bool = False) -> list[dict[str, Any
         # A folder of CSV files: its cells as written too (`has_csv`).
         changes = _changes_values(splits[name].features)
         if own_files and (has_csv or changes):
-            files = datasets.load_dataset_builder(str(folder), **cfg.dataset_kwargs).config.data_files.get(name, [])
+            # `split` is load_dataset's alone (the builder refuses it): the split it names is the rows read.
+            kwargs = dict(cfg.dataset_kwargs)
+            picked = kwargs.pop("split", None)
+            files = datasets.load_dataset_builder(str(folder), **kwargs).config.data_files.get(
+                picked if isinstance(picked, str) else name, [])
             kinds = {Path(f).suffix.lower() for f in files}
             if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and changes)):
                 return [row for f in files for row in read_file(Path(f))[0]]
         return splits[name].to_list()
 
-    val_split = next((s for s in ("validation", "test") if s in splits), None)
+    # The names datasets gives a folder's validation files, and what `save_to_disk` dicts use too.
+    val_split = next((s for s in ("validation", "valid", "val", "dev", "eval", "test") if s in splits), None)
     if split == "val" and val_split is not None:
         return normalize_rows(split_rows(val_split), f"{source}[{val_split}]", cfg)
     if "train" not in splits:
-        raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)})")
+        raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)}); "
+                         f"name the one to train on, e.g. data.dataset_kwargs={{split: {next(iter(splits))}}} (a "
+                         "fraction is then held out of it for validation), or give each split its files with "
+                         "data.dataset_kwargs={data_files: {train: ..., test: ...}}")
     rows = normalize_rows(split_rows("train"), f"{source}[train]", cfg)
     return rows if val_split is not None or whole else _held_out(rows, split, cfg, source)
 
@@ -682,6 +693,16 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False, whole: b
     if cfg.task_name is not None:  # RL/eval rows (the ones with a task_name) go to this environment
         rows = [with_fields(r, task_name=cfg.task_name) if "task_name" in r else r for r in rows]
     return apply_prompts(rows, cfg)
+
+
+def run_rows(cfg: DataConfig, validates: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A training run's train and validation rows (`load_rows`). A run that never validates
+    (`validates` False: val_period 0, neither at its start nor its end) holds nothing out of a
+    file, folder or hub set, and has no validation rows: the rows held out were neither trained
+    on nor validated, and a one-row file could not train."""
+    if validates:
+        return load_rows(cfg, "train"), load_rows(cfg, "val")
+    return load_rows(cfg, "train", whole=True), []
 
 
 def _names_a_file(name: str) -> bool:

@@ -902,8 +902,14 @@ def test_csv_file_and_folder_keep_cells_as_written_and_name_lines(tmp_path):
     with pytest.raises(DataFormatError, match=r"dup.csv line 1: the header names 'prompt' twice"):
         load_rows(DataConfig(dataset_name=str(tmp_path / "dup.csv")), "train")
     (tmp_path / "quote.csv").write_text('prompt,completion\n1+1=,2\n"2+2=,4\n3+3=,6\n')
-    with pytest.raises(DataFormatError, match=r"quote.csv line \d+: cannot read the file as CSV"):
+    with pytest.raises(DataFormatError, match=r"quote.csv line 3: cannot read the file as CSV"):  # where it opens
         load_rows(DataConfig(dataset_name=str(tmp_path / "quote.csv")), "train")
+    # A cell longer than the csv module's 131,072 characters (a whole document) is read.
+    (tmp_path / "long.csv").write_text("prompt,completion\n" + "".join(f"q{i},a{i}\n" for i in range(9))
+                                       + "Summarise,\"" + "word " * 40_000 + "\"\n")
+    rows = [r for split in ("train", "val") for r in load_rows(DataConfig(dataset_name=str(tmp_path / "long.csv")),
+                                                                split)]
+    assert sorted(len(r["messages"][1]["content"]) for r in rows)[-1] == 200_000
     # A folder whose first file makes a column text and whose second writes numbers and NA there:
     # the second's cells were typed before the join ("02108" came back as 2108, "NA" as missing).
     (tmp_path / "mixed").mkdir()
@@ -983,3 +989,50 @@ def test_alpaca_layout_preference_rows_keep_their_instruction_input_system_and_h
                    "rejected": [{"role": "assistant", "content": "The answer is 3."}]}
     plain = normalize_row({"question": "What is 2+0?", "chosen": "Two.", "rejected": "Three."}, "preference", "row 1")
     assert plain["prompt_messages"] == [{"role": "user", "content": "What is 2+0?"}]
+
+
+def test_a_run_that_never_validates_trains_on_every_row(tmp_path):
+    # It held 5% out (never trained on nor validated), and a one-row file could not train at all.
+    from posttrain.algorithms.offline import offline_data
+    from posttrain.config import load_config
+    from posttrain.data.datasets import run_rows
+    from posttrain.data.processors import collate, process_sft_rows
+
+    rows = [{"instruction": f"Say {i}", "output": str(i)} for i in range(40)]
+    path = _write_jsonl(tmp_path / "a.jsonl", rows)
+    train, val = run_rows(_cfg(path), validates=False)
+    assert [r["messages"][-1]["content"] for r in train] == [str(i) for i in range(40)] and val == []
+    train, val = run_rows(_cfg(path), validates=True)
+    assert (len(train), len(val)) == (38, 2)
+    one = _write_jsonl(tmp_path / "one.jsonl", rows[:1])
+    cfg = load_config("sft", None, [f"data.dataset_name={one}", "policy.model_name=embedded:tiny",
+                                    "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false",
+                                    "policy.train_global_batch_size=1", "policy.train_micro_batch_size=1"])
+    data = offline_data(cfg, "sft", process_sft_rows, collate)
+    assert data.stats["train"]["kept"] == 1 and "val" not in data.stats and data.val_batches == []
+
+
+def test_a_folder_with_splits_named_otherwise_is_read_by_the_split_dataset_kwargs_names(tmp_path):
+    # UltraFeedback's hub layout (data/train_prefs-*.parquet, ...): "no train split" said no way
+    # forward, and data.dataset_kwargs={split: ...} crashed in the builder a CSV folder is re-read by.
+    (tmp_path / "uf" / "data").mkdir(parents=True)
+    for split in ("train_prefs", "test_prefs"):
+        (tmp_path / "uf" / "data" / f"{split}-00000-of-00001.csv").write_text(
+            "prompt,chosen,rejected\n" + "".join(f"Zip {i}?,0{i}108,{i}\n" for i in range(10)))
+    with pytest.raises(InputError, match=r"has no train split \(splits: .*\); name the one to train on, e.g. "
+                                         r"data.dataset_kwargs=\{split: \w+_prefs\}"):
+        load_rows(DataConfig(dataset_name=str(tmp_path / "uf")), "train")
+    cfg = DataConfig(dataset_name=str(tmp_path / "uf"), dataset_kwargs={"split": "train_prefs"})
+    rows = load_rows(cfg, "train") + load_rows(cfg, "val")
+    assert sorted(r["chosen"][0]["content"] for r in rows) == sorted(f"0{i}108" for i in range(10))  # as written
+
+
+def test_a_saved_dataset_whose_validation_split_is_named_valid_validates_on_it(tmp_path):
+    # Its `valid` split was left unread and 5% of the training rows held out instead.
+    import datasets
+
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(12)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:10]),
+                          "valid": datasets.Dataset.from_list(rows[10:])}).save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(dataset_name=str(tmp_path / "saved"))
+    assert [r["answer"] for r in load_rows(cfg, "val")] == ["11", "12"] and len(load_rows(cfg, "train")) == 10
