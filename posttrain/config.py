@@ -573,6 +573,76 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# Names other libraries give settings (Hugging Face Trainer and TRL configs, LLaMA-Factory, NeMo RL
+# recipes of other versions): the key they were written for carries this leaf, and spelling
+# matches mislead there (`lr` -> policy.lora, `per_device_train_batch_size` -> val_micro_batch_size).
+# Each leaf: posttrain's candidate keys, the first this command has (its own section of several),
+# and what to know when the two differ. A leaf posttrain uses itself never gets here.
+_ALGOS = ("grpo", "sft", "dpo", "kto", "rm", "eval")
+_FOREIGN_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
+    **dict.fromkeys(("learning_rate", "lr"), (("policy.optimizer.kwargs.lr",), "")),
+    "weight_decay": (("policy.optimizer.kwargs.weight_decay",), ""),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (("policy.optimizer.kwargs.betas",), "a pair, [0.9, 0.999]")),
+    "adam_epsilon": (("policy.optimizer.kwargs.eps",), ""),
+    **dict.fromkeys(("optim", "optimizer_type"), (("policy.optimizer.name",), "")),
+    **dict.fromkeys(("per_device_train_batch_size", "micro_batch_size"), (("policy.train_micro_batch_size",), "")),
+    "per_device_eval_batch_size": (tuple(f"{a}.val_micro_batch_size" for a in _ALGOS) + ("grpo.val_batch_size",), ""),
+    "gradient_accumulation_steps": (("policy.train_global_batch_size",), "the samples of one optimizer step; "
+                                    "the accumulation is that over policy.train_micro_batch_size and the workers"),
+    **dict.fromkeys(("num_train_epochs", "num_epochs", "epochs"), (tuple(f"{a}.max_num_epochs" for a in _ALGOS), "")),
+    "max_steps": (tuple(f"{a}.max_num_steps" for a in _ALGOS), ""),
+    **dict.fromkeys(("warmup_ratio", "warmup_steps", "lr_scheduler_type", "lr_scheduler"),
+                    (("policy.scheduler",), "stages of torch.optim.lr_scheduler classes, e.g. a LinearLR warm-up "
+                                            "then a CosineAnnealingLR (docs/config.md)")),
+    **dict.fromkeys(("max_seq_length", "max_length", "cutoff_len", "model_max_length", "max_seq_len"),
+                    (("policy.max_total_sequence_length",), "")),
+    "max_prompt_length": (("data.max_input_seq_length",), ""),
+    "max_completion_length": (("policy.generation.max_new_tokens",), ""),
+    "packing": (("policy.sequence_packing.enabled",), ""),
+    **dict.fromkeys(("completion_only_loss", "assistant_only_loss", "train_on_prompt", "mask_history"),
+                    ((), "posttrain has no such setting: assistant turns alone get loss (of a prompt/completion "
+                         "row, its completion; a message of OpenAI's weight 0, none), and plain `text` rows all")),
+    "beta": (("dpo.reference_policy_kl_penalty", "kto.reference_policy_kl_penalty",
+              "loss_fn.reference_policy_kl_penalty"), ""),
+    "pref_beta": (("dpo.reference_policy_kl_penalty", "kto.reference_policy_kl_penalty"), ""),
+    **dict.fromkeys(("loss_type", "pref_loss"), (("dpo.loss.name", "loss_fn.token_level_loss"),
+                                                 "DPO's are TRL's names (those posttrain has); GRPO's TRL "
+                                                 "loss_type 'grpo' is token_level_loss false, 'dapo' and 'bnpo' "
+                                                 "true, 'dr_grpo' true with grpo.adv_estimator=dr_grpo "
+                                                 "(docs/losses.md)")),
+    **dict.fromkeys(("rpo_alpha", "pref_ftx"), (("dpo.sft_loss_weight",), "")),
+    "num_generations": (("grpo.num_generations_per_prompt",), ""),
+    "epsilon": (("loss_fn.ratio_clip_min",), ""),
+    "epsilon_high": (("loss_fn.ratio_clip_max",), ""),
+    "scale_rewards": (("grpo.normalize_rewards",), ""),
+    "mask_truncated_completions": (("grpo.overlong_filtering",), ""),
+    **dict.fromkeys(("model_name_or_path", "model", "model_path"), (("policy.model_name",), "")),
+    "output_dir": (("logger.log_dir",), "checkpoints go to checkpointing.checkpoint_dir"),
+    **dict.fromkeys(("bf16", "fp16", "torch_dtype", "dtype"), (("policy.precision",), "")),
+    "save_steps": (("checkpointing.save_period",), ""),
+    "save_total_limit": (("checkpointing.keep_top_k",), ""),
+    "eval_steps": (tuple(f"{a}.val_period" for a in _ALGOS), ""),
+    **dict.fromkeys(("dataset", "dataset_path", "data_path", "train_file"), (("data.dataset_name",), "")),
+}
+
+
+def foreign_key_hint(bad: str, valid: list[str]) -> str | None:
+    """"posttrain's name for it: <key>[; note]" when `bad`'s last part is another library's name of
+    a setting this command has (`_FOREIGN_KEYS`), its note alone for one posttrain has no need of;
+    None otherwise."""
+    known = _FOREIGN_KEYS.get(re.sub(r"\[\d+\]", "", bad).rsplit(".", 1)[-1])
+    if known is None:
+        return None
+    keys, note = known
+    if not keys:  # a setting of theirs that posttrain does not need
+        return note
+    # A key inside a dict setting (policy.optimizer.kwargs.lr) is the dict's.
+    found = next((k for k in keys if k in valid or k.rpartition(".")[0] in valid), None)
+    if found is None:
+        return None
+    return f"posttrain's name for it: {found}" + (f"; {note}" if note else "")
+
+
 def suggest_key(bad: str, valid: list[str]) -> str | None:
     """The closest valid dotted key to `bad`.
 
@@ -702,9 +772,12 @@ def format_errors(
                 (name, node), = node.items()
                 given += f".{name}"
             owners = _owners_hint(key, schema)
-            hint = None if owners else suggest_key(given, valid) or suggest_key(inner, valid)
+            foreign = None if owners else foreign_key_hint(given, valid)
+            hint = None if owners or foreign else suggest_key(given, valid) or suggest_key(inner, valid)
             leaf = str(first["loc"][-1])
-            if "." in leaf and hint == inner:
+            if foreign:
+                msg = f"unknown key {key!r} ({foreign})"
+            elif "." in leaf and hint == inner:
                 # `grpo.max_num_steps: 5` in a YAML file is one key with dots in its name, not a path:
                 # "did you mean grpo.max_num_steps?" named itself.
                 msg = (f"unknown key {key!r}: a key with dots in a YAML file is one key, not a path; nest it "

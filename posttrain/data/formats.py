@@ -297,8 +297,9 @@ def _require(row: dict[str, Any], key: str, loc: str, fmt: str) -> Any:
     if key in row and row[key] is None:
         # The file has the column (the null a file read by `datasets` gives a row without a key
         # others have, a CSV's empty cell): no column_map can help.
-        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (its value is a null or an empty CSV cell, or other "
-                              f"rows of the file have the key and this one not; keys with a value: {_keys(row)})")
+        raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (its value is a null or an empty CSV cell, "
+                              f"or other rows of the file have the key and this one not; keys with a value: "
+                              f"{_keys(row)})")
     if key not in row:
         # A file's columns named otherwise (the first row's miss) are renamed by data.column_map.
         raise DataFormatError(f"{loc}: {fmt} row is missing `{key}` (keys: {_keys(row)}; columns named otherwise: "
@@ -490,8 +491,8 @@ def _link_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _require_assistant(messages: list[dict[str, str]], loc: str, what: str, hint: str = "") -> None:
     if not any(trained_message(m) for m in messages):
         weighed = any(m["role"] == "assistant" for m in messages)
-        raise DataFormatError(f"{loc}: `{what}` has no assistant message" + (f" without {WEIGHT_KEY} 0" if weighed else "")
-                              + f", so nothing to train on{hint}")
+        raise DataFormatError(f"{loc}: `{what}` has no assistant message"
+                              + (f" without {WEIGHT_KEY} 0" if weighed else "") + f", so nothing to train on{hint}")
 
 
 # A turn of an Anthropic HH-RLHF transcript: the speaker after a blank line.

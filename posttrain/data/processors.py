@@ -491,7 +491,8 @@ def check_reasoning_rendered(messages: list[dict], rendered: str, starts: list[i
     """
     for i in range(loss_start, len(messages)):
         end = starts[i + 1] if i + 1 < len(starts) else len(rendered)
-        if trained_message(messages[i]) and (reasoning := _reasoning_of(messages[i])) and not _shows(rendered[starts[i]:end], reasoning):
+        reasoning = _reasoning_of(messages[i]) if trained_message(messages[i]) else None
+        if reasoning and not _shows(rendered[starts[i]:end], reasoning):
             what, fix = _reasoning_named(messages[i])
             raise InputError(
                 f"the chat template drops the {what} of assistant message {i}, which gets loss, so training would "

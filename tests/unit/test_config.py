@@ -1427,3 +1427,27 @@ def test_sequence_packing_for_a_reward_model_is_refused_before_its_budget_is_ask
         "head's output at each row's last token); use policy.dynamic_batching for token-budget micro-batches  "
         "[policy.sequence_packing.enabled set at command line (policy.sequence_packing.enabled=true)]"]
     load_config("rm", None, ["policy.sequence_packing.enabled=false"])
+
+
+@pytest.mark.parametrize("algorithm, override, named", [
+    ("sft", "policy.lr=1e-5", "policy.optimizer.kwargs.lr"),  # spelling said policy.lora
+    ("sft", "sft.per_device_train_batch_size=2", "policy.train_micro_batch_size"),  # said val_micro_batch_size
+    ("sft", "learning_rate=1e-5", "policy.optimizer.kwargs.lr"),
+    ("sft", "num_train_epochs=2", "sft.max_num_epochs"),
+    ("dpo", "num_train_epochs=2", "dpo.max_num_epochs"),
+    ("sft", "packing=true", "policy.sequence_packing.enabled"),
+    ("dpo", "dpo.beta=0.1", "dpo.reference_policy_kl_penalty"),
+    ("grpo", "beta=0.04", "loss_fn.reference_policy_kl_penalty"),
+    ("grpo", "num_generations=8", "grpo.num_generations_per_prompt"),
+    ("grpo", "epsilon_high=0.28", "loss_fn.ratio_clip_max"),
+])
+def test_another_librarys_name_of_a_setting_names_posttrains(algorithm, override, named):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=re.escape(f"unknown key '{key}' (posttrain's name for it: {named}")):
+        load_config(algorithm, None, [override])
+
+
+def test_another_librarys_setting_posttrain_has_no_need_of_says_so():
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'sft.completion_only_loss' (posttrain has no such "
+                                                    "setting: assistant turns alone get loss")):
+        load_config("sft", None, ["sft.completion_only_loss=true"])
