@@ -886,8 +886,8 @@ class DataMixtureEntry(Section):
     # A dataset as data.dataset_name names one (registered, a file or folder, a hub set).
     dataset_name: str = Field(min_length=1)
     # Times each of its training rows appears per epoch of the mixture: 2 repeats every row, 0.5 takes
-    # a seeded half of them. Its share of the mixture is weight x rows over the sum of those. Validation
-    # rows are not weighted.
+    # a seeded half of them (the same half every epoch: the other half is never trained on). Its share
+    # of the mixture is weight x rows over the sum of those. Validation rows are not weighted.
     weight: float = Field(1.0, gt=0)
     # data.train_data_path of this dataset.
     train_data_path: str | None = None

@@ -661,9 +661,14 @@ def _from_prompt(row: dict[str, Any], loc: str) -> dict[str, Any]:
     messages = _with_system([{"role": "user", "content": _text(prompt, loc, "prompt")}] if text
                             else _messages(prompt, loc, "prompt"), row, loc)
     if row.get("task_name") is None:
+        # A column named like an answer to train on: prompt/completion data under other names.
+        answer = next((k for k in ("response", "output", "target")
+                       if isinstance(row.get(k), str)), None)
+        sft = (f"; for SFT on its `{answer}` column, rename it: data.column_map={{{answer}: completion}}"
+               if answer else "")
         raise DataFormatError(f"{loc}: a prompt-only row (`prompt` without `completion`: TRL's GRPO data) is scored "
                               "by an environment: set data.task_name=<environment> (e.g. your reward functions' "
-                              "env.<name>.target), or give the rows a task_name")
+                              f"env.<name>.target), or give the rows a task_name{sft}")
     if messages[-1]["role"] == "assistant":
         raise DataFormatError(f"{loc}: the `prompt` ends with an assistant message, which the model would see before "
                               "answering; for SFT on prompt and answer use `prompt`/`completion`")

@@ -1036,3 +1036,10 @@ def test_a_saved_dataset_whose_validation_split_is_named_valid_validates_on_it(t
                           "valid": datasets.Dataset.from_list(rows[10:])}).save_to_disk(str(tmp_path / "saved"))
     cfg = DataConfig(dataset_name=str(tmp_path / "saved"))
     assert [r["answer"] for r in load_rows(cfg, "val")] == ["11", "12"] and len(load_rows(cfg, "train")) == 10
+
+
+def test_prompt_and_response_rows_say_how_to_train_on_the_response():
+    # The advice was an environment, which `posttrain sft` refuses.
+    with pytest.raises(DataFormatError, match=re.escape("for SFT on its `response` column, rename it: "
+                                                        "data.column_map={response: completion}")):
+        normalize_row({"prompt": "Hi", "response": "Hello"}, "prompt", "row 1")
