@@ -611,9 +611,22 @@ _FOREIGN_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
                                                  "true, 'dr_grpo' true with grpo.adv_estimator=dr_grpo "
                                                  "(docs/losses.md)")),
     **dict.fromkeys(("rpo_alpha", "pref_ftx"), (("dpo.sft_loss_weight",), "")),
-    "num_generations": (("grpo.num_generations_per_prompt",), ""),
-    "epsilon": (("loss_fn.ratio_clip_min",), ""),
-    "epsilon_high": (("loss_fn.ratio_clip_max",), ""),
+    **dict.fromkeys(("num_generations", "rollout_n"), (("grpo.num_generations_per_prompt",), "")),
+    **dict.fromkeys(("epsilon", "clip_ratio_low", "clip_ratio", "ratio_clip_low"), (("loss_fn.ratio_clip_min",), "")),
+    **dict.fromkeys(("epsilon_high", "clip_ratio_high", "ratio_clip_high"), (("loss_fn.ratio_clip_max",), "")),
+    "clip_ratio_c": (("loss_fn.ratio_clip_c",), ""),
+    "importance_sampling_level": (("loss_fn.sequence_level_importance_ratios",), "true for TRL's \"sequence\" (GSPO)"),
+    **dict.fromkeys(("kl_coef", "kl_loss_coef", "init_kl_coef"), (("loss_fn.reference_policy_kl_penalty",), "")),
+    **dict.fromkeys(("kl_loss_type", "kl_estimator"), (("loss_fn.reference_policy_kl_type",), "")),
+    "loss_agg_mode": (("loss_fn.token_level_loss",), "true for \"token-mean\", false for \"seq-mean-token-mean\""),
+    # NeMo RL keys of other versions that posttrain does without.
+    **dict.fromkeys(("in_flight_weight_updates", "recompute_kv_cache_after_weight_updates"),
+                    ((), "NeMo RL's async GRPO setting, not needed here: posttrain's generation takes the new weights "
+                         "between steps, and grpo.async_grpo.max_trajectory_age_steps bounds how old a trajectory "
+                         "may be")),
+    "skip_reference_policy_logprobs_calculation": ((), "NeMo RL's; posttrain computes reference logprobs only for "
+                                                       "a KL penalty (loss_fn.reference_policy_kl_penalty > 0) or a "
+                                                       "distillation teacher"),
     "scale_rewards": (("grpo.normalize_rewards",), ""),
     "mask_truncated_completions": (("grpo.overlong_filtering",), ""),
     **dict.fromkeys(("model_name_or_path", "model", "model_path"), (("policy.model_name",), "")),

@@ -280,16 +280,18 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     )
 
 
-def warmup_overrun(cfg: GRPOMasterConfig, step: int, elapsed_s: float, left_s: float | None) -> str | None:
+def warmup_overrun(cfg: GRPOMasterConfig, step: int, elapsed_s: float, step_s: float | None,
+                   left_s: float | None) -> str | None:
     """Why the warm-up SFT must stop at `step` (of grpo.warmup_sft_steps, `elapsed_s` in) with
     `left_s` until checkpointing.checkpoint_must_save_by, or None. It saves no checkpoint, so a
     warm-up that ends after that limit gets no save in before it: a scheduler's kill there lost it,
-    and the restart ran it again. Projected from the mean step after 10 steps."""
+    and the restart ran it again. Projected by `step_s`, the mean step after the first ten (None
+    before there are ten of them): the first ones' start-up costs projected 609 s for a 27 s warm-up."""
     total = cfg.grpo.warmup_sft_steps
     if left_s is None or step >= total:
         return None
-    projected = elapsed_s / step * (total - step)
-    if left_s > 0 and (step < 10 or projected <= left_s):
+    projected = (step_s if step_s is not None else elapsed_s / step) * (total - step)
+    if left_s > 0 and (step_s is None or projected <= left_s):
         return None
     return (f"checkpointing.checkpoint_must_save_by={cfg.checkpointing.checkpoint_must_save_by}: the warm-up SFT "
             f"(grpo.warmup_sft_steps={total}), which saves no checkpoint, would end after it (step {step} after "
@@ -327,6 +329,7 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, warmup: tuple[
     nll = NLLLoss()
     logger.start_progress(cfg.grpo.warmup_sft_steps, 0)
     first_step = time.monotonic()
+    steady = None  # when the 10th step ended: the ones before it carry the start-up costs
     for step in range(1, cfg.grpo.warmup_sft_steps + 1):
         batch = collate(next(loader), tokenizer.pad_token_id)
         # at temperature 1: the demonstrations fit the model itself, as an SFT checkpoint would
@@ -334,7 +337,10 @@ def _warmup_sft(cfg: GRPOMasterConfig, policy: Policy, tokenizer, warmup: tuple[
         if step % 10 == 0 or step == cfg.grpo.warmup_sft_steps:  # a console line per 10 steps is plenty
             logger.log_metrics({"loss": metrics["loss"]}, step=step, prefix="warmup_sft")
         logger.update_progress(step, {"warmup_sft_loss": metrics["loss"]})
-        if (overrun := warmup_overrun(cfg, step, time.monotonic() - first_step, checkpointer.time_left_s())) is not None:
+        now = time.monotonic()
+        steady = now if step == 10 else steady
+        step_s = (now - steady) / (step - 10) if steady is not None and step >= 20 else None
+        if (overrun := warmup_overrun(cfg, step, now - first_step, step_s, checkpointer.time_left_s())) is not None:
             raise RunStopped(overrun)
     # RL starts with fresh Adam moments, as it would from an SFT checkpoint: the warm-up's are
     # scaled for dense imitation gradients and make a useful RL rate unstable.

@@ -226,6 +226,12 @@ class RewardFunctionEnvironment(PerSampleEnvironment):
         batch_values = metadata.pop(_TRL_VALUES_KEY, {})
         used = int(metadata.get(TOOL_CALLS_KEY, 0))
         calls = self._tool_calls(response, metadata)
+        if calls and (metadata.get(ROLLOUT_KEY) or {}).get("last_turn"):
+            # The conversation ends after this turn (its last, or one cut at the token limit, often
+            # mid-call): no result would be shown. The call neither runs nor counts in
+            # tool_calls_mean, which counted cut-off calls early in training; the turn scores 0.
+            return StepResult(observation=None, reward=0.0, terminated=True,
+                              metadata={**metadata, **({CORRECT_KEY: False} if self.correct_at_least else {})})
         if calls:
             ids = tool_call_ids(calls, seed=f"{used}\0{response}")
             results = [{"role": "tool", "content": self._call_tool(c), "name": c.name, "tool_call_id": i}

@@ -64,18 +64,20 @@ def test_a_warm_up_that_would_end_after_the_time_limit_stops_naming_it():
     from posttrain.algorithms.grpo import warmup_overrun
 
     cfg = load_config("grpo", QUICKSTART, ["checkpointing.checkpoint_must_save_by=00:00:09:00"])  # 1500 steps
-    assert warmup_overrun(cfg, 5, 50.0, 400.0) is None  # too early to project
-    assert warmup_overrun(cfg, 100, 5.0, 400.0) is None  # ~70 s to go
-    assert warmup_overrun(cfg, 1500, 5000.0, -1.0) is None  # done: the loop's own check takes over
-    assert warmup_overrun(cfg, 100, 40.0, 400.0) == (
+    assert warmup_overrun(cfg, 5, 50.0, None, 400.0) is None  # too early to project
+    assert warmup_overrun(cfg, 100, 5.0, 0.05, 400.0) is None  # ~70 s to go
+    # Slow first steps (start-up, a busy machine) project nothing: the steady steps after them do.
+    assert warmup_overrun(cfg, 20, 40.0, 0.05, 400.0) is None
+    assert warmup_overrun(cfg, 1500, 5000.0, 3.0, -1.0) is None  # done: the loop's own check takes over
+    assert warmup_overrun(cfg, 100, 40.0, 0.4, 400.0) == (
         "checkpointing.checkpoint_must_save_by=00:00:09:00: the warm-up SFT (grpo.warmup_sft_steps=1500), which "
         "saves no checkpoint, would end after it (step 100 after 40 s, ~560 s to go, 400 s left): raise the limit, "
         "lower grpo.warmup_sft_steps, or warm up in a `posttrain sft` run of its own and start from its export")
-    assert warmup_overrun(cfg, 2, 1.0, -3.0).endswith("(step 2 after 1 s, ~749 s to go, 0 s left): raise the limit, "
+    assert warmup_overrun(cfg, 2, 1.0, None, -3.0).endswith("(step 2 after 1 s, ~749 s to go, 0 s left): raise the limit, "
                                                       "lower grpo.warmup_sft_steps, or warm up in a `posttrain sft` "
                                                       "run of its own and start from its export")
     assert warmup_overrun(load_config("grpo", QUICKSTART, ["checkpointing.checkpoint_must_save_by=null"]),
-                          100, 40.0, None) is None
+                          100, 40.0, 0.4, None) is None
 
 
 def test_reinforce_with_several_updates_per_step_is_noted():

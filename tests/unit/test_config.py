@@ -1440,6 +1440,9 @@ def test_sequence_packing_for_a_reward_model_is_refused_before_its_budget_is_ask
     ("grpo", "beta=0.04", "loss_fn.reference_policy_kl_penalty"),
     ("grpo", "num_generations=8", "grpo.num_generations_per_prompt"),
     ("grpo", "epsilon_high=0.28", "loss_fn.ratio_clip_max"),
+    ("grpo", "loss_fn.ratio_clip_high=0.28", "loss_fn.ratio_clip_max"),  # spelling said ratio_clip_min
+    ("grpo", "grpo.num_generations=8", "grpo.num_generations_per_prompt"),  # spelling said num_iterations
+    ("grpo", "loss_fn.importance_sampling_level=sequence", "loss_fn.sequence_level_importance_ratios"),
 ])
 def test_another_librarys_name_of_a_setting_names_posttrains(algorithm, override, named):
     key = override.split("=")[0]
@@ -1451,3 +1454,6 @@ def test_another_librarys_setting_posttrain_has_no_need_of_says_so():
     with pytest.raises(ConfigError, match=re.escape("unknown key 'sft.completion_only_loss' (posttrain has no such "
                                                     "setting: assistant turns alone get loss")):
         load_config("sft", None, ["sft.completion_only_loss=true"])
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'grpo.async_grpo.in_flight_weight_updates' (NeMo RL's "
+                                                    "async GRPO setting, not needed here")):
+        load_config("grpo", None, ["grpo.async_grpo.in_flight_weight_updates=true"])

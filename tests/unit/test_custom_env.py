@@ -441,6 +441,12 @@ def test_reward_functions_with_tools_call_them_turn_by_turn(rewards_file):
     ret = env.step([convo(_call("add", a=1, b=1))], [{"answer": "2", "tool_calls": 2}])
     assert ret.terminateds[0] and ret.rewards == [0.0] and ret.observations[0]["role"] == "environment"
     assert ret.tool_calls is None
+    # A call in the conversation's last turn (here one cut at the token limit) would show no result:
+    # it does not run, nor count in tool_calls_mean (it did, ahead of the turns with a result).
+    cut = convo('<tool_call>{"name": "add", "ar')
+    ret = env.step([cut], [{"answer": "2", "_rollout": {"last_turn": True}}])
+    assert ret.terminateds[0] and ret.rewards == [0.0] and "tool_calls" not in ret.metadata[0]
+    assert ret.tool_calls is None and ret.num_errors == 0
 
 
 def test_tool_call_ids_are_the_models_own_or_nine_stable_alphanumerics():
