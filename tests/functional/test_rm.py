@@ -118,7 +118,8 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
         f"policy.model_name={model}", "data.dataset_name=local", f"data.train_data_path={data_file}",
         f"data.val_data_path={data_file}", "policy.train_global_batch_size=4", "policy.train_micro_batch_size=4",
         "policy.logprob_batch_size=4", "policy.max_total_sequence_length=128", "policy.precision=float32",
-        "rm.max_num_steps=1", "rm.val_at_start=false", "rm.val_period=0", "rm.val_at_end=false",
+        # Validated once, at the end: a run that never validates reads no validation rows.
+        "rm.max_num_steps=1", "rm.val_at_start=false", "rm.val_period=0", "rm.val_at_end=true",
         f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false", "checkpointing.enabled=false",
     ])
     cfg.policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
