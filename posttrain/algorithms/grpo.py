@@ -453,9 +453,11 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
         rewards = scale_rewards(rewards, rc.source_min, rc.source_max, rc.target_min, rc.target_max)
     if g.reward_shaping.enabled:
         rs = g.reward_shaping
-        rewards = apply_overlong_reward_shaping(rewards, batch["response_lengths"], rs.max_response_length
-                                                or max_new_tokens, rs.overlong_buffer_length,
-                                                rs.overlong_buffer_penalty)
+        shaped = apply_overlong_reward_shaping(rewards, batch["response_lengths"], rs.max_response_length
+                                               or max_new_tokens, rs.overlong_buffer_length,
+                                               rs.overlong_buffer_penalty)
+        # Logged as reward_shaping_penalty (`reward` is the environments' score, before it).
+        batch["shaping_penalty"], rewards = rewards - shaped, shaped
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
     # A sample whose environment failed has no verdict: its placeholder 0 leaves the loss and the
@@ -810,6 +812,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             rollout_metrics["dynamic_sampling/rounds"] = float(len(parts))
         with timer.time("advantages"):
             batch = _step_batch(g, parts, min(usable, target), pad_id, cfg.policy.generation.max_new_tokens)
+        if "shaping_penalty" in batch:  # DAPO's overlong penalty, the mean over the step's samples
+            rollout_metrics["reward_shaping_penalty"] = float(batch.pop("shaping_penalty").mean())
         groups = batch.pop("group_ids")
         untrained = _no_sample_in_the_loss(g, batch)
         if untrained:

@@ -214,6 +214,8 @@ def test_the_grpo_loop_scales_rewards_before_the_overlong_shaping():
     _rewards_to_advantages(g, batch, max_new_tokens=4)
     # Rewards 1, -1 - 1 = -2, -1, 1 - 0.5 = 0.5 (half the buffer): mean -0.375.
     assert batch["advantages"][:, 0].tolist() == pytest.approx([1.375, -1.625, -0.625, 0.875])
+    # The penalty each sample took, for the step's reward_shaping_penalty (no metric showed it).
+    assert batch["shaping_penalty"].tolist() == pytest.approx([0.0, 1.0, 0.0, 0.5])
 
 
 def test_the_grpo_loop_divides_by_the_std_its_config_names():
