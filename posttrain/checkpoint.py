@@ -336,6 +336,14 @@ def unless_complete(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return done.result
 
 
+def _saved_config(path: str | Path) -> dict[str, Any] | None:
+    """The resolved config the checkpoint at `path` was saved with, or None without its file."""
+    import yaml
+
+    saved = Path(path) / CONFIG_FILE
+    return (yaml.safe_load(saved.read_text(encoding="utf-8")) or {}) if saved.is_file() else None
+
+
 def _final_metrics(log_dir: Path, checkpoint: Path, step: int) -> dict[str, Any]:
     """A finished run's result as its loop returned it, from its metrics.jsonl: the last step's
     train/<name>, and the last validation's val/<name> with val/step. Started again with another
@@ -343,11 +351,8 @@ def _final_metrics(log_dir: Path, checkpoint: Path, step: int) -> dict[str, Any]
     from posttrain.logging.jsonl import read_metrics
 
     records = read_metrics(log_dir / "metrics.jsonl")
-    saved = checkpoint / CONFIG_FILE
-    if not records and saved.is_file():
-        import yaml
-
-        logged_in = ((yaml.safe_load(saved.read_text(encoding="utf-8")) or {}).get("logger") or {}).get("log_dir")
+    if not records:
+        logged_in = ((_saved_config(checkpoint) or {}).get("logger") or {}).get("log_dir")
         records = read_metrics(Path(logged_in) / "metrics.jsonl") if logged_in else []
     train = next((r for r in reversed(records) if r.get("prefix") == "train" and r.get("step") == step), {})
     val = next((r for r in reversed(records) if r.get("prefix") == "val"), None)
@@ -615,11 +620,8 @@ class CheckpointManager:
                 f"checkpoint {path} was made for {stored}, but this run is {self.signature}: refusing to "
                 f"resume from it. {_WAYS_OUT}"
             )
-        saved = path / CONFIG_FILE
-        if self.policy is not None and saved.is_file():
-            import yaml
-
-            saved_cfg = yaml.safe_load(saved.read_text(encoding="utf-8")) or {}
+        saved_cfg = _saved_config(path) if self.policy is not None else None
+        if saved_cfg is not None:
             changes = _state_layout_changes(saved_cfg, self.policy)
             if changes:
                 raise ConfigError(
@@ -645,10 +647,8 @@ class CheckpointManager:
         the overrides (or typos) that change the run it continues."""
         import yaml
 
-        saved = Path(path) / CONFIG_FILE
-        if not saved.is_file():
-            return []
-        return _config_diff(yaml.safe_load(saved.read_text(encoding="utf-8")) or {}, yaml.safe_load(config_yaml) or {})
+        saved = _saved_config(path)
+        return [] if saved is None else _config_diff(saved, yaml.safe_load(config_yaml) or {})
 
     def restore_data_position(self, path: Path, loader: Any, config_yaml: str) -> None:
         """Set `loader` (a RowLoader) to the data position of the checkpoint at `path`: called
@@ -890,7 +890,8 @@ class CheckpointManager:
         where = f", its final policy in {export_dir}" if export_dir is not None else ""
         raise RunAlreadyComplete(
             f"the run is complete: {path} is its last step ({key}={last_step}){where}; nothing to do (raise {key} "
-            "to train on, or set checkpointing.start_fresh=true to start over)", _final_metrics(log_dir, path, info["step"]))
+            "to train on, or set checkpointing.start_fresh=true to start over)",
+            _final_metrics(log_dir, path, info["step"]))
 
     def _write_info(self, path: Path, info: dict[str, Any]) -> None:
         """Replace the checkpoint's training info, atomically."""

@@ -201,7 +201,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     check_optimizer(cfg.policy)
     check_compile_backend(cfg.policy.compile)
     check_backend_installed(cfg.policy.generation)
-    train_rows, val_rows = run_rows(cfg.data, bool(g.val_period or g.val_at_start or g.val_at_end))
+    train_rows, val_rows = run_rows(cfg.data, g)
     note_dropped_system(tokenizer, train_rows + val_rows)
     task_names = resolve_task_envs(train_rows + val_rows, cfg.env)  # a bad environment fails before Ray starts
     train_rows, dropped = _fit_prompts(with_tool_schemas(train_rows, cfg.env), tokenizer, cfg, "train")

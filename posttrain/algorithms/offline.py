@@ -311,8 +311,7 @@ def offline_data(cfg: Any, algorithm: str, process_rows: Callable, collate_fn: C
     tokenizer = load_policy_tokenizer(cfg.policy)
     max_len = max_sequence_length(cfg)
     examples, stats = {"val": []}, {}
-    rows_of = dict(zip(("train", "val"), run_rows(cfg.data, bool(algo.val_period or algo.val_at_start
-                                                              or algo.val_at_end))))  # its errors name the file
+    rows_of = dict(zip(("train", "val"), run_rows(cfg.data, algo)))  # its errors name the file
     for split, rows in rows_of.items():
         if not rows and split == "val":  # a run that never validates
             continue

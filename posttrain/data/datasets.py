@@ -695,12 +695,12 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False, whole: b
     return apply_prompts(rows, cfg)
 
 
-def run_rows(cfg: DataConfig, validates: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A training run's train and validation rows (`load_rows`). A run that never validates
-    (`validates` False: val_period 0, neither at its start nor its end) holds nothing out of a
-    file, folder or hub set, and has no validation rows: the rows held out were neither trained
-    on nor validated, and a one-row file could not train."""
-    if validates:
+def run_rows(cfg: DataConfig, loop: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A training run's train and validation rows (`load_rows`); `loop` is its section (grpo, sft,
+    ...). A run that never validates (val_period 0, neither at its start nor its end) holds
+    nothing out of a file, folder or hub set, and has no validation rows: the rows held out were
+    neither trained on nor validated, and a one-row file could not train."""
+    if loop.val_period or loop.val_at_start or loop.val_at_end:
         return load_rows(cfg, "train"), load_rows(cfg, "val")
     return load_rows(cfg, "train", whole=True), []
 

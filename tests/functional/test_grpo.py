@@ -73,7 +73,8 @@ def test_a_warm_up_that_would_end_after_the_time_limit_stops_naming_it():
         "checkpointing.checkpoint_must_save_by=00:00:09:00: the warm-up SFT (grpo.warmup_sft_steps=1500), which "
         "saves no checkpoint, would end after it (step 100 after 40 s, ~560 s to go, 400 s left): raise the limit, "
         "lower grpo.warmup_sft_steps, or warm up in a `posttrain sft` run of its own and start from its export")
-    assert warmup_overrun(cfg, 2, 1.0, None, -3.0).endswith("(step 2 after 1 s, ~749 s to go, 0 s left): raise the limit, "
+    assert warmup_overrun(cfg, 2, 1.0, None, -3.0).endswith("(step 2 after 1 s, ~749 s to go, 0 s left): raise the "
+                                                            "limit, "
                                                       "lower grpo.warmup_sft_steps, or warm up in a `posttrain sft` "
                                                       "run of its own and start from its export")
     assert warmup_overrun(load_config("grpo", QUICKSTART, ["checkpointing.checkpoint_must_save_by=null"]),

@@ -916,7 +916,8 @@ def test_an_environment_class_settings_are_checked_by_its_config_class_before_an
     '''))
     target = f"{tmp_path / 'my_envs.py'}:MyEnv"
     with pytest.raises(ConfigError, match=re.escape(
-            "invalid config (env.mine.cfg):\n  - unknown key 'env.mine.cfg.bonuss' (did you mean env.mine.cfg.bonus?)")):
+            "invalid config (env.mine.cfg):\n"
+            "  - unknown key 'env.mine.cfg.bonuss' (did you mean env.mine.cfg.bonus?)")):
         resolve_env("mine", EnvWorkerConfig(target=target, cfg={"bonuss": 0.1}))
     with pytest.raises(ConfigError, match=r"  - env.mine.cfg.bonus: got 'x', expected a valid number"):
         resolve_env("mine", EnvWorkerConfig(target=target, cfg={"bonus": "x"}))

@@ -981,7 +981,8 @@ def test_alpaca_layout_preference_rows_keep_their_instruction_input_system_and_h
     # LLaMA-Factory's alpaca preference layout: the instruction and input were dropped, and the
     # words both answers start with ("The answer is") became the prompt.
     row = normalize_row({"instruction": "What is 2+0?", "input": "Answer in words.", "system": "Be brief.",
-                         "history": [["Hi", "Hello"]], "chosen": "The answer is 2.", "rejected": "The answer is 3."}, "preference", "row 1")
+                         "history": [["Hi", "Hello"]], "chosen": "The answer is 2.", "rejected": "The answer is 3."},
+                        "preference", "row 1")
     assert row == {"prompt_messages": [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                                        {"role": "user", "content": "What is 2+0?\n\nAnswer in words."}],
@@ -993,6 +994,8 @@ def test_alpaca_layout_preference_rows_keep_their_instruction_input_system_and_h
 
 def test_a_run_that_never_validates_trains_on_every_row(tmp_path):
     # It held 5% out (never trained on nor validated), and a one-row file could not train at all.
+    from types import SimpleNamespace
+
     from posttrain.algorithms.offline import offline_data
     from posttrain.config import load_config
     from posttrain.data.datasets import run_rows
@@ -1000,9 +1003,10 @@ def test_a_run_that_never_validates_trains_on_every_row(tmp_path):
 
     rows = [{"instruction": f"Say {i}", "output": str(i)} for i in range(40)]
     path = _write_jsonl(tmp_path / "a.jsonl", rows)
-    train, val = run_rows(_cfg(path), validates=False)
+    never = SimpleNamespace(val_period=0, val_at_start=False, val_at_end=False)
+    train, val = run_rows(_cfg(path), never)
     assert [r["messages"][-1]["content"] for r in train] == [str(i) for i in range(40)] and val == []
-    train, val = run_rows(_cfg(path), validates=True)
+    train, val = run_rows(_cfg(path), SimpleNamespace(val_period=0, val_at_start=False, val_at_end=True))
     assert (len(train), len(val)) == (38, 2)
     one = _write_jsonl(tmp_path / "one.jsonl", rows[:1])
     cfg = load_config("sft", None, [f"data.dataset_name={one}", "policy.model_name=embedded:tiny",
