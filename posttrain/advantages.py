@@ -269,9 +269,11 @@ def overlong_filter_mask(truncated: torch.Tensor, sample_mask: torch.Tensor | No
 def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor,
                           valid_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO dynamic sampling: indices `[K]` (ascending) of the samples whose group's rewards are
-    not all equal. Such groups have zero advantage under every group baseline and only dilute
-    the batch; the loop generates more batches (up to `grpo.dynamic_sampling_max_gen_batches`)
-    until enough groups are kept. `valid_mask` `[N]`: only those samples' rewards count (those
+    not all equal, by the environments' rewards (DAPO filters on accuracy): before scaling and
+    overlong shaping, whose length penalty alone can tell a group of equally right answers apart.
+    Such groups have zero advantage under every group baseline and only dilute the batch (shaped:
+    one that ranks length, not correctness); the loop generates more batches (up to
+    `grpo.dynamic_sampling_max_gen_batches`) until enough groups are kept. `valid_mask` `[N]`: only those samples' rewards count (those
     the baseline is over: an environment's failure's placeholder 0 made a group of equal scored
     rewards look varied, and it trained nothing).
 

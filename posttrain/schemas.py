@@ -710,7 +710,8 @@ class PolicyConfig(Section):
 class ClippedPGLossConfig(Section):
     """`posttrain.losses.ClippedPGLoss`; keys and meanings are NeMo RL's `loss_fn` (see docs/losses.md)."""
 
-    # beta of the KL(pi || pi_ref) penalty added to the loss; 0 = no penalty.
+    # beta of the KL(pi || pi_ref) penalty added to the loss; 0 = no penalty. Under on-policy
+    # distillation pi_ref is the teacher: a second pull toward it, not a tether to the start.
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     # Per-token KL estimator, with log r = log(pi_ref/pi): k1 = -log r, k2 = (log r)^2 / 2,
     # k3 = (r - 1) - log r (posttrain.losses.kl).

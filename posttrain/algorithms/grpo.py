@@ -158,6 +158,19 @@ def off_policy_reinforce_note(cfg: GRPOMasterConfig) -> str | None:
             "grpo.num_generations_per_prompt and grpo.num_iterations=1; for several updates, the clipped ratio")
 
 
+def untruncated_sequence_weights_note(cfg: GRPOMasterConfig) -> str | None:
+    """A note when GSPO's sequence-level ratios meet an untruncated importance-sampling correction:
+    the correction weighs a sequence by the product of its tokens' pi_prev/pi_gen, which GSPO's
+    length-normalised ratio was made to avoid. NeMo RL allows it (no truncation is its default)."""
+    lf = cfg.loss_fn
+    if not (lf.sequence_level_importance_ratios and lf.use_importance_sampling_correction
+            and lf.truncated_importance_sampling_ratio is None):
+        return None
+    return ("loss_fn.use_importance_sampling_correction=true with loss_fn.sequence_level_importance_ratios (GSPO) "
+            "weighs each sequence by the product over its tokens of pi_prev/pi_gen, untruncated (1.5 a token over "
+            "40 tokens: 1.1e7); loss_fn.truncated_importance_sampling_ratio (e.g. 2, tis) clamps it")
+
+
 def worker_bundles(cfg: GRPOMasterConfig) -> list[Bundles]:
     """The placement groups of a GRPO run: the policy workers' (`cluster`), then, with
     policy.generation.colocated.enabled=false, the separate generation workers' beside them (one
@@ -236,7 +249,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             logger.log_metrics({"prompts_dropped_overlong": dropped, "val_prompts_dropped_overlong": val_dropped},
                                step=0, prefix="data")
         for note in (shared_rows_note(train_rows, val_rows), cramped_prompts_note(train_rows, cfg),
-                     off_policy_reinforce_note(cfg)):
+                     off_policy_reinforce_note(cfg), untruncated_sequence_weights_note(cfg)):
             if note is not None:
                 logger.console(note)
         # Every placement group before any worker starts: separate generation workers that do not fit

@@ -32,7 +32,7 @@ from posttrain.generation.interfaces import (
 from posttrain.generation.sampling import (GlobalRngSeeds, SamplingSettings, StopChecker, non_finite_error,
                                            sampling_logprobs, seen_tokens)
 from posttrain.generation.torch_engine import stop_token_ids
-from posttrain.policy.hf_io import DTYPES
+from posttrain.policy.hf_io import DTYPES, cast_parameters
 
 
 class HFGeneration:
@@ -44,9 +44,15 @@ class HFGeneration:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         dtype = DTYPES[precision]
+        self._trained = None  # the caller's model, when this engine generates with a cast copy of it
         if next(model.parameters()).dtype != dtype:
-            # Module.to() is in place: cast a copy, never the caller's (e.g. the policy's) model.
-            model = copy.deepcopy(model).to(dtype)
+            self._trained = model
+            # A copy, never the caller's (the policy's) model; its parameters only, as the policy's
+            # own low-precision forward: rotary frequencies rounded to bfloat16 put the logprobs
+            # off the policy's (mean exp|diff| 1.022 on stories260K), failing
+            # grpo.prev_logprobs_from_generation's check and biasing importance weights.
+            model = copy.deepcopy(model)
+            cast_parameters(model, dtype)
         self.model = model.eval()
         self.context = max_total_sequence_length
         self.stop = StopChecker(tokenizer, stop_token_ids(tokenizer, cfg, model.config, model.generation_config))
@@ -55,8 +61,12 @@ class HFGeneration:
         self._seeds = GlobalRngSeeds(cfg.seed)  # HF samples from torch's global generator
         self.last_metrics: dict[str, float] = {}
 
+    @torch.no_grad()
     def prepare_for_generation(self) -> None:
-        return None
+        # Colocated: the policy trained its model in place; a cast copy must follow it.
+        if self._trained is not None:
+            for mine, trained in zip(self.model.parameters(), self._trained.parameters(), strict=True):
+                mine.copy_(trained)
 
     def finish_generation(self) -> None:
         return None

@@ -53,7 +53,7 @@ class GenerationInterface(Protocol):
 def validate_prompts(batch: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the input batch and return (`input_ids [B, S]`, `input_lengths [B]`) on CPU.
 
-    An empty prompt (length 0) or a length beyond the padded width is an error naming the row.
+    No rows, an empty prompt (length 0) or a length beyond the padded width is an error (naming the row).
     """
     for key in ("input_ids", "input_lengths"):
         if key not in batch:
@@ -65,6 +65,8 @@ def validate_prompts(batch: BatchedDataDict) -> tuple[torch.Tensor, torch.Tensor
             f"generation batch needs input_ids [B, S] and input_lengths [B], got {tuple(ids.shape)} "
             f"and {tuple(lengths.shape)}"
         )
+    if ids.shape[0] == 0:  # (a torch or hf backend crashed in a reduction over no rows)
+        raise ValueError("generation batch has no prompts (0 rows): generate needs at least one")
     empty = (lengths <= 0).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"empty prompt in generation batch at row(s) {empty[:10]}: every prompt needs >= 1 token")

@@ -43,8 +43,8 @@ from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
-from posttrain.policy.hf_io import (DTYPES, attention_kernel, check_fits_in_memory, check_generation_fits,
-                                   disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
+from posttrain.policy.hf_io import (DTYPES, attention_kernel, cast_parameters, check_fits_in_memory,
+                                   check_generation_fits, disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
                                    load_pretrained, mlp_size, model_class, resolve_tokenizer_path, save_hf)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
@@ -52,13 +52,6 @@ from posttrain.runtime import freeze_setup_objects, resolve_device
 from posttrain.schemas import CompileConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
-
-def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast `module`'s parameters to `dtype` in place; buffers (rotary frequencies) stay float32,
-    as under FSDP2's MixedPrecisionPolicy (`module.to(dtype)` would cast them too)."""
-    for p in module.parameters():
-        p.data = p.data.to(dtype)
-
 
 class LowPrecisionTwin:
     """FSDP2's mixed precision (`MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`)
@@ -73,7 +66,7 @@ class LowPrecisionTwin:
 
     def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
         self.module = copy.deepcopy(master)
-        _cast_parameters(self.module, dtype)
+        cast_parameters(self.module, dtype)
         self._masters, self._lows = list(master.parameters()), list(self.module.parameters())
         self.version: int | None = None  # master weights version the copy holds
 
@@ -375,7 +368,7 @@ class FSDPPolicyWorker:
             # policy computes in its LowPrecisionTwin; a frozen reference model is simply cast.
             model.to(self.device)
             if not train and compute != torch.float32:
-                _cast_parameters(model, compute)
+                cast_parameters(model, compute)
             model.train(train)
             return model
         if self.tp > 1:

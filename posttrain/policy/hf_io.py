@@ -286,6 +286,13 @@ class _HeldLoadReport(logging.Filter):
         self.records = []
 
 
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast `module`'s parameters to `dtype` in place; buffers (rotary frequencies) stay float32,
+    as under FSDP2's MixedPrecisionPolicy (`module.to(dtype)` would cast them too)."""
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+
+
 def disable_dropout(model: torch.nn.Module) -> int:
     """Set every dropout of `model` to 0 in place, its `nn.Dropout` layers and the rates its
     attention modules keep as floats (Llama-like `attention_dropout`, passed to the attention

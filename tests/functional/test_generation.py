@@ -21,6 +21,7 @@ from test_generation_helpers import (
 from posttrain.config import ConfigError, InputError
 from posttrain.data.batch import BatchedDataDict
 from posttrain.generation import build_generation
+from posttrain.policy.hf_io import DTYPES
 from posttrain.schemas import GenerationConfig
 
 CTX = 128
@@ -223,6 +224,28 @@ def test_sampled_logprobs_match_forward(tiny_model_path, dtype, bound):
     assert bool((out["logprobs"][generated_mask(batch, out)] < 0).all())
 
 
+def test_hf_backend_in_bf16_computes_as_the_policys_bf16_forward(tiny_model_path):
+    # The policy hands the hf backend its float32 model; the backend computes in bfloat16 on a
+    # copy whose parameters alone it casts, as the policy's own low-precision forward does. A
+    # Module.to() cast rounded the rotary frequencies too, an error growing with the position
+    # (mean exp|diff| to the policy's logprobs 1.022 on stories260K, past GRPO's 1.005 check).
+    from posttrain.policy.hf_io import cast_parameters
+
+    model, tok = perturbed_tiny(tiny_model_path)
+    model.config._attn_implementation = "eager"
+    e = build_generation("hf", model=model, tokenizer=tok, cfg=GenerationConfig(max_new_tokens=100),
+                         max_total_sequence_length=CTX, precision="bfloat16")
+    assert next(e.model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model is not cast
+    assert e.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    batch = make_batch(tok, repeat=2)
+    out = e.generate(batch)
+    policy_bf16 = copy.deepcopy(model)
+    cast_parameters(policy_bf16, torch.bfloat16)
+    assert int(generated_mask(batch, out).sum()) > 300
+    assert token_mult_prob_error(batch, out, forward_logprobs(policy_bf16, out)) < 1.004
+
+
 @pytest.mark.parametrize("kv_heads", [None, 4], ids=["grouped", "one_kv_head_per_head"])
 def test_bf16_logprobs_are_the_eager_forwards_own(tiny_model_path, kv_heads):
     # Against a model with transformers' eager attention (the policy's on a CPU), the engine rounds
@@ -378,15 +401,24 @@ def test_refit_in_process(tiny_model_path):
         batch, greedy=True)["output_ids"].tolist()
 
 
-def test_prepare_for_generation_follows_in_place_training(tiny_model_path):
-    """Colocated use: the policy trains the model in place; prepare_for_generation re-reads it."""
+@pytest.mark.parametrize("backend,precision", [("torch", "float32"), ("hf", "float32"), ("hf", "bfloat16")])
+def test_prepare_for_generation_follows_in_place_training(tiny_model_path, backend, precision):
+    """Colocated use: the policy trains the model in place; prepare_for_generation re-reads it
+    (the hf backend in another precision than the model's: into the cast copy it generates with,
+    which kept the old weights)."""
+    from posttrain.policy.hf_io import cast_parameters
+
     model, tok = perturbed_tiny(tiny_model_path)
-    e = engine("torch", model, tok, max_new_tokens=12)
+    model.config._attn_implementation = "eager"
+    e = build_generation(backend, model=model, tokenizer=tok, cfg=GenerationConfig(max_new_tokens=12),
+                         max_total_sequence_length=CTX, precision=precision)
     batch = make_batch(tok)
     perturb_(model, std=0.3, seed=3)
     e.prepare_for_generation()
     out = e.generate(batch, greedy=True)
-    assert token_mult_prob_error(batch, out, forward_logprobs(model, out)) < 1.01
+    trained = copy.deepcopy(model)
+    cast_parameters(trained, DTYPES[precision])
+    assert token_mult_prob_error(batch, out, forward_logprobs(trained, out)) < 1.01
 
 
 def test_seeded_and_reproducible(model_tok):
@@ -462,6 +494,9 @@ def test_empty_prompt_is_an_error(model_tok, backend):
     batch["input_lengths"][2] = 0
     with pytest.raises(ValueError, match=r"empty prompt .* row\(s\) \[2\]"):
         engine(backend, model, tok).generate(batch)
+    with pytest.raises(ValueError, match=r"no prompts \(0 rows\)"):
+        engine(backend, model, tok).generate(BatchedDataDict(input_ids=torch.zeros(0, 3, dtype=torch.long),
+                                                             input_lengths=torch.zeros(0, dtype=torch.long)))
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])

@@ -94,6 +94,19 @@ def test_reinforce_with_several_updates_per_step_is_noted():
     assert off_policy_reinforce_note(load_config("grpo", QUICKSTART)) is None  # the clipped ratio
 
 
+def test_gspo_with_untruncated_importance_weights_is_noted():
+    # GSPO's correction weight is a product over the tokens: unbounded unless truncated.
+    from posttrain.algorithms.grpo import untruncated_sequence_weights_note
+
+    gspo = ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false",
+            "loss_fn.use_importance_sampling_correction=true", "grpo.prev_logprobs_from_generation=false"]
+    assert untruncated_sequence_weights_note(load_config("grpo", QUICKSTART, gspo)).startswith(
+        "loss_fn.use_importance_sampling_correction=true with loss_fn.sequence_level_importance_ratios (GSPO)")
+    assert untruncated_sequence_weights_note(
+        load_config("grpo", QUICKSTART, [*gspo, "loss_fn.truncated_importance_sampling_ratio=2"])) is None
+    assert untruncated_sequence_weights_note(load_config("grpo", QUICKSTART, gspo[:2])) is None  # no correction
+
+
 def test_minibatch_permutation_is_seeded_by_run_and_step():
     from posttrain.algorithms.grpo import minibatch_permutation
 
