@@ -616,7 +616,12 @@ _FOREIGN_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     **dict.fromkeys(("epsilon_high", "clip_ratio_high", "ratio_clip_high"), (("loss_fn.ratio_clip_max",), "")),
     "clip_ratio_c": (("loss_fn.ratio_clip_c",), ""),
     "importance_sampling_level": (("loss_fn.sequence_level_importance_ratios",), "true for TRL's \"sequence\" (GSPO)"),
-    **dict.fromkeys(("kl_coef", "kl_loss_coef", "init_kl_coef"), (("loss_fn.reference_policy_kl_penalty",), "")),
+    # verl's algorithm.kl_ctrl.kl_coef and OpenRLHF's init_kl_coef weigh a KL in the reward; TRL's
+    # beta and verl's kl_loss_coef, one in the loss.
+    **dict.fromkeys(("kl_coef", "init_kl_coef", "use_kl_in_reward"),
+                    (("grpo.reward_kl_penalty",), "a KL term of the reward (beta; > 0 turns it on); "
+                                                  "loss_fn.reference_policy_kl_penalty weighs one of the loss")),
+    "kl_loss_coef": (("loss_fn.reference_policy_kl_penalty",), ""),
     **dict.fromkeys(("kl_loss_type", "kl_estimator"), (("loss_fn.reference_policy_kl_type",), "")),
     "loss_agg_mode": (("loss_fn.token_level_loss",), "true for \"token-mean\", false for \"seq-mean-token-mean\""),
     # NeMo RL keys of other versions that posttrain does without.

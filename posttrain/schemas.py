@@ -518,7 +518,7 @@ class PolicyConfig(Section):
     model_name: str = Field("embedded:tiny", min_length=1)  # a local folder, a hub id, or "embedded:<name>"
     # The tokenizer (null name: the model's own) and an optional chat template.
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    # The frozen reference model (of loss_fn.reference_policy_kl_penalty, DPO), or the teacher of
+    # The frozen reference model (of the GRPO KL penalties, DPO, KTO), or the teacher of
     # on-policy distillation (grpo.adv_estimator=on_policy_distillation): a folder, hub id or
     # "embedded:<name>" with the policy's vocabulary; null: the policy's own starting weights.
     # Refused where nothing uses it (it would not be loaded): GRPO without a KL penalty or
@@ -1538,6 +1538,12 @@ class GRPOConfig(Section):
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     # Linear rescaling of the rewards (before the overlong shaping, whose penalty is in the scaled units).
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    # beta of a KL penalty in the reward (RLOO's, REINFORCE++'s; verl's use_kl_in_reward, OpenRLHF's
+    # init_kl_coef): a sample's reward, after scaling and shaping, less beta times the sum over its
+    # generated tokens of log pi_old - log pi_ref (k1), before the advantage. One term per sample
+    # for every estimator (REINFORCE++'s per-token returns are not offered). Beside or instead of
+    # loss_fn.reference_policy_kl_penalty, the loss's KL term. 0 = off.
+    reward_kl_penalty: float = Field(0.0, ge=0)
     # SFT steps before RL on each row's `demonstration` (else its reference `answer`) as the
     # assistant turn, so that a model that has never seen the task starts with a reward above
     # zero (the embedded quickstart). The optimizer state is reset afterwards, as if RL started
@@ -1955,10 +1961,10 @@ class GRPOMasterConfig(_MasterBase):
 
     @model_validator(mode="after")
     def _warmup_without_reference(self) -> "GRPOMasterConfig":
-        if (self.grpo.warmup_sft_steps and self.loss_fn.reference_policy_kl_penalty > 0
-                and self.policy.reference_model_name is None):
+        penalty = self._kl_penalty_key()
+        if self.grpo.warmup_sft_steps and penalty and self.policy.reference_model_name is None:
             raise ValueError(
-                "grpo.warmup_sft_steps > 0 with loss_fn.reference_policy_kl_penalty > 0: the KL reference is the "
+                f"grpo.warmup_sft_steps > 0 with {penalty} > 0: the KL reference is the "
                 "model before the warm-up; warm-start with a separate `posttrain sft` run instead, set the "
                 "penalty to 0, or name the reference in policy.reference_model_name"
             )
@@ -1973,6 +1979,7 @@ class GRPOMasterConfig(_MasterBase):
             raise ValueError("grpo.adv_estimator=on_policy_distillation needs a teacher: set "
                              "policy.reference_model_name (a model with the policy's vocabulary)")
         reward_only = [key for key, on in (("grpo.use_dynamic_sampling", g.use_dynamic_sampling),
+                                           ("grpo.reward_kl_penalty", g.reward_kl_penalty > 0),
                                            ("grpo.reward_shaping.enabled", g.reward_shaping.enabled),
                                            ("grpo.reward_scaling.enabled", g.reward_scaling.enabled)) if on]
         if reward_only:
@@ -2000,11 +2007,18 @@ class GRPOMasterConfig(_MasterBase):
 
     def needs_reference(self) -> bool:
         """Whether the policy workers load the reference model (KL penalty or distillation teacher)."""
-        return self.loss_fn.reference_policy_kl_penalty > 0 or self.grpo.adv_estimator == "on_policy_distillation"
+        return self._kl_penalty_key() is not None or self.grpo.adv_estimator == "on_policy_distillation"
+
+    def _kl_penalty_key(self) -> str | None:
+        """The key of a KL penalty to the reference that is on (the loss's first), or None."""
+        if self.loss_fn.reference_policy_kl_penalty > 0:
+            return "loss_fn.reference_policy_kl_penalty"
+        return "grpo.reward_kl_penalty" if self.grpo.reward_kl_penalty > 0 else None
 
     def _without_reference(self) -> str:
-        return (f"loss_fn.reference_policy_kl_penalty=0 and grpo.adv_estimator={self.grpo.adv_estimator}; set "
-                "grpo.adv_estimator=on_policy_distillation (a teacher) or a KL penalty > 0, or unset it")
+        return (f"loss_fn.reference_policy_kl_penalty=0, grpo.reward_kl_penalty=0 and grpo.adv_estimator="
+                f"{self.grpo.adv_estimator}; set grpo.adv_estimator=on_policy_distillation (a teacher) or a KL "
+                "penalty > 0, or unset it")
 
     @model_validator(mode="after")
     def _batch_fits(self) -> "GRPOMasterConfig":
@@ -2095,12 +2109,14 @@ class GRPOMasterConfig(_MasterBase):
         # With prev_logprobs = the generation logprobs, the correction's weights pi_prev / pi_gen
         # are 1 on every step after the first one's check.
         g = self.grpo
-        uses_prev = self.updates_per_step() > 1 or g.adv_estimator == "on_policy_distillation"
+        uses_prev = (self.updates_per_step() > 1 or g.adv_estimator == "on_policy_distillation"
+                     or g.reward_kl_penalty > 0)
         if self.loss_fn.use_importance_sampling_correction and g.prev_logprobs_from_generation and uses_prev:
             raise ValueError(
                 "loss_fn.use_importance_sampling_correction=true weighs each token by pi_prev / pi_gen, but "
                 "grpo.prev_logprobs_from_generation=true takes prev_logprobs from the generation logprobs (each "
-                "step uses them: several optimizer steps, or distillation), making every weight 1 once the first "
+                "step uses them: several optimizer steps, distillation or grpo.reward_kl_penalty), making every "
+                "weight 1 once the first "
                 "step has checked them: the correction and its truncation would do nothing. Set "
                 "grpo.prev_logprobs_from_generation=false, or turn the correction off"
             )

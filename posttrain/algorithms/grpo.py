@@ -471,6 +471,11 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
                                                rs.overlong_buffer_penalty)
         # Logged as reward_shaping_penalty (`reward` is the environments' score, before it).
         batch["shaping_penalty"], rewards = rewards - shaped, shaped
+    if g.reward_kl_penalty:
+        # k1 of the policy that sampled (its logprobs before the update) to the reference, summed
+        # over the sample's own tokens (a multi-turn sample's environment tokens are not its own).
+        kl = ((batch["prev_logprobs"].float() - batch["reference_logprobs"].float()) * batch["token_mask"]).sum(-1)
+        batch["reward_kl"], rewards = kl, rewards - g.reward_kl_penalty * kl
     # Overlong-filtered samples stay in their group's baseline (DAPO); only their loss is masked.
     batch["sample_mask"] = overlong_filter_mask(batch["truncated"]) if g.overlong_filtering else torch.ones_like(rewards)
     # A sample whose environment failed has no verdict: its placeholder 0 leaves the loss and the
@@ -486,13 +491,12 @@ def _rewards_to_advantages(g, batch: BatchedDataDict, max_new_tokens: int) -> No
     batch["advantages"] = adv.unsqueeze(1) * batch["token_mask"]  # [B, S]
 
 
-def _step_batch(g, parts: list[BatchedDataDict], size: int, pad_id: int, max_new_tokens: int) -> BatchedDataDict:
-    """The step's first `size` rollouts of its generation rounds' (dynamic sampling: kept) ones, with
-    their advantages computed over all of them at once and before the cut, which may split a group:
-    REINFORCE++ whitens over the samples it trains, not over each round beside the zero-variance
-    groups dynamic sampling drops (their zeros shrank the std, scaling the advantages up by the
-    share of dropped groups)."""
-    batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id})
+def _advantages_then_cut(g, batch: BatchedDataDict, size: int, max_new_tokens: int) -> BatchedDataDict:
+    """The first `size` rollouts of `batch`, the step's generation rounds' (dynamic sampling: kept)
+    ones, with their advantages computed over all of them at once and before the cut, which may
+    split a group: REINFORCE++ whitens over the samples it trains, not over each round beside the
+    zero-variance groups dynamic sampling drops (their zeros shrank the std, scaling the advantages
+    up by the share of dropped groups)."""
     _rewards_to_advantages(g, batch, max_new_tokens)
     return batch.slice(0, size)
 
@@ -823,14 +827,14 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         rollout_metrics.update(summarize_rollouts(step_convs))
         if g.use_dynamic_sampling:
             rollout_metrics["dynamic_sampling/rounds"] = float(len(parts))
-        with timer.time("advantages"):
-            batch = _step_batch(g, parts, min(usable, target), pad_id, cfg.policy.generation.max_new_tokens)
-        if "shaping_penalty" in batch:  # DAPO's overlong penalty, the mean over the step's samples
-            rollout_metrics["reward_shaping_penalty"] = float(batch.pop("shaping_penalty").mean())
-        groups = batch.pop("group_ids")
-        untrained = _no_sample_in_the_loss(g, batch)
-        if untrained:
-            logger.console(f"step {step + 1}: {untrained}")
+        size = min(usable, target)
+        batch = BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": pad_id})
+        # A KL penalty in the reward needs the logprobs first: the rounds' samples past the cut get
+        # theirs too, as the advantages are over all of them (_advantages_then_cut).
+        kl_in_reward = g.reward_kl_penalty > 0
+        if not kl_in_reward:
+            with timer.time("advantages"):
+                batch = _advantages_then_cut(g, batch, size, cfg.policy.generation.max_new_tokens)
 
         # ---- logprobs before the update (the PPO ratio's denominator) and under the reference
         with timer.time("logprobs"):
@@ -841,7 +845,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # On-policy distillation's advantages are the teacher's logprobs minus these, so it
             # needs them even then: the generation logprobs are the sampler's (top-k/top-p
             # renormalised, another engine's rounding, async's older weights), not the policy's.
-            needs_prev = batch.size > gbs or g.num_iterations > 1 or g.adv_estimator == "on_policy_distillation"
+            needs_prev = (batch.size > gbs or g.num_iterations > 1 or g.adv_estimator == "on_policy_distillation"
+                          or kl_in_reward)
             if needs_prev and reuse_generation_logprobs is None:
                 # Checked on one optimizer step's rows (a quarter of the quickstart's forward
                 # pass): a mismatch is the engine's, in every row alike. All rows when those hold
@@ -859,6 +864,16 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             if cfg.needs_reference():
                 with timer.time("reference"):
                     batch["reference_logprobs"] = policy.get_reference_logprobs(batch)["reference_logprobs"]
+        if kl_in_reward:
+            with timer.time("advantages"):
+                batch = _advantages_then_cut(g, batch, size, cfg.policy.generation.max_new_tokens)
+            rollout_metrics["reward_kl"] = float(batch.pop("reward_kl").mean())
+        if "shaping_penalty" in batch:  # DAPO's overlong penalty, the mean over the step's samples
+            rollout_metrics["reward_shaping_penalty"] = float(batch.pop("shaping_penalty").mean())
+        groups = batch.pop("group_ids")
+        untrained = _no_sample_in_the_loss(g, batch)
+        if untrained:
+            logger.console(f"step {step + 1}: {untrained}")
         if g.adv_estimator == "on_policy_distillation":
             rollout_metrics["teacher_reverse_kl"] = _distillation_advantages(batch)
 

@@ -136,7 +136,7 @@ def test_reinforce_pp_whitens_over_the_kept_samples_of_every_round():
     # advantages were whitened per round, the dropped group's zeros in the std: +-1.22 instead of
     # +-0.87, a scale that grew with the share of groups dropped.
     from posttrain.advantages import dynamic_sampling_keep
-    from posttrain.algorithms.grpo import _step_batch
+    from posttrain.algorithms.grpo import _advantages_then_cut
     from posttrain.data.batch import BatchedDataDict
     from posttrain.schemas import GRPOConfig
 
@@ -151,8 +151,10 @@ def test_reinforce_pp_whitens_over_the_kept_samples_of_every_round():
         keep, _ = dynamic_sampling_keep(batch["rewards"], batch["group_ids"])
         return batch.select_indices(keep)
 
-    parts = [round_of([1.0, 0.0, 1.0, 1.0], 0, 3), round_of([0.0, 0.0, 0.0, 1.0], 2, 5)]
-    batch = _step_batch(GRPOConfig(adv_estimator="reinforce_pp"), parts, 4, pad_id=0, max_new_tokens=8)
+    def rounds():  # the loop's concatenation of the step's rounds
+        parts = [round_of([1.0, 0.0, 1.0, 1.0], 0, 3), round_of([0.0, 0.0, 0.0, 1.0], 2, 5)]
+        return BatchedDataDict.from_batches(parts, pad_value_dict={"input_ids": 0})
+    batch = _advantages_then_cut(GRPOConfig(adv_estimator="reinforce_pp"), rounds(), 4, max_new_tokens=8)
     assert batch["group_ids"].tolist() == [0, 0, 3, 3] and batch["input_ids"].shape == (4, 5)
     # Centred 0.5, -0.5, -0.5, 0.5; their std over the 4 trained samples (Bessel) is 1/sqrt(3).
     expected = torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 * 3 ** 0.5
@@ -160,7 +162,7 @@ def test_reinforce_pp_whitens_over_the_kept_samples_of_every_round():
     assert batch["advantages"][:2, 3:].abs().sum() == 0  # round 1's padding is no response token
     # A cut to whole optimizer steps keeps the first rows, with the advantages of whole groups: group
     # 3's first sample is compared with the second, cut off (grpo: (0 - 1) / std 0.707), not alone (0).
-    cut = _step_batch(GRPOConfig(), parts, 3, pad_id=0, max_new_tokens=8)
+    cut = _advantages_then_cut(GRPOConfig(), rounds(), 3, max_new_tokens=8)
     assert cut.size == 3 and cut["advantages"][2, 1].item() == pytest.approx(-(2 ** 0.5))
 
 

@@ -42,6 +42,29 @@ def test_dynamic_sampling_rounds_and_weighted_reward_functions(ray_session, tmp_
         assert r["reward"] == pytest.approx(r["reward/even"] + 0.5 * r["reward/odd_length"])
 
 
+def test_a_kl_penalty_in_the_reward_comes_from_logprobs_taken_before_the_advantages(ray_session, tmp_path):
+    # grpo.reward_kl_penalty subtracts beta * KL(pi_old || pi_ref) from each sample's reward, so the
+    # reference and pre-update logprobs come before the advantages, for all of dynamic sampling's
+    # rounds: their advantages are computed together, then cut to whole optimizer steps.
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def by_length(response, metadata):\n    return (len(response) % 4) / 3\n")
+    cfg = load_config("grpo", QUICKSTART, tiny_overrides(
+        tmp_path, "grpo.max_num_steps=3", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+        "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
+        "policy.precision=float32", "policy.optimizer.kwargs.lr=0.02", "grpo.reward_kl_penalty=0.5",
+        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=4", "data.task_name=by_length",
+        f"env.by_length.target={rewards}:by_length"))
+    run(cfg)
+    train = records(tmp_path / "logs", "train")
+    # The reference is the starting policy: no KL before the first update, some after.
+    assert train[0]["reward_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(train[2]["reward_kl"]) > 1e-3, train
+    for r in train:
+        assert r["loss"] == r["pg_loss"]  # the loss's KL term is off (kl_penalty reports it unweighted)
+        assert "timing/logprobs/reference" in r and "timing/logprobs/prev" in r
+        assert r["num_optimizer_steps"] == 2 and math.isfinite(r["loss"])
+
+
 def test_dynamic_sampling_that_keeps_no_group_says_so_and_stops(ray_session, tmp_path, capsys):
     # Every sample scores 1: no group has reward variance. The run stopped with "no data left, or no
     # group with reward variance", which left the cause to guess.

@@ -218,6 +218,28 @@ def test_the_grpo_loop_scales_rewards_before_the_overlong_shaping():
     assert batch["shaping_penalty"].tolist() == pytest.approx([0.0, 1.0, 0.0, 0.5])
 
 
+def test_a_kl_penalty_in_the_reward_takes_each_samples_own_tokens():
+    # reward - beta * sum over the sample's trained tokens of (log pi_old - log pi_ref), before the
+    # baseline; a masked token (prompt, environment output) is not the sample's own.
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])
+    prev = torch.tensor([[-9.0, -1.0, -2.0, -9.0], [0.0, -1.0, -1.0, -1.0], [0.0, 0.0, -0.5, -0.5],
+                         [0.0, -3.0, 5.0, 0.0]])
+    ref = torch.tensor([[0.0, -1.5, -2.5, 0.0], [0.0, -1.0, -1.0, -1.0], [7.0, 7.0, -1.5, -1.5], [0.0, -2.0, 0.0, 0.0]])
+    batch = BatchedDataDict(rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]), response_lengths=torch.full((4,), 2.0),
+                            truncated=torch.zeros(4, dtype=torch.bool), env_errors=torch.zeros(4, dtype=torch.bool),
+                            group_ids=torch.zeros(4, dtype=torch.long), token_mask=mask, prev_logprobs=prev,
+                            reference_logprobs=ref)
+    _rewards_to_advantages(GRPOConfig(adv_estimator="dr_grpo", reward_kl_penalty=0.5), batch, max_new_tokens=4)
+    assert batch["reward_kl"].tolist() == pytest.approx([1.0, 0.0, 2.0, -1.0])
+    # Rewards 1 - 0.5, 1, 0 - 1, 0 + 0.5: mean 0.25.
+    assert batch["advantages"][:, -1].tolist() == pytest.approx([0.0, 0.75, -1.25, 0.0])
+    assert batch["advantages"][3, 1].item() == pytest.approx(0.25)
+
+
 def test_the_grpo_loop_divides_by_the_std_its_config_names():
     from posttrain.algorithms.grpo import _rewards_to_advantages
     from posttrain.data.batch import BatchedDataDict

@@ -1006,9 +1006,17 @@ def test_on_policy_distillation_settings():
     with pytest.raises(ConfigError, match="name the reference in policy.reference_model_name"):
         load_config("grpo", None, kl)
     assert load_config("grpo", None, [*kl, "policy.reference_model_name=t"]).needs_reference()
+    with pytest.raises(ConfigError, match="grpo.warmup_sft_steps > 0 with grpo.reward_kl_penalty > 0: the KL "
+                                          "reference is the model before the warm-up"):
+        load_config("grpo", None, ["grpo.warmup_sft_steps=5", "grpo.reward_kl_penalty=0.1"])
+    assert load_config("grpo", None, ["grpo.reward_kl_penalty=0.1"]).needs_reference()
+    with pytest.raises(ConfigError, match="grpo.reward_kl_penalty: act on rewards"):
+        load_config("grpo", None, ["grpo.adv_estimator=on_policy_distillation", "policy.reference_model_name=t",
+                                   "grpo.reward_kl_penalty=0.1"])
     # A teacher named while the estimator stayed grpo was never loaded, and the run trained without it.
     with pytest.raises(ConfigError, match="policy.reference_model_name='t' is set, but nothing in this `posttrain "
-                                          "grpo` run uses a reference model: loss_fn.reference_policy_kl_penalty=0"):
+                                          "grpo` run uses a reference model: loss_fn.reference_policy_kl_penalty=0, "
+                                          "grpo.reward_kl_penalty=0 and grpo.adv_estimator=grpo"):
         load_config("grpo", None, ["policy.reference_model_name=t"])
 
 
@@ -1443,6 +1451,8 @@ def test_sequence_packing_for_a_reward_model_is_refused_before_its_budget_is_ask
     ("grpo", "loss_fn.ratio_clip_high=0.28", "loss_fn.ratio_clip_max"),  # spelling said ratio_clip_min
     ("grpo", "grpo.num_generations=8", "grpo.num_generations_per_prompt"),  # spelling said num_iterations
     ("grpo", "loss_fn.importance_sampling_level=sequence", "loss_fn.sequence_level_importance_ratios"),
+    ("grpo", "grpo.kl_coef=0.001", "grpo.reward_kl_penalty"),  # verl's KL in the reward
+    ("grpo", "loss_fn.kl_loss_coef=0.001", "loss_fn.reference_policy_kl_penalty"),  # verl's in the loss
 ])
 def test_another_librarys_name_of_a_setting_names_posttrains(algorithm, override, named):
     key = override.split("=")[0]
