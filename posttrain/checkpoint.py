@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError, InputError, MissingInputError, RunStopped
+from posttrain.runtime import STOP_REQUESTED
 from posttrain.schemas import CheckpointingConfig, PolicyConfig
 
 log = logging.getLogger(__name__)
@@ -572,6 +573,7 @@ class CheckpointManager:
             if self.stop_signal is not None:
                 raise StopAtOnce(name)
             self.stop_signal = name
+            STOP_REQUESTED.set()
             if self.cfg.enabled:
                 log.warning("%s received: saving a checkpoint after this step and stopping "
                             "(send it again to stop at once, without saving)", name)
@@ -584,6 +586,7 @@ class CheckpointManager:
         try:
             yield
         finally:
+            STOP_REQUESTED.clear()
             for s, h in previous.items():
                 signal.signal(s, h)
 

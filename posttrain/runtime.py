@@ -11,12 +11,19 @@ import os
 import re
 import signal
 import sys
+import threading
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # mallopt(3) parameters, <malloc.h>.
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _GC_GEN0_THRESHOLD = 20_000
+
+# Set while a training loop is to stop after its current step (a first SIGTERM or Ctrl-C,
+# `CheckpointManager.stop_on_signals`): what would wait long within the step, an environment's
+# scoring, stops waiting (a hung one held the save for its whole time limit, 2,590 s by default
+# for the quickstart's step, well past a scheduler's grace period).
+STOP_REQUESTED = threading.Event()
 
 
 def freeze_setup_objects() -> None:

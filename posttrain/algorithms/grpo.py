@@ -947,8 +947,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         stop = s.checkpointer.stop_reason(last_step=step == g.max_num_steps)
         if s.checkpointer.should_save(step, last=step == g.max_num_steps or stop is not None):
             # The rollouts' metrics too: train:reward / train:accuracy rank checkpoints as
-            # documented (policy.train's metrics alone lack them).
-            _save(s, step, last.train, last.val, loader_state=last.loader_state,
+            # documented (policy.train's metrics alone lack them). During steps in which every sample
+            # failed, the data position before them: they trained on nothing, and a run the
+            # environment then stops keeps this checkpoint (a resume skipped their prompts).
+            _save(s, step, last.train, last.val, loader_state=last.before_failed_steps or last.loader_state,
                   validation_pending=bool(due) and not last.val)
             last.saved_step = step
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],

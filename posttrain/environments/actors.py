@@ -32,7 +32,7 @@ from posttrain.environments.interfaces import (
     EnvironmentReturn,
     is_verdict,
 )
-from posttrain.runtime import freeze_setup_objects
+from posttrain.runtime import STOP_REQUESTED, freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
 
 log = logging.getLogger("posttrain.environments")
@@ -129,15 +129,18 @@ def _values(value: Any, kind: type) -> list:
 def _as_lists(ret: EnvironmentReturn, name: str) -> EnvironmentReturn:
     """`ret` (checked by `_contract_violation`) with its rewards and terminateds as lists, a NaN or
     infinite reward scored 0: it would poison its whole group's advantages (and the loss), so
-    the sample records the error, like a verifier that raised."""
+    the sample records the error and ends, like one whose verifier raised (it went on to more
+    turns, counted in env_errors again at each)."""
     rewards, metadata = _values(ret.rewards, float), list(ret.metadata)
+    terminateds = _values(ret.terminateds, bool)
     bad = [j for j, r in enumerate(rewards) if not math.isfinite(r)]
     for j in bad:
         metadata[j] = {**(metadata[j] or {}), ENV_ERROR_KEY: f"environment {name!r} returned reward {rewards[j]}"}
-        rewards[j] = 0.0
+        rewards[j], terminateds[j] = 0.0, True
     if bad:
-        log.warning("environment %r returned %d non-finite rewards; they score 0", name, len(bad))
-    return replace(ret, rewards=rewards, terminateds=_values(ret.terminateds, bool), metadata=metadata)
+        log.warning("environment %r returned %d non-finite rewards (samples %s of its %d); they score 0", name,
+                    len(bad), ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else ""), len(rewards))
+    return replace(ret, rewards=rewards, terminateds=terminateds, metadata=metadata)
 
 
 # Seconds a tool call's child process takes to start again after it was killed at its time limit.
@@ -146,6 +149,31 @@ _TOOL_CHILD_RESTART_S = 5.0
 
 class EnvironmentFailure(RunStopped):
     """An environment that keeps failing: the run stops rather than scoring every sample 0."""
+
+
+class _Abandoned(Exception):
+    """The run was told to stop while an actor was still scoring its slice."""
+
+
+# Seconds between looks at STOP_REQUESTED while an actor scores.
+_STOP_POLL_S = 0.5
+
+
+def _result(ref: Any, deadline: float) -> Any:
+    """`ray.get(ref)` by `deadline` (time.monotonic(); GetTimeoutError after it), or _Abandoned
+    once the run is told to stop."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(left, _STOP_POLL_S)))
+        if ready:
+            return ray.get(ref)
+        if STOP_REQUESTED.is_set():
+            raise _Abandoned
+        if left <= _STOP_POLL_S:
+            raise GetTimeoutError(f"no result within the slice's limit ({left:.1f} s left at the last look)")
 
 
 def slice_time_limit(cfg: EnvWorkerConfig, message_logs: list[list[dict]]) -> float:
@@ -234,15 +262,21 @@ class EnvironmentGroup:
             for i, (lo, hi) in enumerate(bounds)
         ]
         parts = []
+        abandoned = False
         for i, lo, hi, ref in pending:
             limit = slice_time_limit(self.cfg, message_logs[lo:hi])
             try:
-                ret = ray.get(ref, timeout=max(0.0, started + limit - time.monotonic()))
+                ret = _result(ref, started + limit)
                 problem = _contract_violation(ret, hi - lo)
                 if problem is None:
                     parts.append(_as_lists(ret, self.name))
                     continue
                 error = f"environment {self.name!r} step returned {problem}"
+            except _Abandoned:
+                # Scored as failed, not counted as a failure of the actor (the shutdown stops it):
+                # the step ends and its checkpoint is saved before a scheduler's grace period runs out.
+                error = f"environment {self.name!r} actor {i} was still scoring when the run was told to stop"
+                abandoned = True
             except GetTimeoutError:
                 error = f"environment {self.name!r} actor {i} did not answer within {limit:g} s"
                 self._count_failure(i, error)
@@ -258,7 +292,8 @@ class EnvironmentGroup:
             log.warning("%s; %d samples score 0", error, hi - lo)
             parts.append(EnvironmentReturn.failed(metadata[lo:hi], error))
         ret = EnvironmentReturn.concat(parts)
-        self._count_failed_step(ret)
+        if not abandoned:
+            self._count_failed_step(ret)
         return ret
 
     def _count_failed_step(self, ret: EnvironmentReturn) -> None:

@@ -41,6 +41,7 @@ import inspect
 import math
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,6 +118,20 @@ def _import_module(module_part: str, key: str):
     return importlib.import_module(module_part)
 
 
+def _raised_at(e: BaseException, module_part: str) -> str:
+    """" at file.py:LINE": the innermost line of the imported file (`module_part`, a path) that `e`
+    went through, else of any code past the import machinery and this module (a module given by
+    name, or a library it imported); "" when there is none. A SyntaxError names its line itself."""
+    import importlib as machinery
+
+    skip = (str(Path(machinery.__file__).parent), __file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith("<") and not f.filename.startswith(skip)]
+    own = [f for f in frames if module_part.endswith(".py") and Path(f.filename) == Path(module_part).resolve()]
+    frame = (own or frames or [None])[-1]
+    return f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+
+
 def load_target(spec: str, key: str) -> Any:
     """The object `spec` ("module:attr" or "file.py:attr") names; errors name `key`."""
     module_part, sep, attr = spec.rpartition(":")
@@ -127,7 +142,8 @@ def load_target(spec: str, key: str) -> Any:
     except MissingInputError:
         raise
     except USER_CODE_ERRORS as e:  # noqa: BLE001 - any failure (an argparse's exit) is a config error
-        raise ConfigError(f"{key}={spec!r}: importing {module_part} failed: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{key}={spec!r}: importing {module_part} failed{_raised_at(e, module_part)}: "
+                          f"{type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_"))
         raise ConfigError(f"{key}={spec!r}: {module_part} has no {attr!r} (it has: {', '.join(public) or 'nothing'})")

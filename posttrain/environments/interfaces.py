@@ -238,7 +238,14 @@ class PerSampleEnvironment(EnvironmentInterface):
         """The sample's result, and the error that scored it 0 (None)."""
         meta = {k: v for k, v in (meta or {}).items() if k != ENV_ERROR_KEY}
         try:
-            result = self.step_one(messages, meta)
+            try:
+                result = self.step_one(messages, meta)
+            except USER_CODE_ERRORS as e:  # noqa: BLE001 - recorded below
+                if isinstance(e, UserCodeError) or type(self).__module__.startswith("posttrain."):
+                    raise
+                # A class of the user's: the line of its file that raised ("RuntimeError: boom"
+                # alone, in the error that stops the run, named neither).
+                raise user_code_error(f"{type(self).__name__}.step_one", e, type(self).step_one) from e
             # Read whole into the batch's return after every sample: a wrong type failed every sample of the slice.
             if not isinstance(result, StepResult):
                 raise TypeError(f"step_one returned {result!r:.80}, not a StepResult")

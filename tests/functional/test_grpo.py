@@ -407,7 +407,14 @@ def test_a_mixture_of_datasets_trains_on_both_and_validates_each(ray_session, tm
     assert {"task_reward/by_length", "task_reward/arithmetic"} <= set(train)
 
 
-def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_complete_step(ray_session, tmp_path):
+# The second failure in a row: the third step's validation (the run stops before the loop logs the
+# step: its record was missing beside its checkpoint), or the fourth step's rollouts after a
+# periodic save of the third (which kept the data position after it: a resume skipped its prompts).
+@pytest.mark.parametrize("schedule", [["grpo.val_period=3", "checkpointing.save_period=10"],
+                                      ["grpo.val_period=0", "checkpointing.save_period=3"]],
+                         ids=["validation_fails", "saved_then_rollouts_fail"])
+def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_complete_step(ray_session, tmp_path,
+                                                                                              schedule):
     from posttrain.environments import EnvironmentFailure
 
     # A reward service that goes down from the third step's rollouts on, while `broken` exists.
@@ -418,10 +425,8 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
         "        raise ConnectionError('reward service down')\n"
         "    return float(len(response) > 2)\n")
     broken.touch()
-    # The third step's validation fails too, the second failure in a row: the run stops there, before
-    # the loop logs the step (its record was missing beside its checkpoint).
-    args = tiny_overrides(tmp_path, "grpo.max_num_steps=5", "grpo.warmup_sft_steps=0", "grpo.val_period=3",
-                 "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
+    args = tiny_overrides(tmp_path, "grpo.max_num_steps=5", "grpo.warmup_sft_steps=0", *schedule,
+                 "grpo.val_at_start=false", "grpo.val_at_end=false",
                  "logger.num_samples_to_dump=16", "data.task_name=flaky", f"env.flaky.target={rewards}:flaky",
                  "env.flaky.max_failed_steps=2")
     with pytest.raises(EnvironmentFailure, match=r"^environment 'flaky': every sample failed in 2 steps in a row "
@@ -429,8 +434,8 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
                                                  r"environment 'flaky' raised ConnectionError at rewards.py:5 in flaky: "
                                                  r"reward service down"):
         run(load_config("grpo", QUICKSTART, args))
-    # The three complete steps were saved (the first periodic save would have been step 10), the
-    # third, whose every sample failed, with the data position before it (its prompts, not lost).
+    # The three complete steps were saved, the third, whose every sample failed, with the data
+    # position before it (its prompts, not lost).
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_3"]
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["served"] == 2 * 4 and info["consumed_samples"] == 2 * 4 * 4

@@ -306,7 +306,11 @@ def test_bad_targets_fail_naming_the_key(rewards_file, tmp_path):
             resolve_env("x", _cfg(target))
     broken = tmp_path / "broken.py"
     broken.write_text("import posttrain_no_such_dependency\n")
-    with pytest.raises(ConfigError, match=r"importing .*broken.py failed: ModuleNotFoundError.*posttrain_no_such_dependency"):
+    with pytest.raises(ConfigError, match=r"importing .*broken.py failed at broken.py:1: ModuleNotFoundError.*"
+                                          r"posttrain_no_such_dependency"):
+        resolve_env("x", _cfg(f"{broken}:f"))
+    broken.write_text("import os\nraise ValueError('no API key')\n")  # the line that raised, not only what
+    with pytest.raises(ConfigError, match=r"importing .*broken.py failed at broken.py:2: ValueError: no API key"):
         resolve_env("x", _cfg(f"{broken}:f"))
     with pytest.raises(ConfigError, match=r"env.math.target: 'math' is a built-in environment"):
         resolve_env("math", _cfg(f"{rewards_file}:exact"))
@@ -619,7 +623,8 @@ def test_code_that_exits_fails_only_its_call_or_sample(rewards_file, tmp_path):
     # A file that exits as it is imported (a script's argparse) is a config error naming the key.
     script = tmp_path / "script_rewards.py"
     script.write_text("import sys\nsys.exit(2)\ndef score(response, metadata):\n    return 1.0\n")
-    with pytest.raises(ConfigError, match=r"env.s.target=.*importing .*script_rewards.py failed: SystemExit: 2"):
+    with pytest.raises(ConfigError, match=r"env.s.target=.*importing .*script_rewards.py failed at script_rewards.py:2: "
+                                          r"SystemExit: 2"):
         resolve_env("s", _cfg(f"{script}:score"))
 
 

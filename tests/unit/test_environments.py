@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -130,13 +131,16 @@ def test_failed_samples_are_logged_once_per_kind_of_error(caplog):
 
     with caplog.at_level(logging.WARNING, logger="posttrain.environments"):
         ret = Fails().step([convo("x")] * 50, [{"kind": 0}] * 45 + [{"kind": k} for k in range(1, 6)])
-    assert ret.num_errors == 50 and ret.metadata[49]["env_error"] == "ValueError: boom 5"
+    # A class of the user's names the line of its file that raised.
+    at = f"Fails.step_one raised ValueError at test_environments.py:{Fails.step_one.__code__.co_firstlineno + 1} in step_one"
+    assert ret.num_errors == 50 and ret.metadata[49]["env_error"] == f"{at}: boom 5"
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["Fails: sample 0 and 44 more with the same error (of 50) scored 0: ValueError: boom 0",
-                     "Fails: sample 45 (of 50) scored 0: ValueError: boom 1",
-                     "Fails: sample 46 (of 50) scored 0: ValueError: boom 2",
+    assert lines == [f"Fails: sample 0 and 44 more with the same error (of 50) scored 0: {at}: boom 0",
+                     f"Fails: sample 45 (of 50) scored 0: {at}: boom 1",
+                     f"Fails: sample 46 (of 50) scored 0: {at}: boom 2",
                      "Fails: 3 more samples scored 0 with other errors"]
     assert caplog.records[0].exc_info is not None and caplog.records[1].exc_info is None  # one traceback
+    assert isinstance(caplog.records[0].exc_info[1].__cause__, ValueError)  # the original's traceback
 
 
 def test_math_missing_gold_is_an_error_not_a_crash(math_env):
@@ -217,7 +221,9 @@ def test_a_raising_verifier_scores_zero_for_that_sample_only():
         [{"i": 0}, {"i": 1, "env_error": "stale error from an earlier turn"}, {"i": 2}, {"i": 3}],
     )
     assert ret.rewards == [1.0, 0.0, 1.0, 1.0]
-    assert ret.metadata[1]["env_error"] == "RuntimeError: verifier exploded" and ret.metadata[1]["i"] == 1
+    assert ret.metadata[1]["i"] == 1 and ret.metadata[1]["env_error"] == (
+        f"Flaky.step_one raised RuntimeError at test_environments.py:{Flaky.step_one.__code__.co_firstlineno + 2} "
+        "in step_one: verifier exploded")
     assert ret.terminateds == [True] * 4 and ret.num_errors == 1
 
 
@@ -556,6 +562,40 @@ def test_env_group_multi_turn_puzzle(ray_session):
         group.shutdown()
 
 
+def test_a_stop_request_ends_the_wait_for_a_stuck_actor(ray_session):
+    # A first SIGTERM sets STOP_REQUESTED: the step ends without waiting out the slice's limit
+    # (the checkpoint after it is saved within a scheduler's grace period), the slice failed but
+    # not counted against the actor's restarts or the failed-steps streak.
+    from posttrain.runtime import STOP_REQUESTED
+
+    class Stuck(PerSampleEnvironment):
+        def __init__(self, cfg):
+            pass
+
+        def step_one(self, messages, metadata):
+            if messages[-1]["content"] == "hang":
+                time.sleep(600)
+            return StepResult("ok", 1.0, True, metadata)
+
+    group = EnvironmentGroup("stuck", Stuck, EnvWorkerConfig(num_workers=2, step_timeout_s=300.0, max_restarts=0,
+                                                             max_failed_steps=1))
+    timer = threading.Timer(1.0, STOP_REQUESTED.set)
+    try:
+        start = time.monotonic()
+        timer.start()
+        ret = group.step([convo("ok"), convo("hang")], [{}] * 2)
+        assert time.monotonic() - start < 10
+        assert ret.rewards == [1.0, 0.0] and ret.terminateds == [True, True]
+        assert ret.metadata[1]["env_error"] == ("environment 'stuck' actor 1 was still scoring when the run was told "
+                                                "to stop")
+        ret = group.step([convo("hang")], [{}])  # neither max_restarts=0 nor max_failed_steps=1 stops it
+        assert ret.num_errors == 1
+    finally:
+        timer.cancel()
+        STOP_REQUESTED.clear()
+        group.shutdown()
+
+
 @pytest.mark.slow
 def test_stuck_and_crashing_actors_score_zero_and_are_restarted(ray_session):
     class Troubled(PerSampleEnvironment):
@@ -650,6 +690,7 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
                 # stopped the driver: concatenating the slices, reading the metadata.
                 "column": {"rewards": torch.tensor(ret.rewards)[:, None]},
                 "named": {"metadata": ["done"] * n},
+                "going": {"terminateds": [False] * n},  # every conversation continues
             }.get(mode, {})
             return type(ret)(**{**ret.__dict__, **change})
 
@@ -659,6 +700,8 @@ def test_non_finite_rewards_and_broken_returns_score_zero_and_are_named(ray_sess
         ret = group.step([convo("1"), convo("nan"), convo("inf"), convo("0.5")], [{}] * 4)
         assert ret.rewards == [1.0, 0.0, 0.0, 0.5] and ret.num_errors == 2
         assert ret.metadata[1]["env_error"] == "environment 'sloppy' returned reward nan"
+        # A non-finite reward ends its conversation, as an error does (it went on, counted at each turn).
+        assert group.step([convo("1"), convo("nan")], [{"mode": "going"}] * 2).terminateds == [False, True]
         for mode in ("tensors", "numpy"):
             ret = group.step([convo("1"), convo("nan"), convo("0.5")], [{"mode": mode}] * 3)
             assert ret.rewards == [1.0, 0.0, 0.5] and ret.terminateds == [True] * 3 and ret.num_errors == 1
