@@ -463,7 +463,8 @@ class LoraConfig(Section):
     # and hf backends load base + adapter from it; a reward model's, from
     # AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1) with the
     # tokenizer's pad_token_id set on it, as the base's config has neither; `posttrain convert
-    # dcp-to-hf` always merges).
+    # dcp-to-hf` always merges). Training runs refuse an adapter folder as a model: a next stage
+    # (DPO after SFT) starts from a merged export.
     export: Literal["merged", "adapter"] = "merged"
 
 

@@ -133,7 +133,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
-    from posttrain.policy.hf_io import named_model_attention_kernel
+    from posttrain.policy.hf_io import (adapter_base, check_language_model, load_hf_config,
+                                       named_model_attention_kernel)
     from posttrain.rollouts import check_tool_turns
     from posttrain.runtime import keep_freed_memory, resolve_device
 
@@ -152,6 +153,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     if cfg.eval.max_rollout_turns > 1:  # as GRPO: a template that cannot show a tool result fails here,
         # not at the first tool call, after the generation of every batch before it
         check_tool_turns(tokenizer, rows, cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt)
+    check_language_model(load_hf_config(adapter_base(cfg.policy.model_name) or cfg.policy.model_name)[1],
+                         "policy.model_name", cfg.policy.model_name)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
     device = resolve_device(cfg.policy.device)
     if device.type == "cpu":

@@ -896,13 +896,19 @@ class FSDPPolicyWorker:
 
     @contextlib.contextmanager
     def _exported_tokenizer(self) -> Iterator[Any]:
-        """The tokenizer with the chat template an export writes (`exported_chat_template`)."""
-        template = self.tokenizer.chat_template
+        """The tokenizer with the chat template an export writes (`exported_chat_template`) and,
+        when it has none, the pad token the run padded with (EOS, `load_tokenizer`'s): a reward
+        model's export said pad_token_id in config.json, and its tokenizer could not pad a batch."""
+        template, pad = self.tokenizer.chat_template, self.tokenizer.pad_token
         self.tokenizer.chat_template = self._export_template
+        if pad is None and self.tokenizer.eos_token is not None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
         try:
             yield self.tokenizer
         finally:
             self.tokenizer.chat_template = template
+            if pad is None:
+                self.tokenizer.pad_token = None
 
     def _save_tokenizer(self, path: str | Path) -> None:
         with self._exported_tokenizer() as tokenizer:

@@ -67,6 +67,17 @@ def adapter_base(model_name: str) -> str | None:
         return json.load(f).get("base_model_name_or_path")
 
 
+def check_language_model(config, key: str, model_name: str) -> None:
+    """Refuse a reward model's export (a sequence-classification architecture) where a language
+    model must be: transformers loads it as one, the unexpected score head dropped with a log line
+    and, with tied embeddings (Llama 3.2, Qwen2.5), nothing missing: a policy, DPO reference or
+    eval model that had never been trained to write (a reference's margin -5.0 at step 0)."""
+    archs = getattr(config, "architectures", None) or []
+    if archs and all(a.endswith("ForSequenceClassification") for a in archs):
+        raise InputError(f"{key}={model_name!r} is a reward model ({archs[0]}: a score head, not a language "
+                         "model's); name the language model it was trained from, or a causal LM's export")
+
+
 def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_lm",
                        check_files: bool = False) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
@@ -79,6 +90,8 @@ def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_l
 
     tp = cfg.dtensor_cfg.tensor_parallel_size
     path, config = load_hf_config(cfg.model_name)
+    if model_kind == "causal_lm":  # (a reward model starts from either)
+        check_language_model(config, "policy.model_name", cfg.model_name)
     check_tensor_parallel(config, tp)
     if cfg.lora.enabled:
         check_lora(config, cfg.lora, model_kind)
@@ -90,6 +103,7 @@ def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_l
     if name is None:
         return (path, config), (path, config)
     ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
+    check_language_model(ref_config, "policy.reference_model_name", name)
     check_tensor_parallel(ref_config, tp, key="policy.reference_model_name")
     check_reference_vocabulary(cfg, config, ref_path, ref_config)
     if check_files:

@@ -90,3 +90,19 @@ def test_a_sentencepiece_tokenizer_gets_its_bos_before_a_space(stories260k, capl
     assert _rendered(exported, system, add_generation_prompt=True) != render_prompt(squad, system, True)
     assert ("does not write the BOS that data.add_bos put in front of a prompt that starts with a system turn"
             in caplog.text)
+
+
+def test_an_export_of_a_tokenizer_without_a_pad_token_holds_the_eos_it_padded_with(tmp_path):
+    # The run pads with EOS (load_tokenizer) and config.json says so; the exported tokenizer said
+    # nothing, and transformers' padding=True then failed on the export (a reward model's, scoring batches).
+    from types import SimpleNamespace
+
+    from posttrain.policy.fsdp_worker import FSDPPolicyWorker
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("embedded:tiny"))
+    tok.pad_token = None
+    worker = SimpleNamespace(tokenizer=tok, _export_template=tok.chat_template)
+    worker._exported_tokenizer = lambda: FSDPPolicyWorker._exported_tokenizer(worker)
+    FSDPPolicyWorker._save_tokenizer(worker, tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token == tok.eos_token == "<|end|>"
+    assert tok.pad_token is None  # the worker's own is left as loaded

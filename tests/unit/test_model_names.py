@@ -118,6 +118,34 @@ def test_a_lora_adapter_as_model_name_says_how_to_get_a_whole_model(tmp_path):
         load_hf_config(str(tmp_path))
 
 
+def test_a_reward_models_export_where_a_language_model_must_be_is_refused(tmp_path, tiny_model_path):
+    # transformers loads a ...ForSequenceClassification folder as a causal LM without a word (the
+    # score head dropped; the tied LM head, the embedding, is not missing): a DPO reference that
+    # never learned to write (margin -5.0 at step 0), an eval of a model that cannot answer.
+    import json
+    import shutil
+
+    from posttrain.algorithms.eval import run
+    from posttrain.config import InputError, load_config
+    from posttrain.policy.hf_io import load_model_configs
+    from posttrain.schemas import PolicyConfig
+
+    rm = tmp_path / "rm"
+    shutil.copytree(tiny_model_path, rm)
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    refused = r"={!r} is a reward model \(LlamaForSequenceClassification: a score head".format(str(rm))
+    with pytest.raises(InputError, match="policy.model_name" + refused):
+        load_model_configs(PolicyConfig(model_name=str(rm)), with_reference=False)
+    with pytest.raises(InputError, match="policy.reference_model_name" + refused):
+        load_model_configs(PolicyConfig(model_name=tiny_model_path, reference_model_name=str(rm)), with_reference=True)
+    with pytest.raises(InputError, match="policy.model_name" + refused):
+        run(load_config("eval", "examples/configs/evals/arithmetic.yaml", [f"policy.model_name={rm}",
+                                                                           f"logger.log_dir={tmp_path / 'logs'}"]))
+    # A reward model may start from either.
+    load_model_configs(PolicyConfig(model_name=str(rm)), with_reference=False, model_kind="sequence_classification")
+
+
 def test_a_hub_dataset_name_with_the_hub_unreachable_fails_at_once_offline(online_env):
     # `datasets` keeps its own copy of the flag (tests/conftest.py set it at import): online here.
     import datasets.config
