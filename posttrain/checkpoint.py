@@ -766,13 +766,15 @@ class CheckpointManager:
         last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None
         full = "No space left on device" in str(err) or any(
             isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _exception_chain(err))
-        disk = f"{free / 2**20:.1f} MiB free there"
+        disk = f" ({free / 2**20:.1f} MiB free there)"
         if full or (last_size is not None and free < last_size):
-            disk = (f"the disk is full: {disk}" + (f", {kept[-1].name} took {last_size / 2**20:.1f} MiB"
-                                                   if last_size is not None else ""))
+            disk = (f" (the disk is full: {free / 2**20:.1f} MiB free there"
+                    + (f", {kept[-1].name} took {last_size / 2**20:.1f} MiB" if last_size is not None else "") + ")")
+        elif isinstance(err, WorkerError):  # a worker died: the free space pointed at the disk for nothing
+            disk = ""
         stays = (f"the checkpoints saved before stay ({', '.join(p.name for p in kept)}); the next start resumes "
                  f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
-        return f"saving checkpoint step_{step} in {self.dir} failed ({disk}): {cause}\n{stays}"
+        return f"saving checkpoint step_{step} in {self.dir} failed{disk}: {cause}\n{stays}"
 
     def _tmp_dir(self, step: int) -> Path:
         """Where this process writes checkpoint `step` before `finish_save` renames it (`_TMP_RE`)."""

@@ -1817,12 +1817,13 @@ class _MasterBase(Section):
         workers, tp = self.cluster.num_workers, self.policy.dtensor_cfg.tensor_parallel_size
         if workers % tp:
             raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide the {workers} policy "
-                             "workers (cluster.num_nodes x gpus_per_node, or x workers_per_node without GPUs)")
+                             "workers (cluster.num_nodes x cluster.gpus_per_node, or x cluster.workers_per_node without "
+                             "GPUs)")
         if self._command() != "eval" and self.policy.train_global_batch_size % (workers // tp):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) must be a multiple of the "
-                f"{workers // tp} data-parallel policy workers (cluster.num_nodes x gpus_per_node, or x "
-                "workers_per_node without GPUs, / policy.dtensor_cfg.tensor_parallel_size)")
+                f"{workers // tp} data-parallel policy workers (cluster.num_nodes x cluster.gpus_per_node, or x "
+                "cluster.workers_per_node without GPUs, / policy.dtensor_cfg.tensor_parallel_size)")
         return self
 
     def needs_reference(self) -> bool:

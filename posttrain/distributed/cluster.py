@@ -52,21 +52,46 @@ def apply_ray_env_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+# Seconds a cluster address's port may take to accept a connection.
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_reachable(address: str, where: str) -> None:
+    """A '<host>:<port>' or 'ray://<host>:<port>' address must accept a TCP connection: Ray retried
+    an unreachable one for minutes ("Failed to get cluster ID from GCS server") before failing."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", or a form Ray parses (and refuses) itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise InputError(f"{where}={address!r}: nothing answers there ({e.strerror or type(e).__name__}, within "
+                         f"{_CONNECT_TIMEOUT_S:g} s); give the head node's address (`ray status` there shows "
+                         "it), or unset it to run on a local Ray of this job's own") from None
+
+
 def init_ray(cfg: ClusterConfig) -> None:
     """Join the configured Ray cluster, or start a local one; an already-initialized Ray is kept."""
     if ray.is_initialized():
         return
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     apply_ray_env_defaults()
+    where = "cluster.address" if cfg.address else "the RAY_ADDRESS environment variable"
+    if address:
+        _check_reachable(address, where)
     try:
         if address:
             ray.init(address=address, include_dashboard=False)
         else:
             ray.init(include_dashboard=False)
     except ValueError as e:  # an address Ray cannot parse ("Invalid address format"): RAY_ADDRESS's
-        where = "cluster.address" if cfg.address else "the RAY_ADDRESS environment variable"
         raise InputError(f"{where}={address!r}: Ray refuses it ({e}); give 'auto', '<host>:<port>' or "
                          "'ray://<host>:<port>'") from None
+    except ConnectionError as e:  # "auto" with no cluster running here (a traceback of Ray's)
+        raise InputError(f"{where}={address!r}: no Ray cluster to join ({str(e).splitlines()[0]}); start one "
+                         "(`ray start --head`) or unset it to run on a local Ray of this job's own") from None
     except (SystemExit, KeyboardInterrupt) as e:
         # A stop signal while Ray starts: its own SIGTERM handler (set first thing in `ray.init`)
         # exits with status 15, which skipped the CLI's message and left the node's processes

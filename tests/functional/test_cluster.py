@@ -104,6 +104,17 @@ def test_a_ray_address_ray_cannot_parse_is_an_input_error_naming_where_it_came_f
     with pytest.raises(InputError, match=r"the RAY_ADDRESS environment variable='nonsense': Ray refuses it \("
                                          r".*Invalid address format.*\); give 'auto', '<host>:<port>' or"):
         init_ray(ClusterConfig())
+    # An address where nothing listens: Ray retried it for minutes, with no word of posttrain's.
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(InputError, match=rf"cluster.address='127.0.0.1:{port}': nothing answers there \("):
+        init_ray(ClusterConfig(address=f"127.0.0.1:{port}"))
+    assert time.monotonic() - start < 10
 
 
 def test_cpu_workers_keep_freed_memory_for_the_next_step(group):
