@@ -581,14 +581,15 @@ class CheckpointManager:
                 log.warning("%s received: stopping after this step, without a checkpoint "
                             "(checkpointing.enabled=false; send it again to stop at once)", name)
 
+        STOP_REQUESTED.clear()
         for s in wanted:
             signal.signal(s, handle)
         try:
             yield
         finally:
-            STOP_REQUESTED.clear()
             for s, h in previous.items():
                 signal.signal(s, h)
+            STOP_REQUESTED.clear()  # after: a signal between the two would set it again for the next run
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest step first; cleans up what interrupted saves left behind."""

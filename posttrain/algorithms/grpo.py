@@ -748,6 +748,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         step_convs: list[Conversation] = []  # every round's conversations: the step's rollout metrics are over all
         target = g.num_prompts_per_step * g.num_generations_per_prompt
         groups_so_far = 0
+        cut_short = None  # the stop signal that came while the step's rollouts were scored, and cut them short
         for _ in range(g.dynamic_sampling_max_gen_batches if g.use_dynamic_sampling else 1):
             if pipeline is not None:
                 # This step trains on the oldest queued rollouts, generated while earlier steps
@@ -795,8 +796,19 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 rollout_metrics.update(ds_metrics)
                 batch = batch.select_indices(keep)
             parts.append(batch)
+            # A stop signal ends the wait for environments still scoring (their samples fail) and
+            # more rounds of dynamic sampling: the step is not trained, nor its prompts lost.
+            if s.checkpointer.stop_signal is not None and (bool(rollout.batch["env_errors"].any())
+                                                           or sum(b.size for b in parts) < target):
+                cut_short = s.checkpointer.stop_signal
+                break
             if sum(b.size for b in parts) >= target:
                 break
+        if cut_short is not None:
+            _save_last_complete(s, last, f"{cut_short} received during step {step + 1}'s rollouts")
+            logger.console(f"{cut_short} received during step {step + 1}'s rollouts: the step is not trained (a "
+                           f"resume starts at its prompts); stopping at step {step}")
+            break
         usable = sum(b.size for b in parts) // gbs * gbs
         if usable == 0:
             if prompts is None:
@@ -922,10 +934,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         due = (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
         if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
-                val_metrics = _validate_current(s, pipeline, step, refit_metrics=rollout_metrics)
-            val_step = step
-            logger.log_metrics(val_metrics, step=step, prefix="val")
-            last.val = val_metrics
+                validated = _validate_current(s, pipeline, step, refit_metrics=rollout_metrics)
+            # A stop signal during it cut its scoring short (the environments' samples failed): no
+            # record of it, nor ranking by it; a resume makes it up (validation_pending).
+            if s.checkpointer.stop_signal is None:
+                val_metrics, val_step = validated, step
+                logger.log_metrics(val_metrics, step=step, prefix="val")
+                last.val = val_metrics
 
         # ---- metrics (before the checkpoint: a run killed once it is saved resumes after this step,
         # which it would never log; the save's time is a record of its own, `Logger.timed_save`)

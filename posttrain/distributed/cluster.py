@@ -62,7 +62,7 @@ def _check_reachable(address: str, where: str) -> None:
     import socket
 
     host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or "://" in host:
         return  # "auto", or a form Ray parses (and refuses) itself
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()

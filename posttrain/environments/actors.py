@@ -167,10 +167,11 @@ def _result(ref: Any, deadline: float) -> Any:
 
     while True:
         left = deadline - time.monotonic()
-        ready, _ = ray.wait([ref], timeout=max(0.0, min(left, _STOP_POLL_S)))
+        stopping = STOP_REQUESTED.is_set()  # then only whether it is done already
+        ready, _ = ray.wait([ref], timeout=0.0 if stopping else max(0.0, min(left, _STOP_POLL_S)))
         if ready:
             return ray.get(ref)
-        if STOP_REQUESTED.is_set():
+        if stopping or STOP_REQUESTED.is_set():
             raise _Abandoned
         if left <= _STOP_POLL_S:
             raise GetTimeoutError(f"no result within the slice's limit ({left:.1f} s left at the last look)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 
 import torch
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
@@ -44,9 +45,11 @@ class HFGeneration:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         dtype = DTYPES[precision]
-        self._trained = None  # the caller's model, when this engine generates with a cast copy of it
+        # The caller's model while it lives, when this engine generates with a cast copy of it: a
+        # weak reference, as a caller that refits by update_weights hands over a model it drops.
+        self._trained = None
         if next(model.parameters()).dtype != dtype:
-            self._trained = model
+            self._trained = weakref.ref(model)
             # A copy, never the caller's (the policy's) model; its parameters only, as the policy's
             # own low-precision forward: rotary frequencies rounded to bfloat16 put the logprobs
             # off the policy's (mean exp|diff| 1.022 on stories260K), failing
@@ -64,9 +67,10 @@ class HFGeneration:
     @torch.no_grad()
     def prepare_for_generation(self) -> None:
         # Colocated: the policy trained its model in place; a cast copy must follow it.
-        if self._trained is not None:
-            for mine, trained in zip(self.model.parameters(), self._trained.parameters(), strict=True):
-                mine.copy_(trained)
+        trained = self._trained() if self._trained is not None else None
+        if trained is not None:
+            for mine, theirs in zip(self.model.parameters(), trained.parameters(), strict=True):
+                mine.copy_(theirs)
 
     def finish_generation(self) -> None:
         return None
@@ -74,6 +78,7 @@ class HFGeneration:
     def update_weights(self, state_dict_or_ref, version: int) -> float:
         t0 = time.perf_counter()
         load_state_dict_inplace(self.model, resolve_state_dict(state_dict_or_ref))
+        self._trained = None  # the weights now come from here: the model given at the start is stale
         self.weight_version = version
         self._seeds.reseed(version)
         return time.perf_counter() - t0

@@ -451,6 +451,51 @@ def test_an_environment_that_keeps_failing_stops_the_run_after_saving_its_last_c
     assert prompts[3] == prompts[4] and len(prompts[3]) == 16
 
 
+def test_a_stop_signal_while_an_environment_hangs_saves_at_once_and_drops_the_cut_step(ray_session, tmp_path):
+    # The wait for a hung environment lasted its whole limit after a SIGTERM (2,590 s at the
+    # quickstart's size, well past a scheduler's grace period). Now its samples fail at once, the
+    # step they belong to is not trained, and the last complete one is saved, the data position
+    # before the cut step's prompts.
+    import os
+    import signal
+    import threading
+    import time
+
+    from posttrain.runtime import STOP_REQUESTED
+
+    rewards, hang = tmp_path / "rewards.py", tmp_path / "hang"
+    rewards.write_text(
+        "import os, time\n\ndef slow(response, metadata):\n"
+        f"    if metadata['_rollout']['global_step'] >= 1 and os.path.exists({str(hang)!r}):\n"
+        "        time.sleep(120)\n"
+        "    return float(len(response) > 2)\n")
+    hang.touch()
+    args = tiny_overrides(tmp_path, "grpo.max_num_steps=3", "grpo.warmup_sft_steps=0", "grpo.val_period=0",
+                          "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.save_period=10",
+                          "data.task_name=slow", f"env.slow.target={rewards}:slow")
+
+    def signal_after_step_1():
+        deadline = time.monotonic() + 120
+        while not records(tmp_path / "logs", "train") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # into step 2's scoring
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_after_step_1, daemon=True)
+    sender.start()
+    start = time.monotonic()
+    result = run(load_config("grpo", QUICKSTART, args))
+    assert time.monotonic() - start < 90 and result["stopped_by_signal"] == "SIGTERM"
+    assert not STOP_REQUESTED.is_set()  # a next run in this process waits for its environments again
+    assert [r["step"] for r in records(tmp_path / "logs", "train")] == [1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_1"]
+    info = json.loads((tmp_path / "ckpt" / "step_1" / "training_info.json").read_text())
+    assert info["dataloader"]["served"] == 4  # step 1's prompts: step 2's come again
+    hang.unlink()
+    run(load_config("grpo", QUICKSTART, args))
+    assert [(r["step"], r["env_errors"]) for r in records(tmp_path / "logs", "train")] == [(1, 0), (2, 0), (3, 0)]
+
+
 def test_reward_function_with_a_tool_the_model_calls(ray_session, tmp_path):
     # The tiny model, warmed up on demonstrations that call the add tool, calls it in its first
     # turn; the tool's result (or what was malformed in the call) comes back as a tool turn, and
