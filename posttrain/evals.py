@@ -76,7 +76,9 @@ def cons_at_k(answers: Sequence[str | None], correct: Sequence[bool | float], k:
         raise ValueError("cons_at_k: a sample without a verdict (None); leave it out first (mean_cons_at_k)")
     if not 1 <= k <= len(answers):
         raise ValueError(f"cons_at_k needs 1 <= k <= n, got k={k}, n={len(answers)}")
-    votes = [None if a is None or not a.strip() else _CORRECT_VOTE if ok else a
+    # A correct sample votes for the reference whether or not its environment extracted an answer
+    # (one that sets none, e.g. a user's class: every cons@k was 0 beside a pass@k above it).
+    votes = [_CORRECT_VOTE if ok else None if a is None or not a.strip() else a
              for a, ok in zip(answers[:k], correct[:k])]
     return 1.0 if majority_answer(votes) == _CORRECT_VOTE else 0.0
 

@@ -226,6 +226,18 @@ def sample_counts(records: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def per_task_metrics(records: list[dict[str, Any]], n: int) -> dict[str, dict[str, Any]]:
+    """`aggregate` over each task's prompts, by `task_name`, when the records (prompt-major, `n`
+    per prompt) are of more than one task; {} otherwise (the overall metrics are the task's)."""
+    prompts = [records[p : p + n] for p in range(0, len(records), n)]
+    tasks = sorted({group[0]["task_name"] for group in prompts})
+    if len(tasks) < 2:
+        return {}
+    return {task: aggregate([[r["extracted_answer"] for r in g] for g in prompts if g[0]["task_name"] == task],
+                            [[r["correct"] for r in g] for g in prompts if g[0]["task_name"] == task])
+            for task in tasks}
+
+
 def evaluate(s: EvalSetup) -> dict[str, Any]:
     """Generate, score and aggregate; write results.json and samples.jsonl; return the results."""
     from posttrain.rollouts import run_rollouts
@@ -270,6 +282,9 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         "score": metrics[f"{cfg.eval.metric.split('@')[0]}@{k}"],
         "metric": f"{cfg.eval.metric.split('@')[0]}@{k}",
         **metrics,
+        # A file of several tasks: each one's metrics (the overall ones mixed a task the model
+        # solves with one it cannot).
+        **({"per_task": per_task} if (per_task := per_task_metrics(records, n)) else {}),
         "num_tests_per_prompt": n,
         "greedy": s.greedy,
         **sample_counts(records),
@@ -289,7 +304,9 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
         from posttrain.logging.plots import plot_pass_at_k
 
         plot_pass_at_k(results, s.save_dir / "pass_at_k.png")
-    s.logger.log_metrics({key: v for key, v in results.items() if key != "config"}, step=num_batches, prefix="eval")
+    s.logger.log_metrics({**{key: v for key, v in results.items() if key not in ("config", "per_task")},
+                          **{f"task_accuracy/{t}": m["accuracy"] for t, m in per_task.items()}},
+                         step=num_batches, prefix="eval")
     s.logger.print_samples(
         [{"prompt": r["prompt"][-1]["content"], "response": r["response"], "answer": r["extracted_answer"],
           "reference": r["reference_answer"], "reward": r["reward"]} for r in records]

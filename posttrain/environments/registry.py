@@ -106,7 +106,8 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
         own = [i for i, r in enumerate(rows) if r["task_name"] == name]
         if isinstance(factory, RewardFunctions):
             factory.check_rows([rows[i] for i in own])
-        missing = [i for i in own if rows[i].get("answer") is None]
+        # A blank answer is none: "" scored an empty response correct (arithmetic).
+        missing = [i for i in own if rows[i].get("answer") is None or not str(rows[i]["answer"]).strip()]
         if not missing:
             continue
         first = rows[missing[0]]

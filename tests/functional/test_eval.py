@@ -173,6 +173,22 @@ def test_answers_an_environment_gives_as_numbers_are_voted_on_as_text():
     assert aggregate([answers], [[r > 0 for r in ret.rewards]])["cons@4"] == 1.0  # "2" wins, 2 of 4
 
 
+def test_a_file_of_several_tasks_gets_each_tasks_metrics():
+    # results.json had only the mixture's (0.162 for a task at 0.311 beside one at 0.025).
+    from posttrain.algorithms.eval import per_task_metrics
+
+    def record(task, answer, correct):
+        return {"task_name": task, "extracted_answer": answer, "correct": correct}
+
+    records = [record("a", "1", True), record("a", "2", False), record("b", None, False), record("b", "3", False),
+               record("a", "1", True), record("a", "1", True)]
+    per_task = per_task_metrics(records, 2)
+    assert per_task["a"]["accuracy"] == 0.75 and per_task["a"]["num_prompts"] == 2
+    assert per_task["a"]["pass@2"] == 1.0 and per_task["a"]["cons@2"] == 1.0  # tie 1/1 -> the first, correct
+    assert per_task["b"]["accuracy"] == 0.0 and per_task["b"]["num_samples"] == 2
+    assert per_task_metrics(records[:2], 2) == {}  # one task: the overall metrics are its own
+
+
 def test_a_blank_answer_is_counted_as_no_answer():
     # The arithmetic environment answers with the response itself, "" when it is empty: the vote
     # ignored it, but num_no_answer (answers that are None) counted it as an answer.
@@ -265,9 +281,10 @@ def test_eval_rows_need_an_answer_only_where_their_environment_scores_against_on
     math = tmp_path / "math.jsonl"
     math.write_text("".join(json.dumps(r) + "\n" for r in [
         {"messages": [{"role": "user", "content": "1+1="}], "answer": "2", "task_name": "math"},
-        {"messages": [{"role": "user", "content": "2+2="}], "task_name": "math"}]))
+        {"messages": [{"role": "user", "content": "2+2="}], "task_name": "math"},
+        {"messages": [{"role": "user", "content": "3+3="}], "answer": " ", "task_name": "math"}]))  # blank: none
     cfg = load_config("eval", None, [f"data.dataset_name={math}"])
-    with pytest.raises(ValueError, match=r"1 of 2 rows for environment 'math' have no reference `answer`.*row 2"):
+    with pytest.raises(ValueError, match=r"2 of 3 rows for environment 'math' have no reference `answer`.*row 2"):
         resolve_task_envs(load_eval_rows(cfg), cfg.env, require_answers=True)
 
 
