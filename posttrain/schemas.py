@@ -1702,7 +1702,7 @@ class EvalConfig(Section):
     # Seed of sampling (replaces policy.generation.seed during eval).
     seed: Seed = 42
     # Greedy decoding (false: sample with policy.generation's settings); null: greedy when
-    # num_tests_per_prompt == 1.
+    # num_tests_per_prompt == 1. Greedy (or temperature 0) needs num_tests_per_prompt == 1.
     greedy: bool | None = None
     # Evaluate only the first max_samples prompts of the dataset.
     max_samples: int | None = Field(None, ge=1)

@@ -707,7 +707,10 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     logger.start_progress(g.max_num_steps, s.start_step)  # before step 0's validation line: "val step 0/<max>"
     if g.val_at_start and s.start_step == 0:
         val_metrics = validate(s, 0)
-        logger.log_metrics(val_metrics, step=0, prefix="val")
+        if s.checkpointer.stop_signal is not None:  # cut short by a stop: no record of it
+            val_metrics = {}
+        else:
+            logger.log_metrics(val_metrics, step=0, prefix="val")
     # Unless the resumed config turned validation off: then nothing would be compared with it.
     if (g.val_period or g.val_at_end) and (pending := s.checkpointer.pending_validation(s.start_step)) is not None:
         val_metrics = made_up_validation(s.checkpointer, logger, pending, s.start_step,

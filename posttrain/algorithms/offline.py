@@ -463,6 +463,9 @@ def made_up_validation(checkpointer: CheckpointManager, logger: Logger, path: Pa
     to rank it (it ranked below every measured one, and the top-k could prune the best)."""
     logger.console(f"validating step {step}, which the stop skipped before its checkpoint")
     metrics = validate()
+    if checkpointer.stop_signal is not None:
+        # Stopped again while it ran (its environments' scoring cut short): still pending.
+        return {}
     logger.log_metrics(metrics, step=step, prefix="val")
     checkpointer.record_validation(path, {f"val:{k}": v for k, v in metrics.items()})
     return metrics

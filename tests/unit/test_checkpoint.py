@@ -929,3 +929,25 @@ def test_a_resumed_run_keeps_its_run_id_in_the_checkpoints_it_saves(tmp_path):
     info_file = tmp_path / "ckpt" / "step_2" / "training_info.json"
     info_file.write_text(json.dumps({k: v for k, v in json.loads(info_file.read_text()).items() if k != "run_id"}))
     assert _mgr(tmp_path).adopt_run_id(tmp_path / "ckpt" / "step_2") is None
+
+
+def test_a_made_up_validation_a_stop_cuts_short_stays_pending(tmp_path):
+    # A stop during the resume's make-up validation (its environments' scoring abandoned): it was
+    # logged and recorded, the checkpoint no longer pending, and the next resume never validated it.
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.offline import made_up_validation
+
+    logged, recorded = [], []
+    logger = SimpleNamespace(console=lambda m: None, log_metrics=lambda m, step, prefix: logged.append(m))
+    checkpointer = SimpleNamespace(stop_signal=None, record_validation=lambda path, m: recorded.append(m))
+
+    def validate():
+        checkpointer.stop_signal = "SIGTERM"  # arrives while it runs
+        return {"accuracy": 0.0, "env_errors": 40.0}
+
+    assert made_up_validation(checkpointer, logger, tmp_path, 2, validate) == {}
+    assert logged == [] and recorded == []
+    checkpointer.stop_signal = None
+    assert made_up_validation(checkpointer, logger, tmp_path, 2, lambda: {"accuracy": 0.5}) == {"accuracy": 0.5}
+    assert logged == [{"accuracy": 0.5}] and recorded == [{"val:accuracy": 0.5}]
