@@ -697,6 +697,13 @@ def _save_last_complete(s: GRPOSetup, last: _LastComplete, why: str, note: str =
         s.logger.console(f"{why}: saved step {last.step}, the last complete one, before stopping{note}")
 
 
+def _unless_stopped(s: GRPOSetup, val_metrics: dict[str, float]) -> dict[str, float] | None:
+    """A validation's metrics, or None when a stop signal came while it ran: the environments'
+    scoring still going then was cut short, their samples failed (a record of it misled, and
+    ranked a checkpoint by it)."""
+    return None if s.checkpointer.stop_signal is not None else val_metrics
+
+
 def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastComplete) -> dict[str, float]:
     """The GRPO steps; `last` follows the last complete one (grpo_train saves it if an environment fails)."""
     cfg, g, policy, logger = s.cfg, s.cfg.grpo, s.policy, s.logger
@@ -706,15 +713,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
     train_metrics: dict[str, float] = {}
     logger.start_progress(g.max_num_steps, s.start_step)  # before step 0's validation line: "val step 0/<max>"
     if g.val_at_start and s.start_step == 0:
-        val_metrics = validate(s, 0)
-        if s.checkpointer.stop_signal is not None:  # cut short by a stop: no record of it
-            val_metrics = {}
-        else:
+        val_metrics = _unless_stopped(s, validate(s, 0)) or {}
+        if val_metrics:
             logger.log_metrics(val_metrics, step=0, prefix="val")
     # Unless the resumed config turned validation off: then nothing would be compared with it.
     if (g.val_period or g.val_at_end) and (pending := s.checkpointer.pending_validation(s.start_step)) is not None:
         val_metrics = made_up_validation(s.checkpointer, logger, pending, s.start_step,
-                                         lambda: _validate_current(s, pipeline, s.start_step))
+                                         lambda: _unless_stopped(s, _validate_current(s, pipeline, s.start_step)))
         val_step = s.start_step
     gbs = cfg.policy.train_global_batch_size
     reuse_generation_logprobs = None if g.prev_logprobs_from_generation else False
@@ -937,10 +942,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
         due = (g.val_period and step % g.val_period == 0) or (g.val_at_end and step == g.max_num_steps)
         if due and s.checkpointer.stop_signal is None:
             with timer.time("validation"):
-                validated = _validate_current(s, pipeline, step, refit_metrics=rollout_metrics)
-            # A stop signal during it cut its scoring short (the environments' samples failed): no
-            # record of it, nor ranking by it; a resume makes it up (validation_pending).
-            if s.checkpointer.stop_signal is None:
+                validated = _unless_stopped(s, _validate_current(s, pipeline, step, refit_metrics=rollout_metrics))
+            if validated is not None:  # (cut short: a resume makes it up, validation_pending)
                 val_metrics, val_step = validated, step
                 logger.log_metrics(val_metrics, step=step, prefix="val")
                 last.val = val_metrics

@@ -457,14 +457,15 @@ def offline_train(
 
 
 def made_up_validation(checkpointer: CheckpointManager, logger: Logger, path: Path, step: int,
-                       validate: Callable[[], dict[str, float]]) -> dict[str, float]:
+                       validate: Callable[[], dict[str, float] | None]) -> dict[str, float]:
     """The validation a stop signal skipped at `step`, whose checkpoint `path` the run resumed
     from: measured now on the same weights, logged at that step, and given to the checkpoint
-    to rank it (it ranked below every measured one, and the top-k could prune the best)."""
+    to rank it (it ranked below every measured one, and the top-k could prune the best).
+    `validate` returns None when it was cut short (a stop during GRPO's environments' scoring):
+    nothing is logged or recorded then, and the checkpoint's validation stays pending."""
     logger.console(f"validating step {step}, which the stop skipped before its checkpoint")
     metrics = validate()
-    if checkpointer.stop_signal is not None:
-        # Stopped again while it ran (its environments' scoring cut short): still pending.
+    if metrics is None:
         return {}
     logger.log_metrics(metrics, step=step, prefix="val")
     checkpointer.record_validation(path, {f"val:{k}": v for k, v in metrics.items()})

@@ -106,8 +106,10 @@ def resolve_task_envs(rows: list[dict], env_cfg, require_answers: bool = False) 
         own = [i for i, r in enumerate(rows) if r["task_name"] == name]
         if isinstance(factory, RewardFunctions):
             factory.check_rows([rows[i] for i in own])
-        # A blank answer is none: "" scored an empty response correct (arithmetic).
-        missing = [i for i in own if rows[i].get("answer") is None or not str(rows[i]["answer"]).strip()]
+        for i in own:  # a blank answer is none: "" scored an empty response correct (arithmetic)
+            if rows[i].get("answer") is not None and not str(rows[i]["answer"]).strip():
+                rows[i]["answer"] = None
+        missing = [i for i in own if rows[i].get("answer") is None]
         if not missing:
             continue
         first = rows[missing[0]]

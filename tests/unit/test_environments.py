@@ -590,10 +590,10 @@ def test_a_stop_request_ends_the_wait_for_a_stuck_actor(ray_session):
                                                 "to stop")
         ret = group.step([convo("hang")], [{}])  # neither max_restarts=0 nor max_failed_steps=1 stops it
         assert ret.num_errors == 1
-        # The shutdown kills the actors left scoring without asking them to close (10 s each).
+        # The shutdown waits for the actors' close() within one deadline (10 s each held the exit).
         start = time.monotonic()
         group.shutdown()
-        assert time.monotonic() - start < 8
+        assert time.monotonic() - start < 15
     finally:
         timer.cancel()
         STOP_REQUESTED.clear()

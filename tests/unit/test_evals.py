@@ -81,12 +81,14 @@ def test_cons_at_k_counts_correct_answers_as_one_whatever_their_notation():
     assert cons_at_k(answers, correct, 3) == 1.0  # right 2, "0.4" 1
     assert cons_at_k(answers, correct, 4) == 0.0  # tie 2/2 -> "0.4", seen first
     assert cons_at_k(answers, correct, 5) == 1.0  # right 3, "0.4" 2
-    # Wrong answers still vote by their text; a correct sample votes for the reference with or
-    # without an extracted answer (an environment that extracts none made every cons@k 0).
+    # Wrong answers still vote by their text; a correct sample without an answer casts no vote.
     assert cons_at_k(["7", "8", "9", "9 "], [False, False, True, True], 4) == 1.0
-    assert cons_at_k(["7", "7", None, "9"], [False, False, True, True], 4) == 0.0  # tie 2/2 -> "7"
-    assert cons_at_k(["7", "7", None, "9", None], [False, False, True, True, True], 5) == 1.0
-    assert cons_at_k([None, None], [False, True], 2) == 1.0 and cons_at_k([None], [True], 1) == 1.0
+    assert cons_at_k(["7", "7", None, "9"], [False, False, True, True], 4) == 0.0
+    # A run with no extracted answer at all (an environment that sets none) has no cons@k: it was 0
+    # beside any pass@k.
+    none = aggregate([[None, None], [None, None]], [[False, True], [False, False]])
+    assert none["pass@2"] == 0.5 and none["cons@1"] is None and none["cons@2"] is None
+    assert aggregate([[None, "3"], [None, None]], [[False, True], [False, False]])["cons@2"] == 0.5
 
 
 def test_cons_at_k_rejects_bad_arguments():
