@@ -13,8 +13,8 @@ computed as the numerically stable product 1 - prod_{i = n-c+1}^{n} (1 - k / i)
 
 cons@k (majority voting, "self-consistency", Wang et al. 2022,
 https://arxiv.org/abs/2203.11171): take the first k samples, vote over their extracted
-final answers (samples with no extractable answer do not vote; `aggregate` reports no cons@k
-for a run in which no sample has one, an environment that extracts none), and score the problem 1 if
+final answers (samples with no extractable answer do not vote: an environment that extracts none,
+StepResult.answer None, gets cons@k 0), and score the problem 1 if
 the most common answer is a correct one. Ties go to the answer seen first. The samples judged
 correct vote as one answer: each is equivalent to the reference, so "0.5" and "\\frac{1}{2}" are
 one answer, as an equivalence vote makes them (a text vote split them, and a wrong answer
@@ -151,11 +151,8 @@ def aggregate(
     metrics: dict[str, float | None] = {}
     for k in range(1, n + 1):
         metrics[f"pass@{k}"] = mean_pass_at_k(correct_per_prompt, k)
-    # An environment that extracts no answers (a user's class that sets none) gives nothing to vote
-    # on: cons@k would be 0 beside any pass@k.
-    voted = any(a is not None and a.strip() for answers in answers_per_prompt for a in answers)
     for k in range(1, n + 1):
-        metrics[f"cons@{k}"] = mean_cons_at_k(answers_per_prompt, correct_per_prompt, k) if voted else None
+        metrics[f"cons@{k}"] = mean_cons_at_k(answers_per_prompt, correct_per_prompt, k)
     flat = [x for c in correct_per_prompt for x in c]
     metrics["accuracy"] = accuracy(flat)
     metrics["num_prompts"] = num_prompts

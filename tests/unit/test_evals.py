@@ -84,10 +84,8 @@ def test_cons_at_k_counts_correct_answers_as_one_whatever_their_notation():
     # Wrong answers still vote by their text; a correct sample without an answer casts no vote.
     assert cons_at_k(["7", "8", "9", "9 "], [False, False, True, True], 4) == 1.0
     assert cons_at_k(["7", "7", None, "9"], [False, False, True, True], 4) == 0.0
-    # A run with no extracted answer at all (an environment that sets none) has no cons@k: it was 0
-    # beside any pass@k.
-    none = aggregate([[None, None], [None, None]], [[False, True], [False, False]])
-    assert none["pass@2"] == 0.5 and none["cons@1"] is None and none["cons@2"] is None
+    # No answer at all (a model that never writes a number, an environment that extracts none): 0.
+    assert aggregate([[None, None], [None, None]], [[False, True], [False, False]])["cons@2"] == 0.0
     assert aggregate([[None, "3"], [None, None]], [[False, True], [False, False]])["cons@2"] == 0.5
 
 
