@@ -157,21 +157,29 @@ class _Abandoned(Exception):
 
 # Seconds between looks at STOP_REQUESTED while an actor scores.
 _STOP_POLL_S = 0.5
+# Seconds a step's environments still get once the run is told to stop: a verifier that is merely
+# working finishes (its step is then trained and saved); a hung one is abandoned.
+_STOP_GRACE_S = 5.0
 
 
-def _result(ref: Any, deadline: float) -> Any:
+def _result(ref: Any, deadline: float, stop_seen: list[float]) -> Any:
     """`ray.get(ref)` by `deadline` (time.monotonic(); GetTimeoutError after it), or _Abandoned
-    once the run is told to stop."""
+    `_STOP_GRACE_S` after the run is told to stop (`stop_seen`: when it was first seen in this
+    step, shared by its slices)."""
     import ray
     from ray.exceptions import GetTimeoutError
 
     while True:
-        left = deadline - time.monotonic()
-        stopping = STOP_REQUESTED.is_set()  # then only whether it is done already
-        ready, _ = ray.wait([ref], timeout=0.0 if stopping else max(0.0, min(left, _STOP_POLL_S)))
+        now = time.monotonic()
+        if STOP_REQUESTED.is_set() and not stop_seen:
+            stop_seen.append(now)
+        if stop_seen:
+            deadline = min(deadline, stop_seen[0] + _STOP_GRACE_S)
+        left = deadline - now
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(left, _STOP_POLL_S)))
         if ready:
             return ray.get(ref)
-        if stopping or STOP_REQUESTED.is_set():
+        if stop_seen and left <= _STOP_POLL_S:
             raise _Abandoned
         if left <= _STOP_POLL_S:
             raise GetTimeoutError(f"no result within the slice's limit ({left:.1f} s left at the last look)")
@@ -264,10 +272,11 @@ class EnvironmentGroup:
         ]
         parts = []
         abandoned = False
+        stop_seen: list[float] = []
         for i, lo, hi, ref in pending:
             limit = slice_time_limit(self.cfg, message_logs[lo:hi])
             try:
-                ret = _result(ref, started + limit)
+                ret = _result(ref, started + limit, stop_seen)
                 problem = _contract_violation(ret, hi - lo)
                 if problem is None:
                     parts.append(_as_lists(ret, self.name))
