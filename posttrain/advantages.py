@@ -273,9 +273,9 @@ def dynamic_sampling_keep(rewards: torch.Tensor, group_ids: torch.Tensor,
     overlong shaping, whose length penalty alone can tell a group of equally right answers apart.
     Such groups have zero advantage under every group baseline and only dilute the batch (shaped:
     one that ranks length, not correctness); the loop generates more batches (up to
-    `grpo.dynamic_sampling_max_gen_batches`) until enough groups are kept. `valid_mask` `[N]`: only those samples' rewards count (those
-    the baseline is over: an environment's failure's placeholder 0 made a group of equal scored
-    rewards look varied, and it trained nothing).
+    `grpo.dynamic_sampling_max_gen_batches`) until enough groups are kept. `valid_mask` `[N]`:
+    only those samples' rewards count (those the baseline is over: an environment's failure's
+    placeholder 0 made a group of equal scored rewards look varied, and it trained nothing).
 
     Metrics: dynamic_sampling/groups, /groups_kept, /zero_variance_fraction.
     """

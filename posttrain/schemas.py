@@ -1557,10 +1557,11 @@ class GRPOConfig(Section):
     warmup_sft_lr: float | None = Field(None, gt=0)
     # Take the PPO ratio's denominator (prev_logprobs) from the rollouts' generation logprobs
     # instead of a forward pass over the batch before the update (only needed when a step has
-    # several optimizer steps, or for on-policy distillation's or grpo.reward_kl_penalty's advantages). Exact when the generation engine computes the policy's own
-    # logprobs (the torch backend in float32; in bf16 within bf16's rounding). Verified on the
-    # first step of a run, over one optimizer step's rows: when mean exp(|generation - policy|)
-    # exceeds 1.001 (float32) or 1.005 (bf16/fp16) the run warns and recomputes them from then on. Not with
+    # several optimizer steps, or for on-policy distillation's or grpo.reward_kl_penalty's
+    # advantages). Exact when the generation engine computes the policy's own logprobs (the torch
+    # backend in float32; in bf16 within bf16's rounding). Verified on the first step of a run,
+    # over one optimizer step's rows: when mean exp(|generation - policy|) exceeds 1.001 (float32)
+    # or 1.005 (bf16/fp16) the run warns and recomputes them from then on. Not with
     # loss_fn.use_importance_sampling_correction, whose weights pi_prev / pi_gen it makes 1.
     prev_logprobs_from_generation: bool = False
     # Passes of optimizer steps over each step's rollouts (GRPO's mu, TRL's num_iterations): more

@@ -133,8 +133,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
-    from posttrain.policy.hf_io import (adapter_base, check_language_model, load_hf_config,
-                                       named_model_attention_kernel)
+    from posttrain.policy.hf_io import adapter_base, attention_kernel, check_language_model, load_hf_config
     from posttrain.rollouts import check_tool_turns
     from posttrain.runtime import keep_freed_memory, resolve_device
 
@@ -153,8 +152,9 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     if cfg.eval.max_rollout_turns > 1:  # as GRPO: a template that cannot show a tool result fails here,
         # not at the first tool call, after the generation of every batch before it
         check_tool_turns(tokenizer, rows, cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt)
-    check_language_model(load_hf_config(adapter_base(cfg.policy.model_name) or cfg.policy.model_name)[1],
-                         "policy.model_name", cfg.policy.model_name)
+    # The model's config (for a LoRA adapter folder: its base's), read once for both checks below.
+    model_config = load_hf_config(adapter_base(cfg.policy.model_name) or cfg.policy.model_name)[1]
+    check_language_model(model_config, "policy.model_name", cfg.policy.model_name)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
     device = resolve_device(cfg.policy.device)
     if device.type == "cpu":
@@ -164,8 +164,8 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     generation = build_generation(
         gen_cfg.backend, model_path=cfg.policy.model_name, tokenizer=tokenizer, cfg=gen_cfg,
         max_total_sequence_length=cfg.policy.max_total_sequence_length, precision=cfg.policy.precision,
-        device=device, attn_implementation=named_model_attention_kernel(
-            cfg.policy.attn_implementation, cfg.policy.max_total_sequence_length, device.type, cfg.policy.model_name),
+        device=device, attn_implementation=attention_kernel(
+            cfg.policy.attn_implementation, cfg.policy.max_total_sequence_length, device.type, model_config),
     )
     # Environments last: nothing after them can fail and leave their actors running.
     init_ray(cfg.cluster)

@@ -44,8 +44,9 @@ from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
 from posttrain.policy.hf_io import (DTYPES, attention_kernel, cast_parameters, check_fits_in_memory,
-                                   check_generation_fits, disable_dropout, exported_chat_template, load_generation_config, load_model_configs,
-                                   load_pretrained, mlp_size, model_class, resolve_tokenizer_path, save_hf)
+                                   check_generation_fits, disable_dropout, exported_chat_template,
+                                   load_generation_config, load_model_configs, load_pretrained, mlp_size, model_class,
+                                   resolve_tokenizer_path, save_hf)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
 from posttrain.policy.optim import build_optimizer, build_scheduler, resumed_scheduler, run_hyperparameters
 from posttrain.runtime import freeze_setup_objects, resolve_device
