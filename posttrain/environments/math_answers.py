@@ -5,6 +5,7 @@ runs math-verify under a time limit imports only this module (and math-verify).
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Any
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -13,7 +14,10 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # unless it follows a word or a number ("pages 10-12" ends in 12, not -12): a dropped sign or
 # denominator scored "-3" and "3/4" right against a gold answer of 3 and 4. A comma separates
 # thousands only before groups of three digits: "1,2,3" and "(3,4)" end in 3 and 4, not 123 and 34.
-_NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# Scientific notation "1e3", "2.5E-3" is one number too (it ended in its exponent, 3), written out
+# by `_clean_number` (math-verify reads "1e3" as a product with Euler's e).
+_NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+                     r"(?:[eE][-+\u2212]?\d+(?!\w|\.\d)|/\d+)?")
 
 # An unboxed LaTeX fraction of integers, read as the "a/b" it is ("$\frac{3}{4}$" ended in 4), with
 # the sign before it by `_NUMBER`'s rule ("-\frac{3}{4}" read as 3/4 scored a wrong sign right) and
@@ -59,7 +63,10 @@ def extract_boxed(text: str) -> str | None:
 
 
 def _clean_number(s: str) -> str:
-    return s.replace(",", "").replace("\u2212", "-").rstrip(".")
+    s = s.replace(",", "").replace("\u2212", "-").rstrip(".")
+    if "e" in s.lower():  # scientific notation, written out: "1e3" -> "1000", "2.5e-3" -> "0.0025"
+        s = format(Decimal(s), "f")
+    return s
 
 
 def extract_final_answer(text: str) -> str | None:
@@ -72,11 +79,13 @@ def extract_final_answer(text: str) -> str | None:
 
 
 def gold_answer(answer: Any) -> str:
-    """The reference answer: the text after the last "####" (GSM8K), stripped, else the whole answer."""
+    """The reference answer: the text after the last "####" (GSM8K), stripped, else the whole answer
+    (a number in scientific notation written out, as the model's is)."""
     text = str(answer)
     if "####" in text:
         return _clean_number(text.rsplit("####", 1)[1].strip())
-    return text.strip()
+    text = text.strip()
+    return _clean_number(text) if _NUMBER.fullmatch(text) and "/" not in text else text
 
 
 def import_math_verify() -> None:

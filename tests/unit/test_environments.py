@@ -73,9 +73,14 @@ def test_answer_extraction():
     assert extract_final_answer("the terms 1,2,3") == "3" and extract_final_answer("at (3,4)") == "4"
     assert extract_final_answer("paid $1,234,567.89, then 12,3456") == "3456"
     assert extract_final_answer("paid $1,234,567.89.") == "1234567.89"
+    # Scientific notation is one number, written out (it ended in its exponent: "1e3" read as 3).
+    assert extract_final_answer("so it is 1e3") == "1000" and extract_final_answer("x = 2.5E-3.") == "0.0025"
+    assert extract_final_answer("about 6.02e+2 of them") == "602" and extract_final_answer("-4e2") == "-400"
+    assert extract_final_answer("3 exams, 3eggs") == "3" and extract_final_answer("1e3.5") == "3.5"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
     assert gold_answer("#### 1,000") == "1000"
+    assert gold_answer(" 1e3") == "1000" and gold_answer("2,000") == "2000" and gold_answer("1e3 m") == "1e3 m"
     assert gold_answer(r" \frac{14}{3} ") == r"\frac{14}{3}"
 
 
