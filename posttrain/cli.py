@@ -85,7 +85,7 @@ def _top_parser() -> argparse.ArgumentParser:
         usage="posttrain <command> [--config FILE] [--print-config] [overrides...]",
         description="Post-training for language models, from a laptop CPU to a GPU cluster.",
         epilog=f"commands:\n{commands}\n\n{_sections_help(None)}\n\n{_OVERRIDE_HELP}"
-        "\n`posttrain <command> --help` lists that command's sections.",
+        "\n`posttrain <command> --help` lists that command's sections; `posttrain --version` prints the version.",
     )
 
 
@@ -243,6 +243,11 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
         sys.exit(0 if argv else EXIT_INPUT_ERROR)
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"posttrain {version('posttrain')}")
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     take_stop_at_once()  # one an earlier run in this process stopped with is not this run's
     try:

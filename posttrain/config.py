@@ -31,7 +31,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, TypeVar, get_type_hints
+from typing import Any, Callable, Collection, Iterable, TypeVar, get_args, get_type_hints
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -226,6 +226,11 @@ def _walk_node(node: yaml.Node, prefix: str, path: Path, origins: dict[str, str]
         for key_node, value_node in node.value:
             key = str(key_node.value)
             line = key_node.start_mark.line + 1
+            if key_node.tag == "tag:yaml.org,2002:null":
+                # `null: 2`, `~: 2`: it failed as OmegaConf's "Incompatible key type 'NoneType'", with a
+                # traceback at the top level. (A list or mapping as a key is YAML's "unhashable key".)
+                raise ConfigError(f"{path}:{line}: a key under {prefix[:-1] or 'the top level'} reads as null, "
+                                  "not a name; quote it if that is the name")
             if key in seen:
                 raise ConfigError(
                     f"{path}:{line}: duplicate key {prefix + key!r} (first set at line {seen[key]}); "
@@ -275,7 +280,7 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
                 + ("" if base == path.parent else " (a config read from a pipe names its parents relative to the "
                    "working folder)")
             )
-        merged = OmegaConf.merge(merged, _load(parent_path, (*seen, path), origins, sections))
+        merged = _merge_over(merged, _load(parent_path, (*seen, path), origins, sections))
     _keep_inherited_sections(data, merged, sections)
     try:
         own = OmegaConf.create(data)
@@ -283,7 +288,25 @@ def _load(path: Path, seen: tuple[Path, ...], origins: dict[str, str],
         raise ConfigError(f"{path}: {e}") from None
     # The file's own keys override its parents', so their origins do too.
     origins.update({k: v for k, v in own_origins.items() if k != "defaults"})
-    return OmegaConf.merge(merged, own)  # type: ignore[return-value]
+    return _merge_over(merged, own)
+
+
+def _merge_over(base: DictConfig, over: DictConfig) -> DictConfig:
+    """`over` merged onto `base`, a list where `base` has a mapping (or the reverse) replacing it, as
+    a number does: OmegaConf's merge raised "Cannot merge incompatible container types" (a NeMo RL
+    file's list of schedulers under a child's `scheduler: {name: ...}`) with a traceback."""
+    plain = OmegaConf.to_container(base, resolve=False)
+
+    def drop_clashes(under: Any, above: Any) -> None:
+        for key, value in above.items():
+            if key in under and isinstance(value, (dict, list)) and isinstance(under[key], (dict, list)):
+                if type(value) is not type(under[key]):
+                    del under[key]
+                elif isinstance(value, dict):
+                    drop_clashes(under[key], value)
+
+    drop_clashes(plain, OmegaConf.to_container(over, resolve=False))
+    return OmegaConf.merge(OmegaConf.create(plain), over)  # type: ignore[return-value]
 
 
 def _keep_inherited_sections(data: dict[str, Any], inherited: DictConfig, sections: frozenset[str],
@@ -297,7 +320,7 @@ def _keep_inherited_sections(data: dict[str, Any], inherited: DictConfig, sectio
     for key in list(data):
         dotted, value = f"{prefix}{key}", data[key]
         there = inherited.get(key)
-        if value is None and dotted in sections and isinstance(there, DictConfig):
+        if value is None and (dotted in sections or prefix + ENTRY in sections) and isinstance(there, DictConfig):
             del data[key]
         elif isinstance(value, dict) and isinstance(there, DictConfig):
             _keep_inherited_sections(value, there, sections, dotted + ".")
@@ -312,6 +335,10 @@ def plain_sections(schema: type[BaseModel], prefix: str = "") -> frozenset[str]:
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             keys.add(prefix + name)
             keys |= plain_sections(field.annotation, f"{prefix}{name}.")
+    # A section of named entries, each a section (`env.<name>`): `env.<name>` stands for them all.
+    entry_type = get_args(get_type_hints(schema).get("__pydantic_extra__"))[-1:]
+    if entry_type and isinstance(entry_type[0], type) and issubclass(entry_type[0], BaseModel):
+        keys.add(prefix.rstrip(".") + "." + ENTRY if prefix else ENTRY)
     return frozenset(keys)
 
 
@@ -359,6 +386,10 @@ def _parse_value(text: str, override: str) -> Any:
         if node is None or isinstance(node, yaml.ScalarNode):
             fix = f"quote the value: {override.split('=', 1)[0]}={text.strip()!r}"
         raise ConfigError(f"override {override!r}: YAML reads {dropped!r} as a comment; {fix}")
+    try:  # a key twice in a mapping (`{temperature: 0.5, temperature: 0.7}`) kept the last without a word
+        _walk_node(node, "", Path("override"), {})
+    except ConfigError as e:
+        raise ConfigError(f"override {override!r}: {str(e).split(': ', 1)[1]}") from None
     if (glued := _glued_mapping_key(node)) is not None:
         # Hydra's grammar reads `{a:b}` as {a: b}; YAML as the key "a:b" without a value, which
         # the schema then named as an unknown key or a None, not why.
@@ -464,7 +495,9 @@ def _apply_one(cfg: DictConfig, ov: str, sections: frozenset[str] = frozenset())
         del parent[int(parts[-1]) if isinstance(parent, ListConfig) else parts[-1]]
         return []
     if "=" not in ov:
-        raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key")
+        # `posttrain grpo my.yaml`: a config file is given with --config.
+        hint = f" (a config file is given as --config {ov})" if ov.endswith((".yaml", ".yml")) or Path(ov).is_file() else ""
+        raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key{hint}")
     key, value_text = ov.split("=", 1)
     mode = "set"
     if key.startswith("++"):
@@ -805,12 +838,13 @@ def format_errors(
         elif first["type"] == "invalid_key":  # `1: 2` or `yes: 1` in YAML: an int or bool key, not a name
             parent, given = prefix + _loc_to_key(tuple(first["loc"][:-1]), schema), first["input"]
             # The loader recorded its line under the key as written (`policy.yes`, `policy.1`).
-            written = [k[len(parent) + 1:] for k in origins if k.startswith(parent + ".")
-                       and repr(yaml.safe_load(k[len(parent) + 1:])) == repr(given)]
+            above = f"{parent}." if parent else ""
+            written = [k[len(above):] for k in origins if k.startswith(above) and "." not in k[len(above):]
+                       and repr(yaml.safe_load(k[len(above):])) == repr(given)]
             name = written[0] if written else str(given)
-            key = f"{parent}.{name}"
+            key = f"{above}{name}"
             kind = f"a boolean ({YAML_BOOLEANS})" if isinstance(given, bool) else "a number"
-            msg = f"{parent}: key {name!r} reads as {kind}, not a name; quote it if that is the name"
+            msg = f"{parent or 'top level'}: key {name!r} reads as {kind}, not a name; quote it if that is the name"
         elif first["type"] == "missing":
             msg = f"missing required key {key!r}"
         elif first["type"] in ("value_error", "assertion_error") and isinstance(first.get("input"), (dict, list)):
@@ -878,7 +912,7 @@ def _resolve(
     if not paths:
         return user, {}
     try:
-        merged = OmegaConf.merge(_defaults_of(schema), cfg)
+        merged = _merge_over(_defaults_of(schema), cfg)
     except (OmegaConfBaseException, ValidationError):
         # A type clash (reported better by the schema) or a schema with required keys:
         # resolve against the given config alone.

@@ -35,9 +35,11 @@ from posttrain.config import YAML_BOOLEANS, format_errors
 from posttrain.runtime import auto_precision
 
 
-# A seed torch's generators take, with room for the offsets added to it (a worker's rank, the weights'
-# version: sampling.version_seed): a larger one failed at the run's first torch.manual_seed.
-Seed = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+# A seed torch's generators take with room for what is derived from it (a worker's rank added, the
+# weights' version: sampling.version_seed, a step's minibatch order: grpo's seed * 1_000_003 + step),
+# each a 64-bit seed: one past torch's range failed at the first manual_seed, one past 2**42 at
+# GRPO's first shuffled minibatch, minutes into the run ("Overflow when unpacking long long").
+Seed = Annotated[int, Field(ge=-(2**32), lt=2**32)]
 # The compute dtypes a model (policy, generation engine) can run in.
 Precision = Literal["float32", "bfloat16", "float16"]
 # True while a run's config (_MasterBase) validates: it decides its policy's precision "auto".
@@ -2246,13 +2248,17 @@ _READ_ONLY_WHEN: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
 )
 
 
-def _given_keys(model: BaseModel, prefix: str) -> list[str]:
-    """Dotted keys of the values `model` was given (not defaulted), nested sections walked."""
+def _given_keys(model: BaseModel, prefix: str, changed_only: bool = False) -> list[str]:
+    """Dotted keys of the values `model` was given (not defaulted), nested sections walked;
+    `changed_only`: those given a value other than the default."""
     keys = []
     for name in sorted(model.model_fields_set):
         value = getattr(model, name)
         key = f"{prefix}.{name}"
-        keys += _given_keys(value, key) if isinstance(value, BaseModel) else [key]
+        if isinstance(value, BaseModel):
+            keys += _given_keys(value, key, changed_only)
+        elif not changed_only or value != type(model).model_fields[name].get_default(call_default_factory=True):
+            keys.append(key)
     return keys
 
 
@@ -2271,7 +2277,9 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
     found = []
     generates = isinstance(cfg, (GRPOMasterConfig, EvalMasterConfig))
     if not generates and "generation" in cfg.policy.model_fields_set:
-        if given := _given_keys(cfg.policy.generation, "policy.generation"):
+        # Changed ones only: a run's own config.yaml (which re-runs and resumes read) holds every
+        # default of policy.generation, and each was named, ~25 keys, at every start.
+        if given := _given_keys(cfg.policy.generation, "policy.generation", changed_only=True):
             found.append((given, f"read only by the commands that generate (grpo, eval); `posttrain "
                                  f"{cfg._command()}` generates nothing"))
     for switch, reads, mode, settings in _READ_ONLY_WHEN:

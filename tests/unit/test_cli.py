@@ -116,6 +116,14 @@ def test_input_errors_exit_2_naming_the_key_file_or_row_without_traceback(tmp_pa
     assert "policy.tokenizer.name='./no_tokenizer': cannot load a tokenizer from this local folder" in out.stderr
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    from importlib.metadata import version
+
+    assert e.value.code == 0 and capsys.readouterr().out == f"posttrain {version('posttrain')}\n"
+
+
 def _rm_exit_status(monkeypatch, run, command: str = "rm") -> int:
     """`posttrain rm`'s (or `command`'s) exit status, run in this process, when the algorithm's run() is `run`."""
     algo = type(sys)(f"posttrain.algorithms.{command}")

@@ -97,6 +97,40 @@ def test_a_defaults_item_that_is_no_path_is_named_with_its_line(tmp_path):
         load_config("grpo", path)
 
 
+def test_an_environment_a_child_leaves_empty_keeps_what_its_parent_set(tmp_path):
+    # `env: {arithmetic: }` ran it with the schema defaults: the parent's workers and cfg were gone.
+    _write(tmp_path / "base.yaml", "env: {arithmetic: {num_workers: 2, cfg: {strip_response: false}}}\n")
+    child = _write(tmp_path / "child.yaml", "defaults: base.yaml\nenv:\n  arithmetic:\n  math:\n")
+    env = load_config("grpo", child).env
+    assert (env.arithmetic.num_workers, env.arithmetic.cfg, env.math.num_workers) == (2, {"strip_response": False}, 1)
+
+
+def test_a_list_over_a_mapping_is_a_config_error_not_a_traceback(tmp_path):
+    # OmegaConf's "Cannot merge incompatible container types" came with a traceback: a child's or an
+    # override's mapping over a parent's list (NeMo RL's list of schedulers), or a list over a section.
+    _write(tmp_path / "base.yaml", "policy: {scheduler: [{name: LinearLR}]}\ndescription: ${policy.model_name}\n")
+    child = _write(tmp_path / "child.yaml", "defaults: base.yaml\npolicy: {scheduler: {name: LinearLR}}\n")
+    with pytest.raises(ConfigError, match=r"policy.scheduler: got \{'name': 'LinearLR'\}, expected a valid list  "
+                                          r"\[set at .*child.yaml:2\]"):
+        load_config("grpo", child)
+    with pytest.raises(ConfigError, match=r"policy.scheduler: got \{'name': 'x'\}, .*\[set at command line"):
+        load_config("grpo", tmp_path / "base.yaml", ["policy.scheduler={name: x}"])
+    with pytest.raises(ConfigError, match=r"grpo: got \[1\], expected a valid dictionary.*\[set at .*c.yaml:1\]"):
+        load_config("grpo", _write(tmp_path / "c.yaml", "grpo: [1]\ndescription: ${policy.model_name}\n"))
+    # A list replaces a list as before, and the parent's other keys stay.
+    cfg = load_config("grpo", _write(tmp_path / "d.yaml", "defaults: child.yaml\npolicy: {scheduler: []}\n"))
+    assert cfg.policy.scheduler == [] and cfg.description == cfg.policy.model_name
+
+
+@pytest.mark.parametrize("text,where", [("null: 2\n", "the top level"), ("grpo:\n  ~: 2\n", "grpo")])
+def test_a_key_that_is_no_name_is_refused_with_its_line(tmp_path, text, where):
+    # A null key failed with OmegaConf's "Incompatible key type 'NoneType'" (a traceback at the top level).
+    with pytest.raises(ConfigError, match=rf"c.yaml:{text.count(chr(10))}: a key under {where} reads as null, not a name"):
+        load_config("grpo", _write(tmp_path / "c.yaml", text))
+    with pytest.raises(ConfigError, match=r"top level: key '1' reads as a number, not a name; .* \[set at .*e.yaml:1\]"):
+        load_config("grpo", _write(tmp_path / "e.yaml", "1: 2\n"))
+
+
 def test_a_section_a_child_leaves_empty_keeps_what_its_parent_set(tmp_path):
     # `policy:` with its only line commented out was a null that replaced the parent's whole
     # section: every key it set fell back to the schema default without a word.
@@ -285,7 +319,12 @@ def test_add_existing_and_remove_missing_are_errors(tmp_path):
     msg = str(e.value)
     assert "'policy.max_grad_norm' is already set; use policy.max_grad_norm=... or ++policy.max_grad_norm=..." in msg
     assert "cannot remove 'policy.model_name'" in msg
-    assert "'justakey' is not of the form key=value" in msg
+    assert "'justakey' is not of the form key=value" in msg and "--config" not in msg
+    # A config file given without --config, and a key twice in an override's mapping (the last one won).
+    with pytest.raises(ConfigError, match=rf"'{path}' is not of the form .* \(a config file is given as --config {path}\)"):
+        load_config("grpo", None, [str(path)])
+    with pytest.raises(ConfigError, match=r"override 'policy.generation=\{top_k: 1, top_k: 2\}': duplicate key 'top_k'"):
+        load_config("grpo", None, ["policy.generation={top_k: 1, top_k: 2}"])
 
 
 def test_overrides_of_list_items(tmp_path):
@@ -874,10 +913,22 @@ def test_base_60_numbers_are_text(tmp_path):
 
 
 def test_a_seed_torch_cannot_take_is_refused_with_the_config():
-    # It failed at the run's first torch.manual_seed, as "Overflow when unpacking long long".
-    with pytest.raises(ConfigError, match=r"grpo.seed: got 99999999999999999999, expected less than 9223372036854775808"):
+    # It failed at the run's first torch.manual_seed, as "Overflow when unpacking long long", and
+    # one of 10**16 at GRPO's first shuffled minibatch (seed * 1_000_003 + step), minutes in.
+    with pytest.raises(ConfigError, match=r"grpo.seed: got 99999999999999999999, expected less than 4294967296"):
         load_config("grpo", None, ["grpo.seed=99999999999999999999"])
-    assert load_config("eval", None, [f"eval.seed={2**63 - 1}"]).eval.seed == 2**63 - 1
+    with pytest.raises(ConfigError, match=r"policy.generation.seed: got 10000000000000000, expected less than"):
+        load_config("grpo", None, ["policy.generation.seed=10000000000000000"])
+    seed = load_config("eval", None, [f"eval.seed={2**32 - 1}"]).eval.seed
+    assert seed == 2**32 - 1 and load_config("grpo", None, [f"grpo.seed={-(2**32)}"]).grpo.seed == -(2**32)
+    # The largest seeds' derived ones are seeds torch takes.
+    import torch
+
+    from posttrain.algorithms.grpo import minibatch_permutation
+    from posttrain.generation.sampling import version_seed
+
+    torch.Generator().manual_seed(version_seed(seed + 1023, 10**9))
+    assert sorted(minibatch_permutation(8, 2**32 - 1, 10**9).tolist()) == list(range(8))
 
 
 def test_zero_padded_numbers_are_decimal_or_text(tmp_path):
@@ -1377,7 +1428,7 @@ def test_a_validation_metric_of_a_run_that_validates_at_no_save_is_named(command
         f"{command}.val_at_end=false validate at no save (checkpoints rank newest first), so it changes nothing"]
 
 
-def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplog):
+def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplog, tmp_path):
     # `posttrain sft policy.generation.backend=vllm` (not even installed) trained without a word; its
     # vllm_cfg was said to need backend=vllm, which would have changed nothing either.
     with caplog.at_level("WARNING", logger="posttrain.config"):
@@ -1385,6 +1436,11 @@ def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplo
     assert caplog.messages == [
         "policy.generation.backend (command line), policy.generation.vllm_cfg.max_model_len (command line): read "
         "only by the commands that generate (grpo, eval); `posttrain dpo` generates nothing, so they change nothing"]
+    # A run's own config.yaml holds every default of policy.generation: re-read, it names none.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        saved = load_config("sft", _write(tmp_path / "config.yaml", to_yaml(load_config("sft", None))))
+    assert caplog.messages == [] and "generation" in saved.policy.model_fields_set
 
 
 @pytest.mark.parametrize("overrides", [
