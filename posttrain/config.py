@@ -496,7 +496,8 @@ def _apply_one(cfg: DictConfig, ov: str, sections: frozenset[str] = frozenset())
         return []
     if "=" not in ov:
         # `posttrain grpo my.yaml`: a config file is given with --config.
-        hint = f" (a config file is given as --config {ov})" if ov.endswith((".yaml", ".yml")) or Path(ov).is_file() else ""
+        is_file = ov.endswith((".yaml", ".yml")) or Path(ov).is_file()
+        hint = f" (a config file is given as --config {ov})" if is_file else ""
         raise ConfigError(f"override {ov!r} is not of the form key=value, +key=value, ++key=value or ~key{hint}")
     key, value_text = ov.split("=", 1)
     mode = "set"

@@ -125,9 +125,10 @@ def test_a_list_over_a_mapping_is_a_config_error_not_a_traceback(tmp_path):
 @pytest.mark.parametrize("text,where", [("null: 2\n", "the top level"), ("grpo:\n  ~: 2\n", "grpo")])
 def test_a_key_that_is_no_name_is_refused_with_its_line(tmp_path, text, where):
     # A null key failed with OmegaConf's "Incompatible key type 'NoneType'" (a traceback at the top level).
-    with pytest.raises(ConfigError, match=rf"c.yaml:{text.count(chr(10))}: a key under {where} reads as null, not a name"):
+    line = text.count("\n")
+    with pytest.raises(ConfigError, match=rf"c.yaml:{line}: a key under {where} reads as null, not a name"):
         load_config("grpo", _write(tmp_path / "c.yaml", text))
-    with pytest.raises(ConfigError, match=r"top level: key '1' reads as a number, not a name; .* \[set at .*e.yaml:1\]"):
+    with pytest.raises(ConfigError, match=r"top level: key '1' reads as a number, not a name; .* \[set at .*e.yaml:1"):
         load_config("grpo", _write(tmp_path / "e.yaml", "1: 2\n"))
 
 
@@ -321,9 +322,9 @@ def test_add_existing_and_remove_missing_are_errors(tmp_path):
     assert "cannot remove 'policy.model_name'" in msg
     assert "'justakey' is not of the form key=value" in msg and "--config" not in msg
     # A config file given without --config, and a key twice in an override's mapping (the last one won).
-    with pytest.raises(ConfigError, match=rf"'{path}' is not of the form .* \(a config file is given as --config {path}\)"):
+    with pytest.raises(ConfigError, match=rf"'{path}' is not of the form .* \(a config file is given as --config {path}"):
         load_config("grpo", None, [str(path)])
-    with pytest.raises(ConfigError, match=r"override 'policy.generation=\{top_k: 1, top_k: 2\}': duplicate key 'top_k'"):
+    with pytest.raises(ConfigError, match=r"'policy.generation=\{top_k: 1, top_k: 2\}': duplicate key 'top_k'"):
         load_config("grpo", None, ["policy.generation={top_k: 1, top_k: 2}"])
 
 
