@@ -40,6 +40,7 @@ from posttrain.environments.interfaces import (
     TOOL_CALLS_KEY,
     verdict,
 )
+from posttrain.environments.tool_calls import without_tool_calls
 from posttrain.evals import accuracy
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def render_prompt(
 
 def _observation_tokens(
     tokenizer, before: list[dict[str, str]], observation: list[dict[str, str]], *, add_generation_prompt: bool = True,
-    last_token: int, tools: list[dict] | None = None,
+    last_token: int, tools: list[dict] | None = None, turn_text: str | None = None,
 ) -> list[int]:
     """Tokens that follow the model's last turn for `observation` (its messages): the rest of that
     turn's closing, the observation, and the next generation prompt when `add_generation_prompt`
@@ -163,7 +164,7 @@ def _observation_tokens(
     "<|im_end|>\n"): a turn cut by a stop string ends before it, and one the model ended with
     its EOS (`last_token`, the turn's last generated token) has only written that token of it.
     Without the rest the next turns would see a conversation no template (and no warm-up or
-    SFT row) ever renders.
+    SFT row) ever renders. `turn_text`: the text the model wrote in its turn before `last_token`.
     """
     before, shown = _as_shown(before), _as_shown(observation)
     prev = render_chat(tokenizer, before, add_generation_prompt=False, tools=tools)
@@ -189,7 +190,7 @@ def _observation_tokens(
                 "observation's tokens cannot be cut from a render; set policy.tokenizer.chat_template to a "
                 "template whose renders extend each other")
         delta = alone[len(opening):]
-    return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools) + delta)
+    return encode_continuation(tokenizer, _turn_closing(tokenizer, before, last_token, tools, turn_text) + delta)
 
 
 def _as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -220,10 +221,12 @@ def _special_text(tokenizer, token: int) -> str | None:
     return tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tools: list[dict] | None) -> str:
+def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tools: list[dict] | None,
+                  turn_text: str | None = None) -> str:
     """What the chat template writes after the content of `before`'s last (assistant) message
     and the model has not generated: all of it after a stop string, the rest of it after the
-    special token (EOS) that ended the turn. "" when the last message is not the assistant's."""
+    special token (EOS) that ended the turn, none of it when the model wrote it before that token
+    (`turn_text`, the turn's text, ends with it). "" when the last message is not the assistant's."""
     if not before or before[-1].get("role") != "assistant":
         return ""
     # Without the turn's `tool_calls`: a template that writes them after the content (Qwen2.5's)
@@ -236,6 +239,10 @@ def _turn_closing(tokenizer, before: list[dict[str, str]], last_token: int, tool
         # The special token that ended the turn is in the tokens already, and what the template
         # writes before it (Llama 2's space in " </s>") the model did not: the rest follows it.
         closing = closing[closing.index(written) + len(written):]
+    elif written and closing and turn_text is not None and turn_text.endswith(closing):
+        # A template that writes no end token ("{{ content }}\n\n"): the model wrote its closing and
+        # then EOS, as trained (see _written_before_end); a second one followed the EOS.
+        return ""
     return closing
 
 
@@ -261,20 +268,30 @@ def _written_before_end(tokenizer, end_token: int) -> str:
 
 
 def _next_turn_tokens(tokenizer, c: Conversation, observation: list[dict], add_generation_prompt: bool) -> list[int]:
-    """`_observation_tokens` after `c`'s last turn. A template that refuses that turn's calls as
-    structured `tool_calls` (Llama 3.1's takes one call per turn) gets the turn without them, as
-    the model wrote it: the calls stay in its content, and the results still name them."""
+    """`_observation_tokens` after `c`'s last turn. A turn with structured `tool_calls` keeps in
+    its content only the text around them (`without_tool_calls`): the template writes them. A
+    template that refuses them (Llama 3.1's takes one call per turn) gets the turn without them,
+    as the model wrote it: the calls stay in its content, and the results still name them."""
     from jinja2 import TemplateError
+
+    turn = len(c.generated_mask) - next((i for i, g in enumerate(reversed(c.generated_mask)) if not g),
+                                         len(c.generated_mask))
+    turn_text = tokenizer.decode(c.tokens[turn:-1], skip_special_tokens=False) if turn < len(c.tokens) else None
 
     def tokens() -> list[int]:
         return _observation_tokens(tokenizer, c.messages, observation, add_generation_prompt=add_generation_prompt,
-                                   tools=c.tools, last_token=c.tokens[-1])
+                                   tools=c.tools, last_token=c.tokens[-1], turn_text=turn_text)
 
+    last = c.messages[-1]
+    written = last.get("content")
+    if last.get("tool_calls") and isinstance(written, str):
+        last["content"] = without_tool_calls(written)
     try:
         return tokens()
     except TemplateError:
-        if not c.messages[-1].pop("tool_calls", None):
+        if not last.pop("tool_calls", None):
             raise
+        last["content"] = written
         return tokens()
 
 
@@ -494,6 +511,10 @@ def run_rollouts(
                 if len(c.tokens) + len(obs_tokens) >= max_seq_len:
                     c.done = c.truncated = True
                     c.stop_reason = "context"
+                    if ret.tool_calls is not None and ret.tool_calls[k] and _is_number(c.metadata.get(TOOL_CALLS_KEY)):
+                        # Its results never reach the model: the call counts as one in the last turn
+                        # does not (the environment, told only the tokens left, ran it).
+                        c.metadata[TOOL_CALLS_KEY] = max(0, c.metadata[TOOL_CALLS_KEY] - 1)
                     continue
                 c.messages += obs
                 c.tokens += obs_tokens

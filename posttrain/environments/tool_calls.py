@@ -71,15 +71,25 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     tagged = _TOOL_CALL.findall(text)
     if not tagged:
         return _bare_calls(text)
-    calls: list[ToolCall] = []
-    for body in tagged:
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", error=f"malformed tool call, not JSON ({e.msg})"))
-            continue
-        calls.append(_read_call(call))
-    return calls
+    return [_read_tagged(body) for body in tagged]
+
+
+def without_tool_calls(text: str) -> str:
+    """`text` less the calls `parse_tool_calls` reads from it whole (a malformed one stays, as the
+    only record of what the model wrote): the content of an assistant message whose `tool_calls`
+    hold them, which a chat template writes after it (as TRL's parsed turns have it). Kept in the
+    content too, every rendering of the conversation held each call twice."""
+    if not _TOOL_CALL.search(text):
+        return "" if _bare_calls(text) else text
+    return _TOOL_CALL.sub(lambda m: m[0] if _read_tagged(m[1]).error else "", text).strip()
+
+
+def _read_tagged(body: str) -> ToolCall:
+    try:
+        call = json.loads(body.strip())
+    except json.JSONDecodeError as e:
+        return ToolCall("", error=f"malformed tool call, not JSON ({e.msg})")
+    return _read_call(call)
 
 
 def _bare_calls(text: str) -> list[ToolCall]:

@@ -489,6 +489,18 @@ def test_bare_json_tool_calls_of_llama_and_mistral():
     assert read('<tool_call>{"name": "a", "arguments": {}}</tool_call>') == [("a", {})]
 
 
+def test_a_turns_content_keeps_the_text_around_its_calls():
+    # The content of a turn whose calls go to `tool_calls` (the template writes them): with them in
+    # it too, each call was written twice. A malformed call stays, the only record of what was written.
+    from posttrain.environments.tool_calls import without_tool_calls
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    assert without_tool_calls(f"Let me add.\n{call}\n{call}") == "Let me add."
+    assert without_tool_calls(f"{call}<tool_call>{{oops</tool_call>") == "<tool_call>{oops</tool_call>"
+    assert without_tool_calls('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]') == ""
+    assert without_tool_calls('The answer is {"name": "Ada"}') == 'The answer is {"name": "Ada"}'
+
+
 def test_tool_schemas_reach_the_rows_and_bad_tools_fail_naming_the_key(rewards_file):
     from posttrain.environments import with_tool_schemas
     from posttrain.schemas import EnvConfig

@@ -349,6 +349,33 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, calc):
     assert [c["function"]["arguments"] for c in calls] == [{"a": 1, "b": 0}, {"a": 2, "b": 0}]
     assert [m["tool_call_id"] for m in conv.exchange[1:3]] == [c["id"] for c in calls]
     assert "tool_calls" not in conv.exchange[3]
+    # Its content is what the model wrote around the calls (nothing here): kept in it, the calls were
+    # in every rendering of the conversation twice (samples.jsonl, a reward model's template).
+    from posttrain.data.processors import render_chat
+
+    assert conv.exchange[0]["content"] == ""
+    rendered = render_chat(tools_tok, conv.messages, add_generation_prompt=False, tools=conv.tools)
+    assert tools_tok.decode(conv.tokens).replace(" ", "") == "<s>" + rendered.replace(" ", "")  # JSON spacing aside
+
+
+def test_a_call_whose_results_do_not_fit_does_not_count(tok, calc):
+    # Its results never reach the model (the conversation ends at the context): counted, tool_calls_mean
+    # ran ahead of the turns that had a result, by about the truncation rate.
+    from posttrain.environments import with_tool_schemas
+
+    env_cfg, env = calc
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 0}}</tool_call>'
+    rows = with_tool_schemas([{"messages": [{"role": "user", "content": "1+0="}], "task_name": "calc",
+                               "answer": "1"}], env_cfg)
+    (fits,) = run_rollouts(_EchoGeneration(tok, replies=[call, "1"]), rows, {"calc": env}, tok, max_turns=3,
+                           max_seq_len=400).conversations
+    assert fits.metadata["tool_calls"] == 1 and fits.stop_reason == "environment"
+    first_turn_end = fits.generated_mask.index(0, fits.prompt_length)  # where the tool result starts
+    result = run_rollouts(_EchoGeneration(tok, replies=[call, "1"]), rows, {"calc": env}, tok, max_turns=3,
+                          max_seq_len=first_turn_end + 2)
+    (cut,) = result.conversations
+    assert (cut.stop_reason, cut.turns, cut.metadata["tool_calls"]) == ("context", 1, 0)
+    assert result.metrics["tool_calls_mean"] == 0.0
 
 
 def test_a_chat_template_without_the_tool_role_fails_at_setup_naming_the_task(tok, calc):
@@ -581,6 +608,12 @@ def test_an_answer_ended_with_eos_leaves_the_templates_closing_text_out_of_its_m
                              max_turns=1, max_seq_len=200).conversations
         assert conv.messages[-1] == {"role": "assistant", "content": content}  # a stop string's cut: as written
         assert tok.decode(conv.tokens[conv.prompt_length:], skip_special_tokens=True) == reply  # trained as generated
+    # The next turn follows its EOS: the model wrote the closing "\n\n" before it (a second one followed
+    # the EOS, in no render); one that did not gets it after the EOS, as before.
+    for reply, between in (("Hi there.\n\n", "Hi there.\n\n<|end|>Q: "), ("Hi there.", "Hi there.<|end|>\n\nQ: ")):
+        conv, = run_rollouts(_EchoGeneration(tok, replies=[reply]), rows, {"t": _OneMoreTurnEnv(2)}, tok,
+                             max_turns=2, max_seq_len=200).conversations
+        assert tok.decode(conv.tokens) == f"<s>Q: hi\n\nA: {between}again\n\nA: {reply}<|end|>"
     # The embedded template's turn ends with its EOS itself: nothing to leave out.
     conv, = run_rollouts(_EchoGeneration(build_tokenizer(), replies=["4\n"]), rows, {"t": _OneMoreTurnEnv(1)},
                          build_tokenizer(), max_turns=1, max_seq_len=200).conversations
