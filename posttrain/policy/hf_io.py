@@ -78,6 +78,22 @@ def check_language_model(config, key: str, model_name: str) -> None:
                          "model's); name the language model it was trained from, or a causal LM's export")
 
 
+# Architectures whose positions index a learned table of max_position_embeddings rows: a longer
+# sequence fails inside torch.embedding ("index out of range in self") at its first forward, after
+# the rollouts of a step. Rotary and ALiBi models run past theirs (lm_policy warns).
+_POSITION_TABLES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "openai-gpt", "ctrl", "bert",
+                              "roberta", "bert-generation"})
+
+
+def check_positions(config, key: str, model_name: str, length: int) -> None:
+    """Refuse a model with a table of positions shorter than `length` (policy.max_total_sequence_length)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if getattr(config, "model_type", None) in _POSITION_TABLES and positions and length > positions:
+        raise InputError(f"{key}={model_name!r} ({config.model_type}) has {positions} positions "
+                         "(max_position_embeddings, a learned table no later position indexes), fewer than "
+                         f"policy.max_total_sequence_length={length}: set it to at most {positions}")
+
+
 def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_lm",
                        check_files: bool = False) -> tuple[tuple[str, Any], tuple[str, Any] | None]:
     """(folder, config) of `cfg.model_name` and, when `with_reference`, of the reference model
@@ -93,6 +109,7 @@ def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_l
     if model_kind == "causal_lm":  # (a reward model starts from either)
         check_language_model(config, "policy.model_name", cfg.model_name)
     check_tensor_parallel(config, tp)
+    check_positions(config, "policy.model_name", cfg.model_name, cfg.max_total_sequence_length)
     if cfg.lora.enabled:
         check_lora(config, cfg.lora, model_kind)
     if check_files:
@@ -105,7 +122,8 @@ def load_model_configs(cfg, *, with_reference: bool, model_kind: str = "causal_l
     ref_path, ref_config = load_hf_config(name, key="policy.reference_model_name")
     check_language_model(ref_config, "policy.reference_model_name", name)
     check_tensor_parallel(ref_config, tp, key="policy.reference_model_name")
-    check_reference_vocabulary(cfg, config, ref_path, ref_config)
+    check_positions(ref_config, "policy.reference_model_name", name, cfg.max_total_sequence_length)
+    check_reference_vocabulary(cfg, config, ref_path, ref_config, check_template=check_files)
     if check_files:
         check_weight_files(ref_path, ref_config, "causal_lm", "policy.reference_model_name")
     return (path, config), (ref_path, ref_config)
@@ -167,13 +185,14 @@ def resolve_tokenizer_path(cfg) -> str:
     return resolve_model_path(cfg.tokenizer_name)
 
 
-def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
+def check_reference_vocabulary(cfg, config, ref_path: str, ref_config, check_template: bool = True) -> None:
     """The reference model scores the token ids the policy samples: each must be a row of its
     embedding and mean the same token to it. Its vocabulary may be larger, as one tokenizer's
     models pad their embeddings to different sizes (Qwen2.5-1.5B 151936 rows, Qwen2.5-7B 152064),
     never smaller; and two tokenizers of the same size can differ (Llama 2 and Mistral 7B, 32000
     each), so when the reference folder has a tokenizer, every token of the policy's must have
-    the same id in it."""
+    the same id in it. `check_template`: warn when the reference has a chat template of its own
+    that differs from the policy's (the driver's check; the workers' would repeat it)."""
     from transformers import AutoTokenizer
 
     name = cfg.reference_model_name
@@ -182,20 +201,32 @@ def check_reference_vocabulary(cfg, config, ref_path: str, ref_config) -> None:
                          f"tokens, the policy ({cfg.model_name!r}) {config.vocab_size}: the reference "
                          "scores the policy's tokens, so both need the same tokenizer")
     try:
-        ref_vocab = AutoTokenizer.from_pretrained(ref_path).get_vocab()
+        ref_tokenizer = AutoTokenizer.from_pretrained(ref_path)
     except (OSError, ValueError):  # no tokenizer saved with the reference: the sizes are all there is
         if ref_config.vocab_size != config.vocab_size:
             log.warning("policy.reference_model_name=%r has no tokenizer, and a vocabulary of %d tokens where the "
                         "policy has %d: only the sizes could be checked; it must share the policy's tokenizer "
                         "(a larger embedding of the same one)", name, ref_config.vocab_size, config.vocab_size)
         return
-    vocab = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg)).get_vocab()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_path(cfg))
+    vocab, ref_vocab = tokenizer.get_vocab(), ref_tokenizer.get_vocab()
     differ = sorted((i, t) for t, i in vocab.items() if ref_vocab.get(t) != i)
     if differ:
         raise InputError(f"policy.reference_model_name={name!r}: {len(differ)} of the {len(vocab)} tokens of the "
                          f"policy's tokenizer have another id (or none) in the reference's, e.g. "
                          f"{', '.join(f'{t!r} (id {i})' for i, t in differ[:3])}: the reference scores the "
                          "policy's token ids, so both need the same tokenizer")
+    # A teacher (or reference) trained on another layout of the conversation scores the policy's
+    # prompts off its own distribution: the same tokens, with nothing to say so.
+    template = cfg.tokenizer.chat_template if cfg.tokenizer.chat_template is not None else tokenizer.chat_template
+    ref_template = ref_tokenizer.chat_template
+    if (check_template and isinstance(template, str) and isinstance(ref_template, str)
+            and not written_by_export(ref_template, template)):
+        log.warning("policy.reference_model_name=%r has a chat template of its own that differs from the one the "
+                    "policy's conversations are rendered with (%s): it scores them laid out unlike its training "
+                    "data; give both one template (policy.tokenizer.chat_template sets the policy's)", name,
+                    "policy.tokenizer.chat_template" if cfg.tokenizer.chat_template is not None
+                    else f"{cfg.tokenizer_name}'s")
 
 
 # policy.attn_implementation=auto: eager attention on CPU up to this policy.max_total_sequence_length.

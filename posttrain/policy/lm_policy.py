@@ -56,7 +56,8 @@ class Policy:
         # The policy's, and the reference's (a distillation teacher scores the same sequences).
         for key, trained_positions in info[0]["max_position_embeddings"].items():
             if trained_positions and cfg.max_total_sequence_length > trained_positions:
-                # Not an error: rotary models run past it (and long-context fine-tuning does so on purpose).
+                # Not an error: rotary and ALiBi models run past it (and long-context fine-tuning does so on
+                # purpose); a learned table of positions was refused (hf_io.check_positions).
                 log.warning("policy.max_total_sequence_length=%d exceeds the max_position_embeddings=%d of %s: "
                             "positions past %d were not trained", cfg.max_total_sequence_length, trained_positions,
                             key, trained_positions)

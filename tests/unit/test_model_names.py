@@ -146,6 +146,56 @@ def test_a_reward_models_export_where_a_language_model_must_be_is_refused(tmp_pa
     load_model_configs(PolicyConfig(model_name=str(rm)), with_reference=False, model_kind="sequence_classification")
 
 
+def test_a_model_with_fewer_learned_positions_than_the_context_is_refused(tmp_path, tiny_model_path):
+    # A GPT-2 teacher of 12 positions under a 32-token context: only a warning, then an IndexError
+    # inside torch.embedding at the first step's reference logprobs, after its rollouts.
+    from transformers import GPT2Config
+
+    from posttrain.config import InputError
+    from posttrain.policy.hf_io import load_model_configs
+    from posttrain.schemas import PolicyConfig
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(vocab_size=104, n_positions=12, n_embd=8, n_layer=1, n_head=2).save_pretrained(gpt2)
+    for key, cfg in (("policy.reference_model_name", PolicyConfig(model_name=tiny_model_path,
+                                                                    reference_model_name=str(gpt2))),
+                     ("policy.model_name", PolicyConfig(model_name=str(gpt2)))):
+        with pytest.raises(InputError, match=rf"^{key}='{gpt2}' \(gpt2\) has 12 positions \(max_position_embeddings, "
+                                             r".*than policy.max_total_sequence_length=32: set it to at most 12"):
+            load_model_configs(cfg.model_copy(update={"max_total_sequence_length": 32}), with_reference=True)
+    load_model_configs(PolicyConfig(model_name=str(gpt2), max_total_sequence_length=12), with_reference=True)
+
+
+def test_a_reference_with_a_chat_template_of_its_own_is_named(tmp_path, tiny_model_path, caplog):
+    # A teacher trained on another layout scored the student's prompts without a word.
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from posttrain.policy.hf_io import load_model_configs
+    from posttrain.schemas import PolicyConfig
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model_path, teacher)
+    cfg = PolicyConfig(model_name=tiny_model_path, reference_model_name=str(teacher))
+    with caplog.at_level("WARNING", logger="posttrain.policy.hf_io"):
+        load_model_configs(cfg, with_reference=True, check_files=True)
+        assert caplog.messages == []  # the same template
+        tok = AutoTokenizer.from_pretrained(teacher)
+        tok.chat_template = "{% for m in messages %}<|system|>{{ m['content'] }}<|end|>{% endfor %}"
+        tok.save_pretrained(teacher)
+        load_model_configs(cfg, with_reference=True)  # a worker's load: the driver has warned
+        load_model_configs(cfg, with_reference=True, check_files=True)
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith(
+        f"policy.reference_model_name='{teacher}' has a chat template of its own that differs from the one the "
+        f"policy's conversations are rendered with ({tiny_model_path}'s)")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="posttrain.policy.hf_io"):
+        load_model_configs(cfg.model_copy(update={"tokenizer": cfg.tokenizer.model_copy(
+            update={"chat_template": tok.chat_template})}), with_reference=True, check_files=True)
+    assert caplog.messages == []  # the policy's given the teacher's
+
+
 def test_a_hub_dataset_name_with_the_hub_unreachable_fails_at_once_offline(online_env):
     # `datasets` keeps its own copy of the flag (tests/conftest.py set it at import): online here.
     import datasets.config
