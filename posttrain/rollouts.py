@@ -29,8 +29,8 @@ import torch
 
 from posttrain.config import InputError
 from posttrain.data.batch import BatchedDataDict
-from posttrain.data.processors import (change_excerpt, decode_all, encode_continuation, encode_text,
-                                       first_user_message, render_chat, with_bos)
+from posttrain.data.processors import (CONTENT_SENTINEL, change_excerpt, decode_all, encode_continuation,
+                                       encode_text, first_user_message, render_chat, with_bos)
 from posttrain.environments.interfaces import (
     CORRECT_KEY,
     ENV_ERROR_KEY,
@@ -201,17 +201,14 @@ def _as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "role": "user"} if m["role"] == "environment" else m for m in messages]
 
 
-# Stands in for an assistant message's content to find what the template writes after it.
-_CONTENT_SENTINEL = "\u2063posttrain-content\u2063"
-
 
 def _closing(tokenizer, before: list[dict[str, str]], tools: list[dict] | None) -> str | None:
     """What the chat template writes after the content of `before`'s last (assistant) message,
     found with a stand-in for the content; None for a template that rewrites the content."""
-    stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": _CONTENT_SENTINEL}],
+    stand_in = render_chat(tokenizer, [*before[:-1], {"role": "assistant", "content": CONTENT_SENTINEL}],
                            add_generation_prompt=False, tools=tools)
-    at = stand_in.rfind(_CONTENT_SENTINEL)
-    return None if at < 0 else stand_in[at + len(_CONTENT_SENTINEL):]
+    at = stand_in.rfind(CONTENT_SENTINEL)
+    return None if at < 0 else stand_in[at + len(CONTENT_SENTINEL):]
 
 
 def _special_text(tokenizer, token: int) -> str | None:

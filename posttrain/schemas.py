@@ -540,7 +540,8 @@ class PolicyConfig(Section):
     # Rows (pairs for DPO/RM) per forward pass without a backward: logprobs (prev / reference),
     # validation.
     logprob_batch_size: int = Field(4, ge=1)
-    # Longest prompt + response in tokens; longer training rows are an error, rollouts stop there.
+    # Longest prompt + response in tokens; longer training rows are dropped or cut (data.truncation,
+    # counted), rollouts stop there.
     max_total_sequence_length: int = Field(512, ge=2)
     # Compute dtype; master weights, gradients and optimizer states stay float32. bfloat16 is
     # 2-3x faster per training step than float32 on a CPU with native bf16 (AMX) even for the 1M

@@ -588,36 +588,38 @@ def _hub(cfg: DataConfig, split: str, whole: bool = False) -> list[dict[str, Any
     # How errors name the rows' source: a local folder read as one, not as "hub:" (which reads as a download).
     source = str(folder) if folder.is_dir() else f"hub:{cfg.dataset_name}"
     own_files = folder.is_dir() and not saved  # a folder of data files, which read_file reads too
-    # CSV cells are typed per file before the files are joined (a later file's "02108" as 2108 in a
-    # column the first made text; "NA" as missing): a folder holding any is read as written.
-    has_csv = own_files and next(folder.rglob("*.csv"), None) is not None
 
     def split_rows(name: str) -> list[dict[str, Any]]:
-        # A folder of JSON files: its values as written, as read_file keeps them ("025" came back
-        # as 25.0, 26 as 26.0 from the features datasets inferred).
-        # A folder of CSV files: its cells as written too (`has_csv`).
-        changes = _changes_values(splits[name].features)
-        if own_files and (has_csv or changes):
+        """The canonical rows of split `name`. A folder's data files are read one by one, as a file
+        is (`read_file`): errors name the file and line ("row 23" counted across the files joined,
+        and a byte that is not UTF-8 failed as datasets' UnicodeDecodeError, naming neither), CSV
+        cells stay as written (typed per file, a later file's "02108" came back as 2108, "NA" as
+        missing) and so do JSON values ("025" came back as 25.0, 26 as 26.0 from the features
+        datasets inferred)."""
+        if own_files:
             # `split` is load_dataset's alone (the builder refuses it): the split it names is the rows read.
             kwargs = dict(cfg.dataset_kwargs)
             picked = kwargs.pop("split", None)
             files = datasets.load_dataset_builder(str(folder), **kwargs).config.data_files.get(
                 picked if isinstance(picked, str) else name, [])
-            kinds = {Path(f).suffix.lower() for f in files}
-            if files and (kinds == {".csv"} or (kinds <= {".json", ".jsonl"} and changes)):
-                return [row for f in files for row in read_file(Path(f))[0]]
-        return splits[name].to_list()
+            if files and all(Path(f).suffix.lower() in _FILE_SUFFIXES for f in files):
+                read = [read_file(Path(f)) for f in files]
+                rows = [row for raw, label, numbers in read if raw for row in normalize_rows(raw, label, cfg, numbers)]
+                if not rows:
+                    raise DataFormatError(f"{source}[{name}]: the dataset is empty ({len(files)} empty files)")
+                return rows
+        return normalize_rows(splits[name].to_list(), f"{source}[{name}]", cfg)
 
     # The names datasets gives a folder's validation files, and what `save_to_disk` dicts use too.
     val_split = next((s for s in ("validation", "valid", "val", "dev", "eval", "test") if s in splits), None)
     if split == "val" and val_split is not None:
-        return normalize_rows(split_rows(val_split), f"{source}[{val_split}]", cfg)
+        return split_rows(val_split)
     if "train" not in splits:
         raise InputError(f"data.dataset_name={cfg.dataset_name!r} has no train split (splits: {', '.join(splits)}); "
                          f"name the one to train on, e.g. data.dataset_kwargs={{split: {next(iter(splits))}}} (a "
                          "fraction is then held out of it for validation), or give each split its files with "
                          "data.dataset_kwargs={data_files: {train: ..., test: ...}}")
-    rows = normalize_rows(split_rows("train"), f"{source}[train]", cfg)
+    rows = split_rows("train")
     return rows if val_split is not None or whole else _held_out(rows, split, cfg, source)
 
 

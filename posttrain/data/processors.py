@@ -174,6 +174,10 @@ def note_dropped_system(tokenizer, rows: list[dict[str, Any]]) -> None:
                     "one that renders it unless that is meant", with_system, len(rows))
 
 
+# Stands in for an assistant message's content to find what the template writes around it.
+CONTENT_SENTINEL = "\u2063posttrain-content\u2063"
+
+
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: Any = None) -> str:
     """The chat template's text of `messages`, followed by the template's generation prompt
     (the assistant header) when `add_generation_prompt`.
@@ -351,11 +355,18 @@ def _tokenized(messages: list[dict], tokenizer, *, add_bos: bool = True, add_eos
                 rendered, ids, mask = rendered[: starts[k]], ids[: marks[k]], mask[: marks[k]]
                 starts, marks = [*starts[:k], *[len(rendered)] * (i + 1 - k)], [*marks[:k], *[len(ids)] * (i + 1 - k)]
         prompt = None  # the conversation before a trained turn as the model is prompted for it
-        if trains and add_generation_prompt and i:
-            prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-            if not full.startswith(prompt):
+        if trains and add_generation_prompt:
+            if i:
+                prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+            else:
+                # A conversation that opens with the assistant's turn (ShareGPT rows starting with "gpt"):
+                # its header is what the template writes before its content, no loss (it was trained).
+                stand_in = render_chat(tokenizer, [{"role": "assistant", "content": CONTENT_SENTINEL}],
+                                       add_generation_prompt=False, tools=tools)
+                prompt = stand_in[: stand_in.find(CONTENT_SENTINEL)] if CONTENT_SENTINEL in stand_in else None
+            if prompt is not None and not full.startswith(prompt):
                 prompt = None
-            elif prompt.startswith(rendered):
+            elif prompt is not None and prompt.startswith(rendered):
                 if not ids:  # the text before may read otherwise with the generation prompt after it
                     at = len(os.path.commonprefix([ahead, prompt]))
                     starts = [min(s, at) for s in starts]

@@ -770,6 +770,25 @@ def test_a_folder_whose_files_cannot_be_one_dataset_names_the_file(tmp_path):
         load_rows(cfg, "train")
 
 
+def test_a_folders_rows_are_named_by_their_file_and_line(tmp_path):
+    # Errors counted rows across the files joined ("folder[train] row 23"), and a byte that is not
+    # UTF-8 failed as datasets' UnicodeDecodeError naming neither file nor line.
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _write_jsonl(folder / "train-00000-of-00002.jsonl", [{"prompt": f"p{i}", "completion": "c"} for i in range(20)])
+    rows = [{"prompt": f"q{i}", "completion": "" if i == 2 else "c"} for i in range(20)]
+    _write_jsonl(folder / "train-00001-of-00002.jsonl", rows)
+    cfg = _cfg(str(folder), dataset_kwargs={"cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(DataFormatError, match=r"train-00001-of-00002\.jsonl row 3: .*completion.* empty"):
+        load_rows(cfg, "train")
+    _write_jsonl(folder / "train-00001-of-00002.jsonl", [{**r, "completion": "c"} for r in rows])
+    assert len(load_rows(cfg, "train")) + len(load_rows(cfg, "val")) == 40
+    with open(folder / "train-00001-of-00002.jsonl", "ab") as f:
+        f.write(b'{"prompt": "x\xff", "completion": "c"}\n')
+    with pytest.raises(InputError, match=r"train-00001-of-00002\.jsonl.* line 21.*UTF-8"):
+        load_rows(cfg, "train")
+
+
 def test_save_to_disk_folder_is_read_with_its_splits(tmp_path):
     # `Dataset.save_to_disk` folders stopped with datasets' "use `load_from_disk` instead", which no
     # setting could do.

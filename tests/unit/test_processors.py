@@ -205,6 +205,11 @@ def test_add_generation_prompt_false_trains_the_assistant_header(tok):
              "rejected": [{"role": "assistant", "content": "3"}]}]
     ((chosen, rejected),), _ = process_preference_rows(pair, tok, DataConfig(add_generation_prompt=False), 100)
     assert (_loss_text(tok, chosen), _loss_text(tok, rejected)) == ("<|assistant|>2<|end|>", "<|assistant|>3<|end|>")
+    # A conversation that opens with the assistant's turn (ShareGPT rows starting with "gpt"): its
+    # header is prompt as every other turn's is (it was trained).
+    opens = [{"messages": [{"role": "assistant", "content": "Hi"}, *CONVO]}]
+    (on,), _ = process_sft_rows(opens, tok, DataConfig(), max_len=100)
+    assert _loss_text(tok, on) == "Hi<|end|>2<|end|>4<|end|>" and tok.decode(on["input_ids"][:2]) == "<s><|assistant|>"
 
 
 def test_non_preference_rows_name_the_dataset(tok):
