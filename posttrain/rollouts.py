@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import logging
 import numbers
 import os
@@ -99,8 +100,14 @@ class Conversation:
 
     @property
     def response(self) -> str:
-        """The model's turns after the prompt, one per line."""
-        return "\n".join(m["content"] for m in self.exchange if m["role"] == "assistant")
+        """The model's turns after the prompt, one per line; a turn's tool calls (its `tool_calls`,
+        out of its content) as `name({arguments})` after its text."""
+        def turn(m: dict[str, Any]) -> str:
+            calls = [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                     for c in m.get("tool_calls") or ()]
+            return " ".join(part for part in (m["content"], *calls) if part)
+
+        return "\n".join(turn(m) for m in self.exchange if m["role"] == "assistant")
 
     @property
     def env_error(self) -> str | None:

@@ -353,7 +353,7 @@ def test_rollouts_with_tools_render_their_schemas_and_tool_results(tok, calc):
     # in every rendering of the conversation twice (samples.jsonl, a reward model's template).
     from posttrain.data.processors import render_chat
 
-    assert conv.exchange[0]["content"] == ""
+    assert conv.exchange[0]["content"] == "" and conv.response == 'add({"a": 1, "b": 0}) add({"a": 2, "b": 0})\n1'
     rendered = render_chat(tools_tok, conv.messages, add_generation_prompt=False, tools=conv.tools)
     assert tools_tok.decode(conv.tokens).replace(" ", "") == "<s>" + rendered.replace(" ", "")  # JSON spacing aside
 
