@@ -1191,8 +1191,11 @@ class RewardModelEnvConfig(Section):
     _chat_template_text = field_validator("chat_template")(chat_template_text)
     batch_size: int = Field(16, ge=1)  # conversations scored per forward pass
     max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
-    add_bos: bool = True  # as data.add_bos of the RM's training run
-    add_eos: bool = True  # as data.add_eos of the RM's training run
+    # As data.add_bos of the RM's training run; null: as its export records it (posttrain rm
+    # writes it into config.json), else true.
+    add_bos: bool | None = None
+    # As data.add_eos of the RM's training run; null: as its export records it, else true.
+    add_eos: bool | None = None
     add_generation_prompt: bool = True  # as data.add_generation_prompt of the RM's training run
 
 

@@ -499,6 +499,17 @@ def _require_assistant(messages: list[dict[str, str]], loc: str, what: str, hint
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):[ ]?")
 
 
+def _empty_answer(value: Any) -> bool:
+    """Whether `value`, a response, is one assistant answer without text (or tool calls)."""
+    if isinstance(value, str):
+        return not value.strip()
+    m = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if not isinstance(m, dict) or m.get("role", m.get("from")) not in ("assistant", "gpt") or m.get("tool_calls"):
+        return False
+    text = m.get("content", m.get("value"))
+    return text is None or (isinstance(text, str) and not text.strip())
+
+
 def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
     """A response: a string (one assistant message, or an HH-RLHF transcript, the conversation
     it writes), one message, or a list of messages."""
@@ -711,7 +722,10 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     for key in ("chosen", "rejected"):
         _require(row, key, loc, "preference")  # a preference row needs both
     chosen = _response(row["chosen"], loc, "chosen")
-    rejected = _response(row["rejected"], loc, "rejected")
+    # An empty rejected answer is a preference for any answer over none (TRL takes it); an empty
+    # chosen one, or an empty completion, would teach the model to say nothing.
+    rejected = ([{"role": "assistant", "content": ""}] if _empty_answer(row["rejected"])
+                else _response(row["rejected"], loc, "rejected"))
     # `instruction` (with `input`): LLaMA-Factory's alpaca preference layout; `question` a plain one.
     context_key = next((k for k in ("conversations", "prompt", "messages", "context", "instruction", "question")
                         if row.get(k)), None)

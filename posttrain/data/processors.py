@@ -796,8 +796,9 @@ def process_kto_rows(
     (every message before the last) and the response (the last, an assistant message), loss on
     the response only; a preference pair gives two examples, its chosen side desirable and its
     rejected side not (TRL's KTOTrainer unpairs such data the same way). Counts as
-    `process_sft_rows`'s, per example (`rows`: a pair counts twice, so that kept <= rows)."""
-    stats = {"rows": 0, "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0}
+    `process_sft_rows`'s, per example (`rows`: a pair counts twice, so that kept <= rows), and
+    `identical`: the sides of pairs that the cut at the context made one sequence, dropped."""
+    stats = {"rows": 0, "kept": 0, "truncated": 0, "dropped": 0, "no_loss": 0, "identical": 0}
     out = []
     for n, row in enumerate(rows, start=1):
         name = row_name(row, f"row {n}")
@@ -811,16 +812,23 @@ def process_kto_rows(
                              "`label`) or preference pairs: name such a file or hub set (e.g. "
                              "examples/configs/kto.yaml's)")
         stats["rows"] += len(sides)
+        fitted, statuses = [], []
         for response, label in sides:
             with naming_row(name, prompt + response):
                 ex = tokenize_messages(prompt + response, tokenizer, add_bos=cfg.add_bos, add_eos=cfg.add_eos,
                                        loss_start=len(prompt), tools=row.get("tools"),
                                        add_generation_prompt=cfg.add_generation_prompt)
             ex, status = _fit({**ex, "label": [int(label)]}, max_len, cfg.truncation)
+            fitted.append(ex)
+            statuses.append(status)
+        if len(fitted) == 2 and None not in fitted and fitted[0]["input_ids"] == fitted[1]["input_ids"]:
+            # A pair's sides that differ only past the cut at the context (as DPO drops them): one
+            # sequence labelled desirable and undesirable at once, which teaches nothing.
+            fitted, statuses = [None, None], ["identical", "identical"]
+        for status in statuses:
             if status != "ok":
                 stats[status] += 1
-            if ex is not None:
-                out.append(ex)
+        out += [ex for ex in fitted if ex is not None]
     stats["kept"] = len(out)
     _check_left(len(out), stats, max_len, cfg, "examples")
     return out, stats

@@ -16,7 +16,8 @@ positive scores meant nothing (a shift of the RM's logits changes it).
 Config (`env.reward_model.cfg`): `model_name` (an exported RM folder, e.g.
 `<log_dir>/hf` from `checkpointing.export_hf_at_end`), `chat_template` (the one the RM was
 trained with, when it is not saved with its tokenizer), `batch_size`, `max_length`,
-`add_bos`, `add_eos`, `add_generation_prompt`.
+`add_bos`, `add_eos` (null, the default: as the export records its training run's, else true),
+`add_generation_prompt`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
+        recorded = getattr(self.model.config, "posttrain_row_tokens", None) or {}
+        self.add_bos, self.add_eos = (given if given is not None else bool(recorded.get(key, True))
+                                      for key, given in (("add_bos", self.cfg.add_bos), ("add_eos", self.cfg.add_eos)))
         # A conversation longer than the RM's positions would index past a learned position
         # table (the batch's step fails: every sample in it an error) or score out of the RoPE
         # range it was trained on: it is one sample's error, as one longer than max_length is.
@@ -66,7 +70,7 @@ class RewardModelEnvironment(EnvironmentInterface):
         # whose earlier turns the template re-renders once later ones follow (Qwen3's) was an error.
         # No reasoning check: the RM reads the conversation as its template shows it, and one that drops
         # <think> reasoning (DeepSeek-R1's) scores the policy's answer alone.
-        ids = tokenize_messages(messages, self.tokenizer, add_bos=self.cfg.add_bos, add_eos=self.cfg.add_eos,
+        ids = tokenize_messages(messages, self.tokenizer, add_bos=self.add_bos, add_eos=self.add_eos,
                                 loss_start=answer, add_generation_prompt=self.cfg.add_generation_prompt,
                                 check_reasoning=False)["input_ids"]
         if len(ids) > self.max_length:

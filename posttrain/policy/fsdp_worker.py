@@ -303,6 +303,11 @@ class FSDPPolicyWorker:
             # it must be the id the rows are padded with, or a shorter row is scored at a padding
             # position. Set here, it reaches the model, the HF export and the checkpoints' config alike.
             hf_config.pad_token_id = self.pad_id
+            # And the BOS/EOS data.add_bos/add_eos put around its rows, which the reward_model
+            # environment then adds as they were (its own default, both, scored an RM trained
+            # without the EOS on other ids: -0.60 against -0.14).
+            hf_config.posttrain_row_tokens = {"add_bos": self._export_special["bos"],
+                                              "add_eos": self._export_special["eos"]}
         if cfg.compile.enabled:
             check_compile(cfg.compile, self.device)  # before the minutes of loading
         t0 = time.perf_counter()

@@ -151,5 +151,17 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
     whole = tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]},
                                      {"role": "assistant", "content": "a dog"}], tokenize=True, return_dict=False)
     assert whole[0] == tok.bos_token_id and whole[-1] == tok.eos_token_id and whole[-2] != tok.eos_token_id
+    # The reward_model environment adds them as the run did, by the export's record (its default
+    # of both scored an RM trained without the EOS on other ids); a setting of its own wins.
+    from posttrain.environments.reward_model import RewardModelEnvironment
+    from posttrain.schemas import EnvWorkerConfig
+
+    assert exported.config.posttrain_row_tokens == {"add_bos": True, "add_eos": True}
+    config_file = tmp_path / "hf" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "posttrain_row_tokens": {"add_bos": True, "add_eos": False}}))
+    for given, expected in (({}, (True, False)), ({"add_eos": True, "add_bos": False}, (False, True))):
+        env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(tmp_path / "hf"), **given}))
+        assert (env.add_bos, env.add_eos) == expected
     # Positions through the model: the padded rows, not 0 (the score forward went uncounted).
     assert trained["train/model_tokens"] >= trained["train/num_tokens"] > 0

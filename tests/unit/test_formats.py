@@ -567,6 +567,16 @@ def test_preference_row_missing_rejected_key(tmp_path, shared_data):
         load_rows(_cfg(str(path)), "train")
 
 
+def test_an_empty_rejected_answer_is_a_pair_and_an_empty_chosen_one_is_not():
+    # Preferring any answer to none is data (TRL takes it); it was refused as an answer that "would
+    # train the model to answer with nothing", which the rejected side never does.
+    for rejected in ("", "  ", [{"role": "assistant", "content": ""}], {"from": "gpt", "value": None}):
+        row = normalize_row({"prompt": "Hi", "chosen": "Hello", "rejected": rejected}, "preference", "f row 1", None)
+        assert row["rejected"] == [{"role": "assistant", "content": ""}]
+    with pytest.raises(DataFormatError, match=r"f row 1: `chosen` is empty"):
+        normalize_row({"prompt": "Hi", "chosen": " ", "rejected": "x"}, "preference", "f row 1", None)
+
+
 def test_preference_pair_with_the_same_response_on_both_sides_is_malformed(tmp_path, caplog):
     # It used to load and count as a pair (and as a miss of the reward accuracy), teaching nothing.
     same = {"prompt": "q", "chosen": "a", "rejected": "a"}

@@ -495,6 +495,12 @@ def test_pair_whose_sides_are_the_same_tokens_is_left_out_and_counted(tok):
     assert stats["kept"] == 1 and stats["identical"] == 0
     with pytest.raises(ValueError, match=r"no preference pairs left .*'identical': 1"):
         process_preference_rows([pair], tok, DataConfig(truncation="truncate"), max_len=30)
+    # KTO unpairs them into one sequence labelled desirable and undesirable at once: dropped too.
+    from posttrain.data.processors import process_kto_rows
+
+    examples, stats = process_kto_rows([pair, short], tok, DataConfig(truncation="truncate"), max_len=30)
+    assert stats == {"rows": 4, "kept": 2, "truncated": 0, "dropped": 0, "no_loss": 0, "identical": 2}
+    assert [(_loss_text(tok, ex), ex["label"]) for ex in examples] == [("good<|end|>", [1]), ("bad<|end|>", [0])]
 
 
 # DeepSeek-R1's rule: every assistant turn is written as its text after </think>; the generation
