@@ -33,6 +33,8 @@ import numbers
 from collections import Counter
 from typing import Sequence
 
+from posttrain.environments.interfaces import is_verdict
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem with `n` samples of which `c` are correct (1 <= k <= n)."""
@@ -88,8 +90,8 @@ def _verdicts(correct: Sequence[bool | float | None], where: str) -> list[bool |
     credit (0.2 of a format bonus, 1 test of 5) as correct."""
     out: list[bool | None] = []
     for x in correct:
-        if x is None or isinstance(x, bool):
-            out.append(x)
+        if is_verdict(x):  # a NumPy or torch bool too, as an environment's verdict may be
+            out.append(None if x is None else bool(x))
         elif isinstance(x, numbers.Real) and x in (0, 1):
             out.append(bool(x))
         else:

@@ -133,7 +133,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
     from posttrain.generation import build_generation, check_backend_installed
     from posttrain.generation.sampling import SamplingSettings
     from posttrain.logging import Logger
-    from posttrain.policy.hf_io import adapter_base, attention_kernel, check_language_model, load_hf_config
+    from posttrain.policy.hf_io import attention_kernel, check_language_model, load_model_config
     from posttrain.rollouts import check_tool_turns
     from posttrain.runtime import keep_freed_memory, resolve_device
 
@@ -153,7 +153,7 @@ def setup(cfg: EvalMasterConfig) -> EvalSetup:
         # not at the first tool call, after the generation of every batch before it
         check_tool_turns(tokenizer, rows, cfg.data.add_bos, add_generation_prompt=cfg.data.add_generation_prompt)
     # The model's config (for a LoRA adapter folder: its base's), read once for both checks below.
-    model_config = load_hf_config(adapter_base(cfg.policy.model_name) or cfg.policy.model_name)[1]
+    model_config = load_model_config(cfg.policy.model_name)[1]
     check_language_model(model_config, "policy.model_name", cfg.policy.model_name)
     gen_cfg = cfg.policy.generation.model_copy(update={"seed": cfg.eval.seed})
     device = resolve_device(cfg.policy.device)
@@ -226,16 +226,20 @@ def sample_counts(records: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def per_task_metrics(records: list[dict[str, Any]], n: int) -> dict[str, dict[str, Any]]:
-    """`aggregate` over each task's prompts, by `task_name`, when the records (prompt-major, `n`
-    per prompt) are of more than one task; {} otherwise (the overall metrics are the task's)."""
+def per_task_metrics(records: list[dict[str, Any]], n: int, metric: str) -> dict[str, dict[str, Any]]:
+    """The results' metrics (`metric`'s score, `aggregate`'s, `sample_counts`') over each task's
+    prompts, by `task_name`, when the records (prompt-major, `n` per prompt) are of more than one
+    task; {} otherwise (the overall metrics are the task's)."""
     prompts = [records[p : p + n] for p in range(0, len(records), n)]
     tasks = sorted({group[0]["task_name"] for group in prompts})
     if len(tasks) < 2:
         return {}
-    return {task: aggregate([[r["extracted_answer"] for r in g] for g in prompts if g[0]["task_name"] == task],
-                            [[r["correct"] for r in g] for g in prompts if g[0]["task_name"] == task])
-            for task in tasks}
+    out = {}
+    for task in tasks:
+        groups = [g for g in prompts if g[0]["task_name"] == task]
+        metrics = aggregate([[r["extracted_answer"] for r in g] for g in groups], [[r["correct"] for r in g] for g in groups])
+        out[task] = {"score": metrics[metric], **metrics, **sample_counts([r for g in groups for r in g])}
+    return out
 
 
 def evaluate(s: EvalSetup) -> dict[str, Any]:
@@ -277,14 +281,14 @@ def evaluate(s: EvalSetup) -> dict[str, Any]:
     answers = [[r["extracted_answer"] for r in records[p * n : (p + 1) * n]] for p in range(len(s.rows))]
     correct = [[r["correct"] for r in records[p * n : (p + 1) * n]] for p in range(len(s.rows))]
     metrics = aggregate(answers, correct)
-    k = cfg.eval.k_value
+    metric = f"{cfg.eval.metric.split('@')[0]}@{cfg.eval.k_value}"
     results: dict[str, Any] = {
-        "score": metrics[f"{cfg.eval.metric.split('@')[0]}@{k}"],
-        "metric": f"{cfg.eval.metric.split('@')[0]}@{k}",
+        "score": metrics[metric],
+        "metric": metric,
         **metrics,
         # A file of several tasks: each one's metrics (the overall ones mixed a task the model
         # solves with one it cannot).
-        **({"per_task": per_task} if (per_task := per_task_metrics(records, n)) else {}),
+        **({"per_task": per_task} if (per_task := per_task_metrics(records, n, metric)) else {}),
         "num_tests_per_prompt": n,
         "greedy": s.greedy,
         **sample_counts(records),

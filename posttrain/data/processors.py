@@ -100,10 +100,10 @@ def check_token_ids_fit(tokenizer, policy, key: str) -> None:
     """Every id the tokenizer writes, and every `policy.generation.stop_token_ids`, must be a row of
     the model's embedding: another model's tokenizer failed at the first step with an IndexError
     from inside the model, and a stop id past the vocabulary never fires."""
-    from posttrain.policy.hf_io import adapter_base, load_hf_config
+    from posttrain.policy.hf_io import load_model_config
 
     # An adapter's rows are its base's (posttrain eval loads base + adapter from its folder).
-    vocab = getattr(load_hf_config(adapter_base(policy.model_name) or policy.model_name)[1], "vocab_size", None)
+    vocab = getattr(load_model_config(policy.model_name)[1], "vocab_size", None)
     if vocab is None:
         return
     if len(tokenizer) > vocab:

@@ -4,7 +4,7 @@ under math-verify (https://github.com/huggingface/Math-Verify), else 0; the verd
 
 - Final answer: the content of the last `\\boxed{...}` (or `\\fbox{...}`; `\\boxed 5`: the word
   after it), else the last number in the message (thousands separators removed; a fraction "3/4"
-  is one number, "−3" or "-3" negative, "2.5e-3" written out as "0.0025"). No answer scores 0
+  is one number, "−3" or "-3" negative, "2.5e-3" read as 2.5\\times10^{-3}). No answer scores 0
   (not an error).
 - Gold answer: the sample's metadata "answer"; a GSM8K solution "... #### 72" gives "72".
 - Equal strings score 1 at once; anything else is compared by math-verify (so 0.5 = \\frac{1}{2})

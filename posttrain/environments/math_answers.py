@@ -5,7 +5,6 @@ runs math-verify under a time limit imports only this module (and math-verify).
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 from typing import Any
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -14,8 +13,8 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # unless it follows a word or a number ("pages 10-12" ends in 12, not -12): a dropped sign or
 # denominator scored "-3" and "3/4" right against a gold answer of 3 and 4. A comma separates
 # thousands only before groups of three digits: "1,2,3" and "(3,4)" end in 3 and 4, not 123 and 34.
-# Scientific notation "1e3", "2.5E-3" is one number too (it ended in its exponent, 3), written out
-# by `_clean_number` (math-verify reads "1e3" as a product with Euler's e).
+# Scientific notation "1e3", "2.5E-3" is one number too (it ended in its exponent, 3), written as
+# LaTeX by `_clean_number` (math-verify reads "1e3" as a product with Euler's e).
 _NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
                      r"(?:[eE][-+\u2212]?\d+(?!\w|\.\d)|/\d+)?")
 
@@ -62,30 +61,35 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+_SCIENTIFIC = re.compile(r"\s*[-\u2212]?(?:\d+(?:\.\d+)?|\.\d+)[eE][-+\u2212]?\d+\s*")
+
+
 def _clean_number(s: str) -> str:
     s = s.replace(",", "").replace("\u2212", "-").rstrip(".")
-    if "e" in s.lower():  # scientific notation, written out: "1e3" -> "1000", "2.5e-3" -> "0.0025"
-        s = format(Decimal(s), "f")
-    return s
+    mantissa, e, exponent = s.lower().partition("e")
+    # Scientific notation as LaTeX, which math-verify reads as the number: "2.5e-3" -> 2.5\times10^{-3}.
+    # Written out, "1e99999999999" took all memory in the environment's own process, not the
+    # verifier's child under its time limit, and 6.02e23 no longer equalled 6.02\times10^{23}.
+    return f"{mantissa}\\times10^{{{int(exponent)}}}" if e else s
 
 
 def extract_final_answer(text: str) -> str | None:
     """The boxed answer if any, else the last number of `text` (a fraction "3/4" is one), else None."""
     boxed = extract_boxed(text)
     if boxed is not None:
-        return boxed
+        return _clean_number(boxed) if _SCIENTIFIC.fullmatch(boxed) else boxed
     numbers = _NUMBER.findall(_LATEX_FRACTION.sub(_as_slash_fraction, text))
     return _clean_number(numbers[-1]) if numbers else None
 
 
 def gold_answer(answer: Any) -> str:
     """The reference answer: the text after the last "####" (GSM8K), stripped, else the whole answer
-    (a number in scientific notation written out, as the model's is)."""
+    (a number in scientific notation as LaTeX, as the model's is)."""
     text = str(answer)
     if "####" in text:
         return _clean_number(text.rsplit("####", 1)[1].strip())
     text = text.strip()
-    return _clean_number(text) if _NUMBER.fullmatch(text) and "/" not in text else text
+    return _clean_number(text) if _SCIENTIFIC.fullmatch(text) else text
 
 
 def import_math_verify() -> None:

@@ -67,6 +67,16 @@ def adapter_base(model_name: str) -> str | None:
         return json.load(f).get("base_model_name_or_path")
 
 
+def load_model_config(model_name: str, key: str = "policy.model_name"):
+    """`load_hf_config` of `model_name`, or of the base model a LoRA adapter folder names (its errors
+    then name the adapter's adapter_config.json, not a base the user never wrote as `key`)."""
+    base = adapter_base(model_name)
+    if base is None:
+        return load_hf_config(model_name, key)
+    return load_hf_config(base, key=f"{key}={model_name!r} (a LoRA adapter): its adapter_config.json's "
+                                    "base_model_name_or_path")
+
+
 def check_language_model(config, key: str, model_name: str) -> None:
     """Refuse a reward model's export (a sequence-classification architecture) where a language
     model must be: transformers loads it as one, the unexpected score head dropped with a log line
@@ -253,7 +263,7 @@ def named_model_attention_kernel(setting: str, max_total_sequence_length: int, d
     whose config is read only when `setting` is "auto"."""
     if setting != "auto":
         return setting
-    config = load_hf_config(adapter_base(model_name) or model_name)[1]
+    config = load_model_config(model_name)[1]
     return attention_kernel(setting, max_total_sequence_length, device_type, config)
 
 

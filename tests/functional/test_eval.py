@@ -178,15 +178,19 @@ def test_a_file_of_several_tasks_gets_each_tasks_metrics():
     from posttrain.algorithms.eval import per_task_metrics
 
     def record(task, answer, correct):
-        return {"task_name": task, "extracted_answer": answer, "correct": correct}
+        return {"task_name": task, "extracted_answer": answer, "correct": correct, "reward": float(correct),
+                "truncated": False, "prompt_truncated": False, "env_error": None, "response_tokens": 4}
 
     records = [record("a", "1", True), record("a", "2", False), record("b", None, False), record("b", "3", False),
                record("a", "1", True), record("a", "1", True)]
-    per_task = per_task_metrics(records, 2)
+    per_task = per_task_metrics(records, 2, "pass@1")
     assert per_task["a"]["accuracy"] == 0.75 and per_task["a"]["num_prompts"] == 2
     assert per_task["a"]["pass@2"] == 1.0 and per_task["a"]["cons@2"] == 1.0  # tie 1/1 -> the first, correct
     assert per_task["b"]["accuracy"] == 0.0 and per_task["b"]["num_samples"] == 2
-    assert per_task_metrics(records[:2], 2) == {}  # one task: the overall metrics are its own
+    # The results' score and counts too (docs/evaluation.md: "the same metrics").
+    assert per_task["a"]["score"] == 0.75 and per_task["a"]["num_correct"] == 3 and per_task["a"]["mean_reward"] == 0.75
+    assert per_task["b"]["num_no_answer"] == 1 and per_task["b"]["num_env_errors"] == 0
+    assert per_task_metrics(records[:2], 2, "pass@1") == {}  # one task: the overall metrics are its own
 
 
 def test_a_blank_answer_is_counted_as_no_answer():

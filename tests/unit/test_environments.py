@@ -73,14 +73,15 @@ def test_answer_extraction():
     assert extract_final_answer("the terms 1,2,3") == "3" and extract_final_answer("at (3,4)") == "4"
     assert extract_final_answer("paid $1,234,567.89, then 12,3456") == "3456"
     assert extract_final_answer("paid $1,234,567.89.") == "1234567.89"
-    # Scientific notation is one number, written out (it ended in its exponent: "1e3" read as 3).
-    assert extract_final_answer("so it is 1e3") == "1000" and extract_final_answer("x = 2.5E-3.") == "0.0025"
-    assert extract_final_answer("about 6.02e+2 of them") == "602" and extract_final_answer("-4e2") == "-400"
+    # Scientific notation is one number, as LaTeX math-verify reads (it ended in its exponent: "1e3"
+    # read as 3; math-verify reads "1e3" as 1*e*3), boxed or not.
+    assert extract_final_answer("so it is 1e3") == r"1\times10^{3}" and extract_final_answer(r"\boxed{1e3}") == r"1\times10^{3}"
+    assert extract_final_answer("x = 2.5E-3.") == r"2.5\times10^{-3}" and extract_final_answer("-4e+2") == r"-4\times10^{2}"
     assert extract_final_answer("3 exams, 3eggs") == "3" and extract_final_answer("1e3.5") == "3.5"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
     assert gold_answer("#### 1,000") == "1000"
-    assert gold_answer(" 1e3") == "1000" and gold_answer("2,000") == "2000" and gold_answer("1e3 m") == "1e3 m"
+    assert gold_answer(" 1e3") == r"1\times10^{3}" and gold_answer("1e3 m") == "1e3 m"
     assert gold_answer(r" \frac{14}{3} ") == r"\frac{14}{3}"
 
 
@@ -105,6 +106,10 @@ def test_math_rewards(math_env):
         ("The answer is \u22123", "-3", 1.0),
         (r"So $x = -\frac{3}{4}$.", r"\frac{3}{4}", 0.0),
         (r"So $x = -\frac{3}{4}$.", r"-\frac{3}{4}", 1.0),
+        ("It is 1e3.", "1000", 1.0),  # scientific notation: its exponent was the answer
+        (r"\boxed{2.5e-3}", "0.0025", 1.0),
+        ("It is 6.02e23", r"6.02\times10^{23}", 1.0),
+        ("It is 1e3", "3", 0.0),
     ]
     ret = math_env.step([convo(a) for a, _, _ in cases], [{"answer": g} for _, g, _ in cases])
     assert ret.rewards == [r for _, _, r in cases]

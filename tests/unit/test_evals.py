@@ -134,6 +134,11 @@ def test_a_partial_reward_is_refused_as_a_verdict():
         with pytest.raises(TypeError, match="a reward is no verdict"):
             cons_at_k(["1"], [bad], 1)
     assert aggregate([["1"], ["2"]], [[1.0], [0]])["accuracy"] == 0.5
+    # NumPy and torch bools are verdicts, as an environment's may be (np.all gives one).
+    import numpy as np
+    import torch
+
+    assert aggregate([["1", "2"], ["3", "4"]], [[np.True_, np.False_], [torch.tensor(True), None]])["accuracy"] == 2 / 3
 
 
 def test_sample_counts_of_environments_with_and_without_tools():

@@ -130,6 +130,17 @@ def test_posttrain_eval_takes_an_adapter_folder(tiny_model_path, tmp_path):
     from posttrain.policy.hf_io import named_model_attention_kernel
 
     assert named_model_attention_kernel("auto", 4096, "cpu", str(tmp_path / "adapter")) == "sdpa"
+    # A base model that is not there is named as the adapter's, not as policy.model_name (which the
+    # user set to the adapter).
+    import json
+
+    adapter_config = tmp_path / "adapter" / "adapter_config.json"
+    adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),
+                                          "base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(ValueError, match=rf"^policy.model_name='{tmp_path / 'adapter'}' \(a LoRA adapter\): its "
+                                         rf"adapter_config.json's base_model_name_or_path='{tmp_path / 'gone'}': "
+                                         r"cannot load a model config .*no such folder"):
+        load_policy_tokenizer(cfg.policy)
 
 
 def test_an_adapter_folder_loads_as_plain_merged_weights(tiny_model_path, tmp_path):
