@@ -237,7 +237,8 @@ def per_task_metrics(records: list[dict[str, Any]], n: int, metric: str) -> dict
     out = {}
     for task in tasks:
         groups = [g for g in prompts if g[0]["task_name"] == task]
-        metrics = aggregate([[r["extracted_answer"] for r in g] for g in groups], [[r["correct"] for r in g] for g in groups])
+        metrics = aggregate([[r["extracted_answer"] for r in g] for g in groups],
+                            [[r["correct"] for r in g] for g in groups])
         out[task] = {"score": metrics[metric], **metrics, **sample_counts([r for g in groups for r in g])}
     return out
 

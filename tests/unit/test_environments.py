@@ -75,8 +75,9 @@ def test_answer_extraction():
     assert extract_final_answer("paid $1,234,567.89.") == "1234567.89"
     # Scientific notation is one number, as LaTeX math-verify reads (it ended in its exponent: "1e3"
     # read as 3; math-verify reads "1e3" as 1*e*3), boxed or not.
-    assert extract_final_answer("so it is 1e3") == r"1\times10^{3}" and extract_final_answer(r"\boxed{1e3}") == r"1\times10^{3}"
-    assert extract_final_answer("x = 2.5E-3.") == r"2.5\times10^{-3}" and extract_final_answer("-4e+2") == r"-4\times10^{2}"
+    assert extract_final_answer("so it is 1e3") == extract_final_answer(r"\boxed{1e3}") == r"1\times10^{3}"
+    assert extract_final_answer("x = 2.5E-3.") == r"2.5\times10^{-3}"
+    assert extract_final_answer("-4e+2") == r"-4\times10^{2}"
     assert extract_final_answer("3 exams, 3eggs") == "3" and extract_final_answer("1e3.5") == "3.5"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
