@@ -919,7 +919,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
              "stop_reason": c.stop_reason, "env_error": c.env_error,
              **({"conversation": c.exchange} if c.turns > 1 else {}),  # a multi-turn sample in full
              **({"extra": c.metadata[LOG_EXTRA_KEY]} if LOG_EXTRA_KEY in c.metadata else {})}  # log_extra
-            for c in rollout.conversations[: cfg.logger.num_samples_to_dump]
+            # Every round's (dynamic sampling): the ones the step's reward and accuracy are over.
+            for c in step_convs[: cfg.logger.num_samples_to_dump]
         ]
         last.loader_state = (pipeline.loader_state if pipeline is not None else None) or s.loader.state_dict()
         if bool(batch["env_errors"].all()):

@@ -30,9 +30,16 @@ def test_dynamic_sampling_rounds_and_weighted_reward_functions(ray_session, tmp_
         tmp_path, "grpo.max_num_steps=2", "grpo.warmup_sft_steps=0", "grpo.val_period=0", "grpo.val_at_start=false",
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=4", "data.task_name=mixed",
         f"env.mixed.target=[{rewards}:even,{rewards}:odd_length]", "env.mixed.reward_weights=[1.0,0.5]",
+        "logger.num_samples_to_dump=1000",
     ))
     run(cfg)
     train = records(tmp_path / "logs", "train")
+    # samples.jsonl holds every round's samples, which the step's reward is the mean of (it held the last round's).
+    samples = [json.loads(line) for line in (tmp_path / "logs" / "samples.jsonl").read_text().splitlines()]
+    for r in train:
+        mine = [x for x in samples if x["step"] == r["step"]]
+        assert len(mine) == 16 * r["dynamic_sampling/rounds"]
+        assert r["reward"] == pytest.approx(sum(x["reward"] for x in mine) / len(mine))
     (val,) = records(tmp_path / "logs", "val")  # at the end
     assert val["reward"] == pytest.approx(val["reward/even"] + 0.5 * val["reward/odd_length"])
     assert max(r["dynamic_sampling/rounds"] for r in train) >= 2
