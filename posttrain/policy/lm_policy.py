@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import ray
 
+from posttrain.config import InputError, RunStopped
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup
@@ -197,7 +198,19 @@ class Policy:
         self.workers.get(self.workers.run_all("save_checkpoint", os.path.abspath(path)))
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        self.workers.get(self.workers.run_all("load_checkpoint", os.path.abspath(path)))
+        """Load the policy part (`<step_N>/policy`) of a checkpoint that `CheckpointManager` found
+        complete (every file there, of its size): one whose bytes are damaged fails naming it."""
+        try:
+            self.workers.get(self.workers.run_all("load_checkpoint", os.path.abspath(path)))
+        except (InputError, RunStopped):  # said already: another model's checkpoint, a worker that died
+            raise
+        except Exception as e:  # noqa: BLE001 - torch's reader on a file cut and refilled, overwritten...
+            step = os.path.dirname(os.path.abspath(path))
+            cause = (str(getattr(e, "cause", None) or e).strip().splitlines() or [""])[-1]
+            # It was an 86-line traceback naming no folder, and every later start failed the same way.
+            raise InputError(f"checkpoint {step} cannot be loaded ({type(e).__name__}: {cause:.200}): one of its files "
+                             "is damaged; move that folder aside to resume from the checkpoint before it, or start "
+                             "over with checkpointing.start_fresh=true") from None
 
     def export_hf(self, path: str | os.PathLike) -> None:
         """safetensors + config + tokenizer that `AutoModelForCausalLM.from_pretrained(path)` loads."""

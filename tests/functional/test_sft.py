@@ -99,6 +99,17 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch, 
     # A step count lowered below the checkpoint's would train nothing: it fails the same way.
     with pytest.raises(ConfigError, match=r"step_3 is at step 3, past sft.max_num_steps=2"):
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
+    # A shard whose bytes were damaged after the save (cut and refilled to its size, which the
+    # completeness check compares) fails naming the checkpoint: it was an 86-line traceback.
+    monkeypatch.undo()
+    shard = next((tmp_path / "ckpt" / "step_3" / "policy").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+        f.truncate(size)
+    with pytest.raises(InputError, match=r"checkpoint .*step_3 cannot be loaded \(.*\): one of its files is damaged; "
+                                         r"move that folder aside"):
+        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", *overrides))
 
 
 @pytest.mark.extended  # the same ranking for every loop: test_grpo.py's test of this name
