@@ -4,7 +4,8 @@ a Hugging Face folder (safetensors + config + tokenizer), without Ray or a proce
 The policy checkpoint folder (`step_N/policy`, written by `Policy.save_checkpoint`) holds the
 sharded weights and optimizer, `hf_config/` (model config + tokenizer) and `policy_meta.json`
 (model kind and LoRA settings), so no run config is needed; `--config` (the run's YAML) is
-only used when `hf_config/` is missing, to find `policy.model_name`.
+only used when `hf_config/` is missing, to find `policy.model_name` and the tokenizer the run
+exported (`policy.tokenizer.name` and `chat_template`, `data.add_bos` / `add_eos`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from omegaconf import OmegaConf
@@ -23,8 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
 from posttrain.config import ConfigError, InputError, MissingInputError, load_yaml_with_defaults
 from posttrain.convert.output import check_replaceable
-from posttrain.policy.hf_io import config_for_kind, load_generation_config, load_hf_config, model_class, save_hf
-from posttrain.schemas import LoraConfig, PolicyConfig
+from posttrain.embedded import resolve_model_path
+from posttrain.policy.hf_io import (config_for_kind, exported_chat_template, load_generation_config, load_hf_config,
+                                    model_class, save_hf)
+from posttrain.schemas import LoraConfig, PolicyConfig, chat_template_text
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +47,38 @@ def _policy_dir(checkpoint: Path) -> Path:
                             f"(missing .metadata){hint}")
 
 
-def _model_source(policy_dir: Path, config_path: str | None) -> str:
+def _model_source(policy_dir: Path, config_path: str | None) -> tuple[str, dict | None]:
+    """The model folder or name to build the model and tokenizer from, and, when that came from
+    the run's config (a checkpoint without `hf_config/`), the config's tokenizer settings, which
+    the export writes as the run's own export does (`exported_chat_template`)."""
     if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
         if config_path is not None:
             log.warning("--config %s is not read: the checkpoint carries its model's config and tokenizer (%s/)",
                         config_path, HF_CONFIG_DIR)
-        return str(policy_dir / HF_CONFIG_DIR)
+        return str(policy_dir / HF_CONFIG_DIR), None
     candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
     for c in candidates:
         if c.is_file():
             # Read as the run read it (`defaults:`, interpolation); the run's algorithm is not
-            # known here, so only policy.model_name is taken, with the schema's default.
+            # known here, so only the keys below are taken, with the schema's defaults.
             cfg = load_yaml_with_defaults(c)
-            try:
-                name = OmegaConf.select(cfg, "policy.model_name", default=PolicyConfig().model_name)
-            except OmegaConfBaseException as e:
-                raise ConfigError(f"{c}: cannot read policy.model_name: {str(e).splitlines()[0]}") from None
-            if not isinstance(name, str):
-                raise ConfigError(f"{c}: policy.model_name must be a string, got {name!r}")
-            return name
+
+            def setting(key: str, default: Any, kinds: tuple[type, ...]) -> Any:
+                try:
+                    value = OmegaConf.select(cfg, key, default=default)
+                except OmegaConfBaseException as e:
+                    raise ConfigError(f"{c}: cannot read {key}: {str(e).splitlines()[0]}") from None
+                if not isinstance(value, kinds):
+                    raise ConfigError(f"{c}: {key} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+                return value
+
+            name = setting("policy.model_name", PolicyConfig().model_name, (str,))
+            template = setting("policy.tokenizer.chat_template", None, (str, type(None)))
+            return name, {"tokenizer": setting("policy.tokenizer.name", None, (str, type(None))) or name,
+                          # The run's template, not its base model's (the export rendered prompts otherwise).
+                          "chat_template": chat_template_text(template),
+                          "add_bos": setting("data.add_bos", True, (bool,)),
+                          "add_eos": setting("data.add_eos", True, (bool,))}
     raise MissingInputError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
                             f"(tried {', '.join(map(str, candidates))}); pass --config")
 
@@ -109,7 +125,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
     model_kind = meta["model_kind"]
     lora = LoraConfig(**meta["lora"])
-    source = _model_source(policy_dir, config_path)
+    source, run_tokenizer = _model_source(policy_dir, config_path)
     path, hf_config = load_hf_config(source)
     # Built on the meta device, then given uninitialised CPU storage: dcp.load fills every
     # saved tensor, so no time goes into a random init that would be overwritten.
@@ -134,7 +150,14 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     sd = {k: v.detach() for k, v in state["model"].items()}
     if lora.enabled:
         sd = merge_lora_state_dict(sd, lora)
-    save_hf(sd, hf_config, AutoTokenizer.from_pretrained(path), output, model_kind, load_generation_config(path))
+    tokenizer = AutoTokenizer.from_pretrained(path if run_tokenizer is None else
+                                              resolve_model_path(run_tokenizer["tokenizer"]))
+    if run_tokenizer is not None:
+        if run_tokenizer["chat_template"] is not None:
+            tokenizer.chat_template = run_tokenizer["chat_template"]
+        tokenizer.chat_template = exported_chat_template(
+            tokenizer, bos=run_tokenizer["add_bos"], eos=run_tokenizer["add_eos"] and model_kind == "sequence_classification")
+    save_hf(sd, hf_config, tokenizer, output, model_kind, load_generation_config(path))
     log.info("wrote %s from %s", output, policy_dir)
     return Path(output)
 

@@ -661,11 +661,15 @@ def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
     policy = tmp_path / "step_1" / "policy"
     policy.mkdir(parents=True)
     (tmp_path / "base.yaml").write_text("policy: {model_name: embedded:small}\n")
-    (tmp_path / "run.yaml").write_text("defaults: base.yaml\ngrpo: {seed: 1}\n")
-    (tmp_path / "plain.yaml").write_text("description: ${policy.model_name}\n")
+    (tmp_path / "run.yaml").write_text("defaults: base.yaml\ngrpo: {seed: 1}\n"
+                                       "policy: {tokenizer: {chat_template: '{{ messages[0].content }}'}}\n")
+    (tmp_path / "plain.yaml").write_text("description: ${policy.model_name}\ndata: {add_bos: false}\n")
     (tmp_path / "list.yaml").write_text("- policy\n")
-    assert _model_source(policy, str(tmp_path / "run.yaml")) == "embedded:small"
-    assert _model_source(policy, str(tmp_path / "plain.yaml")) == "embedded:tiny"
+    # And the tokenizer the run exported: its template, not its base model's (which the export wrote).
+    assert _model_source(policy, str(tmp_path / "run.yaml")) == ("embedded:small", {
+        "tokenizer": "embedded:small", "chat_template": "{{ messages[0].content }}", "add_bos": True, "add_eos": True})
+    assert _model_source(policy, str(tmp_path / "plain.yaml")) == ("embedded:tiny", {
+        "tokenizer": "embedded:tiny", "chat_template": None, "add_bos": False, "add_eos": True})
     with pytest.raises(ConfigError, match="list.yaml: the top level of a config must be a mapping"):
         _model_source(policy, str(tmp_path / "list.yaml"))
     # A --config that is not there is named, also when the checkpoint has hf_config/ (it was ignored).
@@ -679,7 +683,7 @@ def test_dcp_to_hf_reads_the_model_name_of_a_config_as_the_run_did(tmp_path):
 
     shutil.rmtree(policy / "hf_config")
     (tmp_path / "step_1" / "config.yaml").write_text("policy: {model_name: embedded:small}\n")
-    assert _model_source(policy, None) == "embedded:small"  # the config the run saved with its checkpoint
+    assert _model_source(policy, None)[0] == "embedded:small"  # the config the run saved with its checkpoint
 
 
 def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left_to_train(tmp_path):
