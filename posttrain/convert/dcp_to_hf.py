@@ -155,8 +155,8 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
     if run_tokenizer is not None:
         if run_tokenizer["chat_template"] is not None:
             tokenizer.chat_template = run_tokenizer["chat_template"]
-        tokenizer.chat_template = exported_chat_template(
-            tokenizer, bos=run_tokenizer["add_bos"], eos=run_tokenizer["add_eos"] and model_kind == "sequence_classification")
+        scored_eos = run_tokenizer["add_eos"] and model_kind == "sequence_classification"
+        tokenizer.chat_template = exported_chat_template(tokenizer, bos=run_tokenizer["add_bos"], eos=scored_eos)
     save_hf(sd, hf_config, tokenizer, output, model_kind, load_generation_config(path))
     log.info("wrote %s from %s", output, policy_dir)
     return Path(output)
