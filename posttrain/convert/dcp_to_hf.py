@@ -15,10 +15,10 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from posttrain.checkpoint import complete_checkpoints, policy_checkpoint_dir
@@ -52,35 +52,56 @@ def _model_source(policy_dir: Path, config_path: str | None) -> tuple[str, dict 
     the run's config (a checkpoint without `hf_config/`), the config's tokenizer settings, which
     the export writes as the run's own export does (`exported_chat_template`)."""
     if (policy_dir / HF_CONFIG_DIR / "config.json").is_file():
-        if config_path is not None:
+        if config_path is not None and (policy_dir / META_FILE).is_file():
             log.warning("--config %s is not read: the checkpoint carries its model's config and tokenizer (%s/)",
                         config_path, HF_CONFIG_DIR)
         return str(policy_dir / HF_CONFIG_DIR), None
+    setting = _run_config(policy_dir, config_path, f"{policy_dir} has no {HF_CONFIG_DIR}/")
+    name = setting("policy.model_name", PolicyConfig().model_name, (str,))
+    template = setting("policy.tokenizer.chat_template", None, (str, type(None)))
+    return name, {"tokenizer": setting("policy.tokenizer.name", None, (str, type(None))) or name,
+                  # The run's template, not its base model's (the export rendered prompts otherwise).
+                  "chat_template": chat_template_text(template),
+                  "add_bos": setting("data.add_bos", True, (bool,)),
+                  "add_eos": setting("data.add_eos", True, (bool,))}
+
+
+def _run_config(policy_dir: Path, config_path: str | None, missing: str) -> Callable[[str, Any, tuple], Any]:
+    """A reader of the run's config (`--config`, else the config.yaml saved with the checkpoint):
+    `setting(key, default, types)`. Read as the run read it (`defaults:`, interpolation); the run's
+    algorithm is not known here, so a key it lacks takes the `default` given."""
     candidates = [Path(config_path)] if config_path else [policy_dir / "config.yaml", policy_dir.parent / "config.yaml"]
-    for c in candidates:
-        if c.is_file():
-            # Read as the run read it (`defaults:`, interpolation); the run's algorithm is not
-            # known here, so only the keys below are taken, with the schema's defaults.
-            cfg = load_yaml_with_defaults(c)
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise MissingInputError(f"{missing} and no run config was found (tried {', '.join(map(str, candidates))}); "
+                                "pass --config")
+    cfg = load_yaml_with_defaults(found)
 
-            def setting(key: str, default: Any, kinds: tuple[type, ...]) -> Any:
-                try:
-                    value = OmegaConf.select(cfg, key, default=default)
-                except OmegaConfBaseException as e:
-                    raise ConfigError(f"{c}: cannot read {key}: {str(e).splitlines()[0]}") from None
-                if not isinstance(value, kinds):
-                    raise ConfigError(f"{c}: {key} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
-                return value
+    def setting(key: str, default: Any, kinds: tuple[type, ...]) -> Any:
+        try:
+            value = OmegaConf.select(cfg, key, default=default)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{found}: cannot read {key}: {str(e).splitlines()[0]}") from None
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+        if not isinstance(value, kinds):
+            raise ConfigError(f"{found}: {key} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        return value
 
-            name = setting("policy.model_name", PolicyConfig().model_name, (str,))
-            template = setting("policy.tokenizer.chat_template", None, (str, type(None)))
-            return name, {"tokenizer": setting("policy.tokenizer.name", None, (str, type(None))) or name,
-                          # The run's template, not its base model's (the export rendered prompts otherwise).
-                          "chat_template": chat_template_text(template),
-                          "add_bos": setting("data.add_bos", True, (bool,)),
-                          "add_eos": setting("data.add_eos", True, (bool,))}
-    raise MissingInputError(f"{policy_dir} has no {HF_CONFIG_DIR}/ and no run config was found "
-                            f"(tried {', '.join(map(str, candidates))}); pass --config")
+    return setting
+
+
+def _policy_meta(policy_dir: Path, config_path: str | None) -> dict[str, Any]:
+    """The model kind and LoRA settings the checkpoint was saved with (`META_FILE`), else the run
+    config's: without them a LoRA checkpoint failed as "another model's", naming neither."""
+    if (policy_dir / META_FILE).is_file():
+        return json.loads((policy_dir / META_FILE).read_text())
+    try:
+        setting = _run_config(policy_dir, config_path, f"{policy_dir} has no {META_FILE}")
+    except MissingInputError:  # a causal LM without LoRA, as most are (a misfit is then named)
+        return {"model_kind": "causal_lm", "lora": {}, "guessed": True}
+    rm = setting("policy.reward_model_cfg.enabled", False, (bool,))
+    return {"model_kind": "sequence_classification" if rm else "causal_lm", "lora": setting("policy.lora", {}, (dict,))}
 
 
 def _cause(error: BaseException) -> str:
@@ -121,8 +142,7 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
         raise MissingInputError(f"--config {config_path}: no such file")
     policy_dir = _policy_dir(Path(checkpoint))
     check_replaceable(Path(output), {"--checkpoint": checkpoint, "--config": config_path})
-    meta_file = policy_dir / META_FILE
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {"model_kind": "causal_lm", "lora": {}}
+    meta = _policy_meta(policy_dir, config_path)
     model_kind = meta["model_kind"]
     lora = LoraConfig(**meta["lora"])
     source, run_tokenizer = _model_source(policy_dir, config_path)
@@ -143,8 +163,10 @@ def convert(checkpoint: str | Path, output: str | Path, config_path: str | None 
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001
             cause = _cause(e)
             if "size mismatch" in cause.lower() or "missing key" in cause.lower():
-                raise InputError(f"the checkpoint in {policy_dir} does not fit the model of {source} ({cause}); it "
-                                 "is another model's: pass the run's own config (--config)") from e
+                why = (f"its {META_FILE} (model kind, LoRA settings) is missing, and no run config says them"
+                       if meta.get("guessed") else "it is another model's")
+                raise InputError(f"the checkpoint in {policy_dir} does not fit the model of {source} ({cause}); "
+                                 f"{why}: pass the run's own config (--config)") from e
             raise InputError(f"cannot read the checkpoint in {policy_dir} ({cause}); a save cut "
                              "short or files copied in part? Convert another step_N") from e
     sd = {k: v.detach() for k, v in state["model"].items()}

@@ -98,6 +98,18 @@ def test_lora_trains_adapters_and_exports_merged(policies, tiny_model_path, tmp_
     dcp_to_hf(tmp_path / "step_1", tmp_path / "converted")
     for folder in ("merged", "converted"):
         assert AutoModelForCausalLM.from_pretrained(tmp_path / folder).generation_config.eos_token_id == [7, 9]
+    # Without its policy_meta.json the LoRA settings come from the run's config (it failed as
+    # "another model's", naming neither), and a checkpoint with neither says what is missing.
+    from posttrain.config import InputError
+    from posttrain.convert.dcp_to_hf import META_FILE
+
+    (tmp_path / "step_1" / "policy" / META_FILE).unlink()
+    with pytest.raises(InputError, match=rf"{META_FILE} \(model kind, LoRA settings\) is missing, and no run config"):
+        dcp_to_hf(tmp_path / "step_1", tmp_path / "no_meta")
+    (tmp_path / "step_1" / "config.yaml").write_text("policy: {lora: {enabled: true, rank: 4, alpha: 8}}\n")
+    dcp_to_hf(tmp_path / "step_1", tmp_path / "from_config")
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "from_config").state_dict(),
+                               reloaded.state_dict())
 
 
 def test_a_step_with_dropout_after_loading_a_checkpoint_repeats_the_step_after_saving_it(policies, tmp_path):
