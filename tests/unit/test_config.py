@@ -1433,7 +1433,7 @@ def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplo
     # `posttrain sft policy.generation.backend=vllm` (not even installed) trained without a word; its
     # vllm_cfg was said to need backend=vllm, which would have changed nothing either.
     with caplog.at_level("WARNING", logger="posttrain.config"):
-        load_config("dpo", None, ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.max_model_len=64"])
+        load_config("dpo", None, ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.max_model_len=4096"])
     assert caplog.messages == [
         "policy.generation.backend (command line), policy.generation.vllm_cfg.max_model_len (command line): read "
         "only by the commands that generate (grpo, eval); `posttrain dpo` generates nothing, so they change nothing"]
@@ -1446,7 +1446,7 @@ def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplo
 
 @pytest.mark.parametrize("overrides", [
     ["grpo.warmup_sft_lr=1e-3", "grpo.warmup_sft_steps=0"],  # the mode turned off on purpose (over a quickstart)
-    ["policy.generation.vllm_cfg.max_model_len=64", "policy.generation.backend=vllm",
+    ["policy.generation.vllm_cfg.max_model_len=4096", "policy.generation.backend=vllm",
      "policy.generation.colocated.enabled=false"],
     ["policy.generation.colocated.resources.num_nodes=1", "policy.generation.colocated.enabled=false"],
     ["grpo.reward_shaping.overlong_buffer_length=4", "grpo.reward_shaping.enabled=true",
@@ -1524,3 +1524,19 @@ def test_another_librarys_setting_posttrain_has_no_need_of_says_so():
     with pytest.raises(ConfigError, match=re.escape("unknown key 'grpo.async_grpo.in_flight_weight_updates' (NeMo RL's "
                                                     "async GRPO setting, not needed here")):
         load_config("grpo", None, ["grpo.async_grpo.in_flight_weight_updates=true"])
+
+
+def test_settings_a_cluster_run_could_not_start_with_fail_at_load():
+    # Each accepted, then failed (or cut) inside vLLM after Ray and the model started, or trained
+    # in float16 without loss scaling.
+    math = "examples/configs/grpo_math_1B.yaml"
+    with pytest.raises(ConfigError, match=r"vllm_cfg.tensor_parallel_size=8: each generation worker runs its vLLM "
+                                          r"engine on its own one GPU"):
+        load_config("grpo", math, ["policy.generation.vllm_cfg.tensor_parallel_size=8"])
+    with pytest.raises(ConfigError, match=r"vllm_cfg.max_model_len \(256\) is less than policy.max_total_sequence_length"):
+        load_config("grpo", math, ["policy.generation.vllm_cfg.max_model_len=256"])
+    assert load_config("grpo", math, ["policy.generation.vllm_cfg.max_model_len=4096"]).policy.generation.vllm_cfg
+    for command in ("grpo", "sft", "dpo"):
+        with pytest.raises(ConfigError, match=r"policy.precision=float16: training in float16 needs loss scaling"):
+            load_config(command, None, ["policy.precision=float16"])
+    assert load_config("eval", None, ["policy.precision=float16"]).policy.precision == "float16"  # it generates only
