@@ -14,9 +14,19 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # denominator scored "-3" and "3/4" right against a gold answer of 3 and 4. A comma separates
 # thousands only before groups of three digits: "1,2,3" and "(3,4)" end in 3 and 4, not 123 and 34.
 # Scientific notation "1e3", "2.5E-3" is one number too (it ended in its exponent, 3), written as
-# LaTeX by `_clean_number` (math-verify reads "1e3" as a product with Euler's e).
+# LaTeX by `_clean_number` (math-verify reads "1e3" as a product with Euler's e). A power "2^{10}"
+# is one number too (it ended in its exponent, 10), as `_prose_numbers` writes it.
 _NUMBER = re.compile(r"(?:(?<![\w.)\]}])[-\u2212])?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
-                     r"(?:[eE][-+\u2212]?\d+(?!\w|\.\d)|/\d+)?")
+                     r"(?:[eE][-+\u2212]?\d+(?!\w|\.\d)|/\d+|\^\{[-\u2212]?\d+\})?")
+
+# Thousands written as LaTeX and typography do, "1{,}000", "1\,000", "1\ 000" and thin or no-break
+# spaces, are separated by a comma ("$1{,}000$" ended in 000). A plain space is not: "1 000" is as
+# often two numbers.
+_GROUP_SEPARATOR = re.compile(r"(?<=\d)(?:\{,\}|\\[, ]|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))")
+# "2^10", "2^{10}": the exponent in braces, the form `_NUMBER` reads whole.
+_POWER = re.compile(r"(?<=\d)\s*\^\s*(?:\{\s*([-\u2212]?\d+)\s*\}|(\d+))")
+# A sign before a currency sign, "-$5", "-\$5", is the number's ("lost -$5" read as 5).
+_SIGNED_CURRENCY = re.compile(r"(?<![\w.)\]}])([-\u2212])\s*\\?\$\s*(?=\.?\d)")
 
 # An unboxed LaTeX fraction of integers, read as the "a/b" it is ("$\frac{3}{4}$" ended in 4), with
 # the sign before it by `_NUMBER`'s rule ("-\frac{3}{4}" read as 3/4 scored a wrong sign right) and
@@ -28,6 +38,14 @@ _LATEX_FRACTION = re.compile(r"(?:(?<![\w.)\]}])([-\u2212])\s*)?\\[dt]?frac\s*"
 def _as_slash_fraction(m: re.Match) -> str:
     sign, numerator, denominator = m[1] or "", m[2] or m[3], m[4] or m[5]
     return f" {sign}{numerator}/{denominator}"
+
+
+def _prose_numbers(text: str) -> list[str]:
+    """The numbers of `text` as `_NUMBER` reads them, after LaTeX fractions, powers, grouped
+    thousands and signed amounts of money are written in the forms it reads whole."""
+    text = _LATEX_FRACTION.sub(_as_slash_fraction, _GROUP_SEPARATOR.sub(",", text))
+    text = _SIGNED_CURRENCY.sub(r" \1", _POWER.sub(lambda m: f"^{{{m[1] or m[2]}}}", text))
+    return _NUMBER.findall(text)
 
 
 # A \boxed argument without braces: the word after the command, less the sentence's punctuation.
@@ -77,18 +95,20 @@ def extract_final_answer(text: str) -> str | None:
     """The boxed answer if any, else the last number of `text` (a fraction "3/4" is one), else None."""
     boxed = extract_boxed(text)
     if boxed is not None:
+        boxed = _GROUP_SEPARATOR.sub(",", boxed)  # math-verify reads "1,000", not "1\,000"
         return _clean_number(boxed) if _SCIENTIFIC.fullmatch(boxed) else boxed
-    numbers = _NUMBER.findall(_LATEX_FRACTION.sub(_as_slash_fraction, text))
+    numbers = _prose_numbers(text)
     return _clean_number(numbers[-1]) if numbers else None
 
 
 def gold_answer(answer: Any) -> str:
     """The reference answer: the text after the last "####" (GSM8K), stripped, else the whole answer
-    (a number in scientific notation as LaTeX, as the model's is)."""
+    (a number in scientific notation as LaTeX and LaTeX's grouped thousands with commas, as the
+    model's are)."""
     text = str(answer)
     if "####" in text:
         return _clean_number(text.rsplit("####", 1)[1].strip())
-    text = text.strip()
+    text = _GROUP_SEPARATOR.sub(",", text.strip())
     return _clean_number(text) if _SCIENTIFIC.fullmatch(text) else text
 
 

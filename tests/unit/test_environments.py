@@ -78,6 +78,16 @@ def test_answer_extraction():
     assert extract_final_answer("so it is 1e3") == extract_final_answer(r"\boxed{1e3}") == r"1\times10^{3}"
     assert extract_final_answer("x = 2.5E-3.") == r"2.5\times10^{-3}"
     assert extract_final_answer("-4e+2") == r"-4\times10^{2}"
+    # Thousands grouped as LaTeX and typography do are one number (they ended in "000"); a plain
+    # space is not a separator.
+    assert extract_final_answer(r"a total of $1{,}000$ and") == extract_final_answer(r"1\,000") == "1000"
+    assert extract_final_answer("1\u2009234\u202f567.5") == "1234567.5" and extract_final_answer("1 000") == "000"
+    assert extract_final_answer(r"\boxed{12\,000}") == "12,000" and gold_answer(r" 3{,}500 ") == "3,500"
+    # A power is one number (it ended in its exponent); a sign before a currency sign is the number's.
+    assert extract_final_answer("so 2^10.") == extract_final_answer("2 ^ {10}") == "2^{10}"
+    assert extract_final_answer(r"$10^{-3}$") == "10^{-3}" and extract_final_answer("x^2 = 9") == "9"
+    assert extract_final_answer("lost -$5 today") == extract_final_answer("\u2212\\$5") == "-5"
+    assert extract_final_answer("from 10-$5") == "5"
     assert extract_final_answer("3 exams, 3eggs") == "3" and extract_final_answer("1e3.5") == "3.5"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
