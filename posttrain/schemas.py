@@ -1842,11 +1842,13 @@ class _MasterBase(Section):
         # Checked again where they are used (Policy, Policy.train), but only after Ray has
         # started, the model is loaded, and (for the batch) at the first training step.
         workers, tp = self.cluster.num_workers, self.policy.dtensor_cfg.tensor_parallel_size
+        if self._command() == "eval":
+            return self  # no policy workers: `unread_settings` names these settings
         if workers % tp:
             raise ValueError(f"policy.dtensor_cfg.tensor_parallel_size ({tp}) must divide the {workers} policy "
                              "workers (cluster.num_nodes x cluster.gpus_per_node, or x cluster.workers_per_node without "
                              "GPUs)")
-        if self._command() != "eval" and self.policy.train_global_batch_size % (workers // tp):
+        if self.policy.train_global_batch_size % (workers // tp):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.policy.train_global_batch_size}) must be a multiple of the "
                 f"{workers // tp} data-parallel policy workers (cluster.num_nodes x cluster.gpus_per_node, or x "
@@ -2280,6 +2282,13 @@ _READ_ONLY_WHEN: tuple[tuple[str, Any, str, tuple[str, ...]], ...] = (
 )
 
 
+# The policy settings `posttrain eval` reads (posttrain/algorithms/eval.py); of policy.generation,
+# all but its placement (colocated) and seed (eval.seed replaces it). disable_dropout: every
+# config has it set (`_MasterBase._dropout_by_command`).
+_EVAL_READS_POLICY = {"model_name", "tokenizer", "generation_batch_size", "max_total_sequence_length", "precision",
+                      "device", "attn_implementation", "generation", "disable_dropout"}
+
+
 def _given_keys(model: BaseModel, prefix: str, changed_only: bool = False) -> list[str]:
     """Dotted keys of the values `model` was given (not defaulted), nested sections walked;
     `changed_only`: those given a value other than the default."""
@@ -2314,6 +2323,23 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
         if given := _given_keys(cfg.policy.generation, "policy.generation", changed_only=True):
             found.append((given, f"read only by the commands that generate (grpo, eval); `posttrain "
                                  f"{cfg._command()}` generates nothing"))
+    if isinstance(cfg, EvalMasterConfig):
+        # Eval generates in its own process: the settings of policy workers, their training and
+        # their placement change nothing (a tensor_parallel_size=2 was refused as not dividing "the
+        # 1 policy workers", colocated.enabled=false passed without a word). Changed ones only, as above.
+        given = []
+        for name in sorted(cfg.policy.model_fields_set - _EVAL_READS_POLICY):
+            value = getattr(cfg.policy, name)
+            if isinstance(value, BaseModel):
+                given += _given_keys(value, f"policy.{name}", changed_only=True)
+            elif value != PolicyConfig.model_fields[name].get_default(call_default_factory=True):
+                given.append(f"policy.{name}")
+        given += _given_keys(cfg.policy.generation.colocated, "policy.generation.colocated", changed_only=True)
+        if "seed" in cfg.policy.generation.model_fields_set:
+            given.append("policy.generation.seed")
+        if given:
+            found.append((given, "read only by the training commands' policy and generation workers; `posttrain "
+                                 "eval` generates in its own process (its seed: eval.seed)"))
     for switch, reads, mode, settings in _READ_ONLY_WHEN:
         if switch.startswith("policy.generation.") and not generates:
             continue

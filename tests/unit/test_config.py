@@ -646,8 +646,9 @@ def test_the_batch_must_split_over_the_policy_workers_at_load():
         load_config("sft", None, ["cluster.workers_per_node=3"])
     with pytest.raises(ConfigError, match=r"policy.dtensor_cfg.tensor_parallel_size \(3\) must divide the 2 "
                                           r"policy workers"):
-        load_config("eval", None, ["cluster.workers_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=3"])
-    load_config("eval", None, ["cluster.workers_per_node=3"])  # eval does not train
+        load_config("grpo", None, ["cluster.workers_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=3"])
+    # eval has no policy workers (test_policy_worker_settings_of_an_eval_are_named)
+    load_config("eval", None, ["cluster.workers_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"])
     load_config("dpo", None, ["cluster.num_nodes=2", "cluster.gpus_per_node=4", "policy.train_global_batch_size=8",
                               "policy.dtensor_cfg.tensor_parallel_size=2"])
 
@@ -1442,6 +1443,21 @@ def test_generation_settings_of_a_command_that_generates_nothing_are_named(caplo
     with caplog.at_level("WARNING", logger="posttrain.config"):
         saved = load_config("sft", _write(tmp_path / "config.yaml", to_yaml(load_config("sft", None))))
     assert caplog.messages == [] and "generation" in saved.policy.model_fields_set
+
+
+def test_policy_worker_settings_of_an_eval_are_named(caplog):
+    # Eval generates in its own process: tensor_parallel_size=2 was refused as not dividing "the 1
+    # policy workers", and colocated.enabled=false or an optimizer passed without a word.
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config("eval", None, ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.max_grad_norm=2",
+                                   "policy.generation.colocated.enabled=false", "policy.generation.seed=3",
+                                   "policy.generation.temperature=0.5", "policy.precision=float32"])
+        load_config("eval", None, ["policy.max_grad_norm=1.0", "policy.generation.colocated.enabled=true"])  # defaults
+    assert caplog.messages == [
+        "policy.dtensor_cfg.tensor_parallel_size (command line), policy.max_grad_norm (command line), "
+        "policy.generation.colocated.enabled (command line), policy.generation.seed (command line): read only by the "
+        "training commands' policy and generation workers; `posttrain eval` generates in its own process (its seed: "
+        "eval.seed), so they change nothing"]
 
 
 @pytest.mark.parametrize("overrides", [
