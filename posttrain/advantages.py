@@ -87,8 +87,9 @@ def baseline_and_std(
     Returns:
         baseline `[N]`, std `[N]`: std = sqrt(sum_j (r_j - mean_g)^2 / (n_g - 1)) over the n_g
         valid samples of the group (the group's spread, the same for every member).
-        A group with fewer than 2 valid samples has nothing to compare with: its baseline is
-        each sample's own reward (advantage 0) and its std is 0.
+        A group with fewer than 2 valid samples has nothing to compare with, and one whose valid
+        rewards are all equal no spread: its baseline is each sample's own reward (advantage 0
+        exactly) and its std is 0.
     """
     r = rewards.float()
     inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
@@ -103,7 +104,14 @@ def baseline_and_std(
         baseline = mean_g[inverse]
     sq_dev_g = _group_sum(valid * (r - mean_g[inverse]).square(), inverse, n_groups)
     std = torch.sqrt(sq_dev_g / (n_g - 1).clamp(min=1))[inverse]
-    lonely = n < 2
+    # A group whose valid rewards are all equal is told so, not computed: its mean rounds (eight
+    # rewards of 0.9 sum and divide to 0.9 + 1 ulp in float32), and that residue over a 1-ulp std
+    # gave every sample of an all-solved group an advantage of -0.94 at a fractional reward.
+    big = torch.finfo(r.dtype).max
+    is_valid = valid > 0
+    hi = r.new_full((n_groups,), -big).scatter_reduce(0, inverse, torch.where(is_valid, r, -big), "amax")
+    lo = r.new_full((n_groups,), big).scatter_reduce(0, inverse, torch.where(is_valid, r, big), "amin")
+    lonely = (n < 2) | (hi == lo)[inverse]
     baseline = torch.where(lonely, r, baseline)
     std = torch.where(lonely, torch.zeros_like(std), std)
     return baseline, std

@@ -101,6 +101,23 @@ def test_groups_with_fewer_than_two_valid_samples_get_zero_advantage():
         assert adv.tolist() == approx([0.0, 0.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("reward", [0.1, 0.3, 0.9, -0.45, 2.2, 1 / 3])
+def test_a_group_of_equal_fractional_rewards_gets_exactly_zero_advantage(reward):
+    # Computed, eight rewards of 0.9 average to 0.9 + 1 ulp in float32, and that residue over the
+    # 1-ulp std gave each sample -0.94: an all-solved group pushed down, trained as if informative.
+    rewards = torch.tensor([reward] * 8 + [reward] * 3 + [0.0] + [0.0, 1.0])
+    groups = torch.tensor([0] * 8 + [1] * 4 + [2] * 2)
+    valid = torch.tensor([1.0] * 11 + [0.0] + [1.0] * 2)  # group 1's odd one out is not valid
+    for name in ADVANTAGE_ESTIMATORS:
+        for normalize in ("group", "batch", "none"):
+            adv = compute_advantages(name, rewards, groups, valid, normalize=normalize,
+                                     leave_one_out=normalize != "none")
+            assert adv[:12].tolist() == [0.0] * 12, (name, normalize)
+    # Rewards that differ are compared as before: group 2's 0 and 1 are -+1/sqrt(2) from their mean.
+    adv = grpo_advantages(rewards, groups, leave_one_out=False, valid_mask=valid)
+    assert adv[12:].tolist() == approx([-S2, S2])
+
+
 def test_rloo_and_dr_grpo():
     assert compute_advantages("rloo", REWARDS, GROUPS).tolist() == approx(
         [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -1.0, 1.0]
