@@ -671,9 +671,12 @@ class FSDPPolicyWorker:
         group = 2 if getattr(loss_fn, "needs_pairs", False) else 1
         full = batch
         batch, placeholder = self._rows_to_train(batch, loss_fn, group)
-        # One all-reduce: the global batch's counts (the loss's normalization) and the trained rows'.
-        counts = torch.cat([self._valid_counts(full), self._valid_counts(batch),
-                            torch.tensor([float(full.size - (0 if placeholder else batch.size)), float(full.size)])]
+        # One all-reduce: the global batch's counts (the loss's normalization), the trained rows'
+        # and the placeholders' (apart), the trained rows, the left-out rows and all rows.
+        run, none = self._valid_counts(batch), torch.zeros(2)
+        counts = torch.cat([self._valid_counts(full), none if placeholder else run, run if placeholder else none,
+                            torch.tensor([0.0 if placeholder else float(batch.size),
+                                          float(full.size - (0 if placeholder else batch.size)), float(full.size)])]
                            ).to(self.device)
         dist.all_reduce(counts)
         counts /= self.tp
@@ -681,7 +684,12 @@ class FSDPPolicyWorker:
         # Rows with an exactly zero gradient left out (_rows_to_train): the loss normalizes by the
         # trained rows' counts, so its metrics are means over them, and `scale` turns it back into
         # the global batch's loss, sum over rows / global count: the same gradient up to rounding.
-        norm_toks, norm_seqs = counts[2], counts[3]
+        # A rank's placeholder row is measured only when no rank trains a row (its means are then
+        # the only ones): counted beside trained rows, it diluted their metrics by the number of
+        # workers (pg_loss -0.63 on one worker, -0.41 on two, over the same batch).
+        trained_anywhere = bool(counts[6] > 0)
+        norm_toks, norm_seqs = (counts[2], counts[3]) if trained_anywhere else (counts[4], counts[5])
+        measured = not placeholder or not trained_anywhere
         by_tokens = getattr(loss_fn, "loss_type", "token") == "token"
         done, total = (norm_toks, global_toks) if by_tokens else (norm_seqs, global_seqs)
         scale = float(done / total) if total > 0 else 1.0
@@ -719,7 +727,7 @@ class FSDPPolicyWorker:
             (loss if real else loss * 0.0).backward()
             if self._twin is not None:
                 self._twin.accumulate_grads()
-            if real:
+            if real and measured:
                 loss_sum += float(loss.detach())
                 tokens += int(mb["input_lengths"].sum())
                 _accumulate(metrics, mb_metrics)
@@ -759,11 +767,11 @@ class FSDPPolicyWorker:
         tok //= self.tp
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
-        if counts[4] > 0:  # the loss counted only the trained rows; the left-out ones are in the loss too
+        if counts[7] > 0:  # the loss counted only the trained rows; the left-out ones are in the loss too
             out["num_valid_samples"] = float(global_seqs)
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]),
                    model_tokens=float(tok[1]), global_valid_toks=float(global_toks),
-                   global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(counts[4] / counts[5]),
+                   global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(counts[7] / counts[8]),
                    num_microbatches=float(n_mb),
                    optimizer_step_time_s=time.perf_counter() - t0)  # the loops' step_time_s is their whole step
         return out
@@ -784,8 +792,9 @@ class FSDPPolicyWorker:
         and whether what is left is a placeholder: when no row has a gradient, one stays, so that
         every rank runs its passes and the optimizer steps on a zero gradient as it would have
         (Adam's moments still decay and move the weights). It is counted as left out
-        (zero_gradient_fraction 1) but measured: the step's per-token means (token_mult_prob_error,
-        the ratio, entropy) are its own, the only ones there are."""
+        (zero_gradient_fraction 1), and measured when no rank trains a row: the step's per-token
+        means (token_mult_prob_error, the ratio, entropy) are then the placeholders', the only ones
+        there are."""
         zero_rows = getattr(loss_fn, "zero_gradient_rows", None)
         if not self.cfg.skip_zero_gradient_samples or zero_rows is None or group != 1:
             return batch, False

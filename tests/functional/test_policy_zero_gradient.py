@@ -47,13 +47,16 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
     assert loss_fn.zero_gradient_rows(batch).tolist() == [True] * 4 + [False, True, False, False]
     loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, loss_fn=loss_fn)
     assert grad_norm > 0
+    valid_toks = (batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]).sum(1)
+    pg_loss = {}
     for policy, skipped in zip(policies, (0.0, 5 / 8)):  # rows 0-3 and 5
         m = policy.train(batch, loss_fn)
+        pg_loss[skipped] = m["pg_loss"]
         assert m["loss"] == pytest.approx(loss, rel=1e-5)
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
         # Skip on: the first worker runs one of its zero-gradient rows (every rank runs a pass) as
         # a placeholder, left out all the same, and the second leaves out row 5; the loss's means
-        # are over the rows run, its count of samples the batch's (it said 4, the rows run).
+        # are over the rows trained, its count of samples the batch's (it said 4, the rows run).
         assert m["zero_gradient_fraction"] == skipped
         assert m["num_valid_samples"] == 7
         assert m["global_valid_seqs"] == 7 and m["global_valid_toks"] == float(
@@ -61,6 +64,11 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
         state = full_state(policy)
         for k, v in expected.items():
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+    # The per-token means are over the rows trained (4, 6, 7), where the one worker without the skip
+    # means over every valid row: the same sum. The first worker's placeholder row was counted
+    # among them (and so pg_loss depended on the number of workers).
+    assert pg_loss[5 / 8] * float(valid_toks[[4, 6, 7]].sum()) == pytest.approx(pg_loss[0.0] * float(valid_toks.sum()),
+                                                                             rel=1e-5)
 
 
 def test_a_step_whose_rows_all_have_zero_gradient_counts_them_all_left_out(policies):
