@@ -464,10 +464,10 @@ def _shared(relative: str) -> Path:
     return shared_data_dir() / relative
 
 
-def _shared_files(train: str, val: str | None = None) -> Callable[[DataConfig, str], list[dict[str, Any]]]:
+def _shared_files(train: str, val: str | None = None) -> Callable[..., list[dict[str, Any]]]:
     """The loader of a dataset of the shared data folder: its training file and validation file
     (relative to it; None: a held-out fraction), read when called."""
-    return lambda cfg, split: _files(_shared(train), _shared(val) if val else None)(cfg, split)
+    return lambda cfg, split, whole=False: _files(_shared(train), _shared(val) if val else None)(cfg, split, whole)
 
 
 def _arithmetic(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
@@ -496,9 +496,9 @@ _SETTINGS_READ_BY = {
     "num_val": _GENERATED,
 }
 
-# name -> loader(cfg, split); paths are resolved when called, so POSTTRAIN_SHARED_DATA set
-# after import still applies.
-REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
+# name -> loader(cfg, split), and for the sets read from files loader(cfg, split, whole) (see
+# `load_rows`); paths are resolved when called, so POSTTRAIN_SHARED_DATA set after import still applies.
+REGISTRY: dict[str, Callable[..., list[dict[str, Any]]]] = {
     "arithmetic": _arithmetic,
     "gsm8k": _shared_files("gsm8k/train.jsonl", "gsm8k/test.jsonl"),
     # MATH-500 is a test set: RL on it and evaluation both read the same 500 problems.
@@ -508,7 +508,7 @@ REGISTRY: dict[str, Callable[[DataConfig, str], list[dict[str, Any]]]] = {
     # LLaMA-Factory's demo sets, by its names for them.
     **{name: _shared_files(f"llamafactory_demo/{name}.json")
        for name in ("dpo_en_demo", "kto_en_demo", "glaive_toolcall_en_demo")},
-    "local": lambda cfg, split: _files(None, None)(cfg, split),
+    "local": lambda cfg, split, whole=False: _files(None, None)(cfg, split, whole),
     "sliding_puzzle": lambda cfg, split: _sliding_puzzle(cfg, split),
     "stories": lambda cfg, split: _stories(cfg, split),
 }
@@ -657,7 +657,7 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False, whole: b
     split = "val" if split == "validation" else split
     if cfg.mixture is not None:
         _note_settings_unread(cfg, [entry.dataset_name for entry in cfg.mixture])
-        return _mixture_rows(cfg, split)
+        return _mixture_rows(cfg, split, whole)
     name = cfg.dataset_name
     local_file = _names_a_file(name)
     if cfg.dataset_kwargs and (local_file or name in REGISTRY) and name not in _READS_DATASET_KWARGS:
@@ -685,7 +685,10 @@ def load_rows(cfg: DataConfig, split: str, *, in_mixture: bool = False, whole: b
             "data.dataset_name, or set data.dataset_name=local with data.train_data_path / data.val_data_path"
         )
     if name in REGISTRY:
-        rows = REGISTRY[name](cfg, split)
+        # A generated set's validation rows are its own, made apart; the others' held-out ones
+        # are `whole`'s to keep (dropped, "local" and the shared files held out a fraction of a
+        # run that never validates, and a one-row file could not train).
+        rows = REGISTRY[name](cfg, split) if name in _GENERATED else REGISTRY[name](cfg, split, whole)
     elif local_file:
         rows = _files(name, None)(cfg, split, whole)
     else:
@@ -760,7 +763,7 @@ def _mixture_entries(cfg: DataConfig) -> Iterator[tuple[int, Any, DataConfig]]:
         yield i, entry, cfg.model_copy(update={"mixture": None, **keys})
 
 
-def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+def _mixture_rows(cfg: DataConfig, split: str, whole: bool) -> list[dict[str, Any]]:
     """`data.mixture`: each dataset's rows as `load_rows` reads them under its own keys; training rows
     weighted (each row `int(weight)` times, plus a seeded share `weight % 1` of them once more),
     validation rows as they are, taken from the entries in turn (one of each, then the next of
@@ -770,13 +773,13 @@ def _mixture_rows(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
     counts = []
     for i, entry, sub in _mixture_entries(cfg):
         try:
-            rows = load_rows(sub, split, in_mixture=True)
+            rows = load_rows(sub, split, in_mixture=True, whole=whole)
         except InputError as e:
             raise type(e)(f"data.mixture[{i}] ({entry.dataset_name}): {e}") from e
         if split == "train":
-            whole, part = divmod(entry.weight, 1.0)
+            times, part = divmod(entry.weight, 1.0)
             extra = random.Random(f"{cfg.seed}:{i}").sample(range(len(rows)), round(part * len(rows)))
-            weighted = rows * int(whole) + [rows[j] for j in sorted(extra)]
+            weighted = rows * int(times) + [rows[j] for j in sorted(extra)]
             if not weighted:
                 raise InputError(f"data.mixture[{i}] ({entry.dataset_name}): weight {entry.weight} of its "
                                  f"{len(rows)} training rows leaves none; raise it")

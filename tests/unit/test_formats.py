@@ -1037,6 +1037,10 @@ def test_a_run_that_never_validates_trains_on_every_row(tmp_path):
     assert [r["messages"][-1]["content"] for r in train] == [str(i) for i in range(40)] and val == []
     train, val = run_rows(_cfg(path), SimpleNamespace(val_period=0, val_at_start=False, val_at_end=True))
     assert (len(train), len(val)) == (38, 2)
+    # Named through data.dataset_name=local, or in a mixture, the same file held out 2 rows all the same.
+    assert len(run_rows(_cfg("local", train_data_path=str(path)), never)[0]) == 40
+    mixture = DataConfig(mixture=[{"dataset_name": str(path)}, {"dataset_name": "local", "train_data_path": str(path)}])
+    assert len(run_rows(mixture, never)[0]) == 80
     one = _write_jsonl(tmp_path / "one.jsonl", rows[:1])
     cfg = load_config("sft", None, [f"data.dataset_name={one}", "policy.model_name=embedded:tiny",
                                     "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false",
