@@ -137,6 +137,9 @@ def pad_token_id(tokenizer) -> int:
 def combine_stop_strings(cfg_stop: list[str] | None, batch: BatchedDataDict, n: int) -> list[list[str]]:
     """Per-row stop strings: the config's plus the batch's own `stop_strings` for that row."""
     rows = batch.get("stop_strings") if "stop_strings" in batch else None
+    if rows is not None and len(rows) != n:  # a short list failed as an IndexError, a long one was cut silently
+        raise ValueError(f"the batch's stop_strings holds {len(rows)} lists for its {n} rows; give one list (may "
+                         "be empty) per row")
     out = []
     for i in range(n):
         s = list(cfg_stop or [])

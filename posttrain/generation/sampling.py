@@ -15,6 +15,7 @@ Greedy picks argmax(z) and reports its logprob under softmax(z) (temperature 1).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,6 +169,9 @@ def inverse_cdf_pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tokens.squeeze(-1)
 
 
+_CONTINUATION_BYTE = re.compile(r"<0x[89AB][0-9A-F]>")
+
+
 class StopChecker:
     """Finds the generated token that ends a sequence: EOS / stop token ids, or a completed stop string.
 
@@ -186,6 +190,7 @@ class StopChecker:
         self._token_texts: list[str] | None = None
         self._anchor: tuple[list[int], str] | None = None
         self._candidate_cache: dict[tuple[frozenset[str], int], torch.Tensor] = {}
+        self._continuations: frozenset[int] | None = None
 
     def stop_id_tensor(self, device) -> torch.Tensor:
         return torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
@@ -217,6 +222,15 @@ class StopChecker:
         texts = self.tokenizer.batch_decode([anchor + r for r in rows])
         return [t[len(prefix) :] if t.startswith(prefix) else t for t in texts]
 
+    def _continuation_bytes(self) -> frozenset[int]:
+        """Ids of the byte-fallback tokens of UTF-8 continuation bytes, "<0x80>".."<0xBF>" (none
+        for byte-level BPE, whose decoder replaces only the bytes of a cut character)."""
+        if self._continuations is None:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._continuations = frozenset(i for i, p in enumerate(pieces)
+                                            if isinstance(p, str) and _CONTINUATION_BYTE.fullmatch(p))
+        return self._continuations
+
     def _texts_after_text(self) -> list[str]:
         """Each token's text as it reads after other text."""
         return self._after_text([[i] for i in range(len(self.tokenizer))])
@@ -226,7 +240,15 @@ class StopChecker:
         if not stop_strings:
             return False
         # 4 tokens per character covers byte-level BPE; the extra 4 covers a cut partial character.
-        tail_tokens = 4 * max(len(s) for s in stop_strings) + 4
-        text, prev = self._after_text([generated[-tail_tokens:], generated[-tail_tokens:-1]])
+        start = max(len(generated) - (4 * max(len(s) for s in stop_strings) + 4), 0)
+        # Nor may the tail begin inside a character of byte tokens: sentencepiece's byte fallback
+        # decodes a run of them that is not valid UTF-8 as one U+FFFD per byte, the characters
+        # after the cut too, and "語" completed by the last token went unseen.
+        continuation = self._continuation_bytes()
+        for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes
+            if start == 0 or generated[start] not in continuation:
+                break
+            start -= 1
+        text, prev = self._after_text([generated[start:], generated[start:-1]])
         # A match already present without the last token would have stopped the row earlier.
         return any(s in text and s not in prev for s in stop_strings)

@@ -511,6 +511,12 @@ def test_a_rows_stop_strings_that_are_not_a_list_of_strings_are_an_error(model_t
     batch["stop_strings"] = [None, ["</answer>", 7]] + [None] * (batch.size - 2)
     with pytest.raises(ValueError, match="stop strings of row 1 must be a list of strings"):
         engine(backend, model, tok).generate(batch)
+    # One list per row: a short list was an IndexError, a long one was cut without a word.
+    size = batch.size
+    for n in (1, size + 1):
+        batch["stop_strings"] = [["."]] * n
+        with pytest.raises(ValueError, match=rf"stop_strings holds {n} lists for its {size} rows"):
+            engine(backend, model, tok).generate(batch)
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])

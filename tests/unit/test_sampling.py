@@ -143,6 +143,26 @@ def test_stop_checker_matches_only_in_the_last_token():
     assert cand.shape == (len(tok) + 3,) and not bool(cand[len(tok) :].any())
 
 
+def test_a_stop_string_of_byte_fallback_tokens_is_found_when_the_tail_starts_inside_a_character():
+    # Sentencepiece's byte fallback (Llama, Mistral, stories260K) decodes a run of byte tokens that is
+    # not valid UTF-8 as one U+FFFD per byte: a tail cut inside "😀" (4 bytes) hid the "語" its last
+    # token completed, and the row ran on to max_new_tokens.
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581": 2, "x": 3, "y": 4,
+             **{f"<0x{b:02X}>": 5 + b for b in range(256)}}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    ids = tok.encode("x\U0001F600\ud55c\u8a9e y\U0001F600\ud55c\u8a9e", add_special_tokens=False)
+    assert len(ids) == 23 and tok.decode(ids[3:]) != tok.decode(ids)[1:]  # cut inside the emoji: all lost
+    sc = StopChecker(tok, [1])
+    assert [n for n in range(1, len(ids) + 1) if sc.ends_with_stop_string(ids[:n], ["\u8a9e"])] == [11, 23]
+    assert [n for n in range(1, len(ids) + 1) if sc.ends_with_stop_string(ids[:n], ["\ud55c\u8a9e y"])] == [13]
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     # Hand-computed: logits [2, -1, 0.5, -2], tokens 0 and 1 seen, penalty 2, temperature 0.5:
     # z = [1, -2, 0.5, -2] -> l = z / 0.5 = [2, -4, 1, -4].
