@@ -185,6 +185,11 @@ def sliding_window(config) -> int | None:
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(c, "window_size", None) and "local" in (getattr(c, "attention_layers", None) or ()):
         return 0
+    # Layer by layer where the config says (transformers' layer_types): Qwen2 with
+    # use_sliding_window and max_window_layers >= its layers slides in none of them.
+    layer_types = getattr(c, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types and set(layer_types) == {"full_attention"}:
+        return None
     window = getattr(c, "sliding_window", None)
     window = window if window and getattr(c, "use_sliding_window", True) else None
     return min((w for w in (window, getattr(c, "attention_chunk_size", None)) if w), default=None)

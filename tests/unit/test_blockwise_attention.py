@@ -126,6 +126,10 @@ def test_the_window_that_keeps_a_row_from_sharing_its_prompt_is_found_where_each
     assert sliding_window(LlamaConfig()) is None
     assert sliding_window(MistralConfig(sliding_window=4096)) == 4096
     assert sliding_window(Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    # Qwen2 slides only from layer max_window_layers on (the torch engine refused it with none).
+    qwen = dict(sliding_window=16, use_sliding_window=True, num_hidden_layers=4)
+    assert sliding_window(Qwen2Config(**qwen, max_window_layers=4)) is None
+    assert sliding_window(Qwen2Config(**qwen, max_window_layers=2)) == 16
     assert sliding_window(Gemma3Config(text_config={"sliding_window": 512})) == 512
     assert sliding_window(Llama4TextConfig(attention_chunk_size=64)) == 64
     assert sliding_window(GPTNeoConfig(window_size=256, attention_types=[[["global", "local"], 1]], num_layers=2)) == 0
