@@ -129,6 +129,15 @@ class ClusterConfig(Section):
                              "(Ray Client)")
         return v
 
+    @model_validator(mode="after")
+    def _workers_per_node_without_gpus_only(self) -> "ClusterConfig":
+        # Left unread beside GPUs: workers_per_node=4 with gpus_per_node=8 ran 8 workers per node.
+        if self.gpus_per_node and self.workers_per_node not in (1, self.gpus_per_node):
+            raise ValueError(f"workers_per_node={self.workers_per_node} with gpus_per_node={self.gpus_per_node}: with "
+                             "GPUs each node runs one worker per GPU (workers_per_node is for CPU machines); set "
+                             "gpus_per_node to the workers you want per node, or unset workers_per_node")
+        return self
+
     @property
     def num_workers(self) -> int:
         """Workers (placement bundles): one per GPU, or workers_per_node per node without GPUs."""

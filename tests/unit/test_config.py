@@ -653,6 +653,14 @@ def test_the_batch_must_split_over_the_policy_workers_at_load():
                               "policy.dtensor_cfg.tensor_parallel_size=2"])
 
 
+def test_workers_per_node_beside_gpus_is_refused():
+    # Left unread: workers_per_node=4 with gpus_per_node=8 ran 8 workers per node without a word.
+    with pytest.raises(ConfigError, match=r"workers_per_node=4 with gpus_per_node=8: with GPUs each node runs one "
+                                          r"worker per GPU"):
+        load_config("grpo", None, ["cluster.gpus_per_node=8", "cluster.workers_per_node=4"])
+    assert load_config("grpo", None, ["cluster.gpus_per_node=2", "cluster.workers_per_node=2"]).cluster.num_workers == 2
+
+
 def test_a_scheduler_chain_that_cannot_be_built_fails_at_load():
     # It failed in the policy workers, after Ray started and the model loaded.
     cases = {
