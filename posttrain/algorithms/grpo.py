@@ -86,6 +86,9 @@ class GRPOSetup:
     logger: Logger
     checkpointer: CheckpointManager
     start_step: int
+    # The resumed checkpoint's consumed_samples and the prompts served by then (the loader's
+    # count): samples since are counted with this run's grpo.num_generations_per_prompt.
+    consumed_at_start: tuple[int, int] = (0, 0)
 
     def shutdown(self) -> None:
         for env in self.envs.values():
@@ -233,7 +236,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
-        checkpointer.check_complete(latest, g.max_num_steps, "grpo.max_num_steps", final_export_dir(cfg),
+        # The epochs left count too: a rerun of a run whose prompts ran out started its workers,
+        # exported again and printed an empty result.
+        last_step = loader.last_step(g.max_num_steps, int(checkpointer.load_info(latest)["step"]))
+        checkpointer.check_complete(latest, last_step, "grpo.max_num_steps", final_export_dir(cfg),
                                     Path(cfg.logger.log_dir))
     warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
 
@@ -272,13 +278,16 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
             env.wait_ready()
         freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
 
-        start_step = 0
+        start_step, consumed_at_start = 0, (0, 0)
         if latest is not None:
             info = checkpointer.load_info(latest)
+            consumed_at_start = (int(info.get("consumed_samples", 0)), loader.served)
             policy.load_checkpoint(latest / "policy")
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
-            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), g.max_num_steps))
+            last_step = loader.last_step(g.max_num_steps, start_step)
+            ends = f"grpo.max_num_epochs={loader.max_epochs}" if last_step < g.max_num_steps else None
+            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), last_step, ends_by=ends))
         elif warmup is not None:
             _warmup_sft(cfg, policy, tokenizer, warmup, logger, checkpointer)
         if generation is not policy and (latest is not None or g.warmup_sft_steps):
@@ -289,7 +298,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     return GRPOSetup(
         cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, clusters=clusters, policy=policy, generation=generation,
         envs=envs, loader=loader, val_rows=val_rows[: g.max_val_samples], loss_fn=ClippedPGLoss(cfg.loss_fn),
-        logger=logger, checkpointer=checkpointer, start_step=start_step,
+        logger=logger, checkpointer=checkpointer, start_step=start_step, consumed_at_start=consumed_at_start,
     )
 
 
@@ -977,14 +986,15 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             last.saved_step = step
         logger.update_progress(step, {"reward": metrics["reward"], "loss": metrics["loss"],
                                       **({"val_acc": val_metrics["accuracy"]} if "accuracy" in val_metrics else {})})
-        train_metrics = metrics
         if stop:
             logger.console(stop_message(stop, step, cfg.checkpointing))
             break
 
     logger.plot()
-    return {**{f"train/{k}": v for k, v in train_metrics.items()}, **{f"val/{k}": v for k, v in val_metrics.items()},
-            **({"val/step": val_step} if val_metrics else {})}
+    # The last complete step's metrics as logged (timing/ included), as the other algorithms' runs
+    # return theirs and a complete run started again returns them from its metrics.jsonl.
+    return {"step": step, **{f"train/{k}": v for k, v in last.train.items()},
+            **{f"val/{k}": v for k, v in val_metrics.items()}, **({"val/step": val_step} if val_metrics else {})}
 
 
 # grpo.prev_logprobs_from_generation: how far mean exp(|generation - policy|) may be from 1 for
@@ -1020,8 +1030,11 @@ def _save(s: GRPOSetup, step: int, train: dict[str, float], val: dict[str, float
     loader_state = loader_state or s.loader.state_dict()
     info = {
         "epoch": loader_state["epoch"],
-        # Samples generated from the prompts drawn so far (dynamic sampling draws more than it trains).
-        "consumed_samples": loader_state["served"] * s.cfg.grpo.num_generations_per_prompt,
+        # Samples generated from the prompts drawn so far (dynamic sampling draws more than it trains);
+        # since a resume, at this run's samples per prompt (all prompts at it: a resume with fewer
+        # counted back).
+        "consumed_samples": s.consumed_at_start[0]
+        + (loader_state["served"] - s.consumed_at_start[1]) * s.cfg.grpo.num_generations_per_prompt,
         "dataloader": loader_state,
     }
     with s.logger.timed_save(step):

@@ -77,13 +77,6 @@ def pair_policy_config(policy: PolicyConfig) -> PolicyConfig:
     })
 
 
-def total_steps(max_num_steps: int, start_step: int, loader: RowLoader) -> int:
-    """The step the run ends at: `max_num_steps`, or earlier when the loader's epochs run out
-    first (counted from its position: `loader.batches_left`)."""
-    left = loader.batches_left
-    return max_num_steps if left is None else min(max_num_steps, start_step + left)
-
-
 def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
@@ -112,7 +105,7 @@ def start_run(
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, max_steps, f"{algorithm}.max_num_steps")
         step = int(checkpointer.load_info(latest)["step"])
-        checkpointer.check_complete(latest, total_steps(max_steps, step, loader), f"{algorithm}.max_num_steps",
+        checkpointer.check_complete(latest, loader.last_step(max_steps, step), f"{algorithm}.max_num_steps",
                                     final_export_dir(cfg), run_dir)
     logger = training_logger(cfg, checkpointer, latest)
     try:
@@ -178,7 +171,7 @@ def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loade
     run.policy.load_checkpoint(latest / "policy")
     restore_rng_state(run.checkpointer.load_rng_state(latest))
     # The run's last step counts the epochs left too: a rerun of a run whose data ran out trains nothing.
-    last = total_steps(max_steps, step, loader)
+    last = loader.last_step(max_steps, step)
     algorithm = run.checkpointer.signature.get("algorithm", "")
     ends = f"{algorithm}.max_num_epochs={loader.max_epochs}" if last < max_steps else None
     run.logger.console(run.checkpointer.resume_message(latest, step, to_yaml(cfg), last, ends_by=ends))
@@ -370,7 +363,7 @@ def offline_setup(
         raise
     return OfflineSetup(cfg=cfg, run=run, tokenizer=data.tokenizer, loader=data.loader,
                         val_batches=data.val_batches, loss_fn=loss_fn, start_step=start_step,
-                        total_steps=total_steps(algo.max_num_steps, start_step, data.loader))
+                        total_steps=data.loader.last_step(algo.max_num_steps, start_step))
 
 
 def offline_train(

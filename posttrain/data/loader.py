@@ -68,6 +68,13 @@ class RowLoader:
     def batches_per_epoch(self) -> int:
         return len(self.rows) // self.batch_size
 
+    def last_step(self, max_num_steps: int, step: int) -> int:
+        """The step a run at `step` ends at: `max_num_steps`, or earlier when the epochs run out
+        first (`batches_left` from here, one per step; GRPO's dynamic sampling may take more, so
+        then an upper bound, exact when no batch is left)."""
+        left = self.batches_left
+        return max_num_steps if left is None else min(max_num_steps, step + left)
+
     @property
     def batches_left(self) -> int | None:
         """Batches `next` yields from the current position before `max_epochs` ends (None: endless).

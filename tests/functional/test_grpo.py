@@ -226,6 +226,9 @@ def test_resume_continues_from_the_latest_checkpoint_as_the_run_would_have(arith
     run(load_config("grpo", QUICKSTART, _arithmetic(tmp, tmp, "grpo.max_num_steps=4")))
     steps = [r["step"] for r in records(tmp / "logs", "train")]
     assert steps == [1, 2, 3, 4]  # step 4 only: nothing was redone
+    # Counted on from the checkpoint's (with this run's samples per prompt since: all prompts at
+    # the current count made a resume with fewer generations count backwards).
+    assert json.loads((tmp / "ckpt" / "step_4" / "training_info.json").read_text())["consumed_samples"] == 4 * 16
     # Resumed from step 2 (as if the run had died after it), step 3 is the uninterrupted run's:
     # the same prompts, samples (the generation seed follows the weights version), rewards, loss.
     # Killed right after its checkpoint of step 3 (SIGKILL, the OOM killer), the run has logged
@@ -295,7 +298,8 @@ def test_a_validation_whose_environment_failed_on_every_sample_records_no_reward
 
 
 @pytest.mark.parametrize("val_at_end", [False, True])
-def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_session, tmp_path, val_at_end):
+def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_session, tmp_path, val_at_end,
+                                                                          monkeypatch):
     # 8 prompts, 4 per step, one epoch: the data ends after step 2, before max_num_steps and before
     # the first periodic save (step 10); the run's last step is validated (grpo.val_at_end; it was
     # not: the final model went unmeasured and its checkpoint unranked by val:accuracy) and
@@ -321,6 +325,13 @@ def test_a_run_that_runs_out_of_prompts_validates_and_saves_its_last_step(ray_se
         assert result["val/step"] == 2  # the step its val/ metrics are of (a stop skips the one due)
     else:
         assert info["metric_value"] is None and "val/accuracy" not in result
+    # Started again, it is complete (its prompts ran out): it started its workers, exported again
+    # and returned an empty result.
+    from posttrain.algorithms import grpo
+
+    monkeypatch.setattr(grpo, "reserve", None)  # any start of workers fails
+    again = run(cfg)
+    assert again.pop("already_complete") is True and again == result
 
 
 def test_multi_turn_sliding_puzzle(ray_session, tmp_path):
