@@ -482,8 +482,9 @@ def run_rollouts(
                     c.env_errors += 1
                 elif earlier_error:
                     c.metadata[ENV_ERROR_KEY] = earlier_error  # the sample's log keeps it
-                if c.env_errors:  # a failed verification scores the sample 0, earlier turns' rewards too
-                    c.reward = 0.0
+                if c.env_errors:  # a failed verification scores the sample 0, earlier turns' rewards too,
+                    # and has no verdict: a NaN reward with env_correct=True counted in accuracy and pass@k
+                    c.reward, c.correct = 0.0, None
                 if ret.tool_calls is not None and ret.tool_calls[k]:
                     c.messages[-1]["tool_calls"] = ret.tool_calls[k]  # what the tool results answer
                 if terminateds[k] or last_turn or c.truncated:

@@ -1003,6 +1003,25 @@ def test_the_verdict_of_a_conversation_is_its_last_steps(tok):
     assert out.conversations[0].correct is True and out.metrics["accuracy"] == 1.0
 
 
+def test_a_sample_whose_environment_failed_has_no_verdict(tok):
+    # A NaN reward (the environment group's error, scored 0) with env_correct=True counted as correct
+    # in accuracy and pass@k, though the sample was dropped from the loss as an environment error.
+    from posttrain.environments.interfaces import CORRECT_KEY, ENV_ERROR_KEY, EnvironmentReturn
+
+    class FailsTheFirst:
+        def step(self, message_logs, metadata):
+            n = len(message_logs)
+            return EnvironmentReturn(
+                observations=[None] * n, next_stop_strings=[None] * n, rewards=[0.0, 1.0], terminateds=[True] * n,
+                metadata=[{CORRECT_KEY: True, ENV_ERROR_KEY: "environment 't' returned reward nan"},
+                          {CORRECT_KEY: False}], answers=[None] * n)
+
+    rows = [{"messages": [{"role": "user", "content": "q"}], "task_name": "t"}] * 2
+    out = run_rollouts(_EchoGeneration(tok), rows, {"t": FailsTheFirst()}, tok, max_turns=1, max_seq_len=512)
+    assert [(c.correct, c.env_errors) for c in out.conversations] == [(None, 1), (False, 0)]
+    assert out.metrics["accuracy"] == 0.0
+
+
 def test_tool_results_under_a_template_that_wants_a_user_message(qwen3_template, qwen3_2507_like_template):
     # Qwen3's template re-renders the calling turn once its result follows, so the result was rendered
     # on its own: a conversation without a user message, which the templates of Qwen3-2507 and
