@@ -25,12 +25,13 @@ from typing import Any
 
 from posttrain.config import RunStopped
 from posttrain.environments.interfaces import (
-    CORRECT_KEY,
     ENV_ERROR_KEY,
     ROLLOUT_KEY,
     EnvironmentInterface,
     EnvironmentReturn,
-    is_verdict,
+    is_message,
+    metadata_problem,
+    stop_strings_ok,
 )
 from posttrain.runtime import STOP_REQUESTED, freeze_setup_objects
 from posttrain.schemas import EnvWorkerConfig
@@ -78,29 +79,19 @@ def _contract_violation(ret: Any, n: int) -> str | None:
     for field, kind in (("rewards", float), ("terminateds", bool)):
         if (problem := _not_values(field, getattr(ret, field), n, kind)) is not None:
             return problem
-    # The rollout reads each sample's metadata as a dict (None keeps what it had).
     for i, m in enumerate(ret.metadata):
-        if m is not None and not isinstance(m, dict):
-            return f"metadata[{i}] = {m!r:.80}, not a dict"
-        # A reward in the verdict's place would count partial credit as correct again.
-        if m is not None and not is_verdict(m.get(CORRECT_KEY)):
-            return f"metadata[{i}][{CORRECT_KEY!r}] = {m[CORRECT_KEY]!r:.80}, not True, False or None"
-    # Checked by the generation backend at the next turn, where a wrong one stopped the run.
+        if (problem := metadata_problem(m)) is not None:
+            return f"metadata[{i}]{problem}"
     for i, stops in enumerate(ret.next_stop_strings):
-        if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+        if not stop_strings_ok(stops):
             return f"next_stop_strings[{i}] = {stops!r:.80}, not None or a list of non-empty strings"
     terminateds = _values(ret.terminateds, bool)
     for i, obs in enumerate(ret.observations):  # an ended conversation's observation is never shown
-        if not terminateds[i] and not (_is_message(obs) or (
-                isinstance(obs, list) and obs and all(map(_is_message, obs)))):
+        if not terminateds[i] and not (is_message(obs) or (
+                isinstance(obs, list) and obs and all(map(is_message, obs)))):
             return (f"observations[{i}] = {obs!r:.80}, not a message {{'role': ..., 'content': ...}} or a list of "
                     "them, for a conversation that goes on")
     return None
-
-
-def _is_message(obs: Any) -> bool:
-    # Any content: a chat template may take a list of parts, or a dict it writes as JSON.
-    return isinstance(obs, dict) and "content" in obs
 
 
 def _not_values(field: str, value: Any, n: int, kind: type) -> str | None:

@@ -259,6 +259,19 @@ class PerSampleEnvironment(EnvironmentInterface):
                                 f"({type(result.terminated).__name__}), not a bool")
             if problem := _observation_problem(result.observation):
                 raise TypeError(f"step_one returned {problem}")
+            # The rest of the return's contract, checked per sample too: found in the slice's return
+            # (actors._contract_violation), one sample's None observation scored the whole slice 0.
+            obs = result.observation
+            shown = obs if isinstance(obs, (list, tuple)) else [] if obs is None else [obs]
+            if not result.terminated and not (shown and all(isinstance(o, str) or is_message(o) for o in shown)):
+                raise TypeError(f"step_one returned observation {obs!r:.80} for a conversation that goes on "
+                                "(terminated=False): give a text, a message {'role': ..., 'content': ...} or a list of "
+                                "them")
+            if problem := metadata_problem(result.metadata):
+                raise TypeError(f"step_one returned metadata{problem}")
+            if not stop_strings_ok(result.next_stop_strings):
+                raise TypeError(f"step_one returned next_stop_strings {result.next_stop_strings!r:.80}, not None or a "
+                                "list of non-empty strings")
             return result, None
         except USER_CODE_ERRORS as e:  # noqa: BLE001 - any verifier failure scores 0 and is recorded
             return StepResult("Environment error.", 0.0, True, {**meta, ENV_ERROR_KEY: _error_text(e)}), e
@@ -306,6 +319,31 @@ def is_verdict(value: Any) -> bool:
     """Whether `value` is a verdict `CORRECT_KEY` may hold: None, a bool, or a NumPy or torch
     bool scalar (what `np.all(...)` gives). A number is not one: 1.0 or 0.5 is a reward."""
     return value is None or _is_bool(value)
+
+
+def metadata_problem(metadata: Any) -> str | None:
+    """What keeps `metadata` from being a sample's returned metadata (None keeps what it had):
+    the rollout reads it as a dict, and a reward in the verdict's place would count partial
+    credit as correct. Worded to follow its name ("metadata[3]" + this)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        return f" = {metadata!r:.80}, not a dict"
+    if not is_verdict(metadata.get(CORRECT_KEY)):
+        return f"[{CORRECT_KEY!r}] = {metadata[CORRECT_KEY]!r:.80}, not True, False or None"
+    return None
+
+
+def stop_strings_ok(stops: Any) -> bool:
+    """Whether `stops` is a sample's next_stop_strings: None or a list of non-empty strings (the
+    generation backend refused others at the next turn, stopping the run)."""
+    return stops is None or (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops))
+
+
+def is_message(obs: Any) -> bool:
+    """An observation message. Any content: a chat template may take a list of parts, or a dict
+    it writes as JSON."""
+    return isinstance(obs, dict) and "content" in obs
 
 
 def verdict(metadata: dict[str, Any] | None) -> bool | None:

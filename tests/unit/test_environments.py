@@ -780,6 +780,38 @@ def test_a_raising_step_is_named_in_one_line_and_a_wrong_step_one_return_fails_i
     assert ret.metadata[1]["env_error"] == "TypeError: step_one returned None, not a StepResult"
 
 
+def test_a_step_one_return_that_breaks_the_contract_fails_its_sample_only():
+    # Found in the slice's return, one sample's None observation for a conversation that goes on
+    # (read as [], and named so) scored every sample of the slice 0; so did a message without
+    # content, an empty stop string and metadata that is not a dict.
+    from posttrain.environments.actors import _contract_violation
+
+    wrong = {
+        "none": StepResult(None, 1.0, False, {}),
+        "empty": StepResult([], 1.0, False, {}),
+        "no content": StepResult({"role": "user"}, 1.0, False, {}),
+        "stops": StepResult("go on", 1.0, False, {}, next_stop_strings=[""]),
+        "metadata": StepResult("", 1.0, True, ["done"]),
+        "verdict": StepResult("", 1.0, True, {"env_correct": 0.5}),
+    }
+
+    class Strict(PerSampleEnvironment):
+        def step_one(self, messages, metadata):
+            return wrong.get(messages[-1]["content"], StepResult(None, 1.0, True, {"env_correct": True}))
+
+    names = [*wrong, "ok"]
+    ret = Strict().step([convo(n) for n in names], [{}] * len(names))
+    assert _contract_violation(ret, len(names)) is None
+    assert ret.rewards == [0.0] * len(wrong) + [1.0] and ret.metadata[-1] == {"env_correct": True}
+    errors = [m["env_error"] for m in ret.metadata[:-1]]
+    assert errors[0].startswith("TypeError: step_one returned observation None for a conversation that goes on")
+    assert errors[1].startswith("TypeError: step_one returned observation [] for a conversation that goes on")
+    assert errors[2].startswith("TypeError: step_one returned observation {'role': 'user'} for a conversation")
+    assert errors[3] == "TypeError: step_one returned next_stop_strings [''], not None or a list of non-empty strings"
+    assert errors[4] == "TypeError: step_one returned metadata = ['done'], not a dict"
+    assert errors[5] == "TypeError: step_one returned metadata['env_correct'] = 0.5, not True, False or None"
+
+
 def test_the_failed_step_streak_counts_scored_samples_not_continued_ones(ray_session):
     # A reward function that raises on every answer after a tool call: the tool turns succeed,
     # and ended the streak, so max_failed_steps never stopped a run that trained on nothing.
