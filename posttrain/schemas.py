@@ -695,9 +695,14 @@ class PolicyConfig(Section):
         d = self.dtensor_cfg
         if not d.enabled:
             raise ValueError("policy.dtensor_cfg.enabled=false: FSDP2/DTensor is the only training backend")
-        if d.context_parallel_size != 1 or d.custom_parallel_plan:
-            raise ValueError("policy.dtensor_cfg: context parallelism and custom_parallel_plan are not supported yet "
-                             "(keep context_parallel_size=1, custom_parallel_plan=null)")
+        # Named by its whole key, so that the error says where it was set (not the section's line).
+        if d.context_parallel_size != 1:
+            raise ValueError(f"policy.dtensor_cfg.context_parallel_size={d.context_parallel_size}: context parallelism "
+                             "is not supported yet; keep it 1 (policy.dtensor_cfg.sequence_parallel, with "
+                             "tensor_parallel_size > 1, splits long sequences' activations)")
+        if d.custom_parallel_plan:
+            raise ValueError("policy.dtensor_cfg.custom_parallel_plan is not supported yet; keep it null (the model's "
+                             "own plan, posttrain/policy/tensor_parallel.py)")
         if d.sequence_parallel:
             tp = d.tensor_parallel_size
             if tp == 1:

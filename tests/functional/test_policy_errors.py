@@ -161,8 +161,11 @@ def test_colocated_generation_checks_its_copy_of_the_weights_beside_the_training
 def test_unsupported_or_incomplete_config_fails_at_load():
     with pytest.raises(ValueError, match="set policy.sequence_packing.logprob_mb_tokens"):
         PolicyConfig(sequence_packing={"enabled": True, "train_mb_tokens": 64})
-    with pytest.raises(ValueError, match="context parallelism"):
+    # Each named by its whole key, which the config loader then locates (it gave the section's line).
+    with pytest.raises(ValueError, match="policy.dtensor_cfg.context_parallel_size=2: context parallelism"):
         PolicyConfig(dtensor_cfg={"context_parallel_size": 2})
+    with pytest.raises(ValueError, match="policy.dtensor_cfg.custom_parallel_plan is not supported yet"):
+        PolicyConfig(dtensor_cfg={"custom_parallel_plan": "plans.py:plan"})
     with pytest.raises(ValueError, match="set policy.dtensor_cfg.tensor_parallel_size > 1"):
         PolicyConfig(dtensor_cfg={"sequence_parallel": True})
     with pytest.raises(ValueError, match=r"policy.make_sequence_length_divisible_by=3 must be a multiple of "
