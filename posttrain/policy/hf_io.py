@@ -598,10 +598,14 @@ def _refuse_unless_fits(model_name: str, est: MemoryEstimate, names: Sequence[st
 # reward model environment with add_generation_prompt=false reads it by, and failed every sample.
 _EOS_AFTER = ("{% if not add_generation_prompt and messages and messages[-1]['role'] == 'assistant' %}"
               "{{ eos_token }}{% endif %}")
-# What a template may put BOS in front with: a SentencePiece tokenizer (Llama 2's, stories260K's)
-# reads text after a special token without its leading-space marker, so "<s>Once" is not BOS +
-# the ids of "Once"; "<s> Once" is.
-_BOS_FRONTS = ("{{ bos_token }}", "{{ bos_token }} ")
+# What a template may put BOS in front with, as (before, after) the template: a SentencePiece
+# tokenizer (Llama 2's, stories260K's) reads text after a special token without its leading-space
+# marker, so "<s>Once" is not BOS + the ids of "Once"; "<s> Once" is. A template whose text starts
+# with a space for one prompt and not for another (SQuAD's "Context: ..." and " Question: ...")
+# gets the space only where its text lacks one: rendered into a variable first.
+_BOS_FRONTS = (("{{ bos_token }}", ""), ("{{ bos_token }} ", ""),
+               ("{% set posttrain_text %}",
+                "{% endset %}{{ bos_token }}{% if not posttrain_text.startswith(' ') %} {% endif %}{{ posttrain_text }}"))
 # The conversation an exported template is checked on, and a prompt with a system turn (a template
 # may start it otherwise: SQuAD's "Context: ..." against " Question: ...").
 _PROBE_PROMPT = [{"role": "user", "content": "Once upon a time"}]
@@ -638,8 +642,8 @@ def _with_special_tokens(tokenizer, template: str, bos: bool, eos: bool) -> str:
         trained_prompt = render_prompt(tokenizer, _PROBE_PROMPT, True)
         missing = []
         if bos and tokenizer.bos_token and not text.startswith(tokenizer.bos_token):
-            fits = [front + template for front in _BOS_FRONTS
-                    if ids(front + template, _PROBE_PROMPT, True) == trained_prompt]
+            fits = [before + template + after for before, after in _BOS_FRONTS
+                    if ids(before + template + after, _PROBE_PROMPT, True) == trained_prompt]
             with_system = [t for t in fits if _same_ids(lambda: ids(t, _PROBE_SYSTEM, True),
                                                         lambda: render_prompt(tokenizer, _PROBE_SYSTEM, True))]
             template = (with_system or fits or [template])[0]
@@ -666,8 +670,8 @@ def written_by_export(loaded: Any, template: str) -> bool:
     """Whether `loaded`, a model folder's chat template, is `template` as an export writes it
     (`exported_chat_template`: a BOS in front, an EOS after, or neither): a run of the same
     config on its own export replaces it with the one it came from, and no warning is due."""
-    return isinstance(loaded, str) and any(loaded == front + template + end for front in ("", *_BOS_FRONTS)
-                                           for end in ("", _EOS_AFTER))
+    return isinstance(loaded, str) and any(loaded == before + template + after + end
+                                           for before, after in (("", ""), *_BOS_FRONTS) for end in ("", _EOS_AFTER))
 
 
 def _same_ids(exported: Callable[[], list[int]], trained: Callable[[], list[int]]) -> bool:

@@ -75,9 +75,9 @@ def test_a_sentencepiece_tokenizer_gets_its_bos_before_a_space(stories260k, capl
     odd.bos_token = "Tim"  # a "BOS" whose text reads as other ids
     assert exported_chat_template(odd, bos=True, eos=False) == odd.chat_template
     assert "does not write the BOS that data.add_bos put in front" in caplog.text
-    # One whose turns start otherwise (SQuAD's "Context: ..." and " Question: ..."): no front gives
-    # both prompts their training ids; the one of a user's prompt is taken, and the warning says
-    # which prompts differ (it was silent).
+    # One whose turns start otherwise (SQuAD's "Context: ..." and " Question: ..."): neither front
+    # gives both prompts their training ids (the one of a user's prompt was taken, and the warning
+    # named a missing BOS where a space was missing); the space goes where the text has none.
     caplog.clear()
     squad = AutoTokenizer.from_pretrained(stories260k)
     squad.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ 'Context: ' + m['content'] }}"
@@ -87,9 +87,9 @@ def test_a_sentencepiece_tokenizer_gets_its_bos_before_a_space(stories260k, capl
     exported.chat_template = exported_chat_template(squad, bos=True, eos=False)
     assert _rendered(exported, PROMPT, add_generation_prompt=True) == render_prompt(squad, PROMPT, True)
     system = [{"role": "system", "content": "The sky is blue."}, *PROMPT]
-    assert _rendered(exported, system, add_generation_prompt=True) != render_prompt(squad, system, True)
-    assert ("does not write the BOS that data.add_bos put in front of a prompt that starts with a system turn"
-            in caplog.text)
+    assert _rendered(exported, system, add_generation_prompt=True) == render_prompt(squad, system, True)
+    assert "does not write" not in caplog.text
+    assert exported_chat_template(exported, bos=True, eos=False) == exported.chat_template  # exported as it is
 
 
 def test_an_export_of_a_tokenizer_without_a_pad_token_holds_the_eos_it_padded_with(tmp_path):
