@@ -263,8 +263,8 @@ class Logger:
         `console=False`: every backend but the console's (the caller prints its own line).
 
         Non-scalar values (strings, lists, multi-element tensors) are skipped. NaN and inf
-        are logged as they are (hiding them would hide the bug), and counted in
-        `nonfinite_counts` with a warning naming the keys.
+        are logged as they are (hiding them would hide the bug; MLflow's store keeps +-inf as
+        +-1.8e308), and counted in `nonfinite_counts` with a warning naming the keys.
         """
         scalars = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
         if (prefix, step) in self._kept:
