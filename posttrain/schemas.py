@@ -2010,6 +2010,14 @@ class GRPOMasterConfig(_MasterBase):
         if rs.overlong_buffer_length > length:
             raise ValueError(f"grpo.reward_shaping.overlong_buffer_length ({rs.overlong_buffer_length}) exceeds the "
                              f"response length that gets the full penalty ({length}, {key}): lower it")
+        start, most = length - rs.overlong_buffer_length, self.policy.generation.max_new_tokens
+        if self.grpo.max_rollout_turns == 1 and most <= start:
+            # The penalty starts past `start` tokens, which no one-turn response reaches: it ran at 0
+            # at every step without a word.
+            raise ValueError(f"grpo.reward_shaping.enabled=true never penalizes: its penalty starts past "
+                             f"grpo.reward_shaping.max_response_length - overlong_buffer_length = {start} tokens, and "
+                             f"a response has at most policy.generation.max_new_tokens={most}; set max_response_length "
+                             "to max_new_tokens (or null: the same), or lower it")
         return self
 
     @model_validator(mode="after")

@@ -1247,6 +1247,14 @@ def test_reward_shaping_and_scaling_the_first_step_would_refuse_fail_at_load():
         load_config("grpo", None, [*shaping, "grpo.reward_shaping.max_response_length=100"])
     cfg = load_config("grpo", None, [*shaping, "grpo.reward_shaping.overlong_buffer_length=64"])
     assert cfg.grpo.reward_shaping.overlong_buffer_length == 64
+    # One whose penalty starts past the longest one-turn response never penalizes (it ran at 0 silently).
+    with pytest.raises(ConfigError, match=r"never penalizes: its penalty starts past grpo.reward_shaping."
+                                          r"max_response_length - overlong_buffer_length = 97 tokens, and a response "
+                                          r"has at most policy.generation.max_new_tokens=64"):
+        load_config("grpo", None, [*shaping, "grpo.reward_shaping.max_response_length=100",
+                                   "grpo.reward_shaping.overlong_buffer_length=3"])
+    load_config("grpo", None, [*shaping, "grpo.reward_shaping.max_response_length=66",
+                               "grpo.reward_shaping.overlong_buffer_length=3"])  # 64 tokens are past 63
     assert load_config("grpo", None, ["policy.generation.max_new_tokens=64"]).grpo.reward_shaping.enabled is False
     # Multi-turn: the response length counts every turn's tokens; max_new_tokens bounds one (a game of
     # three 30-token turns took the full penalty of a 64-token limit it never reached).
