@@ -90,12 +90,13 @@ def test_checkpoint_and_resume(ray_session, shared_data, tmp_path, monkeypatch, 
     assert [r["step"] for r in records if r["prefix"] == "train/timing" and r["checkpoint"] > 0] == [3]
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["dataloader"]["index"] == 3 * 8
-    # Other training rows (a larger validation split) cannot continue at the saved position: the
-    # resume fails before any worker starts, naming the config change.
+    # Other training rows (fewer of them) cannot continue at the saved position: the resume fails
+    # before any worker starts, naming the config change. (A larger validation split changes
+    # nothing here: a run that never validates holds no rows out.)
     monkeypatch.setattr(offline, "RayVirtualCluster", lambda *a, **k: pytest.fail("the cluster was started"))
-    with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 250 rows but the dataset now "
-                                         r"has 231.*data.val_split_fraction: 0.05 -> 0.1.*start_fresh"):
-        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.val_split_fraction=0.1", *overrides))
+    with pytest.raises(InputError, match=r"step_3: the checkpoint's data loader saw 269 rows but the dataset now "
+                                         r"has 80.*data.max_train_samples: null -> 300.*start_fresh"):
+        sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=4", "data.max_train_samples=300", *overrides))
     # A step count lowered below the checkpoint's would train nothing: it fails the same way.
     with pytest.raises(ConfigError, match=r"step_3 is at step 3, past sft.max_num_steps=2"):
         sft.run(_cfg(tmp_path, "embedded:tiny", "sft.max_num_steps=2", *overrides))
