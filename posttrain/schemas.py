@@ -1216,7 +1216,7 @@ class RewardModelEnvConfig(Section):
     batch_size: int = Field(16, ge=1)  # conversations scored per forward pass
     max_length: int = Field(4096, ge=2)  # longer conversations score 0 (recorded as errors)
     # As data.add_bos of the RM's training run; null: as its export records it (posttrain rm
-    # writes it into config.json), else true.
+    # writes it into config.json, an adapter export into posttrain_row_tokens.json), else true.
     add_bos: bool | None = None
     # As data.add_eos of the RM's training run; null: as its export records it, else true.
     add_eos: bool | None = None

@@ -49,7 +49,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.eval()
-        recorded = getattr(self.model.config, "posttrain_row_tokens", None) or {}
+        from posttrain.policy.hf_io import recorded_row_tokens
+
+        recorded = recorded_row_tokens(path, self.model.config)
         self.add_bos, self.add_eos = (given if given is not None else bool(recorded.get(key, True))
                                       for key, given in (("add_bos", self.cfg.add_bos), ("add_eos", self.cfg.add_eos)))
         # A conversation longer than the RM's positions would index past a learned position

@@ -43,8 +43,8 @@ from posttrain.generation.sampling import version_seed
 from posttrain.losses.utils import valid_counts
 from posttrain.policy.blockwise_attention import (PrefixBlocks, base_implementation, enable_blockwise, is_blockwise,
                                                  sliding_window)
-from posttrain.policy.hf_io import (DTYPES, attention_kernel, cast_parameters, check_fits_in_memory,
-                                   check_generation_fits, disable_dropout, exported_chat_template,
+from posttrain.policy.hf_io import (DTYPES, ROW_TOKENS_FILE, attention_kernel, cast_parameters,
+                                   check_fits_in_memory, check_generation_fits, disable_dropout, exported_chat_template,
                                    load_generation_config, load_model_configs, load_pretrained, mlp_size, model_class,
                                    resolve_tokenizer_path, save_hf)
 from posttrain.policy.lora import maybe_apply_lora, merge_lora_state_dict, save_adapter
@@ -902,6 +902,8 @@ class FSDPPolicyWorker:
                     save_adapter(sd, self.cfg.lora, tmp, base_model_name_or_path=self.cfg.model_name,
                                  model=self.model)
                     self._save_tokenizer(tmp)
+                    if (row_tokens := getattr(self.hf_config, "posttrain_row_tokens", None)) is not None:
+                        (tmp / ROW_TOKENS_FILE).write_text(json.dumps(row_tokens), encoding="utf-8")
         else:
             sd = self._base_weights(all_ranks=False)
             if self.rank == 0:

@@ -95,6 +95,22 @@ _POSITION_TABLES = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt",
                               "roberta", "bert-generation"})
 
 
+# Where a reward model's adapter export (policy.lora.export=adapter) records the BOS/EOS its rows
+# had, which a merged export records in config.json (`posttrain_row_tokens`): an adapter folder
+# has no config.json of its own, and the reward_model environment scored it with both.
+ROW_TOKENS_FILE = "posttrain_row_tokens.json"
+
+
+def recorded_row_tokens(path: str | os.PathLike, config) -> dict[str, bool]:
+    """The {"add_bos", "add_eos"} a reward model at `path` (with `config` loaded) was trained with,
+    as its export recorded them; {} where none did."""
+    recorded = getattr(config, "posttrain_row_tokens", None)
+    if recorded:
+        return dict(recorded)
+    file = Path(path) / ROW_TOKENS_FILE
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+
 def check_positions(config, key: str, model_name: str, length: int) -> None:
     """Refuse a model with a table of positions shorter than `length` (policy.max_total_sequence_length)."""
     positions = getattr(config, "max_position_embeddings", None)

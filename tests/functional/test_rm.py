@@ -165,3 +165,27 @@ def test_scores_of_padded_rows_match_the_exported_model_on_each_row_alone(ray_se
         assert (env.add_bos, env.add_eos) == expected
     # Positions through the model: the padded rows, not 0 (the score forward went uncounted).
     assert trained["train/model_tokens"] >= trained["train/num_tokens"] > 0
+
+
+def test_an_adapter_export_records_the_rows_bos_and_eos_for_the_reward_model_environment(ray_session, tmp_path):
+    # policy.lora.export=adapter writes no config.json: the environment found no record and scored an
+    # RM trained without the EOS with one (-2.96 against +0.97 on the same conversation, in an audit).
+    from posttrain.environments.reward_model import RewardModelEnvironment
+    from posttrain.policy.hf_io import ROW_TOKENS_FILE
+    from posttrain.schemas import EnvWorkerConfig
+
+    train = _write(tmp_path / "train.jsonl", _pairs(8, seed=0))
+    cfg = load_config("rm", None, [
+        "policy.model_name=embedded:tiny", "data.dataset_name=local", f"data.train_data_path={train}",
+        "data.add_eos=false", "policy.lora.enabled=true", "policy.lora.export=adapter",
+        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8",
+        "policy.max_total_sequence_length=32", "rm.max_num_steps=1", "rm.val_at_start=false", "rm.val_period=0",
+        "rm.val_at_end=false", f"logger.log_dir={tmp_path}/logs", "logger.console_enabled=false",
+        "checkpointing.enabled=false", "checkpointing.export_hf_at_end=true",
+    ])
+    rm.run(cfg)
+    adapter = tmp_path / "logs" / "hf"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    assert json.loads((adapter / ROW_TOKENS_FILE).read_text()) == {"add_bos": True, "add_eos": False}
+    env = RewardModelEnvironment(EnvWorkerConfig(cfg={"model_name": str(adapter)}))
+    assert (env.add_bos, env.add_eos) == (True, False)
