@@ -524,6 +524,12 @@ class CheckpointManager:
         `mark_run_start`, else this manager's creation), or None without a limit."""
         return None if self.save_deadline_s is None else self.save_deadline_s - (time.monotonic() - self._started)
 
+    def start_steps(self) -> None:
+        """The training loop's first step starts now: `stop_reason` after it measures that step too
+        (without this mark, the first projection took a step as 0 s long, and a limit less than one
+        step away let the run start a step it could not save before the limit)."""
+        self._last_check = time.monotonic()
+
     def stop_reason(self, last_step: bool = False) -> str | None:
         """Why the run must save a checkpoint and end cleanly after this step, or None: the process
         got SIGTERM or SIGINT (see `stop_on_signals`), or the job's time limit

@@ -756,6 +756,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
 
         pipeline.submit(task, prompts, version, loader_state)
 
+    s.checkpointer.start_steps()
     while step < g.max_num_steps:
         timer.reset()
         step_start = time.monotonic()

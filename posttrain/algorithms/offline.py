@@ -395,6 +395,7 @@ def offline_train(
         val_metrics = made_up_validation(s.run.checkpointer, logger, pending, s.start_step, validate)
         val_step = s.start_step
     step = s.start_step
+    s.run.checkpointer.start_steps()
     try:
         while step < s.total_steps:
             timer.reset()

@@ -444,6 +444,15 @@ def test_checkpoint_must_save_by_stops_when_the_next_step_would_not_end_in_time(
                           "left; the longest step so far, with its validation and save, took 30 s)")
     clock[0] += 30
     assert mgr.stop_reason() == "checkpointing.checkpoint_must_save_by=00:00:01:40 reached"
+    # The first step counts too, from the loop's start (it was taken as 0 s long: with 25 s of setup and
+    # a 60-s first step, 15 s left, the run started a second 60-s step and saved it after the limit).
+    clock[0] = 1000.0
+    mgr = _mgr(tmp_path, checkpoint_must_save_by="00:00:01:40")
+    clock[0] += 25
+    mgr.start_steps()
+    clock[0] += 60
+    assert mgr.stop_reason() == ("checkpointing.checkpoint_must_save_by=00:00:01:40 would pass during the next step "
+                                 "(15 s left; the longest step so far, with its validation and save, took 60 s)")
 
 
 def test_checkpoint_must_save_by_counts_from_the_commands_start_and_never_stops_the_last_step(tmp_path, monkeypatch):
