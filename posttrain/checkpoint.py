@@ -107,9 +107,14 @@ def missing_files(path: Path) -> list[str]:
                if not (path / name).is_file()]
     if INFO_FILE not in missing:
         try:
-            json.loads((path / INFO_FILE).read_text())
+            info = json.loads((path / INFO_FILE).read_text())
         except (ValueError, OSError):  # truncated or not UTF-8
             missing.append(f"{INFO_FILE} (unreadable)")
+        else:  # edited by hand: what the resume reads first (it failed as a KeyError's traceback)
+            if not isinstance(info, dict):
+                missing.append(f"{INFO_FILE} (not a JSON object)")
+            elif not isinstance(info.get("step"), int) or isinstance(info.get("step"), bool):
+                missing.append(f"{INFO_FILE} (without its 'step')")
     for name in (RNG_FILE, f"policy/{TRAINER_STATE_FILE}"):
         if name not in missing and not _is_zip(path / name):  # torch.save's format: its directory is at the end
             missing.append(f"{name} (unreadable)")
@@ -664,8 +669,13 @@ class CheckpointManager:
         """Set `loader` (a RowLoader) to the data position of the checkpoint at `path`: called
         before any worker starts, so that data that no longer matches the checkpoint's (another
         file, split or filter) fails at once, naming the config changes that may explain it."""
+        state = self.load_info(path).get("dataloader")
+        if not isinstance(state, dict):  # edited by hand: it failed as a KeyError's traceback
+            raise MissingInputError(f"checkpoint {path} lacks its data position ('dataloader' in {INFO_FILE}), so it "
+                                    f"cannot be resumed from: restore it, or move {path.name} out of {self.dir} to "
+                                    f"resume from the checkpoint before it. {_WAYS_OUT}")
         try:
-            loader.load_state_dict(self.load_info(path)["dataloader"])
+            loader.load_state_dict(state)
         except InputError as e:
             changes = self.config_changes(path, config_yaml)
             since = f" Config changes since that checkpoint: {'; '.join(changes)}." if changes else ""
@@ -943,11 +953,15 @@ class CheckpointManager:
         `metric_name`, else None), from one read of its training info."""
         try:
             info = self.load_info(path)
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):  # a damaged older checkpoint ranks unmeasured: it failed every later save
+            return None, None
+        if not isinstance(info, dict):
             return None, None
         name, value = info.get("metric_name"), info.get("metric_value")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            value = None  # edited by hand ("4.2"): no value, as one not measured
         if name != self.cfg.metric_name:
-            return (name if name and value is not None else None), None
+            return (name if isinstance(name, str) and name and value is not None else None), None
         return None, (float(value) if value is not None and math.isfinite(value) else None)
 
     def _rank(self, items: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:

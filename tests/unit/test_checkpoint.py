@@ -307,6 +307,41 @@ def test_a_complete_checkpoint_missing_a_file_fails_before_any_worker_starts_nam
     assert mgr.latest().name == "step_1"
 
 
+@pytest.mark.parametrize("edit, named", [
+    (lambda info: [], "training_info.json (not a JSON object)"),
+    (lambda info: {k: v for k, v in info.items() if k != "step"}, "training_info.json (without its 'step')"),
+])
+def test_a_hand_edited_training_info_fails_naming_the_checkpoint(tmp_path, edit, named):
+    # They failed as tracebacks of a KeyError or an AttributeError, naming no checkpoint.
+    from posttrain.config import MissingInputError
+
+    mgr = _mgr(tmp_path)
+    path = _save(mgr, 2, dataloader={"epoch": 0, "index": 16})
+    info_file = path / "training_info.json"
+    info = json.loads(info_file.read_text())
+    info_file.write_text(json.dumps({k: v for k, v in info.items() if k != "dataloader"}))
+    with pytest.raises(MissingInputError, match=r"step_2 lacks its data position \('dataloader' in "
+                                                r"training_info.json\).*move step_2 out of"):
+        mgr.restore_data_position(path, None, "a: 1\n")
+    info_file.write_text(json.dumps(edit(info)))
+    with pytest.raises(MissingInputError, match=rf"step_2 lacks {re.escape(named)}"):
+        mgr.latest()
+
+
+def test_a_damaged_training_info_of_an_older_checkpoint_ranks_it_unmeasured(tmp_path):
+    # Read to rank the checkpoints at every save: a bad UTF-8 byte or a metric value of text made
+    # every later save fail (its error naming neither the file nor the folder).
+    mgr = _mgr(tmp_path, metric_name="val:loss", higher_is_better=False, keep_top_k=2)
+    first = _save(mgr, 1, 2.0)
+    _save(mgr, 2, 1.0)
+    for damage in (b"\x93not json", json.dumps({**json.loads((first / "training_info.json").read_text()),
+                                                 "metric_value": "4.2"}).encode()):
+        (first / "training_info.json").write_bytes(damage)
+        assert mgr._ranking_of(first) == (None, None)
+    _save(mgr, 3, 1.5)  # ranks beside step_2; the unmeasured step_1 goes
+    assert _steps(mgr) == [2, 3]
+
+
 def test_a_killed_save_of_an_earlier_run_with_this_process_pid_is_cleaned_up(tmp_path):
     # A job restarted in a new container often gets the killed driver's pid again.
     mgr = _mgr(tmp_path)
