@@ -2349,13 +2349,8 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
         # Eval generates in its own process: the settings of policy workers, their training and
         # their placement change nothing (a tensor_parallel_size=2 was refused as not dividing "the
         # 1 policy workers", colocated.enabled=false passed without a word). Changed ones only, as above.
-        given = []
-        for name in sorted(cfg.policy.model_fields_set - _EVAL_READS_POLICY):
-            value = getattr(cfg.policy, name)
-            if isinstance(value, BaseModel):
-                given += _given_keys(value, f"policy.{name}", changed_only=True)
-            elif value != PolicyConfig.model_fields[name].get_default(call_default_factory=True):
-                given.append(f"policy.{name}")
+        given = [key for key in _given_keys(cfg.policy, "policy", changed_only=True)
+                 if key.split(".")[1] not in _EVAL_READS_POLICY]
         given += _given_keys(cfg.policy.generation.colocated, "policy.generation.colocated", changed_only=True)
         if "seed" in cfg.policy.generation.model_fields_set:
             given.append("policy.generation.seed")

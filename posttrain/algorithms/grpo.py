@@ -236,9 +236,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
         checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
         checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
+        info = checkpointer.load_info(latest)
         # The epochs left count too: a rerun of a run whose prompts ran out started its workers,
         # exported again and printed an empty result.
-        last_step = loader.last_step(g.max_num_steps, int(checkpointer.load_info(latest)["step"]))
+        last_step = loader.last_step(g.max_num_steps, int(info["step"]))
         checkpointer.check_complete(latest, last_step, "grpo.max_num_steps", final_export_dir(cfg),
                                     Path(cfg.logger.log_dir))
     warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
@@ -280,12 +281,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
 
         start_step, consumed_at_start = 0, (0, 0)
         if latest is not None:
-            info = checkpointer.load_info(latest)
             consumed_at_start = (int(info.get("consumed_samples", 0)), loader.served)
             policy.load_checkpoint(latest / "policy")
             restore_rng_state(checkpointer.load_rng_state(latest))
             start_step = info["step"]
-            last_step = loader.last_step(g.max_num_steps, start_step)
             ends = f"grpo.max_num_epochs={loader.max_epochs}" if last_step < g.max_num_steps else None
             logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), last_step, ends_by=ends))
         elif warmup is not None:
