@@ -34,12 +34,11 @@ from posttrain.advantages import (
     overlong_filter_mask,
     scale_rewards,
 )
-from posttrain.algorithms.offline import log_data_stats, made_up_validation, training_logger
+from posttrain.algorithms.offline import log_data_stats, made_up_validation, resume, resume_point, training_logger
 from posttrain.checkpoint import (
     CheckpointManager,
     MetricNameError,
     final_export_dir,
-    restore_rng_state,
     stop_message,
     train_then_export,
     unless_complete,
@@ -232,20 +231,11 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
                        batch_key="grpo.num_prompts_per_step (times grpo.batch_multiplier)", section="grpo")
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "grpo", "model_name": cfg.policy.model_name},
                                      cfg.policy)
-    latest = checkpointer.latest()  # fails here, before any worker starts, on a foreign checkpoint
-    if latest is not None:  # as does data that no longer matches the checkpoint's, or a step count below its step
-        checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
-        checkpointer.check_steps_left(latest, g.max_num_steps, "grpo.max_num_steps")
-        info = checkpointer.load_info(latest)
-        # The epochs left count too: a rerun of a run whose prompts ran out started its workers,
-        # exported again and printed an empty result.
-        last_step = loader.last_step(g.max_num_steps, int(info["step"]))
-        checkpointer.check_complete(latest, last_step, "grpo.max_num_steps", final_export_dir(cfg),
-                                    Path(cfg.logger.log_dir))
-    warmup = _warmup_examples(cfg, tokenizer, train_rows) if latest is None and g.warmup_sft_steps else None
+    point = resume_point(cfg, checkpointer, loader, g.max_num_steps)  # before any worker starts
+    warmup = _warmup_examples(cfg, tokenizer, train_rows) if point is None and g.warmup_sft_steps else None
 
     run_dir = Path(cfg.logger.log_dir)
-    logger = training_logger(cfg, checkpointer, latest)
+    logger = training_logger(cfg, checkpointer, point)
     # What starts below is stopped again if a later part of the setup fails (a bad teacher, an
     # environment that cannot start, a warm-up interrupted), so an in-process caller can go on.
     with contextlib.ExitStack() as undo:
@@ -280,16 +270,12 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
         freeze_setup_objects()  # before the warm-up SFT, whose steps would walk them in full collections
 
         start_step, consumed_at_start = 0, (0, 0)
-        if latest is not None:
-            consumed_at_start = (int(info.get("consumed_samples", 0)), loader.served)
-            policy.load_checkpoint(latest / "policy")
-            restore_rng_state(checkpointer.load_rng_state(latest))
-            start_step = info["step"]
-            ends = f"grpo.max_num_epochs={loader.max_epochs}" if last_step < g.max_num_steps else None
-            logger.console(checkpointer.resume_message(latest, start_step, to_yaml(cfg), last_step, ends_by=ends))
+        if point is not None:
+            consumed_at_start = (int(point.info.get("consumed_samples", 0)), loader.served)
+            start_step = resume(point, policy, checkpointer, logger, cfg, loader, g.max_num_steps)
         elif warmup is not None:
             _warmup_sft(cfg, policy, tokenizer, warmup, logger, checkpointer)
-        if generation is not policy and (latest is not None or g.warmup_sft_steps):
+        if generation is not policy and (point is not None or g.warmup_sft_steps):
             # Separate generation workers loaded the weights on disk; the first rollout must use
             # the resumed or warmed-up ones.
             generation.update_weights(policy.full_state_dict_ref(), version=start_step)

@@ -84,10 +84,10 @@ def chunks(items: Sequence[Any], size: int) -> list[list[Any]]:
 def start_run(
     cfg: Any, algorithm: str, policy_cfg: PolicyConfig, loader: RowLoader, *, max_steps: int,
     model_kind: str = "causal_lm", init_reference: bool = False,
-) -> tuple[OfflineRun, Path | None]:
+) -> tuple[OfflineRun, ResumePoint | None]:
     """Logger, checkpoint manager (its latest checkpoint is checked against the data and
-    `max_steps`, and `loader` set to its data position, before any worker starts), cluster and
-    policy; returns the run and the checkpoint to resume from (or None)."""
+    `max_steps`, and `loader` set to its data position, before any worker starts: `resume_point`),
+    cluster and policy; returns the run and the checkpoint to resume from (or None)."""
     load_model_configs(policy_cfg, with_reference=init_reference, model_kind=model_kind, check_files=True)  # before Ray
     check_optimizer(policy_cfg)
     check_compile_backend(policy_cfg.compile)
@@ -100,14 +100,8 @@ def start_run(
     checkpointer = CheckpointManager(
         cfg.checkpointing, signature={"algorithm": algorithm, "model_name": cfg.policy.model_name}, policy=cfg.policy
     )
-    latest = checkpointer.latest()
-    if latest is not None:
-        checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
-        checkpointer.check_steps_left(latest, max_steps, f"{algorithm}.max_num_steps")
-        step = int(checkpointer.load_info(latest)["step"])
-        checkpointer.check_complete(latest, loader.last_step(max_steps, step), f"{algorithm}.max_num_steps",
-                                    final_export_dir(cfg), run_dir)
-    logger = training_logger(cfg, checkpointer, latest)
+    point = resume_point(cfg, checkpointer, loader, max_steps)
+    logger = training_logger(cfg, checkpointer, point)
     try:
         cluster = RayVirtualCluster(cfg.cluster)
     except BaseException:
@@ -121,20 +115,20 @@ def start_run(
         logger.close()
         cluster.shutdown()
         raise
-    return OfflineRun(run_dir, logger, checkpointer, cluster, policy), latest
+    return OfflineRun(run_dir, logger, checkpointer, cluster, policy), point
 
 
-def training_logger(cfg: Any, checkpointer: CheckpointManager, latest: Path | None) -> Logger:
-    """The Logger of a training run in `logger.log_dir`: resumed from `latest`, it continues the
+def training_logger(cfg: Any, checkpointer: CheckpointManager, point: ResumePoint | None) -> Logger:
+    """The Logger of a training run in `logger.log_dir`: resumed from `point`, it continues the
     logs there; started over, it first moves an earlier run's logs and its final export (hf/,
     which this run's would overwrite) aside."""
-    check_export_is_not_an_input(cfg, fresh=latest is None)
+    check_export_is_not_an_input(cfg, fresh=point is None)
     # Before the Logger reads checkpointer.run_id: a resumed run's is its checkpoint's (None: one
     # saved before run ids, which its logs cannot be compared with).
-    named = checkpointer is not None and checkpointer.adopt_run_id(latest) is not None
-    logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=latest is None,
+    named = checkpointer is not None and point is not None and checkpointer.adopt_run_id(point.path) is not None
+    logger = Logger(cfg.logger, cfg.logger.log_dir, hparams=cfg.model_dump(mode="json"), fresh=point is None,
                     also_move=(EXPORT_DIR,), exclusive="logger.log_dir",
-                    resumed_from=None if latest is None else checkpointer.load_info(latest)["step"],
+                    resumed_from=None if point is None else point.step,
                     run_id=None if checkpointer is None else checkpointer.run_id,
                     compare_run_id=named)
     if checkpointer is not None:
@@ -162,20 +156,49 @@ def check_export_is_not_an_input(cfg: Any, fresh: bool) -> None:
                               f"which this run {what}: copy the model out of it, or set another logger.log_dir")
 
 
-def resume(run: OfflineRun, latest: Path | None, cfg: Any, max_steps: int, loader: RowLoader) -> int:
-    """Restore policy, optimizer and RNGs from `latest` (the data position `start_run` did, in
-    `loader`); the step to start at."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, checked against its data and step budget (`resume_point`)."""
+
+    path: Path
+    info: dict[str, Any]  # its training_info.json
+    last_step: int  # the run's last step: its max_num_steps, or fewer when its epochs left end it first
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+
+def resume_point(cfg: Any, checkpointer: CheckpointManager, loader: RowLoader, max_steps: int) -> ResumePoint | None:
+    """The latest checkpoint of the run (None: it starts over), with `loader` set to its data
+    position. Fails before any worker starts on a foreign checkpoint, data that no longer
+    matches it, a step budget below its step, or a run already complete (GRPO's and the
+    offline algorithms' alike; the checkpoint's algorithm names their config section)."""
+    latest = checkpointer.latest()
     if latest is None:
-        return 0
-    step = int(run.checkpointer.load_info(latest)["step"])
-    run.policy.load_checkpoint(latest / "policy")
-    restore_rng_state(run.checkpointer.load_rng_state(latest))
-    # The run's last step counts the epochs left too: a rerun of a run whose data ran out trains nothing.
-    last = loader.last_step(max_steps, step)
-    algorithm = run.checkpointer.signature.get("algorithm", "")
-    ends = f"{algorithm}.max_num_epochs={loader.max_epochs}" if last < max_steps else None
-    run.logger.console(run.checkpointer.resume_message(latest, step, to_yaml(cfg), last, ends_by=ends))
-    return step
+        return None
+    key = f"{checkpointer.signature['algorithm']}.max_num_steps"
+    checkpointer.restore_data_position(latest, loader, to_yaml(cfg))
+    checkpointer.check_steps_left(latest, max_steps, key)
+    info = checkpointer.load_info(latest)
+    # The epochs left count too: a rerun of a run whose data ran out started its workers,
+    # exported again and printed an empty result.
+    point = ResumePoint(latest, info, loader.last_step(max_steps, int(info["step"])))
+    checkpointer.check_complete(latest, point.last_step, key, final_export_dir(cfg), Path(cfg.logger.log_dir))
+    return point
+
+
+def resume(point: ResumePoint, policy: Any, checkpointer: CheckpointManager, logger: Any, cfg: Any,
+           loader: RowLoader, max_steps: int) -> int:
+    """Restore policy, optimizer and RNGs from `point` (the data position `resume_point` did, in
+    `loader`) and say so; the step to start at."""
+    policy.load_checkpoint(point.path / "policy")
+    restore_rng_state(checkpointer.load_rng_state(point.path))
+    # Named for what ends the run: raising max_num_steps alone trains nothing more when the epochs ran out.
+    ends = (f"{checkpointer.signature['algorithm']}.max_num_epochs={loader.max_epochs}"
+            if point.last_step < max_steps else None)
+    logger.console(checkpointer.resume_message(point.path, point.step, to_yaml(cfg), point.last_step, ends_by=ends))
+    return point.step
 
 
 def save(run: OfflineRun, cfg: Any, step: int, loader: RowLoader, metrics: dict[str, float],
@@ -354,13 +377,15 @@ def offline_setup(
     data = offline_data(cfg, algorithm, process_rows, collate_fn)
     check_packing_budgets(policy_cfg, data, logprobs_of_train=policy_kwargs.get("init_reference", False),
                           max_len=max_sequence_length(cfg))
-    run, latest = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
+    run, point = start_run(cfg, algorithm, policy_cfg, data.loader, max_steps=algo.max_num_steps, **policy_kwargs)
     log_data_stats(run.logger, data.stats)
-    try:
-        start_step = resume(run, latest, cfg, algo.max_num_steps, data.loader)
-    except BaseException:
-        run.shutdown()
-        raise
+    start_step = 0
+    if point is not None:
+        try:
+            start_step = resume(point, run.policy, run.checkpointer, run.logger, cfg, data.loader, algo.max_num_steps)
+        except BaseException:
+            run.shutdown()
+            raise
     return OfflineSetup(cfg=cfg, run=run, tokenizer=data.tokenizer, loader=data.loader,
                         val_batches=data.val_batches, loss_fn=loss_fn, start_step=start_step,
                         total_steps=data.loader.last_step(algo.max_num_steps, start_step))

@@ -680,15 +680,16 @@ class FSDPPolicyWorker:
                            ).to(self.device)
         dist.all_reduce(counts)
         counts /= self.tp
-        global_toks, global_seqs = counts[0], counts[1]
+        (global_toks, global_seqs), trained, placeholders, rows = counts.split([2, 2, 2, 3])
+        trained_rows, left_out, all_rows = rows
         # Rows with an exactly zero gradient left out (_rows_to_train): the loss normalizes by the
         # trained rows' counts, so its metrics are means over them, and `scale` turns it back into
         # the global batch's loss, sum over rows / global count: the same gradient up to rounding.
         # A rank's placeholder row is measured only when no rank trains a row (its means are then
         # the only ones): counted beside trained rows, it diluted their metrics by the number of
         # workers (pg_loss -0.63 on one worker, -0.41 on two, over the same batch).
-        trained_anywhere = bool(counts[6] > 0)
-        norm_toks, norm_seqs = (counts[2], counts[3]) if trained_anywhere else (counts[4], counts[5])
+        trained_anywhere = bool(trained_rows > 0)
+        norm_toks, norm_seqs = trained if trained_anywhere else placeholders
         measured = not placeholder or not trained_anywhere
         by_tokens = getattr(loss_fn, "loss_type", "token") == "token"
         done, total = (norm_toks, global_toks) if by_tokens else (norm_seqs, global_seqs)
@@ -767,11 +768,11 @@ class FSDPPolicyWorker:
         tok //= self.tp
         # model_tokens: positions run through the model, padding included (prefix sharing and
         # packing make it smaller than num_tokens; padding larger).
-        if counts[7] > 0:  # the loss counted only the trained rows; the left-out ones are in the loss too
+        if left_out > 0:  # the loss counted only the trained rows; the left-out ones are in the loss too
             out["num_valid_samples"] = float(global_seqs)
         out.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), num_tokens=float(tok[0]),
                    model_tokens=float(tok[1]), global_valid_toks=float(global_toks),
-                   global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(counts[7] / counts[8]),
+                   global_valid_seqs=float(global_seqs), zero_gradient_fraction=float(left_out / all_rows),
                    num_microbatches=float(n_mb),
                    optimizer_step_time_s=time.perf_counter() - t0)  # the loops' step_time_s is their whole step
         return out

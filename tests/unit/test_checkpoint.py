@@ -744,13 +744,14 @@ def test_a_rerun_of_an_offline_run_whose_epochs_ran_out_says_it_has_nothing_left
     mgr = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")), {**SIG, "algorithm": "sft"})
     path = _save(mgr, 5, dataloader=first.state_dict())
     lines = []
-    run = SimpleNamespace(checkpointer=mgr, policy=SimpleNamespace(load_checkpoint=lambda p: None),
-                          logger=SimpleNamespace(console=lines.append))
+    policy, logger = SimpleNamespace(load_checkpoint=lambda p: None), SimpleNamespace(console=lines.append)
     cfg = load_config("sft", None, ["sft.max_num_steps=50"])
     for max_epochs, note in ((1, True), (2, False)):
         loader = RowLoader(rows, 2, max_epochs=max_epochs)
         loader.load_state_dict(first.state_dict())
-        assert offline.resume(run, path, cfg, 50, loader) == 5
+        point = offline.ResumePoint(path, mgr.load_info(path), loader.last_step(50, 5))
+        assert point.last_step == (5 if note else 10)  # 5 steps per epoch
+        assert offline.resume(point, policy, mgr, logger, cfg, loader, 50) == 5
         # named for what ends it: raising sft.max_num_steps alone would train nothing more
         assert ("at step 5 (the run's last step: nothing left to train; sft.max_num_epochs=1 ends it)"
                 in lines[-1]) == note, lines[-1]

@@ -783,7 +783,7 @@ def test_a_training_run_started_over_keeps_the_earlier_export(tmp_path):
     (tmp_path / EXPORT_DIR).mkdir()
     (tmp_path / EXPORT_DIR / "config.json").write_text("{}")
     cfg = load_config("sft", None, [f"logger.log_dir={tmp_path}", "logger.console_enabled=false"])
-    with training_logger(cfg, checkpointer=None, latest=None) as logger:
+    with training_logger(cfg, checkpointer=None, point=None) as logger:
         assert (logger.moved_aside / EXPORT_DIR / "config.json").is_file()
     assert not (tmp_path / EXPORT_DIR).exists()
 
@@ -881,7 +881,7 @@ def test_a_fresh_start_says_where_the_old_checkpoints_went(tmp_path, monkeypatch
     cfg = load_config("sft", None, [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={ckpt}",
                                     "checkpointing.start_fresh=true"])
     checkpointer = CheckpointManager(cfg.checkpointing, {"algorithm": "sft", "model_name": cfg.policy.model_name})
-    with training_logger(cfg, checkpointer, latest=None):
+    with training_logger(cfg, checkpointer, point=None):
         pass
     assert said == [f"the earlier run's checkpoints in {ckpt} were moved to {checkpointer.moved_aside} "
                     "(checkpointing.start_fresh=true)"]
