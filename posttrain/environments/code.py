@@ -81,6 +81,7 @@ from posttrain.environments.interfaces import (
     StepResult,
     last_assistant_text,
 )
+from posttrain.environments.timeout import kill_descendants
 from posttrain.schemas import CodeEnvConfig, EnvWorkerConfig
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -250,9 +251,38 @@ for fd in (0, 1, 2):
     os.dup2(null, fd)
 sys.stdin, sys.stdout, sys.stderr = open(os.devnull), open(os.devnull, "w"), open(os.devnull, "w")
 ended = []
+def kill_program():
+    # The program's interpreter and every process below it, stopped as found (so none forks on)
+    # through /proc, then killed: one that left the group (os.setsid(), which root may follow with
+    # a fork) was orphaned by a kill of the interpreter alone, and then no longer found by the parent.
+    tree, grew = {pid}, True
+    while grew:
+        grew = False
+        for p in list(tree):
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except OSError:
+                pass
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in tree:
+                continue
+            try:
+                with open("/proc/" + entry + "/stat", "rb") as f:
+                    stat = f.read()
+                parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent in tree:
+                tree.add(int(entry))
+                grew = True
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 def program_ended():
     if not ended:
-        os.kill(pid, signal.SIGKILL)  # a program that closed its pipe but still runs
+        kill_program()  # a program that closed its pipe but still runs
         status = os.waitpid(pid, 0)[1]
         ended.append(os.waitstatus_to_exitcode(status))
     return ended[0]
@@ -342,7 +372,7 @@ else:
 report.write(job["nonce"] + json.dumps({"passed": passed, "error": error}) + "\n")
 report.flush()
 if not ended:
-    os.kill(pid, signal.SIGKILL)
+    kill_program()
 os._exit(0)
 """
 
@@ -439,17 +469,7 @@ def _kill_all(proc: subprocess.Popen) -> None:
     """Kill the tests' interpreter's descendants, then its process group. The program's
     interpreter may leave the group (`os.setsid()`, no privilege needed) and so outlived a kill of
     the group alone, asleep past every CPU limit; it is still the tests' interpreter's child."""
-    import psutil
-
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        descendants = []
-    for p in descendants:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    kill_descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -469,8 +489,9 @@ class CodeEnvironment(PerSampleEnvironment):
         if isinstance(tests, str):
             tests = [tests]
         if not tests or not all(isinstance(t, str) for t in tests):
-            raise ValueError("code: the sample's metadata has no 'tests' (a list of Python statements, e.g. "
-                           "\"assert add(1, 2) == 3\")")
+            what = "has no 'tests'" if not tests else f"'tests' hold a non-string ({tests!r:.80})"
+            raise ValueError(f"code: the sample's metadata {what} (a list of Python statements, e.g. "
+                             "\"assert add(1, 2) == 3\")")
         setup = metadata.get("setup") or ""
         if isinstance(setup, list) and all(isinstance(line, str) for line in setup):
             setup = "\n".join(setup)  # lines, as MBPP's test_imports: str() of the list imported nothing

@@ -100,6 +100,7 @@ class SubprocessRunner:
     def close(self) -> None:
         if self._process is not None:
             if self._process.is_alive():
+                kill_descendants(self._process.pid)
                 self._process.kill()
             self._process.join()
             self._process = None
@@ -113,3 +114,19 @@ def import_cloudpickle() -> None:
     unpickling it imports Ray's cloudpickle, which should not count against the first call's
     time limit."""
     import ray.cloudpickle  # noqa: F401
+
+
+def kill_descendants(pid: int) -> None:
+    """Kill what process `pid` started (a tool's shell command, a subprocess it waits on): found
+    while `pid` still lives, they would otherwise outlive a timed-out call, orphaned, one per call."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass

@@ -84,11 +84,18 @@ def without_tool_calls(text: str) -> str:
     return _TOOL_CALL.sub(lambda m: m[0] if _read_tagged(m[1]).error else "", text).strip()
 
 
+# What json.loads raises on a model's text: JSONDecodeError, and beyond it a ValueError for an
+# integer of over 4300 digits and a RecursionError for ~1000 nested brackets, which a degenerate
+# output writes too (they crashed the step, in the driver with a tool time limit).
+_NOT_JSON = (ValueError, RecursionError)
+
+
 def _read_tagged(body: str) -> ToolCall:
     try:
         call = json.loads(body.strip())
-    except json.JSONDecodeError as e:
-        return ToolCall("", error=f"malformed tool call, not JSON ({e.msg})")
+    except _NOT_JSON as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__ + ": " + str(e)[:100]
+        return ToolCall("", error=f"malformed tool call, not JSON ({reason})")
     return _read_call(call)
 
 
@@ -100,7 +107,7 @@ def _bare_calls(text: str) -> list[ToolCall]:
         return []
     try:
         found = json.loads(body)
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         return []
     objs = found if isinstance(found, list) else [found]
     looks_like_calls = objs and all(isinstance(o, dict) and "name" in o and ("arguments" in o or "parameters" in o)
@@ -114,7 +121,7 @@ def _read_call(call: Any) -> ToolCall:
     name, call_id = call["name"], call.get("id") if isinstance(call.get("id"), str) else None
     args = call.get("arguments", call.get("parameters", {}))
     if isinstance(args, str):
-        with contextlib.suppress(json.JSONDecodeError):
+        with contextlib.suppress(*_NOT_JSON):
             args = json.loads(args)
     if not isinstance(args, dict):
         return ToolCall(name, id=call_id, error=f"malformed tool call to {name}: its arguments must be an object")

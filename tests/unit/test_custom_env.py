@@ -489,6 +489,23 @@ def test_bare_json_tool_calls_of_llama_and_mistral():
     assert read('<tool_call>{"name": "a", "arguments": {}}</tool_call>') == [("a", {})]
 
 
+def test_a_degenerate_call_json_cannot_parse_is_a_malformed_call_not_a_crash():
+    # json.loads raises ValueError past 4300 digits and RecursionError past ~1000 nested
+    # brackets: both escaped the JSONDecodeError handlers and crashed the step.
+    from posttrain.environments.tool_calls import parse_tool_calls, without_tool_calls
+
+    huge = '<tool_call>{"name": "add", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>"
+    deep = "<tool_call>" + "[" * 3000 + "]" * 3000 + "</tool_call>"
+    for text in (huge, deep):
+        (call,) = parse_tool_calls(text)
+        assert call.name == "" and call.error.startswith("malformed tool call, not JSON ("), call.error
+        assert without_tool_calls(text) == text  # kept: the only record of what was written
+    assert "Exceeds the limit (4300 digits)" in parse_tool_calls(huge)[0].error
+    assert parse_tool_calls("[" * 3000 + "]" * 3000) == []  # bare JSON: an answer, not a call
+    stringly = '<tool_call>{"name": "add", "arguments": "{\\"a\\": ' + "1" * 5000 + '}"}</tool_call>'
+    assert parse_tool_calls(stringly)[0].error == "malformed tool call to add: its arguments must be an object"
+
+
 def test_a_turns_content_keeps_the_text_around_its_calls():
     # The content of a turn whose calls go to `tool_calls` (the template writes them): with them in
     # it too, each call was written twice. A malformed call stays, the only record of what was written.

@@ -209,6 +209,30 @@ def test_subprocess_runner_recovers_after_a_timeout():
         runner.close()
 
 
+def test_a_timed_out_call_kills_what_the_child_started():
+    # A tool that runs a command (subprocess.run here) and times out: the command outlived the
+    # killed child, orphaned, one per timed-out call.
+    import subprocess
+
+    import psutil
+
+    marker = "61.4142"  # an argument no other process has
+
+    def sleepers():
+        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+    runner = SubprocessRunner()
+    try:
+        with pytest.raises(TimeoutError):
+            runner.run(subprocess.run, (["sleep", marker],), 2)
+    finally:
+        runner.close()
+    deadline = time.monotonic() + 5
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in sleepers() if p.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_subprocess_runner_reraises_a_failing_warmup():
     runner = SubprocessRunner(warmup=functools.partial(importlib.import_module, "posttrain_no_such_verifier"))
     with pytest.raises(ModuleNotFoundError, match="posttrain_no_such_verifier"):
@@ -1035,6 +1059,23 @@ def test_code_hang_that_left_the_process_group_is_killed_too(tmp_path):
     env.timeout_s = 1.0
     ret = env.step([_answer(program)], [{"tests": ADD_TESTS}])
     assert "timed out after 1 s" in ret.observations[0]["content"]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def test_code_a_passing_program_leaves_no_process_behind(tmp_path):
+    # A child of a program that left the group (os.setsid(); forking needs root, where
+    # RLIMIT_NPROC does not apply) outlived the program's interpreter, which the tests' side
+    # killed before the parent could find what was under it.
+    pid_file = tmp_path / "pid"
+    program = (f"import os, time\nos.setsid()\ntry:\n    child = os.fork()\nexcept OSError:\n    child = os.getpid()\n"
+               f"if child == 0:\n    time.sleep(60)\n    os._exit(0)\nopen({str(pid_file)!r}, 'w').write(str(child))\n"
+               "def add(a, b):\n    return a + b\n")
+    ret = _code_env().step([_answer(program)], [{"tests": ADD_TESTS}])
+    assert ret.rewards == [1.0], ret.observations
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _running(pid) and time.monotonic() < deadline:
