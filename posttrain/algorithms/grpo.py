@@ -57,7 +57,7 @@ from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
-from posttrain.losses import ClippedPGLoss, NLLLoss, masked_mean
+from posttrain.losses import ClippedPGLoss, NLLLoss, calculate_kl, masked_mean
 from posttrain.policy.fsdp_worker import check_compile_backend
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
@@ -862,6 +862,7 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # renormalised, another engine's rounding, async's older weights), not the policy's.
             needs_prev = (batch.size > gbs or g.num_iterations > 1 or g.adv_estimator == "on_policy_distillation"
                           or kl_in_reward)
+            measured_mismatch: dict[str, float] = {}
             if needs_prev and reuse_generation_logprobs is None:
                 # Checked on one optimizer step's rows (a quarter of the quickstart's forward
                 # pass): a mismatch is the engine's, in every row alike. All rows when those hold
@@ -870,7 +871,8 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
                 probe = probe if float(probe["token_mask"].sum()) > 0 else batch
                 with timer.time("prev"):
                     probe["prev_logprobs"] = policy.get_logprobs(probe)["logprobs"]
-                reuse_generation_logprobs = _generation_logprobs_match(probe, logger, cfg.policy.precision)
+                measured_mismatch = _generation_mismatch(probe, cfg.loss_fn.reference_policy_kl_type)
+                reuse_generation_logprobs = _generation_logprobs_match(measured_mismatch, logger, cfg.policy.precision)
             if needs_prev and reuse_generation_logprobs:
                 batch["prev_logprobs"] = batch["generation_logprobs"]
             elif needs_prev and "prev_logprobs" not in batch:  # (the probe's were all rows')
@@ -902,6 +904,13 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
             # One call: the workers run every pass's optimizer steps back to back.
             train_metrics = policy.train(passes[0] if len(passes) == 1 else BatchedDataDict.from_batches(passes),
                                          s.loss_fn)
+        if needs_prev and reuse_generation_logprobs:
+            # The loss compared the generation logprobs with themselves (prev is theirs): 1 and 0
+            # by construction, which hid the engine's real mismatch. The check's step logs what it
+            # measured; later steps log none (probs_ratio, exp(policy - generation), shows a drift).
+            for name in _MISMATCH_METRICS:
+                train_metrics.pop(name, None)
+            train_metrics.update(measured_mismatch)
 
         step += 1
         # The step is complete: its update is in the policy, which a failure of the generation
@@ -990,15 +999,27 @@ def _grpo_loop(s: GRPOSetup, pipeline: _RolloutPipeline | None, last: _LastCompl
 _OWN_LOGPROBS_TOLERANCE = {"float32": 1.001, "bfloat16": 1.005, "float16": 1.005}
 
 
-def _generation_logprobs_match(batch: BatchedDataDict, logger: Logger, precision: str) -> bool:
+_MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_error")
+
+
+def _generation_mismatch(batch: BatchedDataDict, kl_type: str) -> dict[str, float]:
+    """The loss's generation-vs-policy metrics (`_MISMATCH_METRICS`) of `batch`'s generation and
+    policy (`prev_logprobs`) logprobs, over every generated token, those of samples out of the
+    loss too (overlong-filtered, environment errors): the engine sampled them all. Over the
+    trained ones only, a first step whose samples were all masked compared nothing, and its mean
+    of 0 passed grpo.prev_logprobs_from_generation's check for the whole run."""
+    mask = batch["token_mask"]
+    # Padding may hold -inf (a sampler's masked-out logprob), whose inf * 0 would be NaN.
+    gen, prev = (torch.where(mask > 0, batch[k], 0.0) for k in ("generation_logprobs", "prev_logprobs"))
+    return {"token_mult_prob_error": float(masked_mean(torch.exp((gen - prev).abs()), mask)),
+            "gen_kl_error": float(masked_mean(calculate_kl(gen, prev, kl_type, None, None), mask))}
+
+
+def _generation_logprobs_match(mismatch: dict[str, float], logger: Logger, precision: str) -> bool:
     """Whether the rollouts' generation logprobs are the policy's own (grpo.prev_logprobs_from_generation):
-    mean exp(|generation - policy|) over the generated tokens within the precision's tolerance."""
+    `mismatch`'s token_mult_prob_error, mean exp(|generation - policy|), within the precision's tolerance."""
     tolerance = _OWN_LOGPROBS_TOLERANCE[precision]
-    # Every generated token, those of samples out of the loss too (overlong-filtered, environment
-    # errors): the engine sampled them all. Over the trained ones only, a first step whose samples
-    # were all masked compared nothing, and its mean of 0 passed the check for the whole run.
-    err = float(masked_mean(torch.exp((batch["generation_logprobs"] - batch["prev_logprobs"]).abs()),
-                            batch["token_mask"]))
+    err = mismatch["token_mult_prob_error"]
     if err > tolerance:
         logger.console(f"grpo.prev_logprobs_from_generation: the generation logprobs differ from the policy's "
                        f"(mean exp|diff| = {err:.4f} > {tolerance}); recomputing prev_logprobs every step instead")

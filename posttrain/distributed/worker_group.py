@@ -63,20 +63,24 @@ def _tee_output(log_path: str):
 
 
 _PROBE = """
-import importlib.metadata as m, json, sys
+import importlib.metadata as m, importlib.util, json, sys
 try:
     ray = m.version("ray")
 except m.PackageNotFoundError:
     ray = None
-print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": ray}))
+missing = [name for name in sys.argv[1:] if importlib.util.find_spec(name) is None]
+print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": ray, "missing": missing}))
 """
 
 
-def check_python_executable(python: str, what: str = "py_executable", timeout_s: float = 60.0) -> None:
-    """Raise ValueError naming `what` unless `python` runs and has this driver's Python (major.minor)
-    and ray versions: Ray cannot start a worker elsewhere, and its actor would wait forever."""
+def check_python_executable(python: str, what: str = "py_executable", timeout_s: float = 60.0,
+                            needs: tuple[str, ...] = (), hint: str = "") -> None:
+    """Raise ValueError naming `what` unless `python` runs, has this driver's Python (major.minor)
+    and ray versions (Ray cannot start a worker elsewhere, and its actor would wait forever) and
+    can import the modules `needs` (else they failed in the first actor, after the policy had
+    loaded; `hint` says where to get them)."""
     try:
-        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([python, "-c", _PROBE, *needs], capture_output=True, text=True, timeout=timeout_s)
         found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
         raise ValueError(f"{what}={python!r} does not run ({type(e).__name__}: {e})") from None
@@ -89,6 +93,8 @@ def check_python_executable(python: str, what: str = "py_executable", timeout_s:
             f"{what}={python!r} cannot host Ray workers of this driver: {'; '.join(wrong)} "
             f"(install ray=={ray.__version__} there, under the driver's Python version)"
         )
+    if found["missing"]:
+        raise ValueError(f"{what}={python!r} cannot import {', '.join(found['missing'])}{hint}")
 
 
 class _WorkerHost:

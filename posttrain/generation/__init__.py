@@ -58,13 +58,20 @@ def load_model_and_tokenizer(model_path: str, precision: str = "float32", tokeni
 def check_backend_installed(cfg, *, in_process: bool = False) -> None:
     """Fail at setup, before Ray or a model starts, when `cfg.backend` (policy.generation) needs a
     package this environment lacks: vllm, unless its workers run another venv's Python
-    (`vllm_cfg.python`, checked on its own). `in_process`: the caller generates in its own
-    process (eval), where no other venv's Python can take over."""
+    (`vllm_cfg.python`, which must then run and hold vllm and this driver's ray). `in_process`:
+    the caller generates in its own process (eval), where no other venv's Python can take over."""
     import importlib.util
 
     from posttrain.config import InputError
+    from posttrain.distributed.worker_group import check_python_executable
 
     elsewhere = cfg.vllm_cfg.python is not None and not in_process
+    if cfg.backend == "vllm" and elsewhere:
+        try:
+            check_python_executable(cfg.vllm_cfg.python, "policy.generation.vllm_cfg.python", needs=("vllm",),
+                                    hint=" (scripts/setup_vllm_cpu.sh VENV makes a venv with vllm for this driver)")
+        except ValueError as e:
+            raise InputError(str(e)) from None
     if cfg.backend == "vllm" and not elsewhere and importlib.util.find_spec("vllm") is None:
         cpu = ("run this command with that venv's posttrain (VENV/bin/posttrain; eval generates in its own process, "
                "so policy.generation.vllm_cfg.python does not apply)" if in_process else

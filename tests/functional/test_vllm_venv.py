@@ -118,3 +118,13 @@ def test_python_executable_is_checked_before_any_actor(tmp_path):
     broken.chmod(0o755)
     with pytest.raises(ValueError, match="does not run: boom"):
         check_python_executable(str(broken))
+
+
+@needs_vllm_venv
+def test_the_vllm_venv_passes_the_setup_check():
+    from posttrain.config import load_config
+    from posttrain.generation import check_backend_installed
+
+    cfg = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
+                                     f"policy.generation.vllm_cfg.python={VLLM_PYTHON}"])
+    check_backend_installed(cfg.policy.generation)  # it runs, holds vllm and this driver's ray

@@ -707,7 +707,7 @@ def test_union_and_cross_field_errors():
     assert "policy: policy.train_global_batch_size (6) must be a multiple of policy.train_micro_batch_size (4)" in msg
 
 
-def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices(monkeypatch):
+def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices(monkeypatch, tmp_path):
     import importlib.util
 
     from posttrain.generation import check_backend_installed
@@ -717,10 +717,24 @@ def test_a_vllm_backend_without_vllm_installed_fails_at_setup_naming_the_choices
     with pytest.raises(InputError, match=r"backend=vllm, but vllm is not installed .*backend=torch"):
         check_backend_installed(load_config("eval", None, ["policy.generation.backend=vllm"]).policy.generation)
     check_backend_installed(load_config("grpo", None, []).policy.generation)  # torch: nothing to install
-    # Separate workers under another venv's Python: that venv is checked instead (vllm_cfg.python).
+    # Separate workers under another venv's Python: that venv is checked instead (vllm_cfg.python),
+    # before any worker starts (a venv without vllm failed in the first actor, after the policy loaded).
+    import json
+
+    import ray
+
+    venv = tmp_path / "python"
+    venv.write_text("#!/bin/sh\necho '" + json.dumps({"python": "%d.%d" % sys.version_info[:2],
+                                                       "ray": ray.__version__, "missing": []}) + "'\n")
+    venv.chmod(0o755)
     other = load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
-                                       f"policy.generation.vllm_cfg.python={sys.executable}"])
+                                       f"policy.generation.vllm_cfg.python={venv}"])
     check_backend_installed(other.policy.generation)
+    without = other.policy.generation.model_copy(update={"vllm_cfg": other.policy.generation.vllm_cfg.model_copy(
+        update={"python": sys.executable})})  # this venv has no vllm (find_spec is patched in this process only)
+    with pytest.raises(InputError, match=rf"vllm_cfg.python='{re.escape(sys.executable)}' cannot import vllm "
+                                         r"\(scripts/setup_vllm_cpu.sh"):
+        check_backend_installed(without)
     # But not for eval, which generates in its own process: the message says to run it in that venv.
     with pytest.raises(InputError, match=r"run this command with that venv's posttrain .*vllm_cfg.python does not apply"):
         check_backend_installed(other.policy.generation, in_process=True)
