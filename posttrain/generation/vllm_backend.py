@@ -67,6 +67,7 @@ class VllmGeneration:
         self.context = max_total_sequence_length
         self.pad_id = pad_token_id(self.tokenizer)
         self.stop_ids = stop_token_ids(self.tokenizer, cfg, AutoConfig.from_pretrained(path))
+        self.dtype_name = vc.precision or precision
         extra = {}
         if vc.kv_cache_memory_gib is not None:
             extra["kv_cache_memory_bytes"] = int(vc.kv_cache_memory_gib * 2**30)
@@ -75,7 +76,7 @@ class VllmGeneration:
             # The policy's tokenizer (policy.tokenizer.name), which the stop ids and pad id above come
             # from: vLLM detokenizes with it to match stop strings. The model folder's own otherwise.
             tokenizer=(getattr(tokenizer, "name_or_path", None) or path) if tokenizer is not None else path,
-            dtype=vc.precision or precision,
+            dtype=self.dtype_name,
             max_model_len=vc.max_model_len or max_total_sequence_length,
             tensor_parallel_size=vc.tensor_parallel_size,
             pipeline_parallel_size=vc.pipeline_parallel_size,
@@ -99,7 +100,11 @@ class VllmGeneration:
         """Reload the weights in place (no engine restart); returns the refit seconds."""
         t0 = time.perf_counter()
         sd = resolve_state_dict(state_dict_or_ref)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(sd.items()))})
+        # In the engine's dtype: vLLM casts them anyway, with a warning per tensor at every refit
+        # (the float32 master weights into a bf16 engine: ~20 lines per step for the tiny model).
+        dtype = getattr(torch, self.dtype_name)
+        weights = [(k, v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.weight_version = version
         self._seeds.reseed(version)
