@@ -440,6 +440,18 @@ def test_typo_names_key_place_and_suggestion(tmp_path):
     assert "unknown key 'lgger' (did you mean logger?)" in msg
 
 
+def test_errors_are_listed_in_the_order_their_keys_were_written(tmp_path):
+    # By file and line, then the command line's: they came in the schema's order (policy's
+    # before grpo's, whatever the file said), line 4 before line 2.
+    path = _write(tmp_path / "c.yaml", "grpo:\n  max_num_step: 3\npolicy:\n  max_grad_nrom: 1.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", path, ["policy.lr_x=3", "grpo.seedd=2"])
+    lines = str(e.value).splitlines()[1:]
+    assert [line.split("'")[1] for line in lines] == ["grpo.max_num_step", "policy.max_grad_nrom", "policy.lr_x",
+                                                      "grpo.seedd"], lines
+    assert lines[0].endswith("c.yaml:2]") and lines[1].endswith("c.yaml:4]")
+
+
 def test_a_section_of_another_command_says_whose_it_is(tmp_path):
     # The usual cause: a config (or override) written for another command.
     path = _write(tmp_path / "grpo.yaml", "grpo: {max_num_steps: 3}\nloss_fn: {ratio_clip_min: 0.1}\n")
