@@ -149,6 +149,10 @@ def materialize(size: str) -> Path:
         try:
             build_model(size).save_pretrained(tmp)
             build_tokenizer().save_pretrained(tmp)
+            if not _complete(tmp):  # transformers saves no model on a rank other than 0 of a process group
+                raise RuntimeError(f"{EMBEDDED_PREFIX}{size} could not be written to {target} from this process (it "
+                                   f"holds {sorted(p.name for p in tmp.iterdir())}): build it before starting "
+                                   "torch.distributed, or on its rank 0")
             os.rename(tmp, target)
         finally:
             if tmp.exists():

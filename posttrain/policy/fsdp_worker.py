@@ -266,11 +266,14 @@ class FSDPPolicyWorker:
     def setup(self) -> dict[str, Any]:
         cfg = self.cfg
         self.device = resolve_device(cfg.device)
+        # Before the process group: an embedded model built here (a cold cache, ranks started by
+        # run_local_ranks) is written by whichever rank takes its lock, and transformers writes
+        # no model files on a rank other than 0 of a started group.
+        (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference,
+                                                           model_kind=self.model_kind)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     rank=self.rank, world_size=self.world_size)
-        (path, hf_config), reference = load_model_configs(cfg, with_reference=self.init_reference,
-                                                           model_kind=self.model_kind)
         ref_path, ref_config = reference or (None, None)
         # The policy's attention kernel: its models, and the generation engine's copy, load with it.
         self.attn_kernel = attention_kernel(cfg.attn_implementation, cfg.max_total_sequence_length, self.device.type,
