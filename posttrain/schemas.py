@@ -114,7 +114,8 @@ class ClusterConfig(Section):
     # CPUs in each worker's bundle (GPU bundles get them too).
     cpus_per_worker: float = Field(1.0, gt=0)
     # Ray address to join: "auto" (RAY_ADDRESS, else a Ray cluster running on this machine),
-    # "<host>:<port>" of its GCS, or "ray://<host>:<port>" (Ray Client); null starts one.
+    # "<host>:<port>" of its GCS, or "ray://<host>:<port>" (Ray Client); null: RAY_ADDRESS if
+    # set, else a Ray of the run's own (also beside a cluster `ray start` left running here).
     address: str | None = None
     # Seconds to wait for a placement group before failing with what was asked and offered (no
     # wait when the request exceeds the total of the local Ray node the run started itself).

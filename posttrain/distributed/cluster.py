@@ -82,10 +82,10 @@ def init_ray(cfg: ClusterConfig) -> None:
     if address:
         _check_reachable(address, where)
     try:
-        if address:
-            ray.init(address=address, include_dashboard=False)
-        else:
-            ray.init(include_dashboard=False)
+        # No address: a Ray of this job's own ("local"); ray.init() without one joined the latest
+        # cluster `ray start` had left on this machine, someone else's, whose placement waits then
+        # waited out placement_timeout_s instead of failing at once.
+        ray.init(address=address or "local", include_dashboard=False)
     except ValueError as e:  # an address Ray cannot parse ("Invalid address format"): RAY_ADDRESS's
         raise InputError(f"{where}={address!r}: Ray refuses it ({e}); give 'auto', '<host>:<port>' or "
                          "'ray://<host>:<port>'") from None

@@ -312,6 +312,48 @@ def test_joins_a_running_ray_cluster_by_address():
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def test_without_an_address_a_run_starts_its_own_ray_beside_a_running_cluster():
+    """cluster.address null and no RAY_ADDRESS: a Ray of the run's own. ray.init() without an
+    address joined the latest cluster `ray start` had left on the machine (someone else's)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import textwrap
+
+    import psutil
+
+    from posttrain.distributed.ports import free_port
+
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    head = f"127.0.0.1:{free_port()}"
+    try:
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
+                        f"--port={head.split(':')[1]}", "--num-cpus=3", f"--temp-dir={ray_tmp}/ray",
+                        "--include-dashboard=false"], env=env, check=True, capture_output=True, timeout=120)
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import ray
+            from posttrain.distributed.cluster import RayVirtualCluster
+            from posttrain.schemas import ClusterConfig
+            cluster = RayVirtualCluster(ClusterConfig())
+            print(ray.get_runtime_context().gcs_address.split(":")[1], ray.cluster_resources()["CPU"])
+            cluster.shutdown()
+        """)], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        port, cpus = run.stdout.split()
+        assert port != head.split(":")[1] and float(cpus) != 3.0, (run.stdout, run.stderr[-1000:])
+        assert "Connecting to existing Ray cluster" not in run.stderr
+    finally:  # the head's processes only (a `ray stop` would stop every Ray on the machine)
+        for p in psutil.process_iter(["cmdline"]):
+            if any(ray_tmp in part for part in p.info["cmdline"] or ()):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 def test_rendezvous_ports_lie_outside_the_ephemeral_range():
     # A port from the kernel's ephemeral range can become an outgoing connection's local port
     # between the probe and the rendezvous (EADDRINUSE); free_port draws from below it.
