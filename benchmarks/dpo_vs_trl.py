@@ -80,7 +80,7 @@ def trl_seconds(model: str, steps: int, batch: int, max_len: int, shared: Path, 
     args = DPOConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
         lr_scheduler_type="constant", weight_decay=0.0, beta=BETA, max_length=max_len * 2,
-        bf16=precision == "bfloat16",
+        bf16=precision == "bfloat16", gradient_checkpointing=False,  # TRL's default is on; posttrain's off
         report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, dataloader_num_workers=0, seed=0,
     )
     # The rows are tokenized already (posttrain's ids): TRL's own tokenization of text is skipped.

@@ -361,6 +361,9 @@ def trl_worker(s: Settings, out_dir: Path) -> None:
         optim="adamw_torch", lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=s.max_grad_norm,
         beta=0.0, epsilon=s.clip_low, epsilon_high=s.clip_high,
         loss_type="dapo", scale_rewards="group",
+        # TRL's configs default to gradient checkpointing (since TRL 1.x), which recomputes the
+        # forward in every backward; posttrain's default (policy.activation_checkpointing) is off.
+        gradient_checkpointing=False,
         use_cpu=True, bf16=s.precision == "bfloat16", fp16=False, seed=s.seed, data_seed=s.seed,
         report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
         remove_unused_columns=False, dataloader_num_workers=0, log_completions=False,

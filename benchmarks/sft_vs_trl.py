@@ -39,7 +39,7 @@ def posttrain_tokens_per_s(model: str, steps: int, batch: int, max_len: int, pac
         f"cluster.cpus_per_worker={torch.get_num_threads()}",
         f"sft.max_num_steps={steps}", "sft.max_num_epochs=100", "sft.val_period=0", "sft.val_at_start=false",
         "checkpointing.enabled=false", f"logger.log_dir={work}/posttrain-{packing}", "logger.console_enabled=false",
-        "logger.plots_enabled=false", "policy.optimizer.kwargs={lr: 1.0e-4}", *pack,
+        "logger.plots_enabled=false", "policy.optimizer.kwargs={lr: 1.0e-4, weight_decay: 0.0}", *pack,
     ])
     cfg.policy.tokenizer.chat_template = alpaca_template()
     sft.run(cfg)
@@ -65,7 +65,9 @@ def trl_tokens_per_s(model: str, steps: int, batch: int, max_len: int, packing: 
     timer = step_timer()
     args = SFTConfig(
         output_dir=str(work / f"trl-{packing}"), per_device_train_batch_size=batch, max_steps=steps,
-        learning_rate=1e-4, packing=packing, max_length=max_len if not packing else max_len * 4,
+        learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.0, packing=packing,
+        max_length=max_len if not packing else max_len * 4,
+        gradient_checkpointing=False,  # TRL's default is on (a forward recomputed in every backward); posttrain's off
         completion_only_loss=True, report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True,
         dataloader_num_workers=0, seed=0,
     )

@@ -125,13 +125,30 @@ def _fmt_row(r: dict) -> str:
             f"{r['compiled']} | {r['first_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops'] * 1e3:,.1f} | {100 * r['mfu']:.1f}% |")
 
 
+def _list_of(*allowed: str):
+    """An argparse type: a comma-separated list of `allowed` values (anything else was taken as
+    "off", or failed with a KeyError after Ray had started)."""
+    def parse(text: str) -> str:
+        bad = [v for v in text.split(",") if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: not one of {', '.join(allowed)}")
+        return text
+    return parse
+
+
+def _worker_counts(text: str) -> str:
+    if not all(v.isdigit() and int(v) > 0 for v in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text}: not a comma-separated list of worker counts (e.g. 1,2)")
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="1m,30m")
-    p.add_argument("--workers", default="1,2")
-    p.add_argument("--packing", default="off,on")
-    p.add_argument("--precisions", default="float32,bfloat16")
-    p.add_argument("--compile", default="off", help="policy.compile: off, on or off,on")
+    p.add_argument("--models", default="1m,30m", type=_list_of(*WORKLOADS))
+    p.add_argument("--workers", default="1,2", type=_worker_counts)
+    p.add_argument("--packing", default="off,on", type=_list_of("off", "on"))
+    p.add_argument("--precisions", default="float32,bfloat16", type=_list_of("float32", "bfloat16"))
+    p.add_argument("--compile", default="off", type=_list_of("off", "on"), help="policy.compile: off, on or off,on")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the markdown table here")
     args = p.parse_args()

@@ -22,6 +22,9 @@ def stories260k(work: Path) -> str:
     from posttrain.data.datasets import shared_data_dir
 
     m = shared_data_dir() / "models" / "stories260K"
+    if not (m / "stories260K.bin").is_file():
+        raise SystemExit(f"no stories260K at {m}: set POSTTRAIN_SHARED_DATA to the shared data folder "
+                         "(../shared/data beside the project by default), or give --model an HF model folder")
     return str(convert(m / "stories260K.bin", m / "tok512.model", work / "stories260K"))
 
 
