@@ -609,7 +609,8 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
 
 # Names other libraries give settings (Hugging Face Trainer and TRL configs, LLaMA-Factory, NeMo RL
 # recipes of other versions): the key they were written for carries this leaf, and spelling
-# matches mislead there (`lr` -> policy.lora, `per_device_train_batch_size` -> val_micro_batch_size).
+# matches mislead there (`lr` -> policy.lora, `per_device_train_batch_size` -> val_micro_batch_size, which
+# nothing reads).
 # Each leaf: posttrain's candidate keys, the first this command has (its own section of several),
 # and what to know when the two differ. A leaf posttrain uses itself never gets here.
 _ALGOS = ("grpo", "sft", "dpo", "kto", "rm", "eval")
@@ -620,7 +621,7 @@ _FOREIGN_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "adam_epsilon": (("policy.optimizer.kwargs.eps",), ""),
     **dict.fromkeys(("optim", "optimizer_type"), (("policy.optimizer.name",), "")),
     **dict.fromkeys(("per_device_train_batch_size", "micro_batch_size"), (("policy.train_micro_batch_size",), "")),
-    "per_device_eval_batch_size": (tuple(f"{a}.val_micro_batch_size" for a in _ALGOS) + ("grpo.val_batch_size",), ""),
+    "per_device_eval_batch_size": (("grpo.val_batch_size", "policy.logprob_batch_size"), ""),
     "gradient_accumulation_steps": (("policy.train_global_batch_size",), "the samples of one optimizer step; "
                                     "the accumulation is that over policy.train_micro_batch_size and the workers"),
     **dict.fromkeys(("num_train_epochs", "num_epochs", "epochs"), (tuple(f"{a}.max_num_epochs" for a in _ALGOS), "")),

@@ -6,8 +6,9 @@ hardware keys changed. Every model forbids unknown keys; `posttrain.config.valid
 turns pydantic's errors into messages that name the dotted key and suggest the closest
 valid one.
 
-This module imports only pydantic so that a typo in a config fails in well under a
-second, before torch, transformers or Ray are imported.
+This module imports only pydantic, `posttrain.config` (OmegaConf, PyYAML) and
+`posttrain.runtime` (no torch), so that a typo in a config fails in well under a second,
+before torch, transformers or Ray are imported.
 """
 
 from __future__ import annotations
@@ -2384,6 +2385,19 @@ def unread_settings(cfg: _MasterBase) -> list[tuple[list[str], str]]:
         found.append((["checkpointing.metric_name"], f"a validation metric, but {command}.val_period=0 and "
                                                      f"{command}.val_at_end=false validate at no save (checkpoints "
                                                      "rank newest first)"))
+    # NeMo RL keys accepted so that its configs load, which nothing here reads: changed, they were
+    # taken without a word (a val_micro_batch_size of 8 ran validation at policy.logprob_batch_size).
+    named = {key for keys, _ in found for key in keys}
+    for owner, key, why in ((loop, f"{command}.val_micro_batch_size", "validation forwards use "
+                             "policy.logprob_batch_size"),
+                            (cfg.policy.generation.vllm_cfg if generates else None,
+                             "policy.generation.vllm_cfg.async_engine", "the vLLM backend runs its offline engine"),
+                            (cfg.logger.gpu_monitoring, "logger.gpu_monitoring.flush_interval",
+                             "GPU readings are logged with each step's metrics")):
+        leaf = key.rsplit(".", 1)[1]
+        if (owner is not None and key not in named and leaf in type(owner).model_fields
+                and key in _given_keys(owner, key.rsplit(".", 1)[0], changed_only=True)):
+            found.append(([key], f"a NeMo RL key posttrain accepts and does not read ({why})"))
     # An environment's tool settings, read only for the tools of its reward functions.
     for name, worker in (getattr(getattr(cfg, "env", None), "model_extra", None) or {}).items():
         given = [f"env.{name}.{key}" for key in ("max_tool_calls", "tool_timeout_s") if key in worker.model_fields_set]

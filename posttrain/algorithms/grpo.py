@@ -57,7 +57,7 @@ from posttrain.environments.interfaces import LOG_EXTRA_KEY
 from posttrain.evals import mean_pass_at_k
 from posttrain.generation import check_backend_installed
 from posttrain.logging import Logger, Timer
-from posttrain.losses import ClippedPGLoss, NLLLoss, calculate_kl, masked_mean
+from posttrain.losses import ClippedPGLoss, NLLLoss, generation_mismatch, masked_mean
 from posttrain.policy.fsdp_worker import check_compile_backend
 from posttrain.policy.hf_io import load_model_configs
 from posttrain.policy.lm_policy import Policy
@@ -1011,8 +1011,9 @@ def _generation_mismatch(batch: BatchedDataDict, kl_type: str) -> dict[str, floa
     mask = batch["token_mask"]
     # Padding may hold -inf (a sampler's masked-out logprob), whose inf * 0 would be NaN.
     gen, prev = (torch.where(mask > 0, batch[k], 0.0) for k in ("generation_logprobs", "prev_logprobs"))
-    return {"token_mult_prob_error": float(masked_mean(torch.exp((gen - prev).abs()), mask)),
-            "gen_kl_error": float(masked_mean(calculate_kl(gen, prev, kl_type, None, None), mask))}
+    mult_prob_error, gen_kl = generation_mismatch(gen, prev, kl_type)
+    return {"token_mult_prob_error": float(masked_mean(mult_prob_error, mask)),
+            "gen_kl_error": float(masked_mean(gen_kl, mask))}
 
 
 def _generation_logprobs_match(mismatch: dict[str, float], logger: Logger, precision: str) -> bool:

@@ -7,7 +7,7 @@ on the batch dimension, so a row never loses its mask, advantages or metadata.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -73,29 +73,12 @@ class BatchedDataDict(dict):
                 out[k] = [v[i] for i in idx.tolist()]
         return out
 
-    def reorder_data(self, reorder_indices: Sequence[int] | torch.Tensor) -> "BatchedDataDict":
-        """Reorder the rows in place so that new row j is old row `reorder_indices[j]`; returns self."""
-        idx = torch.as_tensor(reorder_indices, dtype=torch.long).reshape(-1)
-        if sorted(idx.tolist()) != list(range(self.size)):
-            raise ValueError(f"reorder_data needs a permutation of range({self.size}), got {idx.tolist()}")
-        self.update(self.select_indices(idx))
-        return self
-
     def slice(self, start: int, end: int) -> "BatchedDataDict":
         """Rows `start:end` (views of the tensors, copies of the lists)."""
         out = type(self)()
         for k, v in self.items():
             out[k] = v[start:end]
         return out
-
-    def get_batch(self, batch_idx: int, batch_size: int) -> "BatchedDataDict":
-        """The `batch_idx`-th consecutive chunk of `batch_size` rows."""
-        return self.slice(batch_idx * batch_size, (batch_idx + 1) * batch_size)
-
-    def repeat_interleave(self, num_repeats: int) -> "BatchedDataDict":
-        """Each row repeated `num_repeats` times in place: [a, b] -> [a, a, b, b] (generations per prompt)."""
-        idx = torch.arange(self.size).repeat_interleave(num_repeats)
-        return self.select_indices(idx)
 
     # ------------------------------------------------------------------ splitting
 
@@ -122,13 +105,6 @@ class BatchedDataDict(dict):
             for s in range(shards):
                 parts[s].extend(range(start + s * per, start + (s + 1) * per))
         return [self.select_indices(p) for p in parts]
-
-    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator["BatchedDataDict"]:
-        """Consecutive micro-batches of `microbatch_size` rows (the last one may be smaller)."""
-        if microbatch_size < 1:
-            raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-        for start in range(0, self.size, microbatch_size):
-            yield self.slice(start, start + microbatch_size)
 
     # ------------------------------------------------------------------ devices
 

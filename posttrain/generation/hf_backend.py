@@ -27,7 +27,6 @@ from posttrain.generation.interfaces import (
     prepare_prompts,
     unpadded,
     assemble_output,
-    generation_metrics,
     pad_token_id,
 )
 from posttrain.generation.sampling import (GlobalRngSeeds, SamplingSettings, StopChecker, non_finite_error,
@@ -62,7 +61,6 @@ class HFGeneration:
         self.pad_id = pad_token_id(tokenizer)
         self.weight_version = 0
         self._seeds = GlobalRngSeeds(cfg.seed)  # HF samples from torch's global generator
-        self.last_metrics: dict[str, float] = {}
 
     @torch.no_grad()
     def prepare_for_generation(self) -> None:
@@ -88,11 +86,9 @@ class HFGeneration:
         cfg = self.cfg
         prompts, plen, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context, self.pad_id)
         settings = SamplingSettings.from_config(cfg, greedy)
-        t0 = time.perf_counter()
         with self._seeds.call():
             generated, gen_lp, truncated = self._generate(unpadded(prompts, plen), stops, settings)
         out = assemble_output(prompts, plen, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
-        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out
 
     def _generate(self, prompts, stops, s: SamplingSettings):

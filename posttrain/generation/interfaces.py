@@ -211,13 +211,3 @@ def assemble_padded(
         truncated=truncated.bool(),
         prompt_truncated=prompt_truncated.clone().bool(),
     )
-
-
-def generation_metrics(out: BatchedDataDict, seconds: float) -> dict[str, float]:
-    """A backend's `last_metrics` for the output batch `out` of a `generate` that took `seconds`."""
-    tokens = float(out["generation_lengths"].sum())
-    return {
-        "generation/tokens": tokens,
-        "generation/tokens_per_s": tokens / max(seconds, 1e-9),
-        "generation/truncated_prompts": float(out["prompt_truncated"].sum()),
-    }

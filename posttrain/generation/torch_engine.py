@@ -32,7 +32,6 @@ from posttrain.data.packing import round_up
 from posttrain.distributed.weight_sync import load_state_dict_inplace, resolve_state_dict
 from posttrain.generation.interfaces import (
     assemble_padded,
-    generation_metrics,
     pad_token_id,
     prepare_prompts,
 )
@@ -445,7 +444,6 @@ class TorchGeneration:
         self.pad_id = pad_token_id(tokenizer)
         self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
         self.weight_version = 0
-        self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ interface
 
@@ -473,9 +471,7 @@ class TorchGeneration:
         # touching hundreds of per-row tensors (bookkeeping was ~20% of a 512-row GRPO rollout).
         padded, plen, stops, prompt_truncated = prepare_prompts(batch, cfg, self.context, self.pad_id)
         settings = SamplingSettings.from_config(cfg, greedy)
-        t0 = time.perf_counter()
         out = assemble_padded(padded, plen, *self._run(padded, plen, stops, settings), prompt_truncated, self.pad_id)
-        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out
 
     # ------------------------------------------------------------------ the decode loop

@@ -29,7 +29,6 @@ from posttrain.generation.interfaces import (
     prepare_prompts,
     unpadded,
     assemble_output,
-    generation_metrics,
     pad_token_id,
 )
 from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings
@@ -88,7 +87,6 @@ class VllmGeneration:
         )
         self.weight_version = 0
         self._seeds = GlobalRngSeeds(cfg.seed)  # see `generate`
-        self.last_metrics: dict[str, float] = {}
 
     def prepare_for_generation(self) -> None:
         return None
@@ -142,7 +140,6 @@ class VllmGeneration:
             )
             for i, p in enumerate(prompts)
         ]
-        t0 = time.perf_counter()
         with self._seeds.call():
             outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
         generated, gen_lp, truncated = [], [], []
@@ -156,5 +153,4 @@ class VllmGeneration:
             stopped_by_id = bool(toks) and toks[-1] in self.stop_ids  # (EOS ids not among them with ignore_eos)
             truncated.append(c.finish_reason == "length" and not stopped_by_id)
         out = assemble_output(padded, plen, generated, gen_lp, truncated, prompt_truncated, self.pad_id)
-        self.last_metrics = generation_metrics(out, time.perf_counter() - t0)
         return out

@@ -8,30 +8,11 @@ GLOBAL counts so micro-batch losses sum to the global loss; `loss_fn.loss_type` 
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-from posttrain.losses.kl import calculate_kl
+from posttrain.losses.kl import calculate_kl, generation_mismatch
 from posttrain.losses.nll import NLLLoss
 from posttrain.losses.policy_gradient import ClippedPGLoss
 from posttrain.losses.preference import BradleyTerryLoss, DPOLoss, KTOLoss
 from posttrain.losses.utils import masked_mean, valid_counts
 
-# Loss classes by name; each takes its config section (a schema object or a dict).
-LOSSES: dict[str, Callable[[Any], Any]] = {
-    "clipped_pg": ClippedPGLoss,
-    "nll": lambda cfg: NLLLoss(),
-    "dpo": DPOLoss.from_config,  # the `dpo` section
-    "bradley_terry": lambda cfg: BradleyTerryLoss(),
-    "kto": KTOLoss.from_config,  # the `kto` section
-}
-
-
-def build_loss(name: str, cfg: Any = None) -> Any:
-    """The loss registered as `name`, built from `cfg`; an unknown name lists the valid ones."""
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid: {', '.join(sorted(LOSSES))}")
-    return LOSSES[name](cfg)
-
-
-__all__ = ["LOSSES", "BradleyTerryLoss", "ClippedPGLoss", "DPOLoss", "KTOLoss", "NLLLoss", "build_loss", "calculate_kl",
+__all__ = ["BradleyTerryLoss", "ClippedPGLoss", "DPOLoss", "KTOLoss", "NLLLoss", "calculate_kl", "generation_mismatch",
            "masked_mean", "valid_counts"]

@@ -57,3 +57,13 @@ def calculate_kl(
     if output_clamp_value is not None:
         kl = kl.clamp(min=-output_clamp_value, max=output_clamp_value)
     return kl
+
+
+def generation_mismatch(generation_logprobs: torch.Tensor, logprobs: torch.Tensor,
+                        kl_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, how far the generation engine's logprobs are from the policy's: exp|gen - policy|
+    (`token_mult_prob_error`, 1 where they agree) and the `kl_type` estimate of KL(gen || policy)
+    without clamps (`gen_kl_error`); the caller reduces them over its tokens. Both inputs must be
+    finite (padding zeroed)."""
+    return (torch.exp((generation_logprobs - logprobs).abs()),
+            calculate_kl(generation_logprobs, logprobs, kl_type, None, None))

@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
-from posttrain.losses.kl import calculate_kl
+from posttrain.losses.kl import calculate_kl, generation_mismatch
 from posttrain.losses.utils import masked_max, masked_mean, masked_min
 from posttrain.schemas import ClippedPGLossConfig
 
@@ -225,6 +225,7 @@ class ClippedPGLoss:
                 # steps' values; they are left out, as masked_min's +inf leaves out the extremes.
                 return loss, metrics
             entropy = -masked_mean(torch.exp(curr - gen) * curr, mask, global_normalization_factor=toks)
+            mult_prob_error, gen_kl = generation_mismatch(gen, prev, cfg.reference_policy_kl_type)
             metrics |= {
                 "probs_ratio": tok_mean(true_ratio),
                 "probs_ratio_min": masked_min(true_ratio, mask),
@@ -234,8 +235,8 @@ class ClippedPGLoss:
                 "probs_ratio_clamped_max": masked_max(true_clamped, mask),
                 "clip_fraction": tok_mean(clipped_tokens),
                 "dual_clip_fraction": tok_mean(dual_clipped_tokens),
-                "token_mult_prob_error": tok_mean(torch.exp((gen - prev).abs() * mask)),
-                "gen_kl_error": tok_mean(calculate_kl(gen, prev, cfg.reference_policy_kl_type, None, None)),
+                "token_mult_prob_error": tok_mean(mult_prob_error),
+                "gen_kl_error": tok_mean(gen_kl),
                 "approx_entropy": float(entropy),
                 **is_metrics,
             }

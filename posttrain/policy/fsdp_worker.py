@@ -253,7 +253,6 @@ class FSDPPolicyWorker:
         self.gen_engine = None
         self.weights_version = 0  # bumped by every applied optimizer step; generation refits when it lags
         self.gen_version = -1
-        self.last_refit_s = 0.0
         # Logprobs are of logits / the rollouts' sampling temperature (greedy = 0 -> unscaled).
         self._temperature = cfg.generation.temperature or 1.0
         self._model_tokens = 0  # positions through the model in the current train step
@@ -1029,7 +1028,7 @@ class FSDPPolicyWorker:
 
         After each optimizer step the copy is refit in process from the gathered full state
         dict (a collective, so every rank takes part even with an empty shard)."""
-        self.last_refit_s = self.prepare_for_generation()["refit_s"]
+        self.prepare_for_generation()
         if shard.size == 0:
             return BatchedDataDict()
         return self.gen_engine.generate(shard.to("cpu") if self.device.type == "cpu" else shard, greedy=greedy)
@@ -1064,12 +1063,6 @@ class FSDPPolicyWorker:
         refit_s = time.perf_counter() - t0
         log.info("rank %d: generation refit (weights version %d) took %.3f s", self.rank, self.gen_version, refit_s)
         return {"refit_s": refit_s}
-
-    def generation_metrics(self) -> dict[str, float]:
-        """The engine's metrics of the last `generate`, plus the refit seconds before it."""
-        if self.gen_engine is None:
-            return {}
-        return {**self.gen_engine.last_metrics, "generation/refit_s": self.last_refit_s}
 
 
 def _reshard(model: torch.nn.Module) -> None:

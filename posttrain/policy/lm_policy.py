@@ -172,12 +172,6 @@ class Policy:
         # Every rank generates on its own full copy of the weights: a share of the rows each.
         return self._sharded("generate", batch, greedy, pad_values={"output_ids": self.pad_id}, replicas=1)
 
-    @property
-    def last_generation_metrics(self) -> dict[str, float]:
-        """Rank 0's engine metrics of the last `generate` and the refit before it (fetched on
-        access, so that generate itself is one round trip)."""
-        return self.workers.get(self.workers.run_all("generation_metrics"))[0]
-
     def prepare_for_generation(self, force: bool = False) -> dict[str, float]:
         """Refit the generation copies to the current weights (`force`: even when they hold them,
         which restarts their samplers' streams); returns {"refit_s": seconds (rank 0)}."""

@@ -141,7 +141,14 @@ def test_reinforce_pp_global_normalization():
 
 
 def test_registry_and_errors():
+    import typing
+
+    from posttrain.schemas import GRPOConfig
+
     assert sorted(ADVANTAGE_ESTIMATORS) == ["dr_grpo", "grpo", "reinforce_pp", "rloo"]
+    # The config's choices: the registry's, and distillation's (its advantages need the teacher's logprobs).
+    choices = typing.get_args(GRPOConfig.model_fields["adv_estimator"].annotation)
+    assert sorted(choices) == sorted([*ADVANTAGE_ESTIMATORS, "on_policy_distillation"])
     assert compute_advantages("grpo", REWARDS, GROUPS, leave_one_out=False, normalize=False).tolist() == approx(
         [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, -0.5, 0.5]
     )

@@ -1458,6 +1458,27 @@ def test_settings_a_default_mode_leaves_unread_are_named_with_their_origin(tmp_p
                                "of its reward functions); it is null (the default), so it changes nothing"]
 
 
+def test_nemo_rl_keys_nothing_reads_are_named_when_changed(caplog):
+    # Accepted so that NeMo RL configs load; changed, they were taken without a word.
+    with caplog.at_level("WARNING", logger="posttrain.config"):
+        load_config("sft", None, ["sft.val_micro_batch_size=1"])  # the default
+        load_config("sft", None, ["sft.val_micro_batch_size=8"])
+        load_config("grpo", None, ["policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
+                                   "policy.generation.vllm_cfg.async_engine=true"])
+        load_config("dpo", None, ["logger.monitor_gpus=true", "logger.gpu_monitoring.flush_interval=3"])
+    unread = "a NeMo RL key posttrain accepts and does not read"
+    assert caplog.messages == [
+        f"sft.val_micro_batch_size (command line): {unread} (validation forwards use policy.logprob_batch_size), so "
+        "it changes nothing",
+        f"policy.generation.vllm_cfg.async_engine (command line): {unread} (the vLLM backend runs its offline "
+        "engine), so it changes nothing",
+        f"logger.gpu_monitoring.flush_interval (command line): {unread} (GPU readings are logged with each step's "
+        "metrics), so it changes nothing"]
+    with pytest.raises(ConfigError, match=r"sft.per_device_eval_batch_size' \(posttrain's name for it: "
+                                          r"policy.logprob_batch_size\)"):
+        load_config("sft", None, ["sft.per_device_eval_batch_size=3"])
+
+
 @pytest.mark.parametrize("command", ["grpo", "sft"])
 def test_a_validation_metric_of_a_run_that_validates_at_no_save_is_named(command, caplog):
     # Every checkpoint ranked "not measured" (newest first, as without a metric); each save warned.

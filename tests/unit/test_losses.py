@@ -13,7 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from posttrain.losses import LOSSES, ClippedPGLoss, build_loss, masked_mean, valid_counts
+from posttrain.losses import ClippedPGLoss, masked_mean, valid_counts
 from posttrain.schemas import ClippedPGLossConfig
 
 L = math.log
@@ -380,9 +380,6 @@ def test_config_defaults_validation_and_pickling():
     assert loss_fn.loss_type == "token" and loss_fn.needs_pairs is False
     assert ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False)).loss_type == "sequence"
     assert pickle.loads(pickle.dumps(loss_fn)).cfg == loss_fn.cfg
-    assert isinstance(build_loss("clipped_pg", {}), ClippedPGLoss) and "clipped_pg" in LOSSES
-    with pytest.raises(ValueError, match="clipped_pg"):
-        build_loss("nope", {})
     with pytest.raises(ValidationError, match="token_level_loss=false"):
         ClippedPGLoss({"sequence_level_importance_ratios": True})
     with pytest.raises(ValidationError, match="use_importance_sampling_correction"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from posttrain.data.batch import BatchedDataDict
-from posttrain.losses import LOSSES, BradleyTerryLoss, DPOLoss, NLLLoss, build_loss, valid_counts
+from posttrain.losses import BradleyTerryLoss, DPOLoss, NLLLoss, valid_counts
 from posttrain.losses.preference import preference_pair_losses
 from posttrain.schemas import DPOConfig
 
@@ -172,18 +172,17 @@ def test_bad_inputs_and_registry():
     with pytest.raises(ValueError, match=r"scores \[b\]"):
         BradleyTerryLoss()(torch.zeros(2, 3), BatchedDataDict(sample_mask=torch.ones(2)), torch.tensor(1.0),
                            torch.tensor(2.0))
-    dpo = build_loss("dpo", DPOConfig(reference_policy_kl_penalty=0.2, preference_average_log_probs=True))
+    dpo = DPOLoss.from_config(DPOConfig(reference_policy_kl_penalty=0.2, preference_average_log_probs=True))
     assert (dpo.beta, dpo.average_log_probs, dpo.sft_average_log_probs, dpo.name) == (0.2, True, True, "sigmoid")
     # Unset: each loss's convention (sums for DPO, means for IPO and SimPO); the SFT term follows.
     for name, average in (("sigmoid", False), ("ipo", True), ("simpo", True), ("orpo", True)):
-        fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": name}}))
+        fn = DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": name}}))
         assert (fn.average_log_probs, fn.sft_average_log_probs) == (average, average), name
         # Unset, the SFT term is ORPO's NLL half (weight 1) and off for the others.
         assert fn.sft_loss_weight == (1.0 if name == "orpo" else 0.0), name
-    assert build_loss("dpo", DPOConfig.model_validate({"loss": {"name": "orpo"}, "sft_loss_weight": 0})).sft_loss_weight == 0
-    fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": "ipo"}, "preference_average_log_probs": False}))
+    assert DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": "orpo"}, "sft_loss_weight": 0})).sft_loss_weight == 0
+    fn = DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": "ipo"}, "preference_average_log_probs": False}))
     assert not fn.average_log_probs
-    assert {"nll", "dpo", "bradley_terry"} <= set(LOSSES)
     for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
         assert fn.loss_type in ("token", "sequence")
     assert dpo.needs_pairs and BradleyTerryLoss.needs_pairs and not NLLLoss.needs_pairs
@@ -280,7 +279,7 @@ def test_kto_hand_computed_and_summed_over_micro_batches():
     assert m1["rewards_desirable_mean"] == pytest.approx(beta * sum(r) / 3)
     from posttrain.schemas import KTOConfig
 
-    built = build_loss("kto", KTOConfig(reference_policy_kl_penalty=0.2, undesirable_weight=2.0))
+    built = KTOLoss.from_config(KTOConfig(reference_policy_kl_penalty=0.2, undesirable_weight=2.0))
     assert (built.beta, built.desirable_weight, built.undesirable_weight) == (0.2, 1.0, 2.0)
     with pytest.raises(ValueError, match="KTO needs beta > 0"):
         KTOLoss(0.0)
@@ -300,9 +299,9 @@ def test_robust_hinge_and_label_smoothing_hand_computed():
     assert preference_pair_losses(c, r, 0.5, "hinge").item() == 0.0  # margin reached: no loss, no gradient
     # Through the config: sums of logprobs for robust and hinge (as TRL), as for sigmoid.
     for name in ("robust", "hinge"):
-        fn = build_loss("dpo", DPOConfig.model_validate({"loss": {"name": name, "label_smoothing": 0.0}}))
+        fn = DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": name, "label_smoothing": 0.0}}))
         assert fn.name == name and not fn.average_log_probs
-    assert build_loss("dpo", DPOConfig.model_validate({"loss": {"label_smoothing": 0.2}})).label_smoothing == 0.2
+    assert DPOLoss.from_config(DPOConfig.model_validate({"loss": {"label_smoothing": 0.2}})).label_smoothing == 0.2
     from posttrain.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"dpo.loss.label_smoothing=0.1 is of the sigmoid and robust losses; "
