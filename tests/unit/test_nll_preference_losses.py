@@ -180,7 +180,8 @@ def test_bad_inputs_and_registry():
         assert (fn.average_log_probs, fn.sft_average_log_probs) == (average, average), name
         # Unset, the SFT term is ORPO's NLL half (weight 1) and off for the others.
         assert fn.sft_loss_weight == (1.0 if name == "orpo" else 0.0), name
-    assert DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": "orpo"}, "sft_loss_weight": 0})).sft_loss_weight == 0
+    orpo = DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": "orpo"}, "sft_loss_weight": 0}))
+    assert orpo.sft_loss_weight == 0
     fn = DPOLoss.from_config(DPOConfig.model_validate({"loss": {"name": "ipo"}, "preference_average_log_probs": False}))
     assert not fn.average_log_probs
     for fn in (NLLLoss(), dpo, BradleyTerryLoss()):
