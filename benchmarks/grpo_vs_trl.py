@@ -42,7 +42,8 @@ step (speed part: one step per batch; accuracy part: the quickstart's
 several steps per batch both sides compute the pre-update log-probs in an extra pass); AdamW
 with the same lr/betas/weight decay, constant LR, grad-norm clip; temperature 1, top-p 1, no
 top-k; the same precision (`--precision`, float32 by default; the accuracy part takes the
-quickstart's; TRL `bf16=True` for bfloat16). Reward: exact match of the stripped completion
+quickstart's; TRL `bf16=True` for bfloat16); no activation (gradient) checkpointing (TRL's
+configs turn it on by default; runs before 2026-12-02 had it on for TRL). Reward: exact match of the stripped completion
 against the row's answer (posttrain's arithmetic environment; TRL: a reward function doing
 the same). Prompts: posttrain's arithmetic rows rendered by the tokenizer's chat template
 (identical token ids on both sides; checked at TRL start-up).
