@@ -814,9 +814,13 @@ def format_errors(
         key = _loc_to_key(tuple(e["loc"]), schema)
         if key not in skip:  # already reported as an interpolation that did not resolve
             by_key.setdefault(key, []).append(e)
+
+    def full_key(inner: str) -> str:
+        return prefix + inner if inner else prefix.rstrip(".")
+
     def as_written(item: tuple[str, Any]) -> tuple[int, str, int]:
         # In the order the keys were written: file by file, line by line, then the command line's.
-        where = _origin_of(prefix + item[0] if item[0] else prefix.rstrip("."), origins)
+        where = _origin_of(full_key(item[0]), origins)
         path, _, line = (where or "").rpartition(":")
         if where is None or where.startswith(_CMDLINE) or not line.isdigit():
             return (1 if where else 2, "", 0)
@@ -824,7 +828,7 @@ def format_errors(
 
     lines = []
     for inner, errs in sorted(by_key.items(), key=as_written):
-        first, key = errs[0], prefix + inner if inner else prefix.rstrip(".")
+        first, key = errs[0], full_key(inner)
         if first["type"] == "extra_forbidden":
             # A misspelt section holding one key (`polcy.max_grad_nrom=1`): the whole key is
             # suggested (policy.max_grad_norm), not the section alone and the next typo later.

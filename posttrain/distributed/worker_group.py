@@ -14,6 +14,7 @@ a worker there (same Python and ray versions as the driver).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -73,6 +74,21 @@ print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "ray": ray, "missing
 """
 
 
+class _ProbeFailed(Exception):
+    """The probe's interpreter exited with an error (the message: the end of its stderr)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(python: str, needs: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+    """What `_PROBE` finds in `python`, run once per process for each (python, needs): GRPO's setup
+    checks its generation workers' interpreter before Ray starts, and the workers again when they
+    start (a failure is not cached: it raises)."""
+    proc = subprocess.run([python, "-c", _PROBE, *needs], capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise _ProbeFailed(proc.stderr.strip()[-500:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def check_python_executable(python: str, what: str = "py_executable", timeout_s: float = 60.0,
                             needs: tuple[str, ...] = (), hint: str = "") -> None:
     """Raise ValueError naming `what` unless `python` runs, has this driver's Python (major.minor)
@@ -80,12 +96,11 @@ def check_python_executable(python: str, what: str = "py_executable", timeout_s:
     can import the modules `needs` (else they failed in the first actor, after the policy had
     loaded; `hint` says where to get them)."""
     try:
-        proc = subprocess.run([python, "-c", _PROBE, *needs], capture_output=True, text=True, timeout=timeout_s)
-        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+        found = _probe(python, tuple(needs), timeout_s)
+    except _ProbeFailed as e:
+        raise ValueError(f"{what}={python!r} does not run: {e}") from None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
         raise ValueError(f"{what}={python!r} does not run ({type(e).__name__}: {e})") from None
-    if found is None:
-        raise ValueError(f"{what}={python!r} does not run: {proc.stderr.strip()[-500:]}")
     want = {"python": "%d.%d" % sys.version_info[:2], "ray": ray.__version__}
     wrong = [f"{k} {found[k] or '(not installed)'}, the driver has {want[k]}" for k in want if found[k] != want[k]]
     if wrong:

@@ -33,6 +33,7 @@ from posttrain.generation.interfaces import (
 )
 from posttrain.generation.sampling import GlobalRngSeeds, SamplingSettings
 from posttrain.generation.torch_engine import stop_token_ids
+from posttrain.policy.hf_io import DTYPES
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -100,7 +101,7 @@ class VllmGeneration:
         sd = resolve_state_dict(state_dict_or_ref)
         # In the engine's dtype: vLLM casts them anyway, with a warning per tensor at every refit
         # (the float32 master weights into a bf16 engine: ~20 lines per step for the tiny model).
-        dtype = getattr(torch, self.dtype_name)
+        dtype = DTYPES[self.dtype_name]
         weights = [(k, v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()

@@ -102,7 +102,7 @@ class GenerationWorkerGroup:
         python = cfg.vllm_cfg.python if backend == "vllm" else None
         runtime_env = None
         if python is not None:
-            check_python_executable(python, what="policy.generation.vllm_cfg.python")
+            check_python_executable(python, what="policy.generation.vllm_cfg.python", needs=("vllm",))
             runtime_env = {"py_executable": shlex.quote(python)}  # Ray runs it through bash
         tokenizer_path = resolve_model_path(tokenizer_path or model_path)
         self.workers = RayWorkerGroup(cluster, GenerationWorker, backend, resolve_model_path(model_path),

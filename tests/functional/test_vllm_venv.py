@@ -118,6 +118,16 @@ def test_python_executable_is_checked_before_any_actor(tmp_path):
     broken.chmod(0o755)
     with pytest.raises(ValueError, match="does not run: boom"):
         check_python_executable(str(broken))
+    # Probed once per process (GRPO's setup checks the generation workers' interpreter, then the
+    # workers do): a second check runs nothing.
+    runs = tmp_path / "runs"
+    counted = tmp_path / "counted"
+    counted.write_text(f"#!/bin/sh\necho run >> {runs}\necho '" + json.dumps(
+        {"python": "%d.%d" % sys.version_info[:2], "ray": ray.__version__, "missing": []}) + "'\n")
+    counted.chmod(0o755)
+    check_python_executable(str(counted), needs=("vllm",))
+    check_python_executable(str(counted), what="policy.generation.vllm_cfg.python", needs=("vllm",))
+    assert runs.read_text().splitlines() == ["run"]
 
 
 @needs_vllm_venv
