@@ -66,8 +66,14 @@ def _group_sum(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
 def _batch_mean_std(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and sample std (Bessel) of `x [N]` over the samples where `valid [N]` (float 0/1) is 1."""
     n = valid.sum()
-    mean = (x * valid).sum() / n.clamp(min=1)
-    return mean, torch.sqrt((valid * (x - mean).square()).sum() / (n - 1).clamp(min=1))
+    mean = _only(x, valid).sum() / n.clamp(min=1)
+    return mean, torch.sqrt(_only((x - mean).square(), valid).sum() / (n - 1).clamp(min=1))
+
+
+def _only(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`x` where `valid` is 1, else 0: a left-out sample's NaN or inf reward times 0 stayed NaN
+    and took its group's (REINFORCE++: the batch's) statistics with it."""
+    return torch.where(valid > 0, x, torch.zeros_like(x))
 
 
 def baseline_and_std(
@@ -89,20 +95,23 @@ def baseline_and_std(
         valid samples of the group (the group's spread, the same for every member).
         A group with fewer than 2 valid samples has nothing to compare with, and one whose valid
         rewards are all equal no spread: its baseline is each sample's own reward (advantage 0
-        exactly) and its std is 0.
+        exactly) and its std is 0. Both float64: rewards that differ by about one float32 step
+        (a reward model's scores) have a float32 mean whose rounding is as large as their spread,
+        and over that tiny std every sample of such a group got a positive advantage.
     """
-    r = rewards.float()
+    r = rewards.double()
     inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    valid = valid.double()
     n_g = _group_sum(valid, inverse, n_groups)
-    sum_g = _group_sum(r * valid, inverse, n_groups)
+    sum_g = _group_sum(_only(r, valid), inverse, n_groups)
     mean_g = sum_g / n_g.clamp(min=1)
     n, s = n_g[inverse], sum_g[inverse]
     if leave_one_out:
         others = n - valid
-        baseline = (s - r * valid) / others.clamp(min=1)
+        baseline = (s - _only(r, valid)) / others.clamp(min=1)
     else:
         baseline = mean_g[inverse]
-    sq_dev_g = _group_sum(valid * (r - mean_g[inverse]).square(), inverse, n_groups)
+    sq_dev_g = _group_sum(_only((r - mean_g[inverse]).square(), valid), inverse, n_groups)
     std = torch.sqrt(sq_dev_g / (n_g - 1).clamp(min=1))[inverse]
     # A group whose valid rewards are all equal is told so, not computed: its mean rounds (eight
     # rewards of 0.9 sum and divide to 0.9 + 1 ulp in float32), and that residue over a 1-ulp std
@@ -131,20 +140,21 @@ def grpo_advantages(
     the batch (Bessel), one scale for every group: Lite PPO's group mean with batch std, Liu et
     al. https://arxiv.org/abs/2508.08221 (TRL's `scale_rewards="batch"`), under which a group with
     one success in 16 (group std 0.25) is not pushed twice as hard as one split evenly (0.52);
-    "none" (or False) no division. `[N]` rewards and group ids -> `[N]` advantages. A group whose
-    rewards are all equal has advantage 0 with any baseline and scale.
+    "none" (or False) no division. `[N]` rewards and group ids -> `[N]` float32 advantages. A group
+    whose rewards are all equal has advantage 0 with any baseline and scale, and so has a sample
+    `valid_mask` leaves out (it has no verdict to compare).
     """
     scale = {True: "group", False: "none"}.get(normalize, normalize)
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"normalize={normalize!r}: expected 'group' (or True), 'batch' or 'none' (or False)")
     baseline, std = baseline_and_std(rewards, group_ids, valid_mask, leave_one_out)
-    adv = rewards.float() - baseline
+    adv = rewards.double() - baseline
+    _, valid, _ = _groups(adv, group_ids, valid_mask)
     if scale == "batch":
-        _, valid, _ = _groups(adv, group_ids, valid_mask)
-        std = _batch_mean_std(rewards.float(), valid)[1].expand_as(adv)
+        std = _batch_mean_std(rewards.double(), valid)[1].expand_as(adv)
     if scale != "none":
         adv = torch.where(std > 0, adv / torch.where(std > 0, std, torch.ones_like(std)), adv)
-    return adv
+    return _only(adv, valid).float()
 
 
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, valid_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,15 +178,16 @@ def reinforce_pp_advantages(
     valid samples of the whole batch (global batch normalization). https://arxiv.org/abs/2501.03262
 
     Groups with a single valid sample keep a_i = r_i (no baseline, the original REINFORCE++).
-    `[N]` -> `[N]`; a batch with zero spread gives the centred values unscaled.
+    `[N]` -> `[N]` (float32; 0 for a sample `valid_mask` leaves out); a batch with zero spread
+    gives the centred values unscaled.
     """
-    r = rewards.float()
+    r = rewards.double()
     inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
     baseline, _ = baseline_and_std(r, group_ids, valid, leave_one_out=False)
     n = _group_sum(valid, inverse, n_groups)[inverse]
     centred = torch.where(n >= 2, r - baseline, r)
     mean, std = _batch_mean_std(centred, valid)
-    return (centred - mean) / std if std > 0 else centred - mean
+    return _only((centred - mean) / std if std > 0 else centred - mean, valid).float()
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {

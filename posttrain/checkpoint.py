@@ -311,9 +311,9 @@ def take_stop_at_once() -> str | None:
 def stop_at_once_on_sigterm() -> None:
     """From now on (in the main thread) SIGTERM raises `StopAtOnce`, as Ctrl-C raises
     KeyboardInterrupt: the setup's and warm-up's undo steps stop what they started and the CLI
-    exits with 143. Called when the job starts, and again after `ray.init`, which replaces it
-    (`cluster.init_ray` turns the SIGTERM Ray's own handler meets into this too) and leaves
-    SIGTERM to Ray's C++ failure handler: it printed a stack dump and aborted the driver (exit
+    exits with 143. Called when the job starts, and again after `ray.init` (`cluster.init_ray`,
+    which holds a stop signal that comes while Ray starts and acts on it after), whose C++ core
+    installs its failure handler for SIGTERM: it printed a stack dump and aborted the driver (exit
     status 134) during the setup or GRPO's warm-up SFT. The training loop's `stop_on_signals` takes SIGTERM over and restores this after."""
     if threading.current_thread() is not threading.main_thread():
         return

@@ -312,6 +312,11 @@ def _text(value: Any, loc: str, what: str, allow_empty: bool = False) -> str:
         raise DataFormatError(f"{loc}: `{what}` must be a string, got {type(value).__name__}: {value!r:.80}")
     if not allow_empty and not value.strip():
         raise DataFormatError(f"{loc}: `{what}` is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" without its pair: the tokenizer took it for no text
+        raise DataFormatError(f"{loc}: `{what}` is not valid text: a lone UTF-16 surrogate "
+                              f"{value[e.start]!r} at character {e.start}") from None
     return value
 
 
@@ -523,6 +528,9 @@ def _response(value: Any, loc: str, what: str) -> list[dict[str, str]]:
         return [{"role": "assistant", "content": _text(value, loc, what)}]
     if isinstance(value, dict):
         return [_message(value, loc, what)]
+    if not isinstance(value, list):
+        raise DataFormatError(f"{loc}: `{what}` must be a string, a message or a list of messages, got "
+                              f"{type(value).__name__}: {value!r:.80}")
     return _messages(value, loc, what)
 
 
@@ -727,14 +735,17 @@ def _from_preference(row: dict[str, Any], loc: str) -> dict[str, Any]:
     rejected = ([{"role": "assistant", "content": ""}] if _empty_answer(row["rejected"])
                 else _response(row["rejected"], loc, "rejected"))
     # `instruction` (with `input`): LLaMA-Factory's alpaca preference layout; `question` a plain one.
-    context_key = next((k for k in ("conversations", "prompt", "messages", "context", "instruction", "question")
-                        if row.get(k)), None)
+    context_keys = ("conversations", "prompt", "messages", "context", "instruction", "question")
+    context_key = next((k for k in context_keys if row.get(k)), None)
+    # A prompt column whose value is null or empty leaves the pair to say its prompt itself; if it
+    # cannot, that column is what the error names.
+    blank = next((f" (`{k}` is {'null' if row[k] is None else 'empty'})" for k in context_keys if k in row), "")
     if context_key == "instruction":
         prompt = _alpaca_prompt(row, loc, "preference")
     elif context_key is None and len(chosen) == len(rejected) == 1 and isinstance(row["chosen"], str):
-        prompt, chosen, rejected = _split_shared_text(chosen[0]["content"], rejected[0]["content"], loc)
+        prompt, chosen, rejected = _split_shared_text(chosen[0]["content"], rejected[0]["content"], loc + blank)
     elif context_key is None:
-        prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc)
+        prompt, chosen, rejected = _split_shared_prefix(chosen, rejected, loc + blank)
     else:
         if isinstance(row[context_key], str):
             prompt = [{"role": "user", "content": _text(row[context_key], loc, context_key)}]

@@ -12,6 +12,7 @@ places them before any worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -81,28 +82,72 @@ def init_ray(cfg: ClusterConfig) -> None:
     where = "cluster.address" if cfg.address else "the RAY_ADDRESS environment variable"
     if address:
         _check_reachable(address, where)
-    try:
-        # No address: a Ray of this job's own ("local"); ray.init() without one joined the latest
-        # cluster `ray start` had left on this machine, someone else's, whose placement waits then
-        # waited out placement_timeout_s instead of failing at once.
-        ray.init(address=address or "local", include_dashboard=False)
-    except ValueError as e:  # an address Ray cannot parse ("Invalid address format"): RAY_ADDRESS's
-        raise InputError(f"{where}={address!r}: Ray refuses it ({e}); give 'auto', '<host>:<port>' or "
-                         "'ray://<host>:<port>'") from None
-    except ConnectionError as e:  # "auto" with no cluster running here (a traceback of Ray's)
-        raise InputError(f"{where}={address!r}: no Ray cluster to join ({str(e).splitlines()[0]}); start one "
-                         "(`ray start --head`) or unset it to run on a local Ray of this job's own") from None
-    except (SystemExit, KeyboardInterrupt) as e:
-        # A stop signal while Ray starts: its own SIGTERM handler (set first thing in `ray.init`)
-        # exits with status 15, which skipped the CLI's message and left the node's processes
-        # started so far running. Stop them, and stop as a SIGTERM anywhere else in the setup does.
+    with _stop_signals_held() as held:
         try:
-            ray.shutdown()
-        finally:
-            if isinstance(e, SystemExit) and e.code == signal.SIGTERM:
-                raise StopAtOnce("SIGTERM") from None
-        raise
+            # No address: a Ray of this job's own ("local"); ray.init() without one joined the latest
+            # cluster `ray start` had left on this machine, someone else's, whose placement waits then
+            # waited out placement_timeout_s instead of failing at once.
+            ray.init(address=address or "local", include_dashboard=False)
+        except ValueError as e:  # an address Ray cannot parse ("Invalid address format"): RAY_ADDRESS's
+            raise InputError(f"{where}={address!r}: Ray refuses it ({e}); give 'auto', '<host>:<port>' or "
+                             "'ray://<host>:<port>'") from None
+        except ConnectionError as e:  # "auto" with no cluster running here (a traceback of Ray's)
+            raise InputError(f"{where}={address!r}: no Ray cluster to join ({str(e).splitlines()[0]}); start one "
+                             "(`ray start --head`) or unset it to run on a local Ray of this job's own") from None
+        except (SystemExit, KeyboardInterrupt) as e:
+            # A second stop signal while Ray starts (or the first, where it could not be held): stop
+            # the node's processes started so far, and stop as a SIGTERM anywhere else in the setup does.
+            try:
+                ray.shutdown()
+            finally:
+                if isinstance(e, SystemExit) and e.code == signal.SIGTERM:
+                    raise StopAtOnce("SIGTERM") from None
+            raise
+    if held:
+        ray.shutdown()
+        raise StopAtOnce(held[0])
     stop_at_once_on_sigterm()
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """Within this block (`ray.init`), a first SIGTERM or SIGINT is held: its name is appended to
+    the list yielded, to be acted on once Ray has started; a second one raises `StopAtOnce`.
+    Why: acting on it inside `ray.init` (Ray sets a SIGTERM handler there that raises SystemExit)
+    tore down a half-built core worker. The driver then aborted with "terminate called without
+    an active exception" (exit 134, no message; 1 run in 4 with the signal ~0.35 s after the
+    raylet started) or hung forever: the failure signal handler of Ray's C++ core, which had
+    chained that SIGTERM to Python's from another thread, then parks every later thread that
+    meets a failure signal, here the abort. Ray's handlers come through
+    `ray._private.utils.set_sigterm_handler` (not public API), which is idle within the block;
+    where it is missing, the first signal stops Ray's start as before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    held: list[str] = []
+
+    def hold(signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if held:
+            raise StopAtOnce(name)
+        held.append(name)
+        log.warning("%s received while Ray starts: stopping once it has started", name)
+
+    wanted = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in wanted}
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    ray_sets = getattr(utils, "set_sigterm_handler", None)
+    for s in wanted:
+        signal.signal(s, hold)
+    if ray_sets is not None:
+        utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield held
+    finally:
+        if ray_sets is not None:
+            utils.set_sigterm_handler = ray_sets
+        for s, h in previous.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: a handler not set from Python
 
 
 def local_ray_node_lost() -> bool:

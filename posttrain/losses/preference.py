@@ -74,9 +74,18 @@ def _log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
 
 
 def _pair_mask(sample_mask: torch.Tensor) -> torch.Tensor:
+    """`[P]` 0/1 per pair from the `[2P]` rows' sample mask, which must keep or drop a pair's two
+    rows together: the losses divide by global_valid_seqs / 2, the valid pairs only then (a lone
+    masked row scaled the loss by 2P / (2P + 1))."""
     if sample_mask.shape[0] % 2:
         raise ValueError(f"a pair batch needs an even number of rows (chosen, rejected), got {sample_mask.shape[0]}")
-    return sample_mask[0::2] * sample_mask[1::2]
+    chosen, rejected = sample_mask[0::2], sample_mask[1::2]
+    split = torch.nonzero(chosen != rejected).flatten()
+    if split.numel():
+        i = int(split[0])
+        raise ValueError(f"sample_mask keeps one row of pair {i} (rows {2 * i}, {2 * i + 1}: "
+                         f"{chosen[i].item():g}, {rejected[i].item():g}); mask a pair's chosen and rejected together")
+    return chosen
 
 
 def _mean(pair_mask: torch.Tensor, n_pairs: torch.Tensor, values: torch.Tensor) -> float:

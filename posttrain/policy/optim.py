@@ -57,8 +57,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
         kwargs["fused"] = True
     try:
         return cls(params, **kwargs)
-    except (TypeError, ValueError) as e:  # an unknown keyword; a value torch refuses ("Invalid learning rate")
-        raise InputError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - an unknown keyword, a value torch refuses ("Invalid learning
+        # rate"), one it indexes (betas=[0.9]: IndexError), or whatever another class raises
+        raise InputError(f"policy.optimizer.kwargs {cfg.kwargs} do not fit {cls.__name__}: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def check_optimizer(cfg: Any) -> None:

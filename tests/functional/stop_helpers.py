@@ -38,6 +38,18 @@ def grpo_command(tmp_path: Path, steps: int, val_period: int = 0) -> list[str]:
             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"]
 
 
+def _left(proc: subprocess.Popen, job: psutil.Process) -> str:
+    """What keeps a signalled command's output open: the processes still in its or its job's
+    session, with their state (a rare failure; this says which process and where)."""
+    sessions = {proc.pid, job.pid}
+    left = []
+    for p in psutil.process_iter(["pid", "status", "cmdline"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(p.pid) in sessions:
+                left.append(f"{p.pid} {p.info['status']} {' '.join(p.info['cmdline'] or [])[:200]}")
+    return "; ".join(left) or "no process left"
+
+
 def exited(process: psutil.Process) -> bool:
     """Gone, or a zombie (an orphan waits for its reaper, which a container may not run)."""
     try:
@@ -58,7 +70,10 @@ def signal_when(proc: subprocess.Popen, ready, sig: signal.Signals, to_group: bo
         [job] = psutil.Process(proc.pid).children()
         assert os.getsid(job.pid) == job.pid != os.getsid(proc.pid)
         os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)  # the pipe ends when the job has exited too
+        try:
+            out, _ = proc.communicate(timeout=90)  # the pipe ends when the job has exited too
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"no end 90 s after {sig.name}: {_left(proc, job)}") from e
         assert exited(job)
         return out
     finally:

@@ -117,6 +117,51 @@ def test_a_ray_address_ray_cannot_parse_is_an_input_error_naming_where_it_came_f
     assert time.monotonic() - start < 10
 
 
+_SIGNAL_WHILE_RAY_STARTS = """
+import logging, os, signal, sys, threading, time
+import ray
+from posttrain.checkpoint import StopAtOnce
+from posttrain.distributed.cluster import init_ray
+from posttrain.schemas import ClusterConfig
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+sig = getattr(signal, sys.argv[1])
+
+def send_once_the_node_runs():  # ray.init has started the node and connects to it next
+    while ray._private.worker._global_node is None:
+        time.sleep(0.005)
+    os.kill(os.getpid(), sig)
+
+threading.Thread(target=send_once_the_node_runs, daemon=True).start()
+try:
+    init_ray(ClusterConfig())
+except StopAtOnce as e:
+    print("stopped", e.signal_name, ray.is_initialized(), ray._private.worker._global_node, flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_ray_starts_is_held_until_it_has_started(sig):
+    # Acted on inside ray.init (Ray's handler raised SystemExit there), it tore down a half-built
+    # core worker: the driver aborted ("terminate called without an active exception", exit 134)
+    # or hung for good, 1 run in 4 with the signal at this point.
+    import shutil
+    import subprocess
+    import tempfile
+
+    ray_tmpdir = tempfile.mkdtemp(prefix="pt-ray-", dir="/tmp")  # Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmpdir, "RAY_AUTH_MODE": "disabled"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_RAY_STARTS, sig], env=env, capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == f"stopped {sig} False None", out.stdout + out.stderr
+    assert f"{sig} received while Ray starts: stopping once it has started" in out.stderr
+    assert "terminate called" not in out.stderr
+
+
 def test_cpu_workers_keep_freed_memory_for_the_next_step(group):
     # runtime.keep_freed_memory in every worker without a GPU: 0-40k faults, ~400k otherwise (glibc maps
     # and unmaps blocks this large one by one), see tests/unit/test_runtime.py.

@@ -118,6 +118,31 @@ def test_a_group_of_equal_fractional_rewards_gets_exactly_zero_advantage(reward)
     assert adv[12:].tolist() == approx([-S2, S2])
 
 
+def test_rewards_one_float32_step_apart_keep_the_signs_of_their_differences():
+    # In float32 the group mean's rounding was as large as the spread: every sample of
+    # [0.9, 0.9, 0.9, 0.9 + 1 ulp] came out positive (0, 0, 0, 1.73; leave-one-out all > 0).
+    rewards = torch.tensor([0.9, 0.9, 0.9, 0.9 + 1e-7])
+    groups = torch.zeros(4, dtype=torch.long)
+    assert grpo_advantages(rewards, groups, leave_one_out=False).tolist() == approx([-0.5, -0.5, -0.5, 1.5])
+    assert grpo_advantages(rewards, groups, leave_one_out=True).tolist() == approx([-2 / 3] * 3 + [2.0])
+    seven = torch.tensor([0.3] * 7 + [0.3 + 3e-8])
+    adv = grpo_advantages(seven, torch.zeros(8, dtype=torch.long), leave_one_out=False)
+    assert adv.dtype == torch.float32 and adv[:7].tolist() == approx([-1 / 8 ** 0.5] * 7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_left_out_non_finite_reward_touches_nothing(bad):
+    rewards = torch.tensor([1.0, bad, 0.5, 0.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    valid = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    clean = torch.tensor([1.0, 0.5, 0.0, 1.0, 0.0])
+    keep = [0, 2, 3, 4, 5]
+    for name in ADVANTAGE_ESTIMATORS:
+        got = compute_advantages(name, rewards, groups, valid)
+        want = compute_advantages(name, clean, torch.tensor([0, 0, 0, 1, 1]))
+        assert got[1].item() == 0.0 and got[keep].tolist() == approx(want.tolist()), name
+
+
 def test_rloo_and_dr_grpo():
     assert compute_advantages("rloo", REWARDS, GROUPS).tolist() == approx(
         [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0, -1.0, 1.0]

@@ -993,6 +993,13 @@ def test_trl_standard_implicit_prompt_pairs_split_at_their_last_shared_word():
     with pytest.raises(DataFormatError, match=r"f row 1: preference row has no shared context: `chosen` and "
                                               r"`rejected` are texts that do not start with the same words"):
         split("Paris is big", "Rome is big")
+    # A null prompt column is what such a row's error names (it explained only the texts').
+    with pytest.raises(DataFormatError, match=r"f row 3 \(`prompt` is null\): preference row has no shared context"):
+        normalize_row({"prompt": None, "chosen": "6", "rejected": "7"}, "preference", "f row 3")
+    # A number where a response goes: a string is as welcome as messages (it asked for messages only).
+    with pytest.raises(DataFormatError, match=r"^f row 3: `chosen` must be a string, a message or a list of "
+                                              r"messages, got int: 6$"):
+        normalize_row({"prompt": "q", "chosen": 6, "rejected": "7"}, "preference", "f row 3")
 
 
 def test_math_rows_of_one_file_may_use_question_or_problem(tmp_path):
@@ -1080,3 +1087,22 @@ def test_prompt_and_response_rows_say_how_to_train_on_the_response():
     with pytest.raises(DataFormatError, match=re.escape("for SFT on its `response` column, rename it: "
                                                         "data.column_map={response: completion}")):
         normalize_row({"prompt": "Hi", "response": "Hello"}, "prompt", "row 1")
+
+
+def test_a_lone_surrogate_is_a_row_error_not_a_tokenizer_traceback(tmp_path):
+    # Valid JSON ("\ud800" without its pair) that no UTF-8 tokenizer takes: it reached the
+    # tokenizer and ended the run in a TypeError traceback naming no file or row, even with
+    # data.on_malformed_row=skip.
+    user = {"role": "user", "content": "a\ud800b"}
+    rows = [({"messages": [user, {"role": "assistant", "content": "2"}]}, "messages", r"`messages\[0\]\.content`"),
+            ({"prompt": "x\udfff", "chosen": "6", "rejected": "7"}, "preference", "`prompt`"),
+            ({"question": "1+1?", "answer": "\ud83d"}, "math", "`answer`")]
+    for row, fmt, what in rows:
+        with pytest.raises(DataFormatError, match=rf"^f\.jsonl row 8: {what} is not valid text: a lone UTF-16 "
+                                                  r"surrogate '\\ud[89a-f]\w\w' at character \d"):
+            normalize_row(json.loads(json.dumps(row)), fmt, "f.jsonl row 8")
+    path = _write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "1+1?"},
+                                                             {"role": "assistant", "content": "2"}]}] * 3
+                        + [{"messages": [user, {"role": "assistant", "content": "2"}]}])
+    with pytest.raises(DataFormatError, match=r"s\.jsonl.* 4: .*is not valid text"):
+        load_rows(_cfg("local", train_data_path=path, val_data_path=path), "train")

@@ -169,6 +169,13 @@ def test_bad_inputs_and_registry():
     with pytest.raises(ValueError, match="even number of rows"):
         BradleyTerryLoss()(torch.zeros(3), BatchedDataDict(sample_mask=torch.ones(3)), torch.tensor(1.0),
                            torch.tensor(3.0))
+    # A pair is in or out as a whole: with one row masked the divisor (valid rows / 2) counted
+    # half a pair that the sum left out (2.5 for 2 pairs: the loss scaled by 0.8).
+    for fn, curr in ((BradleyTerryLoss(), torch.zeros(6)), (DPOLoss(), torch.zeros(6, 2))):
+        mb = BatchedDataDict(sample_mask=torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0]), token_mask=torch.ones(6, 2),
+                             reference_logprobs=torch.zeros(6, 2))
+        with pytest.raises(ValueError, match=r"keeps one row of pair 1 \(rows 2, 3: 1, 0\)"):
+            fn(curr, mb, torch.tensor(6.0), torch.tensor(5.0))
     with pytest.raises(ValueError, match=r"scores \[b\]"):
         BradleyTerryLoss()(torch.zeros(2, 3), BatchedDataDict(sample_mask=torch.ones(2)), torch.tensor(1.0),
                            torch.tensor(2.0))

@@ -184,8 +184,11 @@ def test_bad_optimizer_and_scheduler_settings_are_input_errors():
 
     with pytest.raises(InputError, match="policy.optimizer.name: cannot import 'torch.optim.Lion'"):
         build_optimizer(_params(), OptimizerConfig(name="torch.optim.Lion", kwargs={"lr": 0.1}))
-    with pytest.raises(InputError, match=r"policy.optimizer.kwargs \{'lr': -1\} do not fit AdamW: Invalid learning rate"):
+    with pytest.raises(InputError, match=r"policy.optimizer.kwargs \{'lr': -1\} do not fit AdamW: ValueError: Inv"):
         build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": -1}))
+    # Any error of the class's own, not only TypeError/ValueError: AdamW indexes betas (a traceback).
+    with pytest.raises(InputError, match=r"\[0.9\]\} do not fit AdamW: IndexError: list index out of range"):
+        build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "betas": [0.9]}))
     opt = build_optimizer(_params(), OptimizerConfig(name="sgd", kwargs={"lr": 0.1}))
     with pytest.raises(InputError, match="policy.scheduler name: cannot import 'torch.optim.lr_scheduler.Nope'"):
         build_scheduler(opt, [SchedulerEntry(name="torch.optim.lr_scheduler.Nope")])
