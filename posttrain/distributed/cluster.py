@@ -131,7 +131,7 @@ def _stop_signals_held():
         if held:
             raise StopAtOnce(name)
         held.append(name)
-        log.warning("%s received while Ray starts: stopping once it has started", name)
+        log.warning("%s received while Ray starts: stopping once it has started (another stops at once)", name)
 
     wanted = (signal.SIGTERM, signal.SIGINT)
     previous = {s: signal.getsignal(s) for s in wanted}
