@@ -387,7 +387,10 @@ def train_then_export(train: Callable[[], dict[str, Any]], checkpointer: Checkpo
             # named for what it is: the run continues from its checkpoint when started again.
             result = {**result, "stopped_by_time_limit": True}
         if export_dir is not None:
-            policy.export_hf(export_dir)
+            try:
+                policy.export_hf(export_dir)
+            except Exception as e:  # a full disk: Ray's traceback named neither the folder nor what stays
+                raise ExportError(checkpointer.export_failed_message(export_dir, e)) from e
             checkpointer.record_export(export_dir)
             console(f"exported the policy to {export_dir} (the run was stopped by checkpointing.checkpoint_must_save_by: "
                     "started again, it resumes from its checkpoint while steps remain)"
@@ -441,8 +444,12 @@ def lock_beside(folder: Path, key: str, value: Any) -> int:
             return -1
         raise InputError(f"{key}={value}: another run is using it ({holder}); wait for it to end or stop it, or give "
                          f"this run its own {key}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:  # a full disk takes the empty lock file, not its line
+        os.close(fd)
+        raise MissingInputError(f"{key}={value}: cannot write beside it ({path}: {e.strerror})") from e
     return fd
 
 
@@ -455,6 +462,11 @@ class MetricNameError(InputError):
 class CheckpointSaveError(RunStopped):
     """Writing a checkpoint failed (`CheckpointManager.save`); the message says why, whether the
     disk is full and which checkpoints stay."""
+
+
+class ExportError(RunStopped):
+    """The HF export at the end of a run failed (`train_then_export`); the message says why,
+    whether the disk is full and which checkpoints stay."""
 
 
 def _exception_chain(err: BaseException | None):
@@ -769,17 +781,36 @@ class CheckpointManager:
             raise
 
     def _save_failed_message(self, step: int, err: BaseException) -> str:
-        """What `save` raises when writing `step` failed: the error's last line, whether the disk is
-        full, and the checkpoints that stay. A full disk often shows only as torch's zip writer's
-        "unexpected pos 704 vs 598" (DCP), so free space is checked as well as ENOSPC."""
+        """What `save` raises when writing `step` failed: `_write_failed`'s line and the
+        checkpoints that stay."""
+        kept = self.checkpoints()
+        stays = (f"the checkpoints saved before stay ({', '.join(p.name for p in kept)}); the next start resumes "
+                 f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
+        return f"{self._write_failed(f'saving checkpoint step_{step} in {self.dir}', self.dir, err)}\n{stays}"
+
+    def export_failed_message(self, export_dir: Path, err: BaseException) -> str:
+        """What the end of a run raises when its HF export to `export_dir` failed (`train_then_export`)."""
+        kept = self.checkpoints() if self.dir.is_dir() else []
+        stays = (f"the checkpoints stay ({', '.join(p.name for p in kept)}); the same command started again "
+                 f"resumes from {kept[-1].name} and exports at its end (free the space first if the disk is full)"
+                 if kept else "no checkpoint holds the trained policy (checkpointing saved none)")
+        return f"{self._write_failed(f'exporting the policy to {export_dir}', export_dir, err)}\n{stays}"
+
+    def _write_failed(self, what: str, where: Path, err: BaseException) -> str:
+        """"<what> failed (<the disk's state at `where`>): <the error's line>". A full disk often
+        shows only as torch's zip writer's "unexpected pos 704 vs 598" (DCP), so free space is
+        checked as well as ENOSPC; the latest checkpoint's size is what a save needs."""
         from posttrain.distributed.worker_group import WorkerError
 
         # A worker's error ends with its exception; a WorkerError (a worker died) starts with the
         # worker it names, and ends with that worker's log.
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         cause = (lines[0] if isinstance(err, WorkerError) else lines[-1]).strip() if lines else type(err).__name__
-        kept = self.checkpoints()
-        free = shutil.disk_usage(self.dir).free
+        existing = Path(where).absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        kept = self.checkpoints() if self.dir.is_dir() else []
+        free = shutil.disk_usage(existing).free
         last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None
         full = "No space left on device" in str(err) or any(
             isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _exception_chain(err))
@@ -789,9 +820,7 @@ class CheckpointManager:
                     + (f", {kept[-1].name} took {last_size / 2**20:.1f} MiB" if last_size is not None else "") + ")")
         elif isinstance(err, WorkerError):  # a worker died: the free space pointed at the disk for nothing
             disk = ""
-        stays = (f"the checkpoints saved before stay ({', '.join(p.name for p in kept)}); the next start resumes "
-                 f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
-        return f"saving checkpoint step_{step} in {self.dir} failed{disk}: {cause}\n{stays}"
+        return f"{what} failed{disk}: {cause}"
 
     def _tmp_dir(self, step: int) -> Path:
         """Where this process writes checkpoint `step` before `finish_save` renames it (`_TMP_RE`)."""

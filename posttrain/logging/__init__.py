@@ -104,8 +104,13 @@ def _drop_after(path: Path, step: int | None) -> list[dict[str, Any]]:
         or rec.get("prefix") in _OWN_STEP_AXES)]
     if len(kept) < len(lines) or not text.endswith("\n"):
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))  # as written: json.dumps lines
-        tmp.replace(path)  # a crash here leaves the old file whole, never half of it
+        try:
+            tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))  # as written: json.dumps lines
+            tmp.replace(path)  # a crash here leaves the old file whole, never half of it
+        except OSError as e:  # a full disk: a traceback, and the empty .tmp left on it
+            tmp.unlink(missing_ok=True)
+            raise MissingInputError(f"{path}: cannot rewrite it for the resumed run ({e.strerror or e}); it is "
+                                    "unchanged: free the space under logger.log_dir") from None
     return kept
 
 
@@ -123,10 +128,12 @@ def _check_writable(run_dir: Path) -> None:
     probe = run_dir / ".posttrain-write-check"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
+        probe.write_bytes(b"x")  # a byte, not just a name: a full disk still takes an empty file
     except OSError as e:
         raise MissingInputError(f"logger.log_dir={run_dir}: cannot write it ({e.strerror or e})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 class Logger:
@@ -190,6 +197,8 @@ class Logger:
         self._console = None
         self._backends: list[_Backend] = []
         self._unwritable: set[Path] = set()  # log_samples' files a write failed on
+        # The logs a write failed on (a full disk): name -> from which step they miss what (`close` says so).
+        self.incomplete: dict[str, str] = {}
         if cfg.console_enabled:
             from posttrain.logging.console import ConsoleBackend
 
@@ -286,23 +295,27 @@ class Logger:
                 try:
                     backend.log_metrics(scalars, step, prefix)
                 except OSError as e:
-                    self._drop_backend(backend, e)
+                    self._drop_backend(backend, e, step)
         self._records.append({"step": step, "prefix": prefix, **scalars})
         for check in self.metric_checks:
             check(scalars, prefix)
         return scalars
 
-    def _drop_backend(self, backend: _Backend, error: OSError) -> None:
+    def _drop_backend(self, backend: _Backend, error: OSError, step: int) -> None:
         """Stop logging to `backend`, whose file could not be written (a full disk under
         logger.log_dir), with a warning: the run goes on, and its checkpoints hold the model (it
-        crashed, losing the steps since its last checkpoint, for its logs). Its other backends
-        and the in-memory records (the plots) keep every step."""
+        crashed, losing the steps since its last checkpoint, for its logs). The steps from here
+        on are missing from that backend for good (a resumed run starts at its latest checkpoint,
+        not where the logs stopped); its other backends still get them, and `close` says again
+        which logs are incomplete."""
         self._backends.remove(backend)
         with contextlib.suppress(Exception):
             backend.close(True)
         what = _BACKEND_NAMES.get(type(backend).__name__, type(backend).__name__)
-        _log.warning("logging to %s stopped: %s; training goes on and its other logs keep every step (free the "
-                     "space and resume from a checkpoint to log it again)", what, error)
+        self.incomplete[what] = f"no steps from {step} on ({error})"
+        _log.warning("logging to %s stopped at step %d: %s; training goes on, and the console still shows each step, "
+                     "but %s misses the steps from here on (free the space under logger.log_dir)", what, step, error,
+                     what)
 
     @contextlib.contextmanager
     def timed_save(self, step: int) -> Iterator[None]:
@@ -332,7 +345,8 @@ class Logger:
                     f.write(json.dumps({"step": step, **row}, default=str) + "\n")
         except OSError as e:  # as for a backend's file (`_drop_backend`): the samples stop, the run goes on
             self._unwritable.add(path)
-            _log.warning("writing %s stopped: %s; training goes on", path.name, e)
+            self.incomplete[path.name] = f"no samples from step {step} on ({e})"
+            _log.warning("writing %s stopped at step %d: %s; training goes on", path.name, step, e)
 
     def print_samples(self, rows: list[dict[str, Any]], title: str = "samples") -> None:
         """Print up to `logger.num_val_samples_to_print` rows as a table (console backend only)."""
@@ -380,6 +394,9 @@ class Logger:
                 self.plot()
             except Exception as e:  # noqa: BLE001
                 _log.warning("the plots of the failed run could not be drawn: %s", e)
+        if self.incomplete:
+            _log.warning("the logs of this run under %s are incomplete: %s", self.run_dir,
+                         "; ".join(f"{name}: {what}" for name, what in self.incomplete.items()))
         error: Exception | None = None
         for backend in self._backends:
             try:

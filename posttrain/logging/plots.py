@@ -221,6 +221,10 @@ def _finish(ax: Any, title: str, ylabel: str, xlabel: str = "step", twin: Any = 
 def _save(canvas: Any, fig: Any, path: Path) -> Path:
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    canvas.print_png(str(tmp))
-    tmp.replace(path)  # a viewer never sees a half-written file
+    try:
+        canvas.print_png(str(tmp))
+        tmp.replace(path)  # a viewer never sees a half-written file
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk kept the part written, or an empty file, on it
+        raise
     return path

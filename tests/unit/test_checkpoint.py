@@ -620,6 +620,37 @@ def test_a_save_on_a_full_disk_says_so_and_names_the_checkpoints_that_stay(tmp_p
     assert _steps(mgr) == [1, 2]
 
 
+def test_an_export_that_fails_names_its_folder_the_disk_and_what_stays(tmp_path):
+    # A full disk at the final export was Ray's traceback of a SafetensorError: no folder, nothing
+    # on the checkpoints that hold the policy or on how to finish the export.
+    import os
+
+    from posttrain.checkpoint import ExportError, train_then_export
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+
+    class Exporting(_Policy):
+        def export_hf(self, path):
+            with open(os.path.join(path, "model.safetensors"), "wb") as f:
+                f.write(bytes(1 << 16))
+
+    mgr = _mgr(tmp_path)
+    _save(mgr, 1)
+    _save(mgr, 2)
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "model.safetensors").symlink_to("/dev/full")
+    shut = []
+    with pytest.raises(ExportError) as err:
+        train_then_export(lambda: {"step": 2}, mgr, Exporting(), export, print, lambda: shut.append(True))
+    assert re.match(rf"exporting the policy to {re.escape(str(export))} failed \(the disk is full: [0-9.]+ MiB free "
+                    r"there, step_2 took [0-9.]+ MiB\): .*No space left on device.*\n"
+                    r"the checkpoints stay \(step_1, step_2\); the same command started again resumes from step_2 and "
+                    r"exports at its end", str(err.value)), str(err.value)
+    assert shut == [True] and _steps(mgr) == [1, 2]
+
+
 def test_a_save_a_dead_worker_ends_names_the_worker_not_its_last_log_line(tmp_path):
     from posttrain.distributed.worker_group import WorkerError
 

@@ -210,7 +210,7 @@ def test_a_full_disk_under_tensorboard_drops_it_with_one_warning_and_no_thread_t
     with caplog.at_level(logging.WARNING):
         for step in (1, 2, 3):
             logger.log_metrics({"loss": 1.0 / step}, step=step)
-    assert caplog.text.count("logging to TensorBoard stopped: [Errno 28] No space left on device") == 1
+    assert caplog.text.count("logging to TensorBoard stopped at step 1: [Errno 28] No space left on device") == 1
     assert tb not in logger._backends and [r["loss"] for r in logger._records] == [1.0, 0.5, 1 / 3]
     logger.close()
     assert uncaught == []
@@ -250,12 +250,20 @@ def test_a_full_disk_stops_that_log_with_a_warning_naming_the_file_and_the_run_g
         for step in (1, 2):
             logger.log_metrics({"loss": 1.0 / step}, step=step)
             logger.log_samples([{"prompt": "1+1="}], step=step)
-    assert caplog.text.count("logging to metrics.jsonl stopped: [Errno 28] No space left on device: "
-                             f"'{tmp_path / 'metrics.jsonl'}'; training goes on") == 1
-    assert caplog.text.count("writing samples.jsonl stopped: [Errno 28] No space left on device") == 1
+    assert caplog.text.count("logging to metrics.jsonl stopped at step 1: [Errno 28] No space left on device: "
+                             f"'{tmp_path / 'metrics.jsonl'}'; training goes on, and the console still shows each "
+                             "step, but metrics.jsonl misses the steps from here on") == 1
+    assert caplog.text.count("writing samples.jsonl stopped at step 1: [Errno 28] No space left on device") == 1
     assert [type(b).__name__ for b in logger._backends] == ["TensorboardBackend"]
     assert [r["loss"] for r in logger._records] == [1.0, 0.5]  # the plots still get every step
-    logger.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        logger.close()
+    # Said again at the end, where it is not scrolled away (it said "resume to log it again",
+    # which logs nothing of the steps before the latest checkpoint).
+    assert (f"the logs of this run under {tmp_path} are incomplete: metrics.jsonl: no steps from 1 on ([Errno 28] "
+            "No space left on device") in caplog.text
+    assert "samples.jsonl: no samples from step 1 on ([Errno 28]" in caplog.text
 
 
 def test_a_backend_failing_to_close_does_not_leave_the_others_open(tmp_path):
@@ -903,6 +911,16 @@ def test_plots_that_cannot_be_written_are_a_warning(tmp_path, caplog):
     (tmp_path / "plots").write_text("a file where the folder goes")
     assert logger.plot() == []
     assert "the plots could not be written" in caplog.text
+    # A disk that fills while a PNG is written: the part written went with it (a .tmp.png stayed).
+    import os
+
+    if os.path.exists("/dev/full"):
+        (tmp_path / "plots").unlink()
+        (tmp_path / "plots").mkdir()
+        (tmp_path / "plots" / "reward.tmp.png").symlink_to("/dev/full")
+        logger.log_metrics({"reward": 0.7}, step=2, prefix="train")
+        logger.plot()
+        assert not (tmp_path / "plots" / "reward.tmp.png").exists() and not (tmp_path / "plots" / "reward.png").exists()
     logger.close()
 
 
@@ -964,3 +982,23 @@ def test_a_series_of_another_scale_goes_on_a_right_hand_axis(tmp_path):
     written = plot_history(records, tmp_path)
     assert {p.name for p in written} >= {"loss.png", "reward.png"}
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in written)
+
+
+def test_a_full_disk_at_the_start_is_an_input_error_naming_the_log_dir(tmp_path):
+    # An empty file still fits on a full disk: the write check passed and the first write of the
+    # resumed run's rewrite of metrics.jsonl was a traceback, leaving an empty .tmp behind.
+    import os
+
+    from posttrain.config import MissingInputError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    (tmp_path / ".posttrain-write-check").symlink_to("/dev/full")
+    with pytest.raises(MissingInputError, match=rf"^logger.log_dir={tmp_path}: cannot write it \(No space left on"):
+        Logger(_cfg(jsonl_enabled=True), tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "prefix": "train", "loss": 1.0}\n{"step": 2, "pre')
+    (tmp_path / "metrics.tmp").symlink_to("/dev/full")
+    with pytest.raises(MissingInputError, match=rf"^{tmp_path / 'metrics.jsonl'}: cannot rewrite it for the resumed "
+                                                r"run \(No space left on device\); it is unchanged"):
+        Logger(_cfg(jsonl_enabled=True), tmp_path, resumed_from=1)
+    assert not (tmp_path / "metrics.tmp").exists() and (tmp_path / "metrics.jsonl").read_text().endswith('"pre')
