@@ -211,8 +211,12 @@ def setup(cfg: GRPOMasterConfig) -> GRPOSetup:
     g = cfg.grpo
     torch.manual_seed(g.seed)
     tokenizer = load_policy_tokenizer(cfg.policy)
-    # A wrong name or model folder fails before Ray starts.
-    load_model_configs(cfg.policy, with_reference=cfg.needs_reference(), check_files=True)
+    # A wrong name or model folder fails before Ray starts, as does a model the torch engine cannot run.
+    (_, hf_config), _ = load_model_configs(cfg.policy, with_reference=cfg.needs_reference(), check_files=True)
+    if cfg.policy.generation.backend == "torch":
+        from posttrain.generation.torch_engine import check_supported_config
+
+        check_supported_config(hf_config, cfg.policy.max_total_sequence_length)
     check_optimizer(cfg.policy)
     check_compile_backend(cfg.policy.compile)
     check_backend_installed(cfg.policy.generation)

@@ -65,25 +65,32 @@ class UnsupportedModelError(ConfigError, NotImplementedError):
 
 def check_supported(model, context: int | None = None) -> None:
     """Raise a clear error when `model` is not a Llama-family causal LM this engine can run on
-    sequences of up to `context` tokens (None: the model's max_position_embeddings).
+    sequences of up to `context` tokens (None: the model's max_position_embeddings): its config
+    (`check_supported_config`) and its module layout."""
+    check_supported_config(model.config, context)
+    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
+        raise _unsupported("the model does not have the `model.layers` / `lm_head` layout")
+
+
+def check_supported_config(config, context: int | None = None) -> None:
+    """What `check_supported` can tell from the HF config alone; GRPO's driver asks it before Ray
+    and the workers start (the workers' error came 8-10 s in).
 
     A sliding window at least as long as the context never slides (each position sees all
     earlier ones), as Mistral 7B v0.1's 4,096 does at the usual RL contexts."""
-    mt = getattr(model.config, "model_type", None)
-    problem = None
+    mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:  # first: another family's config may lack what is read below
-        problem = f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    elif not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
-        problem = "the model does not have the `model.layers` / `lm_head` layout"
-    elif (window := sliding_window(model.config)) is not None:
-        context = context or model.config.max_position_embeddings
+        raise _unsupported(f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    if (window := sliding_window(config)) is not None:
+        context = context or config.max_position_embeddings
         if window < context:
-            problem = f"sliding-window attention (window {window}, shorter than the {context}-token context) is not supported"
-    if problem:
-        raise UnsupportedModelError(
-            f"the torch generation engine cannot run this model: {problem}; use "
-            f"policy.generation.backend=hf (any causal LM) or vllm"
-        )
+            raise _unsupported(f"sliding-window attention (window {window}, shorter than the {context}-token context) "
+                               "is not supported")
+
+
+def _unsupported(problem: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"the torch generation engine cannot run this model: {problem}; use "
+                                 "policy.generation.backend=hf (any causal LM) or vllm")
 
 
 class _Weights:
