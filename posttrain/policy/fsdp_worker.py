@@ -257,6 +257,11 @@ class FSDPPolicyWorker:
         self._temperature = cfg.generation.temperature or 1.0
         self._model_tokens = 0  # positions through the model in the current train step
         self._twin: LowPrecisionTwin | None = None  # one rank in bf16/fp16 (see LowPrecisionTwin)
+        # The same for a reference that policy.reference_sync moves: its float32 master takes the
+        # syncs (in bf16 an update below the value's rounding step was lost: 30% of its elements
+        # moved at mixup_alpha 0.01), the twin computes; `_reference_version` counts the syncs.
+        self._reference_twin: LowPrecisionTwin | None = None
+        self._reference_version = 0
         self._reference_is_base = False  # a LoRA policy's reference: its own forward with the adapters off
         self._skipped_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, up to now
 
@@ -319,11 +324,14 @@ class FSDPPolicyWorker:
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.reference = self._load_and_shard(ref_path, train=False) if ref_path is not None else None
+        if self.reference is not None and self._reference_keeps_master():
+            self._reference_twin = LowPrecisionTwin(self.reference, DTYPES[cfg.precision])
         # The policy's and the reference's (a distillation teacher of another class) forwards alike.
         self._keeps_logits = self.model_kind == "causal_lm" and all(
             _takes_logits_to_keep(m) for m in (self.model, self.reference) if m is not None)
         if cfg.compile.enabled:
-            for model in (self._twin.module if self._twin is not None else self.model, self.reference):
+            for model in (self._twin.module if self._twin is not None else self.model,
+                          self._reference_twin.module if self._reference_twin is not None else self.reference):
                 if model is not None:
                     compile_layers(model, cfg.compile)
         if self.reference is not None and cfg.reference_sync.enabled:
@@ -375,7 +383,7 @@ class FSDPPolicyWorker:
             # worker code: the DCP state-dict helpers and checkpoints work on both. A bf16/fp16
             # policy computes in its LowPrecisionTwin; a frozen reference model is simply cast.
             model.to(self.device)
-            if not train and compute != torch.float32:
+            if not train and compute != torch.float32 and not self._reference_keeps_master():
                 cast_parameters(model, compute)
             model.train(train)
             return model
@@ -425,6 +433,12 @@ class FSDPPolicyWorker:
     def _local_workers() -> int:
         """The policy workers on this node (each loads its own full copy into the node's RAM)."""
         return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+    def _reference_keeps_master(self) -> bool:
+        """Whether the reference stays float32 beside a low-precision twin: one plain rank in
+        bf16/fp16 with policy.reference_sync (FSDP2 keeps float32 parameters of its own)."""
+        return (self.cfg.reference_sync.enabled and self._single_rank_plain()
+                and DTYPES[self.cfg.precision] != torch.float32)
 
     def _single_rank_plain(self) -> bool:
         """One rank without CPU offload keeps the plain module instead of FSDP2."""
@@ -834,7 +848,11 @@ class FSDPPolicyWorker:
     def get_logprobs(self, shard: BatchedDataDict, reference: bool = False) -> BatchedDataDict:
         """`logprobs` (or `reference_logprobs`) `[b, S]` of the rows of `shard`."""
         base = reference and self._reference_is_base
-        model = self.reference if reference and not base else self._compute_model()
+        if reference and not base:
+            model = (self._reference_twin.sync(self._reference_version) if self._reference_twin is not None
+                     else self.reference)
+        else:
+            model = self._compute_model()
         if model is None:
             raise RuntimeError("get_reference_logprobs: this Policy was built with init_reference=False")
         key = "reference_logprobs" if reference else "logprobs"
@@ -955,9 +973,11 @@ class FSDPPolicyWorker:
     @torch.no_grad()
     def sync_reference(self, alpha: float) -> None:
         """TR-DPO's update (policy.reference_sync): reference <- alpha * policy + (1 - alpha) * reference,
-        each parameter on this rank's shard, in the reference's dtype."""
+        each parameter on this rank's shard, in float32 (FSDP2's parameters; on one plain rank in
+        bf16/fp16 the master beside the reference's twin, see `_reference_keeps_master`)."""
         for r, p in self._synced_pairs():
             r.lerp_(p.to(r.dtype), alpha)
+        self._reference_version += 1
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -1017,8 +1037,9 @@ class FSDPPolicyWorker:
                                            extra["scheduler"]["last_epoch"])
         self.weights_version = extra["weights_version"]
         self.gen_version = -1  # the generation copy holds other weights now
-        if self._twin is not None:
-            self._twin.version = None
+        for twin in (self._twin, self._reference_twin):
+            if twin is not None:
+                twin.version = None
         dist.barrier()
 
     # ------------------------------------------------------------------ colocated generation

@@ -23,6 +23,11 @@ from posttrain.schemas import PolicyConfig
 log = logging.getLogger(__name__)
 
 
+class NonFiniteGradients(RunStopped, FloatingPointError):
+    """`policy.max_consecutive_skipped_steps` optimizer steps in a row had a non-finite gradient:
+    a stop the docs name, whose message the CLI prints alone (it was a traceback)."""
+
+
 class Policy:
     """See docs/architecture.md ("Policy")."""
 
@@ -122,7 +127,7 @@ class Policy:
                         out["grad_norm"], out["loss"])
         limit = self.cfg.max_consecutive_skipped_steps
         if limit is not None and in_a_row >= limit:
-            raise FloatingPointError(
+            raise NonFiniteGradients(
                 f"the last {in_a_row} optimizer steps had a non-finite gradient norm and were skipped "
                 f"(policy.max_consecutive_skipped_steps={limit}); stopping. The weights are those of the last "
                 "finite update, so a checkpoint saved before is intact: lower the learning rate or check the "
