@@ -786,20 +786,27 @@ class CheckpointManager:
         kept = self.checkpoints()
         stays = (f"the checkpoints saved before stay ({', '.join(p.name for p in kept)}); the next start resumes "
                  f"from {kept[-1].name}" if kept else "no checkpoint was saved before")
-        return f"{self._write_failed(f'saving checkpoint step_{step} in {self.dir}', self.dir, err)}\n{stays}"
+        last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None
+        failed = self._write_failed(f"saving checkpoint step_{step} in {self.dir}", self.dir, err, last_size,
+                                    kept[-1].name if kept else "")
+        return f"{failed}\n{stays}"
 
     def export_failed_message(self, export_dir: Path, err: BaseException) -> str:
         """What the end of a run raises when its HF export to `export_dir` failed (`train_then_export`)."""
-        kept = self.checkpoints() if self.dir.is_dir() else []
+        kept = self.checkpoints() if self.cfg.enabled and self.dir.is_dir() else []
         stays = (f"the checkpoints stay ({', '.join(p.name for p in kept)}); the same command started again "
                  f"resumes from {kept[-1].name} and exports at its end (free the space first if the disk is full)"
-                 if kept else "no checkpoint holds the trained policy (checkpointing saved none)")
+                 if kept else "no checkpoint holds the trained policy (" + (
+                     "none was saved)" if self.cfg.enabled else "checkpointing.enabled=false)"))
         return f"{self._write_failed(f'exporting the policy to {export_dir}', export_dir, err)}\n{stays}"
 
-    def _write_failed(self, what: str, where: Path, err: BaseException) -> str:
+    @staticmethod
+    def _write_failed(what: str, where: Path, err: BaseException, needs: int | None = None,
+                      needed_by: str = "") -> str:
         """"<what> failed (<the disk's state at `where`>): <the error's line>". A full disk often
         shows only as torch's zip writer's "unexpected pos 704 vs 598" (DCP), so free space is
-        checked as well as ENOSPC; the latest checkpoint's size is what a save needs."""
+        checked as well as ENOSPC: less than `needs` bytes (what `needed_by`, the latest checkpoint,
+        took; None: only ENOSPC tells) is a full disk too."""
         from posttrain.distributed.worker_group import WorkerError
 
         # A worker's error ends with its exception; a WorkerError (a worker died) starts with the
@@ -809,15 +816,13 @@ class CheckpointManager:
         existing = Path(where).absolute()
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        kept = self.checkpoints() if self.dir.is_dir() else []
         free = shutil.disk_usage(existing).free
-        last_size = sum(f.stat().st_size for f in kept[-1].rglob("*") if f.is_file()) if kept else None
         full = "No space left on device" in str(err) or any(
             isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _exception_chain(err))
         disk = f" ({free / 2**20:.1f} MiB free there)"
-        if full or (last_size is not None and free < last_size):
+        if full or (needs is not None and free < needs):
             disk = (f" (the disk is full: {free / 2**20:.1f} MiB free there"
-                    + (f", {kept[-1].name} took {last_size / 2**20:.1f} MiB" if last_size is not None else "") + ")")
+                    + (f", {needed_by} took {needs / 2**20:.1f} MiB" if needs is not None else "") + ")")
         elif isinstance(err, WorkerError):  # a worker died: the free space pointed at the disk for nothing
             disk = ""
         return f"{what} failed{disk}: {cause}"

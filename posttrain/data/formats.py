@@ -229,6 +229,7 @@ def normalize_row(row: dict[str, Any], fmt: str, loc: str, task_name: str | None
         # Left an SFT row, GRPO would prompt with the whole conversation, answer included, and
         # score it in `math` (the environment of rows without a task_name).
         out = _from_messages({**out, "task_name": task_name}, loc)
+    _check_unicode(out, loc)
     if _LABELLED.get():
         return _labelled(out, row.get("label"), loc)
     if _as_label(row.get("label")) is False and "task_name" not in out and not is_preference(out):
@@ -312,12 +313,26 @@ def _text(value: Any, loc: str, what: str, allow_empty: bool = False) -> str:
         raise DataFormatError(f"{loc}: `{what}` must be a string, got {type(value).__name__}: {value!r:.80}")
     if not allow_empty and not value.strip():
         raise DataFormatError(f"{loc}: `{what}` is empty")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON's "\ud800" without its pair: the tokenizer took it for no text
-        raise DataFormatError(f"{loc}: `{what}` is not valid text: a lone UTF-16 surrogate "
-                              f"{value[e.start]!r} at character {e.start}") from None
     return value
+
+
+def _check_unicode(value: Any, loc: str, path: str = "") -> None:
+    """Every string in a normalised row (what the tokenizer and chat template get, tool-call
+    arguments included) must be UTF-8 text: JSON's "\\ud800" without its pair is valid JSON, and the
+    tokenizer failed on it with a TypeError traceback naming no file or row."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataFormatError(f"{loc}: `{path}` is not valid text: a lone UTF-16 surrogate {value[e.start]!r} at "
+                                  f"character {e.start}") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, loc, path)
+            _check_unicode(v, loc, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_unicode(v, loc, f"{path}[{i}]")
 
 
 def _content_text(value: Any, loc: str, what: str) -> Any:

@@ -313,9 +313,9 @@ class Logger:
             backend.close(True)
         what = _BACKEND_NAMES.get(type(backend).__name__, type(backend).__name__)
         self.incomplete[what] = f"no steps from {step} on ({error})"
-        _log.warning("logging to %s stopped at step %d: %s; training goes on, and the console still shows each step, "
-                     "but %s misses the steps from here on (free the space under logger.log_dir)", what, step, error,
-                     what)
+        console = ", and the console still shows each step," if self._console in self._backends else ""
+        _log.warning("logging to %s stopped at step %d: %s; training goes on%s but %s misses the steps from here on "
+                     "(free the space under logger.log_dir)", what, step, error, console, what)
 
     @contextlib.contextmanager
     def timed_save(self, step: int) -> Iterator[None]:

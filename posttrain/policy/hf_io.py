@@ -469,7 +469,8 @@ def estimate_memory(config, cfg: PolicyConfig, *, model_kind: str, device_type: 
         state       = 4 (n + 3 t + n_ref) / W     fp32 weights, grads and 2 Adam moments, reference weights
         load        = 4 max(n, n_ref)             the full fp32 copy a worker loads before sharding
                                                   (one CPU worker keeps it as its state: 0 then)
-        twin        = b (n + t)                   one worker in bf16/fp16: its low-precision weights + grads
+        twin        = b (n + t + s n_ref)         one worker in bf16/fp16: its low-precision weights + grads,
+                                                  and the reference's (s = 1 with policy.reference_sync)
         logits      = LOGITS_COPIES 4 T V         float32 logits, log-softmax and their gradients
         activations = b T L (A_h h + A_i i + A_s H S)   saved for the backward, A_* = ACT_PER_*; S: the
                                                   sequence length under eager attention, else 0. With
@@ -492,7 +493,7 @@ def estimate_memory(config, cfg: PolicyConfig, *, model_kind: str, device_type: 
     terms = {
         "state": 4 * (n + (TRAIN_STATE_COPIES - 1) * trained + n_ref) / world_size,
         "load": 0 if single and device_type == "cpu" else 4 * max(n, n_ref),
-        "twin": b * (n + trained) if single and b < 4 else 0,
+        "twin": b * (n + trained + (n_ref if cfg.reference_sync.enabled else 0)) if single and b < 4 else 0,
         "logits": LOGITS_COPIES * 4 * tokens * c.vocab_size if model_kind == "causal_lm" else 0,
         "activations": b * tokens * c.hidden_size * layers + layer if cfg.dtensor_cfg.activation_checkpointing
         else layer * layers,

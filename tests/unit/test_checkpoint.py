@@ -645,10 +645,17 @@ def test_an_export_that_fails_names_its_folder_the_disk_and_what_stays(tmp_path)
     with pytest.raises(ExportError) as err:
         train_then_export(lambda: {"step": 2}, mgr, Exporting(), export, print, lambda: shut.append(True))
     assert re.match(rf"exporting the policy to {re.escape(str(export))} failed \(the disk is full: [0-9.]+ MiB free "
-                    r"there, step_2 took [0-9.]+ MiB\): .*No space left on device.*\n"
+                    r"there\): .*No space left on device.*\n"
                     r"the checkpoints stay \(step_1, step_2\); the same command started again resumes from step_2 and "
                     r"exports at its end", str(err.value)), str(err.value)
     assert shut == [True] and _steps(mgr) == [1, 2]
+    # Another error is no full disk, however large the checkpoints (they hold the optimizer too), and a
+    # run that saves none (checkpointing.enabled=false) is told that its steps in the folder are not its.
+    off = _mgr(tmp_path, enabled=False)
+    message = off.export_failed_message(export, PermissionError(13, "Permission denied"))
+    assert re.fullmatch(rf"exporting the policy to {re.escape(str(export))} failed \([0-9.]+ MiB free there\): "
+                        r"\[Errno 13\] Permission denied\n"
+                        r"no checkpoint holds the trained policy \(checkpointing.enabled=false\)", message), message
 
 
 def test_a_save_a_dead_worker_ends_names_the_worker_not_its_last_log_line(tmp_path):

@@ -1095,8 +1095,14 @@ def test_a_lone_surrogate_is_a_row_error_not_a_tokenizer_traceback(tmp_path):
     # data.on_malformed_row=skip.
     user = {"role": "user", "content": "a\ud800b"}
     rows = [({"messages": [user, {"role": "assistant", "content": "2"}]}, "messages", r"`messages\[0\]\.content`"),
-            ({"prompt": "x\udfff", "chosen": "6", "rejected": "7"}, "preference", "`prompt`"),
-            ({"question": "1+1?", "answer": "\ud83d"}, "math", "`answer`")]
+            ({"prompt": "x\udfff", "chosen": "6", "rejected": "7"}, "preference", r"`prompt_messages\[0\]\.content`"),
+            ({"question": "1+1?", "answer": "\ud83d"}, "math", "`answer`"),
+            # Tool-call arguments reach the chat template too.
+            ({"messages": [{"role": "user", "content": "look it up"},
+                           {"role": "assistant", "content": "", "tool_calls": [
+                               {"type": "function", "function": {"name": "search", "arguments": {"q": "a\ud800b"}}}]},
+                           {"role": "tool", "content": "found"}, {"role": "assistant", "content": "ok"}]},
+             "messages", r"`messages\[1\]\.tool_calls\[0\]\.function\.arguments\.q`")]
     for row, fmt, what in rows:
         with pytest.raises(DataFormatError, match=rf"^f\.jsonl row 8: {what} is not valid text: a lone UTF-16 "
                                                   r"surrogate '\\ud[89a-f]\w\w' at character \d"):
