@@ -469,7 +469,8 @@ class ExportError(RunStopped):
     whether the disk is full and which checkpoints stay."""
 
 
-def _exception_chain(err: BaseException | None):
+def exception_chain(err: BaseException | None):
+    """`err`, then the exceptions it was raised from or while handling."""
     while err is not None:
         yield err
         err = err.__cause__ or err.__context__
@@ -818,7 +819,7 @@ class CheckpointManager:
             existing = existing.parent
         free = shutil.disk_usage(existing).free
         full = "No space left on device" in str(err) or any(
-            isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _exception_chain(err))
+            isinstance(x, OSError) and x.errno == errno.ENOSPC for x in exception_chain(err))
         disk = f" ({free / 2**20:.1f} MiB free there)"
         if full or (needs is not None and free < needs):
             disk = (f" (the disk is full: {free / 2**20:.1f} MiB free there"

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 from typing import Any, Sequence
 
@@ -261,28 +262,61 @@ def main(argv: Sequence[str] | None = None, supervise: bool | None = None) -> No
         # Raised in a Ray worker, it arrives as Ray's wrapper (an instance of both) whose text
         # is the worker's traceback: print the worker's own message.
         print(f"posttrain {command}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
-        sys.exit(EXIT_INPUT_ERROR)
+        code = EXIT_INPUT_ERROR
     except RunStopped as e:  # its message says why and what was saved; as for InputError, Ray's wrapper has `cause`
         print(f"posttrain {command}: {getattr(e, 'cause', None) or e}" + (f"\n{e.after}" if e.after else ""),
               file=sys.stderr)
-        sys.exit(1)
+        code = 1
     except KeyboardInterrupt as e:
         # Ctrl-C or SIGTERM before the training loop takes signals (setup, GRPO's warm-up SFT) or a
         # second stop signal inside it: stop at once, as asked, without a traceback. The loop's first
         # SIGINT/SIGTERM never gets here: it saves and returns (see CheckpointManager.stop_on_signals).
         # checkpoint.StopAtOnce names its signal (also when Ray re-raised it as a plain KeyboardInterrupt)
-        name = getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT"
-        kept = ("samples.jsonl keeps the samples of the batches that finished; no results.json was written"
-                if command == "eval" else "nothing was saved now; checkpoints saved before, if any, stay (the same command "
-                "resumes from the latest, or starts over without one)")
-        print(f"posttrain {command}: interrupted ({name}); stopped at once: {kept}", file=sys.stderr)
-        sys.exit(128 + signal.Signals[name].value)
-    except Exception:  # noqa: BLE001
-        # Printed here, not by Ray's excepthook, which first reports the error to the Ray node and,
-        # when that node is gone, blocks for 60 s and is then aborted without printing anything.
-        traceback.print_exc()
-        sys.exit(1)
+        code = _stopped_at_once(command, getattr(e, "signal_name", None) or take_stop_at_once() or "SIGINT")
+    except Exception as e:  # noqa: BLE001
+        # A stop signal inside an import (the first second of a job) came out as the import's error:
+        # a RecursionError in numpy's __getattr__ over transformers' "Could not import module".
+        from posttrain.checkpoint import exception_chain
+
+        name = take_stop_at_once() or next(
+            ("SIGINT" for x in exception_chain(e) if isinstance(x, KeyboardInterrupt)), None)
+        if name:
+            code = _stopped_at_once(command, name)
+        else:
+            # Printed here, not by Ray's excepthook, which first reports the error to the Ray node and,
+            # when that node is gone, blocks for 60 s and is then aborted without printing anything.
+            traceback.print_exc()
+            code = 1
+    if supervise:
+        _exit_on_signals_with(code)
     sys.exit(code)
+
+
+def _stopped_at_once(command: str, name: str) -> int:
+    kept = ("samples.jsonl keeps the samples of the batches that finished; no results.json was written"
+            if command == "eval" else "nothing was saved now; checkpoints saved before, if any, stay (the same command "
+            "resumes from the latest, or starts over without one)")
+    print(f"posttrain {command}: interrupted ({name}); stopped at once: {kept}", file=sys.stderr)
+    return 128 + signal.Signals[name].value
+
+
+def _exit_on_signals_with(code: int) -> None:
+    """From now on a SIGINT or SIGTERM ends the process at once with `code`, the run's own status:
+    the run is over, and what remains is Ray's shutdown at exit (about 2 s), through which the
+    stop handlers raised StopAtOnce: "Exception ignored in atexit callback" with a traceback, and
+    a completed run interrupted there exited 0 or said "nothing was saved". The supervisor
+    (`runtime.supervise_in_own_session`) kills what the job leaves in its process group."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(_signum: int, _frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, leave)
 
 
 if __name__ == "__main__":

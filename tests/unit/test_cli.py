@@ -166,6 +166,38 @@ def test_an_interrupt_outside_the_loops_signal_handling_exits_with_its_status_wi
                                        "the latest, or starts over without one)\n")
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_that_an_import_turned_into_its_own_error_is_still_an_interrupt(monkeypatch, capsys,
+                                                                                        signal_name):
+    # A signal in the job's first second lands inside transformers' lazy imports, which re-raise
+    # it as "Could not import module" (and numpy then as a RecursionError): a crash's traceback.
+    def run(cfg):
+        try:
+            if signal_name == "SIGTERM":
+                raise StopAtOnce("SIGTERM")
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from e
+
+    assert _rm_exit_status(monkeypatch, run) == (143 if signal_name == "SIGTERM" else 130)
+    assert capsys.readouterr().err.startswith(f"posttrain rm: interrupted ({signal_name}); stopped at once: ")
+
+
+def test_a_signal_while_the_job_exits_ends_it_with_the_runs_status_and_no_traceback():
+    # The run was over; Ray's atexit shutdown (~2 s) met the stop handlers: "Exception ignored in
+    # atexit callback" with a StopAtOnce traceback, and a finished run interrupted there exited 0.
+    script = ("import atexit, os, signal, time\n"
+              "from posttrain.checkpoint import stop_at_once_on_sigterm\n"
+              "from posttrain.cli import _exit_on_signals_with\n"
+              "stop_at_once_on_sigterm()\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))\n"
+              "_exit_on_signals_with(3)\n"
+              "print('done', flush=True)\n"
+              "raise SystemExit(3)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=25)
+    assert (out.returncode, out.stdout, out.stderr) == (3, "done\n", "")
+
+
 def test_an_interrupted_eval_says_what_it_kept(monkeypatch, capsys):
     # It said "checkpoints saved before stay": eval has none; its finished batches' samples stay.
     def run(cfg):
