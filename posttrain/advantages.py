@@ -100,7 +100,12 @@ def baseline_and_std(
         and over that tiny std every sample of such a group got a positive advantage.
     """
     r = rewards.double()
-    inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    return _baseline_and_std(r, *_groups(r, group_ids, valid_mask), leave_one_out)
+
+
+def _baseline_and_std(r: torch.Tensor, inverse: torch.Tensor, valid: torch.Tensor, n_groups: int,
+                      leave_one_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`baseline_and_std` of float64 rewards `r` whose groups `_groups` has found."""
     valid = valid.double()
     n_g = _group_sum(valid, inverse, n_groups)
     sum_g = _group_sum(_only(r, valid), inverse, n_groups)
@@ -147,11 +152,12 @@ def grpo_advantages(
     scale = {True: "group", False: "none"}.get(normalize, normalize)
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"normalize={normalize!r}: expected 'group' (or True), 'batch' or 'none' (or False)")
-    baseline, std = baseline_and_std(rewards, group_ids, valid_mask, leave_one_out)
-    adv = rewards.double() - baseline
-    _, valid, _ = _groups(adv, group_ids, valid_mask)
+    r = rewards.double()
+    inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
+    baseline, std = _baseline_and_std(r, inverse, valid, n_groups, leave_one_out)
+    adv = r - baseline
     if scale == "batch":
-        std = _batch_mean_std(rewards.double(), valid)[1].expand_as(adv)
+        std = _batch_mean_std(r, valid)[1].expand_as(adv)
     if scale != "none":
         adv = torch.where(std > 0, adv / torch.where(std > 0, std, torch.ones_like(std)), adv)
     return _only(adv, valid).float()
@@ -183,7 +189,7 @@ def reinforce_pp_advantages(
     """
     r = rewards.double()
     inverse, valid, n_groups = _groups(r, group_ids, valid_mask)
-    baseline, _ = baseline_and_std(r, group_ids, valid, leave_one_out=False)
+    baseline, _ = _baseline_and_std(r, inverse, valid, n_groups, leave_one_out=False)
     n = _group_sum(valid, inverse, n_groups)[inverse]
     centred = torch.where(n >= 2, r - baseline, r)
     mean, std = _batch_mean_std(centred, valid)

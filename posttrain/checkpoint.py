@@ -469,6 +469,14 @@ class ExportError(RunStopped):
     whether the disk is full and which checkpoints stay."""
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path` (absolute) or the nearest folder above it that exists."""
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def exception_chain(err: BaseException | None):
     """`err`, then the exceptions it was raised from or while handling."""
     while err is not None:
@@ -516,9 +524,7 @@ class CheckpointManager:
         """The first save comes `save_period` steps into the run: a checkpoint_dir it could not
         write (under a file, read-only) fails now, not after those steps. Checked on the folder
         itself or the nearest one above it that exists (a run that saves nothing creates nothing)."""
-        existing = self.dir.absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = _nearest_existing(self.dir)
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             what = "not a folder" if not existing.is_dir() else "not writable"
             raise MissingInputError(f"checkpointing.checkpoint_dir={self.cfg.checkpoint_dir}: cannot write it "
@@ -814,10 +820,7 @@ class CheckpointManager:
         # worker it names, and ends with that worker's log.
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         cause = (lines[0] if isinstance(err, WorkerError) else lines[-1]).strip() if lines else type(err).__name__
-        existing = Path(where).absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        free = shutil.disk_usage(existing).free
+        free = shutil.disk_usage(_nearest_existing(Path(where))).free
         full = "No space left on device" in str(err) or any(
             isinstance(x, OSError) and x.errno == errno.ENOSPC for x in exception_chain(err))
         disk = f" ({free / 2**20:.1f} MiB free there)"

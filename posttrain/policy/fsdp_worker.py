@@ -448,6 +448,11 @@ class FSDPPolicyWorker:
         """The module the policy's forward and backward run on (the master, or its twin)."""
         return self._twin.sync(self.weights_version) if self._twin is not None else self.model
 
+    def _reference_compute_model(self) -> torch.nn.Module | None:
+        """The module the reference's forward runs on (the reference, or its twin)."""
+        twin = self._reference_twin
+        return twin.sync(self._reference_version) if twin is not None else self.reference
+
     # ------------------------------------------------------------------ micro-batches
 
     def _microbatches(self, batch: BatchedDataDict, train: bool,
@@ -848,11 +853,7 @@ class FSDPPolicyWorker:
     def get_logprobs(self, shard: BatchedDataDict, reference: bool = False) -> BatchedDataDict:
         """`logprobs` (or `reference_logprobs`) `[b, S]` of the rows of `shard`."""
         base = reference and self._reference_is_base
-        if reference and not base:
-            model = (self._reference_twin.sync(self._reference_version) if self._reference_twin is not None
-                     else self.reference)
-        else:
-            model = self._compute_model()
+        model = self._reference_compute_model() if reference and not base else self._compute_model()
         if model is None:
             raise RuntimeError("get_reference_logprobs: this Policy was built with init_reference=False")
         key = "reference_logprobs" if reference else "logprobs"
