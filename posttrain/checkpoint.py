@@ -470,9 +470,11 @@ class ExportError(RunStopped):
 
 
 def _nearest_existing(path: Path) -> Path:
-    """`path` (absolute) or the nearest folder above it that exists."""
+    """`path` (absolute) or the nearest folder above it that exists. A folder that cannot be
+    searched hides what is under it: os.path.exists says False there, where Path.exists raised
+    PermissionError before Python 3.12, in place of the message this path is for."""
     existing = path.absolute()
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.exists(existing) and existing != existing.parent:
         existing = existing.parent
     return existing
 

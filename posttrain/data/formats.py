@@ -316,19 +316,26 @@ def _text(value: Any, loc: str, what: str, allow_empty: bool = False) -> str:
     return value
 
 
+def _lone_surrogate(text: str) -> str | None:
+    """Where `text` is not UTF-8 text, said for a message; None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone UTF-16 surrogate {text[e.start]!r} at character {e.start}"
+    return None
+
+
 def _check_unicode(value: Any, loc: str, path: str = "") -> None:
     """Every string in a normalised row (what the tokenizer and chat template get, tool-call
     arguments included) must be UTF-8 text: JSON's "\\ud800" without its pair is valid JSON, and the
     tokenizer failed on it with a TypeError traceback naming no file or row."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise DataFormatError(f"{loc}: `{path}` is not valid text: a lone UTF-16 surrogate {value[e.start]!r} at "
-                                  f"character {e.start}") from None
+        if bad := _lone_surrogate(value):
+            raise DataFormatError(f"{loc}: `{path}` is not valid text: {bad}")
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_unicode(k, loc, path)
+            if isinstance(k, str) and (bad := _lone_surrogate(k)):
+                raise DataFormatError(f"{loc}: a key of `{path}` is not valid text: {bad}")
             _check_unicode(v, loc, f"{path}.{k}" if path else str(k))
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):

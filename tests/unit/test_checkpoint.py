@@ -388,6 +388,20 @@ def test_a_checkpoint_dir_that_cannot_be_written_fails_at_the_start_not_at_the_f
     if not os.access(read_only, os.W_OK):  # root writes anyway
         with pytest.raises(MissingInputError, match=r"read_only is not writable"):
             CheckpointManager(CheckpointingConfig(checkpoint_dir=str(read_only / "runs" / "ckpt")), SIG)
+    # A folder this user cannot search (root can: its stat stands in) hides what is under it:
+    # Path.exists raised PermissionError there before Python 3.12, in place of this message.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_stat = os.stat
+    def stat(p, *a, **k):
+        if str(p).startswith(f"{locked}/"):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_stat(p, *a, **k)
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(locked))
+    with pytest.raises(MissingInputError, match=r"locked/inner/ckpt: cannot write it \(.*/locked is not writable\)"):
+        CheckpointManager(CheckpointingConfig(checkpoint_dir=str(locked / "inner" / "ckpt")), SIG)
+    monkeypatch.undo()
     CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "new" / "ckpt")), SIG)
     assert not (tmp_path / "new" / "ckpt").exists()  # the folder itself comes with the first save
     # What os.access passes and the file system refuses (root in /proc): the lock file beside it.

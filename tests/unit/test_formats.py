@@ -1107,6 +1107,13 @@ def test_a_lone_surrogate_is_a_row_error_not_a_tokenizer_traceback(tmp_path):
         with pytest.raises(DataFormatError, match=rf"^f\.jsonl row 8: {what} is not valid text: a lone UTF-16 "
                                                   r"surrogate '\\ud[89a-f]\w\w' at character \d"):
             normalize_row(json.loads(json.dumps(row)), fmt, "f.jsonl row 8")
+    # In a key of the arguments, it is the key the message names (it called the dict text).
+    row = rows[-1][0]
+    row["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"q\ud800": "x"}
+    with pytest.raises(DataFormatError, match=r"^f\.jsonl row 8: a key of `messages\[1\]\.tool_calls\[0\]\.function"
+                                              r"\.arguments` is not valid text: a lone UTF-16 surrogate '\\ud800' at "
+                                              r"character 1$"):
+        normalize_row(json.loads(json.dumps(row)), "messages", "f.jsonl row 8")
     path = _write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "1+1?"},
                                                              {"role": "assistant", "content": "2"}]}] * 3
                         + [{"messages": [user, {"role": "assistant", "content": "2"}]}])

@@ -95,6 +95,10 @@ def test_fused_only_where_the_optimizer_has_it():
     assert sgd.param_groups[0]["fused"] in (None, False)
     mine = build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "fused": False}))
     assert mine.param_groups[0]["fused"] is False
+    # torch's fused kernels refuse differentiable=True: that setting was an InputError about a
+    # `fused` the user never set.
+    diff = build_optimizer(_params(), OptimizerConfig(name="adamw", kwargs={"lr": 0.1, "differentiable": True}))
+    assert diff.param_groups[0]["differentiable"] is True and not diff.param_groups[0]["fused"]
 
 
 def _fused_adamw_on_fsdp2_rank(rank: int, port: int, out: str) -> None:
