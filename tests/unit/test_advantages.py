@@ -118,6 +118,15 @@ def test_a_group_of_equal_fractional_rewards_gets_exactly_zero_advantage(reward)
     assert adv[12:].tolist() == approx([-S2, S2])
 
 
+def test_equal_float64_rewards_are_told_equal_not_computed():
+    # float64 rewards (a custom reward function's) are not rounded from float32 on the way in:
+    # 64 equal ones summed and divided miss their value by an ulp, which over the ulp-sized std
+    # gave each sample -0.99.
+    rewards = torch.full((64,), -2.449309742605783, dtype=torch.float64)
+    for loo in (False, True):
+        assert grpo_advantages(rewards, torch.zeros(64, dtype=torch.long), leave_one_out=loo).tolist() == [0.0] * 64
+
+
 def test_rewards_one_float32_step_apart_keep_the_signs_of_their_differences():
     # In float32 the group mean's rounding was as large as the spread: every sample of
     # [0.9, 0.9, 0.9, 0.9 + 1 ulp] came out positive (0, 0, 0, 1.73; leave-one-out all > 0).
@@ -209,6 +218,19 @@ def test_overlong_filtering_keeps_truncated_samples_in_the_baseline():
     # the advantages are computed over all samples; the mask only removes the loss
     adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long))
     assert adv.tolist() == approx([2.0, -2 / 3, -2 / 3, -2 / 3])
+    # So does the GRPO loop: over the 3 untruncated samples alone, the mean 1/3 and std 0.58 gave
+    # 1.15, -0.58, -0.58.
+    from posttrain.algorithms.grpo import _rewards_to_advantages
+    from posttrain.data.batch import BatchedDataDict
+    from posttrain.schemas import GRPOConfig
+
+    batch = BatchedDataDict(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), response_lengths=torch.full((4,), 4.0),
+                            truncated=torch.tensor([False, False, False, True]),
+                            env_errors=torch.zeros(4, dtype=torch.bool), group_ids=torch.zeros(4, dtype=torch.long),
+                            token_mask=torch.ones(4, 1))
+    _rewards_to_advantages(GRPOConfig(overlong_filtering=True, use_leave_one_out_baseline=False), batch, 4)
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert batch["advantages"][:, 0].tolist() == approx([1.5, -0.5, -0.5, -0.5])
 
 
 def test_dynamic_sampling_keeps_groups_with_reward_variance():

@@ -155,6 +155,17 @@ def test_gspo_sequence_ratios():
     assert loss == pytest.approx((-s0 + max(s1, 1.1)) / 2, rel=1e-5)
 
 
+def test_gspo_corrects_the_generators_mismatch_with_the_whole_sequences_weight():
+    # The weight of a sequence is pi_prev(y) / pi_gen(y), the product over its tokens (2 x 2 and
+    # 0.5 x 1 x 3), not their geometric mean, which shrank the correction (2, 1.5^(1/3)).
+    cfg = {"sequence_level_importance_ratios": True, "token_level_loss": False,
+           "use_importance_sampling_correction": True}
+    loss, m, _ = run(cfg, gen_weights=[[2.0, 2.0], [0.5, 1.0, 3.0]])
+    s0, s1 = math.sqrt(1.5 * 0.5), (1.1 * 0.7 * 2.0) ** (1 / 3)
+    assert loss == pytest.approx((4.0 * -s0 + 1.5 * s1) / 2, rel=1e-5)
+    assert m["sampling_importance_ratio"] == pytest.approx((2 * 4.0 + 3 * 1.5) / 5, rel=1e-5)
+
+
 def test_kl_penalty_and_on_policy_approximation():
     beta = 0.1
     kl = [0.5 / p - 1 - L(0.5 / p) for p in flat(PI)]  # k3 with pi_ref = 0.5
@@ -377,6 +388,9 @@ def test_config_defaults_validation_and_pickling():
 
     loss_fn = ClippedPGLoss({"ratio_clip_max": 0.28})
     assert loss_fn.cfg.ratio_clip_min == 0.2 and loss_fn.cfg.reference_policy_kl_type == "k3"
+    assert ClippedPGLoss({}).cfg.ratio_clip_max == 0.2  # PPO's symmetric clip unless asked (DAPO: 0.28)
+    with pytest.raises(ValidationError, match="ratio_clip_min"):  # 1 - 1.5 < 0: no ratio is below it
+        ClippedPGLoss({"ratio_clip_min": 1.5})
     assert loss_fn.loss_type == "token" and loss_fn.needs_pairs is False
     assert ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False)).loss_type == "sequence"
     assert pickle.loads(pickle.dumps(loss_fn)).cfg == loss_fn.cfg

@@ -60,6 +60,9 @@ def test_dpo_sigmoid_hand_computed():
     assert m["accuracy"] == 1.0
     assert m["rewards_chosen_mean"] == pytest.approx(0.5) and m["rewards_rejected_mean"] == pytest.approx(-0.5)
     assert m["reward_margin"] == pytest.approx(1.0)
+    # At the start the policy is the reference: every reward is 0, and a tie is not a right answer.
+    start, start_mb = _pair_batch(REF, REF, MASK)
+    assert DPOLoss(beta=beta)(start, start_mb, *valid_counts(start_mb))[1]["accuracy"] == 0.0
     loss.backward()
     # d loss / d policy logprob of a chosen token = -beta * sigmoid(-beta h) / n_pairs.
     g = -beta * (1 / (1 + math.exp(beta * 2))) / 2
@@ -238,6 +241,24 @@ def test_zero_beta_is_refused_at_load(name):
     loss.backward()
     # What the run got: log 2 whatever the policy, and no gradient.
     assert loss.item() == pytest.approx(math.log(2)) and curr.grad.abs().sum() == 0 and m["reward_margin"] == 0
+
+
+def test_ktos_reference_point_is_the_mismatched_pairs_mean_log_ratio_and_never_below_zero():
+    from posttrain.algorithms.kto import reference_point
+
+    class Policy:  # what reference_point asks of the policy: its logprobs of the mismatched pairs
+        def __init__(self, logprobs):
+            self.logprobs = logprobs
+
+        def get_logprobs(self, batch):
+            return {"logprobs": self.logprobs}
+
+    mismatched = BatchedDataDict(token_mask=torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.float32))
+    ref = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    # Token sums of log pi - log pi_ref over each pair's response: 2 x 0.5 and 1 x 1, mean 1.
+    assert reference_point(Policy(ref + 0.5 * torch.tensor([[9.0, 1, 1], [9, 2, 9]])), mismatched, ref).item() == 1.0
+    # A policy below the reference on them: z is 0 (KTO's max(0, KL)), not -1.5.
+    assert reference_point(Policy(ref - 1.0), mismatched, ref).item() == 0.0
 
 
 def test_kto_hand_computed_and_summed_over_micro_batches():

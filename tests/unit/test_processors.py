@@ -292,6 +292,29 @@ def test_truncation_drop_and_truncate_counts(tok):
     assert [sum(e["loss_mask"]) for e in kept] == [6, 25, 25]
 
 
+def test_a_row_of_exactly_the_context_length_is_kept_whole():
+    from posttrain.data.processors import _fit
+
+    row = {"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}
+    for policy in ("drop", "truncate"):
+        assert _fit(row, 4, policy) == (row, "ok")
+    assert _fit(row, 3, "drop") == (None, "dropped")
+    assert _fit(row, 3, "truncate") == ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 1]}, "truncated")
+
+
+def test_kto_mismatched_pairs_take_the_next_example_whose_prompt_differs():
+    from posttrain.data.processors import collate_kto
+
+    # Prompts [1, 1] and [2, 2], each with a desirable and an undesirable response side by side:
+    # the plain next example was the same prompt's other response, a matched pair.
+    examples = [{"input_ids": [p, p, r, r], "loss_mask": [0, 0, 1, 1], "label": [label]}
+                for p, r, label in ((1, 10, 1), (1, 11, 0), (2, 20, 1), (2, 21, 0))]
+    batch = collate_kto(examples, pad_id=0, max_len=8)
+    assert batch["kl_input_ids"].tolist() == [[1, 1, 20, 20], [1, 1, 20, 20], [2, 2, 10, 10], [2, 2, 10, 10]]
+    assert batch["kl_token_mask"].tolist() == [[0.0, 0.0, 1.0, 1.0]] * 4
+    assert batch["kto_label"].tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
 def test_sft_on_rl_rows_trains_their_reference_answers(tok):
     # `posttrain sft` on the embedded arithmetic task (or a math file): each prompt with its
     # demonstration (else its answer) as the assistant turn, as GRPO's warm-up SFT trains.
@@ -441,6 +464,9 @@ def test_collate_contract(tok):
     assert batch["input_ids"][0, len(a["input_ids"]):].eq(tok.pad_token_id).all()
     assert batch["token_mask"][0].tolist() == a["loss_mask"] + [0] * (len(b["input_ids"]) - len(a["input_ids"]))
     assert batch["token_mask"][:, 0].eq(0).all() and batch["sample_mask"].tolist() == [1.0, 1.0]
+    # Plain text without a BOS trains its first token, which has no logprob: not a loss token
+    # (NLL's num_valid_tokens counted it, one per row).
+    assert collate([{"input_ids": [5, 6], "loss_mask": [1, 1]}], pad_id=0)["token_mask"].tolist() == [[0.0, 1.0]]
     pairs = collate_pairs([(a, b), (b, a)], pad_id=tok.pad_token_id)
     assert torch.equal(pairs["input_ids"][1], batch["input_ids"][1]) and pairs.size == 4
 
