@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from docs_helpers import undocumented_metrics
 from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
@@ -40,6 +41,7 @@ def test_dpo_raises_heldout_preference_accuracy(ray_session, stories260k, shared
     # 60 held-out pairs: chance is 0.5 +- 0.065.
     assert result["val/accuracy"] >= 0.65, val
     assert result["val/reward_margin"] > 0 and result["val/rewards_chosen_mean"] > result["val/rewards_rejected_mean"]
+    assert not undocumented_metrics(tmp_path / "logs")
 
 
 def _seq_logprobs(model, batch):

@@ -5,17 +5,15 @@ multi-turn rollouts, reward functions and tools, tensor parallelism, and resume 
 import json
 import math
 import random
-import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from docs_helpers import undocumented_metrics
 from test_grpo_helpers import QUICKSTART, records, tiny_overrides
 
 from posttrain.algorithms.grpo import run
 from posttrain.config import load_config
-from posttrain.logging.jsonl import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -195,19 +193,8 @@ def test_three_steps_have_sane_metrics(arithmetic_run):
 
 
 def test_every_metric_the_run_logs_is_in_docs_metrics(arithmetic_run):
-    # A metric added without its line in docs/metrics.md is one nobody can read.
-    doc = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
-    names = set(re.findall(r"`([^`\s]+)`", doc))
-
-    def documented(prefix: str, key: str) -> bool:
-        stem, _, extreme = key.rpartition("_")  # a row naming `probs_ratio`, `_min`, `_max`
-        return bool({key, f"{prefix}/{key}", key.removeprefix("timing/")} & names) or (
-            extreme in ("min", "max") and stem in names and f"_{extreme}" in names)
-
     tmp, _ = arithmetic_run
-    missing = sorted({f"{r['prefix']}/{k}" for r in read_metrics(tmp / "logs" / "metrics.jsonl")
-                      for k in r if not documented(r["prefix"], k)})
-    assert not missing, f"logged but not in docs/metrics.md: {missing}"
+    assert not undocumented_metrics(tmp / "logs")
 
 
 def test_environment_errors_score_zero_and_the_run_goes_on(arithmetic_run):

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from docs_helpers import undocumented_metrics
 from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
@@ -45,6 +46,7 @@ def test_kto_moves_held_out_responses_to_their_side(ray_session, stories260k, sh
     # 0.5 +- 0.09.
     assert result["val/accuracy"] >= 0.6, val
     assert result["val/reward_margin"] > 0 and result["val/rewards_desirable_mean"] > result["val/rewards_undesirable_mean"]
+    assert not undocumented_metrics(tmp_path / "logs")
 
 
 def _sums(model, ids, lengths, mask):

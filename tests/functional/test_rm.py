@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from docs_helpers import undocumented_metrics
 
 from posttrain.algorithms import rm
 from posttrain.config import load_config
@@ -76,6 +77,7 @@ def test_rm_learns_verifiable_preferences_and_scores_rollouts(ray_session, tmp_p
     assert result["val/accuracy"] >= 0.7, val_records
     assert result["val/rewards_chosen_mean"] > result["val/rewards_rejected_mean"]
     assert result["val/loss"] < 0.65
+    assert not undocumented_metrics(tmp_path / "logs")
 
     # The exported RM as the `reward_model` environment (a Ray actor), scoring rollouts.
     env = create_env("reward_model", {"cfg": {"model_name": str(tmp_path / "logs" / "hf")}})

@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+from docs_helpers import undocumented_metrics
 from offline_helpers import offline_cfg
 from transformers import AutoModelForCausalLM
 
@@ -47,6 +48,7 @@ def test_sft_stories260k_lowers_heldout_loss(ray_session, stories260k, tmp_path)
     # 999 rows, less 50 held out and 2 copies of held-out rows.
     assert data["data/train"]["kept"] + data["data/train"]["dropped"] == data["data/train"]["rows"] == 947
     assert result["train/tokens_per_s"] > 0 and result["step"] == 12
+    assert not undocumented_metrics(tmp_path / "logs")
 
 
 # A sampling temperature (in a policy section shared with a GRPO config) does not change what SFT
