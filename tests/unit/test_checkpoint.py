@@ -80,6 +80,19 @@ def test_top_k_lower_is_better_and_no_metric(tmp_path):
     for step in range(1, 5):
         _save(mgr, step)
     assert _steps(mgr) == [3, 4]
+    # Of equal values the newer checkpoint ranks first (it has trained more for the same score).
+    mgr = _mgr(tmp_path / "c", metric_name="val:loss", higher_is_better=False, keep_top_k=1)
+    for step, loss in [(1, 1.0), (2, 1.0), (3, 2.0)]:
+        _save(mgr, step, loss)
+    assert _steps(mgr) == [2, 3]
+
+
+def test_steps_are_ordered_as_numbers_not_as_names(tmp_path):
+    # By name step_10 comes before step_9: a resume took step_9, and pruning dropped step_10.
+    mgr = _mgr(tmp_path, keep_top_k=2)
+    for step in (8, 9, 10):
+        _save(mgr, step)
+    assert mgr.latest().name == "step_10" and _steps(mgr) == [9, 10]
 
 
 def test_top_k_ignores_the_values_of_a_metric_named_before_a_resume(tmp_path, caplog):

@@ -91,6 +91,7 @@ def test_answer_extraction():
     assert extract_final_answer("3 exams, 3eggs") == "3" and extract_final_answer("1e3.5") == "3.5"
     assert gold_answer("#### \u22125") == "-5"
     assert gold_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
+    assert gold_answer("step #### 3\n#### 72") == "72"  # the last "####" is the answer's
     assert gold_answer("#### 1,000") == "1000"
     assert gold_answer(" 1e3") == r"1\times10^{3}" and gold_answer("1e3 m") == "1e3 m"
     assert gold_answer(r" \frac{14}{3} ") == r"\frac{14}{3}"

@@ -19,6 +19,13 @@ def test_epochs_cover_all_rows_once_and_drop_the_remainder():
     assert loader.epoch == 1
 
 
+def test_each_epoch_is_shuffled_anew():
+    # One order for every epoch showed the model the same batches again and again.
+    loader = RowLoader(ROWS[:8], 8, shuffle=True, seed=0)
+    first, second = ids(next(loader)), ids(next(loader))
+    assert sorted(first) == sorted(second) == list(range(8)) and first != second
+
+
 def test_same_seed_same_order_other_seed_other_order():
     a = [ids(next(RowLoader(ROWS, 5, seed=7))) for _ in range(1)]
     b = [ids(next(RowLoader(ROWS, 5, seed=7))) for _ in range(1)]

@@ -478,8 +478,6 @@ def test_a_template_that_refuses_the_structured_calls_gets_the_turn_as_written(c
 def test_environments_get_each_samples_tokens_and_the_runs_progress(tok):
     # What TRL reward functions read as completion_ids and trainer_state; none of it stays in
     # the conversation's metadata, while the metrics an environment reports are averaged.
-    import torch
-
     from posttrain.environments.interfaces import (
         ENV_METRICS_KEY,
         ROLLOUT_KEY,
@@ -594,6 +592,36 @@ def test_each_conversation_says_why_it_ended_and_environments_see_the_context_le
     assert seen == [60 - prompt - len(tok.encode("go on", add_special_tokens=False)) - 1]
 
 
+def test_the_context_ends_a_conversation_that_fills_it_exactly(tok):
+    go = [{"role": "user", "content": "go"}]
+    rows = [{"messages": go, "task_name": "t"}]
+
+    def run(max_seq_len, **kw):
+        gen = _EchoGeneration(tok, **kw)
+        result = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv(turns=3)}, tok, max_turns=3, max_seq_len=max_seq_len)
+        return gen, result.conversations[0]
+
+    gen, _ = run(500)
+    first_turn = len(gen.prompts[0]) + len(tok.encode("1", add_special_tokens=False)) + 1  # and <|end|>
+    # An observation that fills the context leaves no room to answer: the conversation ends there
+    # (it went on to a turn of no tokens).
+    _, conv = run(len(gen.prompts[1]))
+    assert (conv.turns, conv.stop_reason, conv.truncated, len(conv.tokens)) == (1, "context", True, first_turn)
+    # An answer cut where it reaches the context was cut by the context, not by max_new_tokens.
+    _, conv = run(first_turn, truncated=True)
+    assert (conv.turns, conv.stop_reason, len(conv.tokens)) == (1, "context", first_turn)
+
+
+def test_a_multi_turn_samples_response_length_counts_every_turn(tok):
+    # DAPO's overlong shaping reads it: counting the last turn alone, a long conversation of short
+    # last answers was never penalised.
+    gen = _EchoGeneration(tok, replies=["1", "2 3 4"])
+    rows = [{"messages": [{"role": "user", "content": "go"}], "task_name": "t"}]
+    batch = run_rollouts(gen, rows, {"t": _OneMoreTurnEnv(turns=2)}, tok, max_turns=2, max_seq_len=200).batch
+    enc = lambda text: len(tok.encode(text, add_special_tokens=False)) + 1  # noqa: E731 - and <|end|>
+    assert batch["response_lengths"].tolist() == [enc("1") + enc("2 3 4")] == [batch["token_mask"].sum().item()]
+
+
 def test_an_answer_ended_with_eos_leaves_the_templates_closing_text_out_of_its_message():
     # The model writes "{{ content }}\n\n" and EOS, as trained; kept in the message, the "\n\n" was
     # written twice by every render of the conversation: a reward model scored text laid out
@@ -621,8 +649,6 @@ def test_an_answer_ended_with_eos_leaves_the_templates_closing_text_out_of_its_m
 
 
 def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_others(tok):
-    import torch
-
     from posttrain.environments.interfaces import EnvironmentReturn
 
     class SetsStopsForB:
@@ -642,8 +668,6 @@ def test_a_rows_stop_strings_hold_for_every_turn_unless_the_environment_sets_oth
 
 @pytest.mark.parametrize("echo", [True, False])
 def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(tok, echo):
-    import torch
-
     from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
 
     class FailsOnTurnOne:
@@ -671,8 +695,6 @@ def test_an_error_of_one_turn_is_counted_once_and_kept_in_the_samples_metadata(t
 
 
 def test_a_failed_verification_scores_the_sample_0_whatever_its_earlier_turns_earned(tok):
-    import torch
-
     from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
 
     class HalfThenCrash:
@@ -696,8 +718,6 @@ def test_a_failed_verification_scores_the_sample_0_whatever_its_earlier_turns_ea
 
 @pytest.mark.parametrize("content", [[{"type": "text", "text": "again"}], None])
 def test_an_observation_the_chat_template_cannot_write_scores_0_and_the_rollout_goes_on(tok, content):
-    import torch
-
     from posttrain.environments.interfaces import ENV_ERROR_KEY, EnvironmentReturn
 
     class OddContent:
@@ -719,8 +739,6 @@ def test_an_observation_the_chat_template_cannot_write_scores_0_and_the_rollout_
 def test_an_observation_with_a_lone_surrogate_reaches_the_model_escaped(tok):
     # The model's own text echoed back (a program's exception, a tool's error naming the argument
     # it wrote) held "\ud800", which no tokenizer encodes: the sample became an environment error.
-    import torch
-
     from posttrain.environments.interfaces import EnvironmentReturn
 
     class Echo:
@@ -974,8 +992,6 @@ def test_the_verdict_of_a_conversation_is_its_last_steps(tok):
     # An environment that judged the first turn correct and gives no verdict on the second
     # leaves the conversation unjudged; one that echoes the metadata it got does not resurrect
     # the first turn's verdict (the rollout never passes it on).
-    import torch
-
     from posttrain.environments.interfaces import CORRECT_KEY, EnvironmentReturn
 
     seen = []

@@ -104,6 +104,11 @@ def test_top_k_top_p_min_p_never_emit_excluded_tokens(top_k, top_p, min_p):
     torch.testing.assert_close(lp.exp().sum(dim=-1), torch.ones(64))
 
 
+def test_top_p_keeps_the_shortest_prefix_that_reaches_it_exactly():
+    # Four equal tokens, top_p 0.5: two reach it exactly (vLLM's rule); a third was kept too.
+    assert torch.isfinite(sampling_logprobs(torch.zeros(1, 4), SamplingSettings(top_p=0.5))).sum().item() == 2
+
+
 def test_inverse_cdf_pick_maps_u_to_the_token_whose_interval_holds_it():
     # Unnormalised masses 0, 0.2, 0, 0.3, 0.5, 0 (total 1.0): intervals [0, .2) [.2, .5) [.5, 1.0).
     probs = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.5, 0.0]]).repeat(7, 1)
@@ -161,6 +166,10 @@ def test_a_stop_string_of_byte_fallback_tokens_is_found_when_the_tail_starts_ins
     sc = StopChecker(tok, [1])
     assert [n for n in range(1, len(ids) + 1) if sc.ends_with_stop_string(ids[:n], ["\u8a9e"])] == [11, 23]
     assert [n for n in range(1, len(ids) + 1) if sc.ends_with_stop_string(ids[:n], ["\ud55c\u8a9e y"])] == [13]
+    # The byte token that completes "語" decodes alone to U+FFFD, no character of the stop string:
+    # it is a candidate all the same (it was not, and the row ran on to max_new_tokens).
+    cand = StopChecker(tok, [1]).candidates({"\u8a9e"}, len(tok))
+    assert bool(cand[tok.convert_tokens_to_ids("<0x9E>")]) and not bool(cand[tok.convert_tokens_to_ids("x")])
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():

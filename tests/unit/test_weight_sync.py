@@ -15,7 +15,9 @@ def _model():
     (lambda sd: sd.pop("1.weight"), KeyError, r"1 weight\(s\) missing from the state dict, e.g. \['1.weight'\]"),
     (lambda sd: sd.__setitem__("1.bias", torch.zeros(4)), ValueError, r"1 weight\(s\) of another shape, e.g. 1.bias \[4\] for \[3\]"),
     (lambda sd: sd.__setitem__("2.weight", torch.zeros(3)), KeyError, r"key\(s\) not in the generation model"),
-], ids=["missing", "shape", "unknown"])
+    # The same number of elements in another shape (a transposed weight) is another shape too.
+    (lambda sd: sd.__setitem__("0.weight", sd["0.weight"].t()), ValueError, r"0.weight \[4, 3\] for \[3, 4\]"),
+], ids=["missing", "shape", "unknown", "transposed"])
 def test_a_state_dict_that_does_not_fit_changes_no_weight(change, error, message):
     # A missing or misshapen weight was found after the others had been copied: the engine
     # then generated with a mix of two versions' weights under the old version.
