@@ -192,9 +192,11 @@ def test_a_misspelt_metric_name_found_at_the_first_validation_keeps_the_steps_be
 
 def test_separate_generation_workers_start_from_the_warmed_up_weights(ray_session, tmp_path):
     # Separate generation workers load the weights from disk; after the warm-up SFT they must be
-    # refit before the first rollout, or step 1 samples from the untrained model.
+    # refit before the first rollout, or step 1 samples from the untrained model. At a sampling
+    # temperature, which the training logprobs take too (at 1 they were another distribution's).
     cfg = load_config("grpo", QUICKSTART, tiny_overrides(
         tmp_path, "policy.generation.colocated.enabled=false", "grpo.warmup_sft_steps=10",
+        "policy.generation.temperature=0.7",
         "grpo.warmup_sft_lr=5e-2", "grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false",
         "grpo.val_at_end=false", "checkpointing.enabled=false",
     ))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from policy_oracle import full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
+from policy_oracle import LENGTHS, full_state, make_batch, one_and_two_workers, reference_logprobs, sgd_step_reference
 from posttrain.cli import main as cli_main
 from posttrain.config import InputError
 from posttrain.convert.dcp_to_hf import convert as dcp_to_hf
@@ -81,6 +81,7 @@ def test_train_step_same_for_1_and_2_workers_and_microbatch_sizes(policies, tiny
         assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
         assert m["lr"] == LR and m["global_valid_toks"] == float(batch["token_mask"].sum())
         assert m["num_valid_tokens"] == m["global_valid_toks"]  # loss metrics summed over mbs and workers
+        assert m["num_tokens"] == sum(LENGTHS)  # every micro-batch's rows (it counted the last one's)
         state = full_state(policy)
         for k, v in expected_state.items():
             torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")

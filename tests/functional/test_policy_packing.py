@@ -29,6 +29,10 @@ MODES = {
                                      "sequence_length_round": 4},
                 "dtensor_cfg": {"activation_checkpointing": True},
                 "max_grad_norm": 0.5},  # below the first step's grad norm (~2.8): clipping applies
+    # Two workers, one with fewer micro-batches (rows 16 + 16 | 5 + 4): it runs a padding pass for
+    # the other's collectives, whose gradient must count for nothing.
+    "dynamic_two_workers": {"dynamic_batching": {"enabled": True, "train_mb_tokens": 16, "logprob_mb_tokens": 16,
+                                                 "sequence_length_round": 1}},
     # policy.prefix_sharing is on by default; these rows share an 8-token prompt (shared_prefix_batch).
     "shared_prefix": {"train_micro_batch_size": 4, "logprob_batch_size": 4},
     # 16 rows sharing an 8-token prompt: one packed row of 520 tokens, long enough for blockwise attention.
@@ -40,7 +44,9 @@ MODES = {
 @pytest.fixture(scope="module")
 def policies(ray_session):
     def build(name: str):
-        cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, cpus_per_worker=1), name=name)
+        # Half a CPU each (one thread all the same): the six workers fit the session's 4 CPUs.
+        workers = 2 if name == "dynamic_two_workers" else 1
+        cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, cpus_per_worker=0.5), name=name)
         cfg = PolicyConfig(**{"model_name": "embedded:tiny", "precision": "float32", "train_global_batch_size": 4,
                               "train_micro_batch_size": 1, "max_total_sequence_length": 32, "max_grad_norm": None,
                               "optimizer": {"name": "sgd", "kwargs": {"lr": LR}}, **MODES[name]})
@@ -66,8 +72,8 @@ def shared_prefix_batch(lengths=(16, 12, 14, 10)):
 def test_logprobs_and_train_step_match_unpacked(policies, mode, tiny_model_path):
     policy = policies[mode]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    batch = {"shared_prefix": shared_prefix_batch, "shared_prefix_blockwise": lambda: shared_prefix_batch([40] * 16)
-             }.get(mode, make_batch)()
+    batch = {"shared_prefix": shared_prefix_batch, "shared_prefix_blockwise": lambda: shared_prefix_batch([40] * 16),
+             "dynamic_two_workers": lambda: make_batch(lengths=[16, 16, 5, 4])}.get(mode, make_batch)()
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], reference_logprobs(hf, batch),
                                atol=2e-5, rtol=0)
     loss, grad_norm, expected = sgd_step_reference(tiny_model_path, batch, LR, policy.cfg.max_grad_norm)

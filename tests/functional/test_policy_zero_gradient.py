@@ -71,6 +71,27 @@ def test_skipped_rows_leave_the_update_unchanged(policies, tiny_model_path):
                                                                              rel=1e-5)
 
 
+def test_skipped_rows_leave_a_sequence_level_update_unchanged(policies, tiny_model_path, tmp_path):
+    # A sequence-level loss is rescaled by the sequences trained (3 of 7), not by their tokens:
+    # the update was off by the rows' length differences. From the weights the policies hold now.
+    from transformers import AutoModelForCausalLM
+
+    now = full_state(policies[0])
+    for k, v in full_state(policies[1]).items():  # the same steps so far
+        torch.testing.assert_close(v, now[k], atol=2e-6, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    model.load_state_dict(now)
+    model.save_pretrained(tmp_path / "now")
+    batch, loss_fn = _grpo_batch(), ClippedPGLoss({"token_level_loss": False})
+    loss, grad_norm, expected = sgd_step_reference(str(tmp_path / "now"), batch, LR, loss_fn=loss_fn)
+    for policy in policies:
+        m = policy.train(batch, loss_fn)
+        assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        state = full_state(policy)
+        for k, v in expected.items():
+            torch.testing.assert_close(state[k], v, atol=2e-6, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+
+
 def test_a_step_whose_rows_all_have_zero_gradient_counts_them_all_left_out(policies):
     # Every group solved (or failed) alike: the row each rank runs for the passes was counted as
     # trained (num_valid_samples 2, a zero_gradient_fraction of 6/8). It still measures the step

@@ -32,6 +32,18 @@ def test_nll_hand_computed_and_global_normalization():
     assert sum(parts).item() == pytest.approx(loss.item())
 
 
+def test_validation_metrics_are_means_over_the_whole_validation_set():
+    # A batch of 1 token at NLL 1 and one of 3 tokens at NLL 3: 2.5 per token, not the batches'
+    # mean of 2.0 (which weighs a short batch's tokens three times as much).
+    from posttrain.algorithms.offline import evaluate
+
+    masks = [[0.0, 1, 0, 0], [0.0, 1, 1, 1]]
+    logprobs = {1: [0.0, -1, 0, 0], 3: [0.0, -3, -3, -3]}  # by the batch's token count
+    batches = [BatchedDataDict(token_mask=torch.tensor([mask]), sample_mask=torch.ones(1)) for mask in masks]
+    m = evaluate(NLLLoss(), batches, lambda b: torch.tensor([logprobs[int(b["token_mask"].sum())]]))
+    assert m["loss"] == pytest.approx(2.5) and m["num_valid_tokens"] == 4
+
+
 def _pair_batch(policy_rows, ref_rows, mask_rows, sample_mask=None):
     """A 2-pair batch: rows (chosen0, rejected0, chosen1, rejected1) of per-token logprobs."""
     n = len(policy_rows)
