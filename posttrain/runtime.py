@@ -96,22 +96,6 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-# torch's CPU kernel caches, oneDNN's primitive cache and ideep's, keep an entry per matmul shape,
-# 1024 each by default. A GRPO step's shapes change with its batch (rows left out for a zero
-# gradient, the longest response), so the caches filled for hundreds of steps and their churn
-# fragmented the heap: the quickstart's policy worker grew from 0.6 to 1.55 GB over 200 steps.
-# With 256 entries it levels off at 0.86 GB by step 50 at the same speed; with 64 at 0.62 GB, but
-# its steps took 30% longer (benchmarks/results/worker_memory.md).
-KERNEL_CACHE_CAPACITY = 256
-
-
-def kernel_cache_env() -> dict[str, str]:
-    """The environment of a worker process that computes with torch: its kernel caches' capacity,
-    KERNEL_CACHE_CAPACITY unless the caller's environment sets it (read when torch loads)."""
-    return {name: os.environ.get(name, str(KERNEL_CACHE_CAPACITY))
-            for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-
-
 def resolve_device(name: str):
     """The torch device of `policy.device` in this process (a policy or generation worker, or
     the eval driver): "auto" is CUDA when torch sees a GPU here (Ray exposes a worker's own),

@@ -37,7 +37,7 @@ from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RayVirtualCluster, local_ray_node_lost
 from posttrain.distributed.ports import node_ip_and_free_port
 from posttrain.distributed.serialization import use_numpy_tensor_transport
-from posttrain.runtime import keep_freed_memory, kernel_cache_env
+from posttrain.runtime import keep_freed_memory
 
 
 def _tee_output(log_path: str):
@@ -209,7 +209,6 @@ class RayWorkerGroup:
                 "MASTER_ADDR": addr,
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": str(threads),
-                **kernel_cache_env(),
                 **(env_vars or {}),
             }
             actor = host_cls.options(

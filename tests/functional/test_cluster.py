@@ -10,7 +10,6 @@ import torch
 from posttrain.data.batch import BatchedDataDict
 from posttrain.distributed.cluster import RAY_ENV_DEFAULTS, PlacementError, RayVirtualCluster, apply_ray_env_defaults
 from posttrain.distributed.worker_group import RayWorkerGroup, WorkerError, WorkerGroupBroken
-from posttrain.runtime import kernel_cache_env
 from posttrain.schemas import ClusterConfig
 
 
@@ -27,7 +26,7 @@ class EchoWorker:
     def env(self):
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         return ({k: os.environ[k] for k in keys} | {"threads": torch.get_num_threads()}
-                | {k: os.environ.get(k) for k in (*RAY_ENV_DEFAULTS, *kernel_cache_env())})
+                | {k: os.environ.get(k) for k in RAY_ENV_DEFAULTS})
 
     def all_reduce(self, x: float) -> float:
         t = torch.tensor([x])
@@ -80,9 +79,6 @@ def test_ranks_env_and_collective(group):
     assert len({i["pid"] for i in group.worker_info} | {os.getpid()}) == 3  # own processes
     # The workers run with the Ray settings the driver's process had (RAY_ENV_DEFAULTS unless set).
     assert all(e[k] == os.environ[k] for e in envs for k in RAY_ENV_DEFAULTS)
-    # Their torch kernel caches are bounded (runtime.kernel_cache_env: torch's 1024 grew a GRPO
-    # worker by ~0.9 GB).
-    assert all(e[k] == v for e in envs for k, v in kernel_cache_env().items())
 
 
 def test_ray_env_defaults_fill_only_what_is_unset(monkeypatch):

@@ -133,50 +133,6 @@ def test_keep_freed_memory_stops_tensor_memory_from_page_faulting_at_every_step(
     assert applied == "False" and faults > 300_000
 
 
-_SHAPES = """
-import torch
-lin = torch.nn.Linear(512, 512).to(torch.bfloat16)
-def rss_mb():
-    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
-def step(rows):
-    lin(torch.randn(rows, 512, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
-for rows in range(1, 9):
-    step(rows)
-before = rss_mb()
-for rows in range(9, 500):
-    step(rows)
-print(rss_mb() - before)
-"""
-
-
-def test_worker_kernel_caches_are_bounded(monkeypatch):
-    # A bf16 linear layer's forward and backward over 491 batch shapes, as a GRPO worker's batches
-    # change shape from step to step: torch's kernel caches (1024 entries) grew the process by
-    # ~0.9 GB, at the workers' capacity (kernel_cache_env) by ~0.35 GB.
-    import os
-
-    import pytest
-
-    from posttrain.runtime import kernel_cache_env
-
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        monkeypatch.delenv(name, raising=False)
-    assert kernel_cache_env() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
-    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")  # the caller's choice is kept
-    assert kernel_cache_env()["LRU_CACHE_CAPACITY"] == "8"
-    monkeypatch.delenv("LRU_CACHE_CAPACITY")
-    if not cpu_has_native_bf16():
-        pytest.skip("the oneDNN bf16 kernels these caches hold need a CPU with native bf16")
-
-    def growth_mb(env):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-        return int(subprocess.run([sys.executable, "-c", _SHAPES], capture_output=True, text=True, timeout=120,
-                                  env=env, check=True).stdout)
-
-    bounded, default = growth_mb(kernel_cache_env()), growth_mb({})
-    assert default > 600 and bounded < default / 2, (default, bounded)
-
-
 def test_single_threaded_driver_restores_the_threads_even_after_an_error():
     import pytest
     import torch
