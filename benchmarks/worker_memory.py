@@ -15,7 +15,6 @@ memory grows for the first several hundred steps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,58 +24,28 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
+
+from posttrain.logging.jsonl import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT_STEPS = (1, 10, 25, 50, 100, 150, 200, 300, 400, 600)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
 def _worker_rss_mb(root: int) -> float | None:
     """RSS of the policy worker below `root` (MB), None before it starts."""
-    for pid in _descendants(root):
+    for proc in psutil.Process(root).children(recursive=True):
         try:
-            if b"_WorkerHost" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
+            if any("_WorkerHost" in part for part in proc.cmdline()):
+                return proc.memory_info().rss / 2**20
+        except psutil.Error:  # gone between the listing and the read
             continue
     return None
 
 
 def _train_records(log_dir: Path) -> list[dict]:
-    path = log_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if record.get("prefix") == "train":
-            records.append(record)
-    return records
+    return [r for r in read_metrics(log_dir / "metrics.jsonl") if r.get("prefix") == "train"]
 
 
 def run(capacity: str, steps: int, work: Path) -> dict:
